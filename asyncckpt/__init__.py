@@ -1,0 +1,29 @@
+"""asyncckpt: asynchronous, checksummed, atomic checkpoints for PyTorch.
+
+``save`` returns once the state is copied into reused host memory; a background thread
+compresses and writes it atomically through fsspec. ``load`` verifies every checksum and
+never unpickles.
+
+Example:
+    >>> import torch, asyncckpt, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.ackpt")
+    >>> handle = asyncckpt.save({"w": torch.ones(2)}, path)
+    >>> asyncckpt.wait()
+    >>> asyncckpt.load(path)["w"]
+    tensor([1., 1.])
+"""
+
+from ._version import __version__
+from .api import SaveHandle, SaveInfo, SaveStats, load, save, wait
+from .errors import AsyncCkptError
+
+__all__ = [
+    "AsyncCkptError",
+    "SaveHandle",
+    "SaveInfo",
+    "SaveStats",
+    "__version__",
+    "load",
+    "save",
+    "wait",
+]

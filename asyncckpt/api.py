@@ -1,0 +1,320 @@
+"""Drop-in ``save``/``load`` beside ``torch.save``/``torch.load``, and the save handle."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from . import config, workers
+from .codec import check_compression
+from .errors import CheckpointTimeoutError
+from .placement import MapLocation, Placement
+from .reader import materialize, open_file
+from .staging import ArenaPool, Snapshot, snapshot
+from .storage import Storage, resolve
+from .tree import flatten
+from .writer import WriteOptions, write_snapshot
+
+log = logging.getLogger("asyncckpt")
+PathOrUrl = str | os.PathLike[str]
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Figures for one save. Fields that need the write to finish are None until it has.
+
+    Attributes:
+        blocking_s: seconds ``save`` blocked the caller (validation + snapshot copy).
+        total_s: seconds from the call until the file was durable.
+        raw_bytes: bytes of tensor and array data in the state.
+        stored_bytes: size of the file written.
+    """
+
+    blocking_s: float
+    raw_bytes: int
+    total_s: float | None = None
+    stored_bytes: int | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        """``stored_bytes / raw_bytes`` once known (lower is better)."""
+        if self.stored_bytes is None or not self.raw_bytes:
+            return None
+        return self.stored_bytes / self.raw_bytes
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """What ``SaveHandle.result()`` returns: where the file is and how the save went."""
+
+    path: str
+    stats: SaveStats
+
+
+_sequence = itertools.count()
+_unobserved_lock = threading.Lock()
+_unobserved: list[SaveHandle] = []
+_arenas: ArenaPool | None = None
+
+
+def _arena_pool() -> ArenaPool:
+    global _arenas
+    with _unobserved_lock:
+        if _arenas is None:
+            _arenas = ArenaPool(config.tunable("max_inflight", None))
+        return _arenas
+
+
+class SaveHandle:
+    """A save running in the background; a ``concurrent.futures.Future``-like view of it.
+
+    Example:
+        >>> import torch, asyncckpt, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.ackpt")
+        >>> handle = asyncckpt.save({"w": torch.ones(2)}, path)
+        >>> handle.result().stats.raw_bytes
+        8
+    """
+
+    def __init__(self, path: str, future: Future[int], stats: SaveStats, started: float):
+        self.path = path
+        self.sequence = next(_sequence)
+        self._future = future
+        self._stats = stats
+        self._started = started
+        self._observed = False
+
+    @property
+    def stats(self) -> SaveStats:
+        """Blocking time and raw size now; total time and stored size once done."""
+        return self._stats
+
+    def done(self) -> bool:
+        """Whether the save has finished, successfully or not."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveInfo:
+        """Wait until the file is durable.
+
+        Args:
+            timeout: seconds to wait at most; None waits for ever.
+
+        Returns:
+            The file's path and the save's stats.
+
+        Raises:
+            CheckpointTimeoutError: still running after ``timeout`` (the save goes on).
+            Exception: whatever made the background write fail (e.g. StorageError).
+        """
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+        return SaveInfo(self.path, self._stats)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait like :meth:`result`, but return the failure instead of raising it."""
+        try:
+            exc = self._future.exception(timeout)
+        except FutureTimeout:
+            raise CheckpointTimeoutError(
+                f"save to {self.path} still running after {timeout} s"
+            ) from None
+        self._observed = True
+        return exc
+
+    def _finish(self, future: Future[int]) -> None:
+        exc = future.exception()
+        if exc is None:
+            total = time.perf_counter() - self._started
+            self._stats = SaveStats(
+                self._stats.blocking_s, self._stats.raw_bytes, total, future.result()
+            )
+            log.info(
+                "saved %s: blocked %.3f s, durable after %.3f s, %d bytes raw, %d stored (%.1f%%)",
+                self.path,
+                self._stats.blocking_s,
+                total,
+                self._stats.raw_bytes,
+                future.result(),
+                100 * (self._stats.ratio or 0),
+            )
+        else:
+            log.error("background save to %s failed: %s", self.path, exc)
+            with _unobserved_lock:
+                _unobserved.append(self)
+        workers.untrack(self)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<SaveHandle {self.path} {state}>"
+
+
+def raise_unobserved_failure() -> None:
+    """Raise the first background failure nobody has seen through ``result``/``exception``."""
+    with _unobserved_lock:
+        failed = [h for h in _unobserved if not h._observed]
+        _unobserved.clear()
+    if failed:
+        failed[0]._observed = True
+        exc = failed[0]._future.exception()
+        assert exc is not None
+        raise exc
+
+
+def submit_snapshot(
+    snap: Snapshot, storage: Storage, path: str, options: WriteOptions, started: float
+) -> SaveHandle:
+    """Queue a staged snapshot for writing; returns its handle. Used by ``Checkpointer``."""
+    stats = SaveStats(time.perf_counter() - started, snap.raw_bytes)
+
+    def job() -> int:
+        try:
+            return write_snapshot(snap, storage, path, options)
+        finally:
+            snap.lease.release()
+
+    future = workers.save_queue().submit(job)
+    handle = SaveHandle(storage.describe(path), future, stats, started)
+    handle._storage_key = (id(type(storage)), path)  # type: ignore[attr-defined]
+    workers.track(handle)
+    future.add_done_callback(handle._finish)
+    return handle
+
+
+def write_options(compression: str) -> WriteOptions:
+    """Resolve the tunables for one save."""
+    return WriteOptions(
+        compression=check_compression(compression),
+        level=config.tunable("zstd_level", None),
+        chunk_bytes=config.tunable("chunk_bytes", None),
+        threads=config.tunable("threads", None),
+        inflight_chunks=config.tunable("inflight_chunks", None),
+    )
+
+
+def stage(obj: Any) -> Snapshot:
+    """Validate ``obj`` and copy its data into a host arena (the blocking part of a save)."""
+    return snapshot(flatten(obj), _arena_pool())
+
+
+def save(
+    obj: Any,
+    f: PathOrUrl,
+    *,
+    compression: str = "zstd",
+    storage_options: dict[str, Any] | None = None,
+) -> SaveHandle:
+    """Save ``obj`` to ``f`` in the background; return once ``obj`` is snapshotted.
+
+    After this returns the caller may modify or free every tensor in ``obj``: the file holds
+    the values as of the call. Encoding, compression, checksums and the atomic write happen
+    on a background thread. The target is replaced atomically: readers see the old file or
+    the new one, never a mixture.
+
+    Args:
+        obj: plain data: dicts, lists, tuples, numbers, strings, bytes, tensors, numpy
+            arrays, ``torch.Size``/``dtype``/``device`` (see the user guide for the list).
+        f: a local path, ``os.PathLike`` or fsspec URL (``memory://``, ``file://``, ...).
+        compression: ``"zstd"`` (default; byte-grouped for floats) or ``"none"``.
+        storage_options: keyword arguments for the fsspec filesystem of a URL.
+
+    Returns:
+        A :class:`SaveHandle`; ``handle.result()`` waits until the file is durable.
+
+    Raises:
+        UnsupportedObjectError: ``obj`` holds something that cannot be stored; nothing was
+            written. The message names the key path.
+        Exception: a previous background save failed and nobody observed it.
+
+    Example:
+        >>> import torch, asyncckpt, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "model.ackpt")
+        >>> handle = asyncckpt.save({"w": torch.zeros(3)}, path)
+        >>> asyncckpt.load(path)["w"].tolist()
+        [0.0, 0.0, 0.0]
+    """
+    started = time.perf_counter()
+    raise_unobserved_failure()
+    options = write_options(compression)
+    storage, path = resolve(f, storage_options)
+    return submit_snapshot(stage(obj), storage, path, options, started)
+
+
+def wait(timeout: float | None = None) -> None:
+    """Block until every pending save of this process is durable.
+
+    Raises:
+        CheckpointTimeoutError: some save is still running after ``timeout`` seconds.
+        Exception: the first failure among the pending saves, or an earlier unobserved one.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for handle in workers.pending():
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        handle.exception(left)
+    raise_unobserved_failure()
+
+
+def _wait_for_writes_to(storage: Storage, path: str) -> None:
+    key = (id(type(storage)), path)
+    for handle in workers.pending():
+        if getattr(handle, "_storage_key", None) == key:
+            handle.exception()
+
+
+def load(
+    f: PathOrUrl,
+    map_location: MapLocation = None,
+    pickle_module: Any = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    weights_only: bool | None = None,
+    mmap: bool | None = None,
+    **pickle_load_args: Any,
+) -> Any:
+    """Load an object saved by :func:`save`, verifying every checksum. Never unpickles.
+
+    If this process has a save to ``f`` still in flight, the load waits for it first.
+
+    Args:
+        f: a local path, ``os.PathLike`` or fsspec URL.
+        map_location: as for ``torch.load``: a device string, ``torch.device``, a dict
+            mapping saved locations to new ones, or a callable ``(storage, location)``.
+            None (the default) puts CPU tensors on the CPU and accelerator tensors on this
+            process's *current* device (unlike ``torch.load``; see the user guide).
+        pickle_module: accepted for ``torch.load`` compatibility and ignored.
+        storage_options: keyword arguments for the fsspec filesystem of a URL.
+        weights_only: accepted and ignored: loading is always as safe as
+            ``weights_only=True`` because nothing is unpickled.
+        mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
+            read into memory rather than mapped.
+        **pickle_load_args: accepted for ``torch.load`` compatibility and ignored.
+
+    Returns:
+        The saved object, with tensors on their target devices.
+
+    Raises:
+        CheckpointNotFoundError: no file at ``f``.
+        ChecksumError: a chunk is corrupt (names the chunk and the keys in it).
+        FormatError: the file is not a complete asyncckpt file.
+        StorageError: the backend failed.
+
+    Example:
+        >>> import torch, asyncckpt, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"step": 3, "w": torch.arange(2)}, path).result()
+        >>> asyncckpt.load(path, map_location="cpu")
+        {'step': 3, 'w': tensor([0, 1])}
+    """
+    del pickle_module, weights_only, mmap, pickle_load_args
+    placement = Placement(map_location)
+    storage, path = resolve(f, storage_options)
+    _wait_for_writes_to(storage, path)
+    opened = open_file(storage, path)
+    return materialize(opened, placement, config.tunable("threads", None))

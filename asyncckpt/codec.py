@@ -1,0 +1,118 @@
+"""Chunk codecs: raw, zstd, and byte-grouped zstd for floating-point data.
+
+Floats compress poorly with a general-purpose compressor because sign/exponent bytes (which
+repeat a lot) are interleaved with mantissa bytes (which look random). Grouping byte ``j`` of
+every element together first lets zstd find the repetition. A chunk that does not shrink is
+stored raw, so compression never costs space and incompressible data costs one attempt.
+
+Functions here are pure (bytes in, bytes out) and safe to call from many threads: zstandard
+releases the GIL while it works.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+
+import numpy as np
+import zstandard
+
+from .errors import FormatError
+
+COMPRESSIONS = ("none", "zstd")
+
+_local = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("cctx", {})
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    dctx: zstandard.ZstdDecompressor | None = getattr(_local, "dctx", None)
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    return dctx
+
+
+def check_compression(compression: str) -> str:
+    """Validate a user's ``compression`` argument.
+
+    Raises:
+        ValueError: not one of :data:`COMPRESSIONS`.
+    """
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+    return compression
+
+
+def encode_chunk(
+    raw: memoryview, *, itemsize: int, is_float: bool, compression: str, level: int
+) -> tuple[str, bytes | memoryview]:
+    """Encode one chunk.
+
+    Args:
+        raw: the chunk's bytes.
+        itemsize: bytes per element of the data (the byte-group width).
+        is_float: whether the data is floating point (worth byte-grouping).
+        compression: ``"none"`` or ``"zstd"``.
+        level: zstd level.
+
+    Returns:
+        ``(codec, stored_bytes)``; ``stored_bytes`` is ``raw`` itself for the raw codec.
+    """
+    if compression == "none" or len(raw) == 0:
+        return "raw", raw
+    codec = "zstd"
+    payload: bytes | memoryview = raw
+    if is_float and itemsize > 1 and len(raw) % itemsize == 0:
+        codec = "zstd-bytegroup"
+        payload = group_bytes(raw, itemsize)
+    stored = _compressor(level).compress(payload)
+    if len(stored) >= len(raw):
+        return "raw", raw
+    return codec, stored
+
+
+def decode_chunk(stored: bytes | memoryview, codec: str, itemsize: int, out: memoryview) -> None:
+    """Decode one chunk into ``out``, which must be exactly the chunk's raw length.
+
+    Raises:
+        FormatError: the payload does not decompress to exactly ``len(out)`` bytes.
+    """
+    if codec == "raw":
+        if len(stored) != len(out):
+            raise FormatError(f"raw chunk holds {len(stored)} bytes, expected {len(out)}")
+        out[:] = stored
+        return
+    try:
+        data = _decompressor().decompress(stored, max_output_size=len(out))
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd payload does not decompress: {exc}") from exc
+    if len(data) != len(out):
+        raise FormatError(f"chunk decompressed to {len(data)} bytes, expected {len(out)}")
+    if codec == "zstd-bytegroup":
+        ungroup_bytes(data, itemsize, out)
+    else:
+        out[:] = data
+
+
+def group_bytes(raw: memoryview | bytes, itemsize: int) -> bytes:
+    """Regroup element bytes by position: ``b0 b0 b0 … b1 b1 b1 …``."""
+    grid = np.frombuffer(raw, dtype=np.uint8).reshape(-1, itemsize)
+    return np.ascontiguousarray(grid.T).tobytes()
+
+
+def ungroup_bytes(grouped: bytes, itemsize: int, out: memoryview) -> None:
+    """Inverse of :func:`group_bytes`, written straight into ``out``."""
+    src = np.frombuffer(grouped, dtype=np.uint8).reshape(itemsize, -1)
+    dst = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
+    dst[...] = src.T
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """CRC-32 (zlib's polynomial) of ``data``; releases the GIL on large inputs."""
+    return zlib.crc32(data)

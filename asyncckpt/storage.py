@@ -1,0 +1,316 @@
+"""Storage: a small interface over an fsspec filesystem, with atomic writes.
+
+URLs are resolved here and nowhere else (:func:`resolve`). Two strategies implement the
+interface:
+
+* :class:`LocalStorage` — local disk through the OS: write to a temp file beside the target,
+  fsync it, rename it over the target, fsync the directory. A reader sees the old file or the
+  new one; a crash leaves at most a temp file, which is removed on the next failure or by
+  ``Checkpointer`` clean-up, never a partial target.
+* :class:`FsspecStorage` — any other fsspec filesystem (``memory://`` and friends): the same
+  temp-then-move sequence through fsspec calls.
+
+Every backend error surfaces as :class:`~asyncckpt.errors.StorageError` (or
+:class:`~asyncckpt.errors.CheckpointNotFoundError`) chained with ``from``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .errors import CheckpointNotFoundError, StorageError
+
+TEMP_MARK = ".acktmp-"
+
+
+def temp_name(path: str) -> str:
+    """A unique sibling of ``path`` that readers and listings recognise as temporary."""
+    head, tail = os.path.split(path)
+    return os.path.join(head, f"{tail}{TEMP_MARK}{uuid.uuid4().hex[:12]}")
+
+
+def is_temp_name(path: str) -> bool:
+    """Whether ``path`` is a temp file left by an unfinished write."""
+    return TEMP_MARK in os.path.basename(path)
+
+
+class AtomicWriter(ABC):
+    """A file being written; it appears at its target only when :meth:`commit` succeeds."""
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data``."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the file durable and visible at its target, atomically."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard everything written; never raises."""
+
+
+class Storage(ABC):
+    """Where checkpoint files live. Paths are the backend's own (no scheme)."""
+
+    #: Human-readable location prefix for messages (e.g. ``memory://``); never credentials.
+    label: str = ""
+
+    def describe(self, path: str) -> str:
+        """``path`` as a user would write it, for error messages."""
+        return f"{self.label}{path}"
+
+    @contextlib.contextmanager
+    def atomic_write(self, path: str) -> Iterator[AtomicWriter]:
+        """Context manager: commit on normal exit, abort (and re-raise) on any exception."""
+        writer = self.open_atomic(path)
+        try:
+            yield writer
+        except BaseException:
+            writer.abort()
+            raise
+        writer.commit()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Atomically replace ``path`` with ``data``."""
+        with self.atomic_write(path) as w:
+            w.write(data)
+
+    @abstractmethod
+    def open_atomic(self, path: str) -> AtomicWriter: ...
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Size in bytes; raises CheckpointNotFoundError when missing."""
+
+    @abstractmethod
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``start`` (fewer only if the file is shorter)."""
+
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        """Fill ``out`` from ``start``; returns the number of bytes read."""
+        data = self.read_range(path, start, len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove a file; a missing file is not an error."""
+
+    def join(self, *parts: str) -> str:
+        """Join path parts with ``/``."""
+        return "/".join(p.rstrip("/") for p in parts if p)
+
+
+class LocalStorage(Storage):
+    """Local disk through the OS, with fsync discipline."""
+
+    label = ""
+
+    def open_atomic(self, path: str) -> AtomicWriter:
+        return _LocalWriter(path)
+
+    def size(self, path: str) -> int:
+        with _errors(self, path, "stat"):
+            return os.stat(path).st_size
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        with _errors(self, path, "read"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return os.pread(fd, length, start)
+            finally:
+                os.close(fd)
+
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        with _errors(self, path, "read"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < len(out):
+                    n = os.preadv(fd, [out[done:]], start + done)
+                    if n == 0:
+                        break
+                    done += n
+                return done
+            finally:
+                os.close(fd)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def delete(self, path: str) -> None:
+        with _errors(self, path, "delete"), contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+
+class _LocalWriter(AtomicWriter):
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.temp = temp_name(target)
+        with _errors(LocalStorage(), target, "create"):
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            self.file: BinaryIO = open(self.temp, "xb", buffering=0)  # noqa: SIM115
+
+    def write(self, data: bytes | memoryview) -> None:
+        with _errors(LocalStorage(), self.temp, "write"):
+            view = memoryview(data)
+            while view:
+                n = self.file.write(view)
+                view = view[n or 0 :]
+
+    def commit(self) -> None:
+        try:
+            with _errors(LocalStorage(), self.target, "commit"):
+                os.fsync(self.file.fileno())
+                self.file.close()
+                os.replace(self.temp, self.target)
+                fsync_dir(os.path.dirname(self.target) or ".")
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(OSError):
+            os.remove(self.temp)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or unlink in directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem that supports move (``memory://``, and others)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        self.fs = fs
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        self.label = f"{protocol}://"
+
+    def describe(self, path: str) -> str:
+        return (
+            f"{self.label}{path.removeprefix('/')}"
+            if self.label == "memory://"
+            else f"{self.label}{path}"
+        )
+
+    def open_atomic(self, path: str) -> AtomicWriter:
+        return _FsspecWriter(self, path)
+
+    def size(self, path: str) -> int:
+        with _errors(self, path, "stat"):
+            return int(self.fs.size(path))
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        with _errors(self, path, "read"):
+            data: bytes = self.fs.cat_file(path, start=start, end=start + length)
+            return data
+
+    def exists(self, path: str) -> bool:
+        with _errors(self, path, "stat"):
+            return bool(self.fs.exists(path))
+
+    def delete(self, path: str) -> None:
+        with _errors(self, path, "delete"), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
+
+class _FsspecWriter(AtomicWriter):
+    def __init__(self, storage: FsspecStorage, target: str) -> None:
+        self.storage = storage
+        self.target = target
+        self.temp = temp_name(target)
+        with _errors(storage, target, "create"):
+            parent = target.rsplit("/", 1)[0] if "/" in target else ""
+            if parent:
+                storage.fs.makedirs(parent, exist_ok=True)
+            self.file = storage.fs.open(self.temp, "wb")
+
+    def write(self, data: bytes | memoryview) -> None:
+        with _errors(self.storage, self.temp, "write"):
+            self.file.write(data)
+
+    def commit(self) -> None:
+        try:
+            with _errors(self.storage, self.target, "commit"):
+                self.file.close()
+                self.storage.fs.mv(self.temp, self.target)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.file.close()
+        with contextlib.suppress(Exception):
+            self.storage.fs.rm_file(self.temp)
+
+
+@contextlib.contextmanager
+def _errors(storage: Storage, path: str, action: str) -> Iterator[None]:
+    """Translate backend exceptions into asyncckpt errors naming the file."""
+    try:
+        yield
+    except (CheckpointNotFoundError, StorageError):
+        raise
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{storage.describe(path)}: no such file") from exc
+    except OSError as exc:
+        raise StorageError(
+            f"{storage.describe(path)}: {action} failed: {exc.strerror or exc}"
+        ) from exc
+
+
+def resolve(
+    f: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> tuple[Storage, str]:
+    """Turn a user's path, PathLike or fsspec URL into ``(storage, path)``.
+
+    Args:
+        f: a local path, ``os.PathLike``, or URL such as ``memory://ckpt/x`` or ``file:///x``.
+        storage_options: keyword arguments for the fsspec filesystem (e.g. an endpoint).
+
+    Returns:
+        The storage backend and the path within it.
+
+    Raises:
+        TypeError: ``f`` is not a path or URL (file objects are not supported).
+        StorageError: the URL's filesystem cannot be created (e.g. a missing extra).
+    """
+    if isinstance(f, os.PathLike):
+        f = os.fspath(f)
+    if not isinstance(f, str):
+        raise TypeError(
+            f"expected a path, os.PathLike or fsspec URL, got {type(f).__qualname__}; "
+            "file objects are not supported because writes must be atomic"
+        )
+    if "://" not in f:
+        return LocalStorage(), os.path.abspath(f)
+    try:
+        fs, path = fsspec.core.url_to_fs(f, **(storage_options or {}))
+    except (ImportError, ValueError) as exc:
+        raise StorageError(f"cannot open {f.split('://')[0]}:// storage: {exc}") from exc
+    if isinstance(fs, LocalFileSystem):
+        return LocalStorage(), os.path.abspath(path)
+    return FsspecStorage(fs), path

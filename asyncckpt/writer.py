@@ -1,0 +1,154 @@
+"""Encode a snapshot into one file: chunks compressed in parallel, written in order.
+
+Runs on the background save thread. Chunks are compressed and checksummed by a pool of
+threads while the save thread writes finished chunks to storage, so compression overlaps
+I/O; at most ``inflight_chunks`` encoded chunks wait in memory at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from ._version import __version__
+from .codec import checksum, encode_chunk
+from .format import Chunk, Manifest, StorageEntry, encode_footer, encode_header, encode_manifest
+from .staging import Snapshot, StagedStorage
+from .storage import AtomicWriter, Storage
+from .workers import pool
+
+#: Chunk lengths are multiples of this, so every element width divides them.
+_CHUNK_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """Resolved settings for one write (see ``asyncckpt.config``)."""
+
+    compression: str
+    level: int
+    chunk_bytes: int
+    threads: int
+    inflight_chunks: int
+
+
+@dataclass(frozen=True)
+class _Encoded:
+    codec: str
+    payload: bytes | memoryview
+    crc32: int
+    raw_len: int
+
+
+def write_snapshot(
+    snap: Snapshot,
+    storage: Storage,
+    path: str,
+    options: WriteOptions,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write ``snap`` atomically to ``path``.
+
+    Args:
+        snap: the staged state.
+        storage: where to write.
+        path: the target file; replaced atomically, or left untouched on any failure.
+        options: compression and parallelism settings.
+        progress: called with the raw bytes of each chunk once it is written.
+
+    Returns:
+        The total size of the file in bytes.
+
+    Raises:
+        StorageError: the backend failed (the target is untouched).
+    """
+    with storage.atomic_write(path) as out:
+        header = encode_header()
+        out.write(header)
+        offset = len(header)
+        chunks: list[Chunk] = []
+        for enc in _encode_all(snap.storages, options):
+            out.write(enc.payload)
+            chunks.append(Chunk(offset, len(enc.payload), enc.raw_len, enc.codec, enc.crc32))
+            offset += len(enc.payload)
+            if progress is not None:
+                progress(enc.raw_len)
+        return offset + _write_manifest(out, offset, snap, chunks)
+
+
+def _write_manifest(out: AtomicWriter, offset: int, snap: Snapshot, chunks: list[Chunk]) -> int:
+    entries, first = [], 0
+    for staged, count in zip(snap.storages, _chunk_counts(snap.storages, chunks)):
+        entries.append(
+            StorageEntry(staged.data.numel(), staged.itemsize, staged.device, first, count)
+        )
+        first += count
+    manifest = Manifest(
+        chunks=tuple(chunks),
+        storages=tuple(entries),
+        tensors=tuple(snap.tensors),
+        arrays=tuple(snap.arrays),
+        root=snap.root,
+        meta={
+            "library": f"asyncckpt {__version__}",
+            "torch": torch.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        },
+    )
+    body = encode_manifest(manifest)
+    footer = encode_footer(offset, body)
+    out.write(body)
+    out.write(footer)
+    return len(body) + len(footer)
+
+
+def _chunk_counts(storages: list[StagedStorage], chunks: list[Chunk]) -> Iterator[int]:
+    it = iter(chunks)
+    for staged in storages:
+        remaining, count = staged.data.numel(), 0
+        while remaining:
+            remaining -= next(it).raw_len
+            count += 1
+        yield count
+
+
+def _slices(
+    storages: list[StagedStorage], chunk_bytes: int
+) -> Iterator[tuple[memoryview, int, bool]]:
+    step = max(_CHUNK_ALIGN, chunk_bytes - chunk_bytes % _CHUNK_ALIGN)
+    for staged in storages:
+        view = memoryview(staged.data.numpy())  # type: ignore[arg-type] if staged.data.numel() else memoryview(b"")
+        for start in range(0, len(view), step):
+            yield view[start : start + step], staged.itemsize, staged.is_float
+
+
+def _encode_all(storages: list[StagedStorage], options: WriteOptions) -> Iterator[_Encoded]:
+    """Yield encoded chunks in order while up to ``inflight_chunks`` encode in parallel."""
+    workers = pool("encode", options.threads)
+    window: collections.deque[Future[_Encoded]] = collections.deque()
+    try:
+        for raw, itemsize, is_float in _slices(storages, options.chunk_bytes):
+            if len(window) >= options.inflight_chunks:
+                yield window.popleft().result()
+            window.append(workers.submit(_encode_one, raw, itemsize, is_float, options))
+        while window:
+            yield window.popleft().result()
+    finally:
+        for future in window:  # on failure, let queued work finish before buffers are reused
+            future.cancel() or future.exception()
+
+
+def _encode_one(raw: memoryview, itemsize: int, is_float: bool, options: WriteOptions) -> _Encoded:
+    codec, payload = encode_chunk(
+        raw,
+        itemsize=itemsize,
+        is_float=is_float,
+        compression=options.compression,
+        level=options.level,
+    )
+    return _Encoded(codec, payload, checksum(payload), len(raw))
