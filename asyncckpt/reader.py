@@ -27,6 +27,7 @@ from .format import (
     decode_manifest,
 )
 from .placement import Placement
+from .staging import byte_view
 from .storage import Storage
 from .tree import torch_dtype, unflatten
 from .workers import pool
@@ -70,7 +71,7 @@ def read_storages(opened: OpenedFile, threads: int) -> list[torch.Tensor]:
     workers = pool("read", threads)
     futures: list[Future[None]] = []
     for sid, (entry, buf) in enumerate(zip(manifest.storages, buffers)):
-        view = memoryview(buf.numpy())  # type: ignore[arg-type] if entry.nbytes else memoryview(bytearray())
+        view = byte_view(buf)
         start = 0
         for index in range(entry.first_chunk, entry.first_chunk + entry.num_chunks):
             chunk = manifest.chunks[index]

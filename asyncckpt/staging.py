@@ -110,6 +110,13 @@ def _allocate(nbytes: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
 
 
+def byte_view(data: torch.Tensor) -> memoryview:
+    """A writable memoryview of a 1-D uint8 CPU tensor's bytes (empty tensors included)."""
+    if data.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(data.numpy())  # type: ignore[arg-type]
+
+
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of all of ``t``'s storage, on ``t``'s device."""
     storage = t.untyped_storage()

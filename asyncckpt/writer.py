@@ -18,7 +18,7 @@ import torch
 from ._version import __version__
 from .codec import checksum, encode_chunk
 from .format import Chunk, Manifest, StorageEntry, encode_footer, encode_header, encode_manifest
-from .staging import Snapshot, StagedStorage
+from .staging import Snapshot, StagedStorage, byte_view
 from .storage import AtomicWriter, Storage
 from .workers import pool
 
@@ -122,7 +122,7 @@ def _slices(
 ) -> Iterator[tuple[memoryview, int, bool]]:
     step = max(_CHUNK_ALIGN, chunk_bytes - chunk_bytes % _CHUNK_ALIGN)
     for staged in storages:
-        view = memoryview(staged.data.numpy())  # type: ignore[arg-type] if staged.data.numel() else memoryview(b"")
+        view = byte_view(staged.data)
         for start in range(0, len(view), step):
             yield view[start : start + step], staged.itemsize, staged.is_float
 
