@@ -15,10 +15,12 @@ Example:
 
 from ._version import __version__
 from .api import SaveHandle, SaveInfo, SaveStats, load, save, wait
+from .checkpointer import Checkpointer
 from .errors import AsyncCkptError
 
 __all__ = [
     "AsyncCkptError",
+    "Checkpointer",
     "SaveHandle",
     "SaveInfo",
     "SaveStats",

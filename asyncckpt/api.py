@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class SaveHandle:
         self._stats = stats
         self._started = started
         self._observed = False
+        self.target: Any = None
 
     @property
     def stats(self) -> SaveStats:
@@ -99,6 +101,10 @@ class SaveHandle:
     def done(self) -> bool:
         """Whether the save has finished, successfully or not."""
         return self._future.done()
+
+    def failed(self) -> bool:
+        """Whether the save has finished with an error (does not count as observing it)."""
+        return self._future.done() and self._future.exception() is not None
 
     def result(self, timeout: float | None = None) -> SaveInfo:
         """Wait until the file is durable.
@@ -168,23 +174,33 @@ def raise_unobserved_failure() -> None:
         raise exc
 
 
-def submit_snapshot(
-    snap: Snapshot, storage: Storage, path: str, options: WriteOptions, started: float
+def submit(
+    job: Callable[[], int], label: str, raw_bytes: int, started: float, target: Any = None
 ) -> SaveHandle:
-    """Queue a staged snapshot for writing; returns its handle. Used by ``Checkpointer``."""
-    stats = SaveStats(time.perf_counter() - started, snap.raw_bytes)
+    """Run ``job`` (which returns the bytes written) on the save thread; return its handle.
 
-    def job() -> int:
-        try:
-            return write_snapshot(snap, storage, path, options)
-        finally:
-            snap.lease.release()
-
+    Args:
+        job: the background part of a save; must release its snapshot's arena.
+        label: what the handle reports as its path.
+        raw_bytes: the state's data size, for the stats.
+        started: ``time.perf_counter()`` when the caller entered ``save``.
+        target: an identifier of the file written, so loads of it wait for the save.
+    """
+    stats = SaveStats(time.perf_counter() - started, raw_bytes)
     future = workers.save_queue().submit(job)
-    handle = SaveHandle(storage.describe(path), future, stats, started)
-    handle._storage_key = (id(type(storage)), path)  # type: ignore[attr-defined]
+    handle = SaveHandle(label, future, stats, started)
+    handle.target = target
     workers.track(handle)
     future.add_done_callback(handle._finish)
+    return handle
+
+
+def completed_handle(label: str) -> SaveHandle:
+    """A handle for a save that had nothing to do (e.g. on a rank that does not write)."""
+    future: Future[int] = Future()
+    future.set_result(0)
+    handle = SaveHandle(label, future, SaveStats(0.0, 0, 0.0, 0), time.perf_counter())
+    handle._observed = True
     return handle
 
 
@@ -244,7 +260,19 @@ def save(
     raise_unobserved_failure()
     options = write_options(compression)
     storage, path = resolve(f, storage_options)
-    return submit_snapshot(stage(obj), storage, path, options, started)
+    snap = stage(obj)
+
+    def job() -> int:
+        try:
+            return write_snapshot(snap, storage, path, options)
+        finally:
+            snap.lease.release()
+
+    return submit(job, storage.describe(path), snap.raw_bytes, started, _target(storage, path))
+
+
+def _target(storage: Storage, path: str) -> tuple[str, str]:
+    return (type(storage).__name__, storage.describe(path))
 
 
 def wait(timeout: float | None = None) -> None:
@@ -262,9 +290,9 @@ def wait(timeout: float | None = None) -> None:
 
 
 def _wait_for_writes_to(storage: Storage, path: str) -> None:
-    key = (id(type(storage)), path)
+    target = _target(storage, path)
     for handle in workers.pending():
-        if getattr(handle, "_storage_key", None) == key:
+        if handle.target == target:
             handle.exception()
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import threading
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -26,7 +28,7 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CheckpointNotFoundError, StorageError
+from .errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
 
 TEMP_MARK = ".acktmp-"
 
@@ -108,6 +110,34 @@ class Storage(ABC):
     def delete(self, path: str) -> None:
         """Remove a file; a missing file is not an error."""
 
+    @abstractmethod
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Create ``path`` holding ``data`` durably, only if it does not exist yet.
+
+        Raises:
+            ConflictError: ``path`` already exists (someone else created it first).
+        """
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Names (not paths) of the entries directly under ``path``; [] if it is missing."""
+
+    @abstractmethod
+    def delete_tree(self, path: str) -> None:
+        """Remove ``path`` and everything below it; a missing path is not an error."""
+
+    def read_bytes(self, path: str, limit: int) -> bytes:
+        """The whole of a small file.
+
+        Raises:
+            CheckpointNotFoundError: the file is missing.
+            FormatError: the file is larger than ``limit`` bytes.
+        """
+        size = self.size(path)
+        if size > limit:
+            raise FormatError(f"{self.describe(path)}: {size} bytes, expected at most {limit}")
+        return self.read_range(path, 0, size)
+
     def join(self, *parts: str) -> str:
         """Join path parts with ``/``."""
         return "/".join(p.rstrip("/") for p in parts if p)
@@ -153,6 +183,35 @@ class LocalStorage(Storage):
     def delete(self, path: str) -> None:
         with _errors(self, path, "delete"), contextlib.suppress(FileNotFoundError):
             os.remove(path)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        # Write a complete temp file, then hard-link it to the target: link() fails if the
+        # target exists, so the target appears whole, once, or not at all.
+        writer = _LocalWriter(path)
+        try:
+            writer.write(data)
+            with _errors(self, path, "create"):
+                os.fsync(writer.file.fileno())
+                writer.file.close()
+                try:
+                    os.link(writer.temp, path)
+                except FileExistsError:
+                    raise ConflictError(f"{path} already exists") from None
+                fsync_dir(os.path.dirname(path) or ".")
+        finally:
+            writer.abort()
+
+    def list_dir(self, path: str) -> list[str]:
+        with _errors(self, path, "list"):
+            try:
+                return sorted(os.listdir(path))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+
+    def delete_tree(self, path: str) -> None:
+        with _errors(self, path, "delete"), contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(path)
+            fsync_dir(os.path.dirname(path) or ".")
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
@@ -234,6 +293,33 @@ class FsspecStorage(Storage):
     def delete(self, path: str) -> None:
         with _errors(self, path, "delete"), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        # Generic filesystems have no atomic create-if-absent; check-then-move under a
+        # process-wide lock is exact for in-process filesystems (memory://) and best effort
+        # elsewhere. Object stores use conditional writes instead (see docs/PROTOCOL.md).
+        with _create_lock:
+            if self.exists(path):
+                raise ConflictError(f"{self.describe(path)} already exists")
+            self.write_bytes(path, data)
+
+    def list_dir(self, path: str) -> list[str]:
+        with _errors(self, path, "list"):
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+        prefix = path.rstrip("/") + "/"
+        names = {e.rstrip("/").split("/")[-1] for e in entries if e.rstrip("/") != path}
+        return sorted(n for n in names if n and f"{prefix}{n}" != prefix)
+
+    def delete_tree(self, path: str) -> None:
+        with _errors(self, path, "delete"), contextlib.suppress(FileNotFoundError):
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+
+
+_create_lock = threading.Lock()
 
 
 class _FsspecWriter(AtomicWriter):
