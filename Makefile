@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/train.py
+	$(BIN)/python examples/train_ddp.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check asyncckpt tests benchmarks examples
