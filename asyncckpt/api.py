@@ -163,15 +163,23 @@ class SaveHandle:
 
 
 def raise_unobserved_failure() -> None:
-    """Raise the first background failure nobody has seen through ``result``/``exception``."""
+    """Raise the oldest background failure nobody has seen through ``result``/``exception``.
+
+    Each failure is raised once; later ones stay queued for the next ``save``/``wait``.
+    """
+    # A failed save is done() before its done-callback has recorded it in _unobserved.
+    settling = [h for h in workers.pending() if h.failed() and not h._observed]
     with _unobserved_lock:
-        failed = [h for h in _unobserved if not h._observed]
-        _unobserved.clear()
-    if failed:
-        failed[0]._observed = True
-        exc = failed[0]._future.exception()
-        assert exc is not None
-        raise exc
+        _unobserved[:] = [h for h in _unobserved if not h._observed]
+        failed = _unobserved + [h for h in settling if h not in _unobserved]
+        if not failed:
+            return
+        first = failed[0]
+        first._observed = True
+        _unobserved[:] = [h for h in _unobserved if h is not first]
+    exc = first._future.exception()
+    assert exc is not None
+    raise exc
 
 
 def submit(
@@ -283,9 +291,15 @@ def wait(timeout: float | None = None) -> None:
         Exception: the first failure among the pending saves, or an earlier unobserved one.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
+    failure: BaseException | None = None
     for handle in workers.pending():
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        handle.exception(left)
+        seen = handle._observed
+        exc = handle.exception(left)  # marks the handle observed: raise its failure here
+        if failure is None and not seen:
+            failure = exc
+    if failure is not None:
+        raise failure
     raise_unobserved_failure()
 
 

@@ -89,6 +89,10 @@ def decode_chunk(stored: bytes | memoryview, codec: str, itemsize: int, out: mem
         out[:] = stored
         return
     try:
+        # zstandard allocates the size a frame header declares, whatever max_output_size says.
+        declared = zstandard.frame_content_size(stored)
+        if declared not in (-1, len(out)):
+            raise FormatError(f"zstd frame declares {declared} bytes, expected {len(out)}")
         data = _decompressor().decompress(stored, max_output_size=len(out))
     except zstandard.ZstdError as exc:
         raise FormatError(f"zstd payload does not decompress: {exc}") from exc

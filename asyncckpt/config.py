@@ -25,6 +25,28 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
     "zstd_level": (1, "zstandard level; 1 keeps up with disk on two cores"),
     "inflight_chunks": (8, "chunks compressed ahead of the writer (bounds extra memory)"),
     "max_inflight": (1, "saves whose snapshots may be held at once; each holds one host arena"),
+    # Object stores (S3 through s3fs; see docs/s3.md).
+    "part_bytes": (
+        8 << 20,
+        "object stores: bytes per multipart part (S3 needs at least 5 MiB); smaller files "
+        "are one PUT",
+    ),
+    "part_concurrency": (
+        8,
+        "object stores: parts of one file uploaded in parallel; a writer buffers at most "
+        "(part_concurrency + 1) x part_bytes",
+    ),
+    "retry_attempts": (
+        6,
+        "object stores: attempts per request on throttling (503 SlowDown), 5xx, resets and "
+        "timeouts",
+    ),
+    "retry_deadline_s": (120, "object stores: stop retrying a request after this many seconds"),
+    "retry_backoff_ms": (
+        100,
+        "object stores: delay before the first retry; doubles per attempt (at most 10 s), "
+        "with jitter",
+    ),
 }
 
 

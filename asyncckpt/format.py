@@ -16,6 +16,7 @@ used, and every structure is validated before anything is allocated from it.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 import zlib
@@ -74,7 +75,7 @@ DTYPE_ITEMSIZE: Final[Mapping[str, int]] = {
 }
 #: numpy dtype strings accepted for arrays: byte order, kind (bool, int, uint, float,
 #: complex) and item size. Anything else (objects, structs, strings) is refused.
-_NUMPY_DTYPE = re.compile(r"^[<>|=][biufc][0-9]{1,2}$")
+_NUMPY_DTYPE = re.compile(r"^[<>|=](b1|[iu][1248]|f(2|4|8|12|16)|c(8|16|24|32))$")
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,7 @@ class Manifest:
     tensors: tuple[TensorEntry, ...]
     arrays: tuple[ArrayEntry, ...]
     root: Any
+    byteorder: str = "little"
     meta: dict[str, str] = field(default_factory=dict)
 
     def keys_of_storage(self, storage: int) -> list[str]:
@@ -264,6 +266,7 @@ def encode_manifest(manifest: Manifest) -> bytes:
         ],
         "arrays": [[a.storage, a.dtype, list(a.shape), a.scalar, a.key] for a in manifest.arrays],
         "root": manifest.root,
+        "byteorder": manifest.byteorder,
         "meta": manifest.meta,
     }
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
@@ -314,7 +317,8 @@ class _Validator:
     def manifest(self, doc: Any) -> Manifest:
         if not isinstance(doc, dict):
             raise self.fail("top level is not an object")
-        if doc.get("format_version") != FORMAT_VERSION or doc.get("checksum") != CHECKSUM:
+        version = doc.get("format_version")
+        if type(version) is not int or version != FORMAT_VERSION or doc.get("checksum") != CHECKSUM:
             raise self.fail("format_version or checksum algorithm not understood")
         chunks = tuple(self.chunk(i, c) for i, c in enumerate(self.items(doc, "chunks")))
         storages = tuple(
@@ -329,7 +333,10 @@ class _Validator:
             raise self.fail("meta is not an object of strings")
         if "root" not in doc:
             raise self.fail("no root object")
-        return Manifest(chunks, storages, tensors, arrays, doc["root"], meta)
+        byteorder = doc.get("byteorder", "little")
+        if byteorder not in ("little", "big"):
+            raise self.fail(f"byteorder {byteorder!r} is neither 'little' nor 'big'")
+        return Manifest(chunks, storages, tensors, arrays, doc["root"], byteorder, meta)
 
     def items(self, doc: dict[str, Any], key: str) -> list[Any]:
         value = doc.get(key)
@@ -357,7 +364,7 @@ class _Validator:
         offset = self.int_(offset, f"chunk {i} offset", HEADER_SIZE, self.data_end)
         stored = self.int_(stored, f"chunk {i} stored length", 0, self.data_end - offset)
         raw = self.int_(raw, f"chunk {i} raw length", 0, MAX_CHUNK_BYTES)
-        if codec not in CODECS:
+        if not isinstance(codec, str) or codec not in CODECS:
             raise self.fail(f"chunk {i} has unknown codec {codec!r}")
         if codec == "raw" and stored != raw:
             raise self.fail(f"raw chunk {i} stores {stored} bytes for {raw}")
@@ -384,19 +391,23 @@ class _Validator:
     def tensor(self, i: int, rec: Any, storages: tuple[StorageEntry, ...]) -> TensorEntry:
         sid, dtype, shape, stride, offset, grad, param, key = self.record(rec, 8, f"tensor {i}")
         sid = self.int_(sid, f"tensor {i} storage", 0, len(storages) - 1)
-        if dtype not in DTYPE_ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
             raise self.fail(f"tensor {i} has unknown dtype {dtype!r}")
         shape_t, stride_t = self.dims(shape, f"tensor {i} shape"), self.dims(stride, "stride")
         if len(shape_t) != len(stride_t):
             raise self.fail(f"tensor {i} shape and stride differ in length")
         offset = self.int_(offset, f"tensor {i} storage offset")
         elements = storages[sid].nbytes // DTYPE_ITEMSIZE[dtype]
+        if math.prod(n for n in shape_t if n) > 1 << 62:
+            raise self.fail(f"tensor {i} ({key!r}) has more than 2**62 elements")
         if 0 not in shape_t:
             extent = offset + 1 + sum((n - 1) * s for n, s in zip(shape_t, stride_t))
             if extent > elements:
                 raise self.fail(f"tensor {i} ({key!r}) reaches past the end of storage {sid}")
         if type(grad) is not bool or type(param) is not bool or not isinstance(key, str):
             raise self.fail(f"tensor {i} flags or key have the wrong type")
+        if grad and not dtype.startswith(("float", "bfloat", "complex")):
+            raise self.fail(f"tensor {i} ({key!r}) of dtype {dtype} cannot require grad")
         return TensorEntry(sid, dtype, shape_t, stride_t, offset, grad, param, key)
 
     def array(self, i: int, rec: Any, storages: tuple[StorageEntry, ...]) -> ArrayEntry:

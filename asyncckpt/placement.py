@@ -57,9 +57,11 @@ class Placement:
         if kind == "cuda" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         if kind != "cuda":
-            module = getattr(torch, kind, None)
-            if module is not None and getattr(module, "is_available", lambda: False)():
-                return torch.device(kind, module.current_device())
+            module = getattr(torch, kind, None)  # may be any torch attribute, e.g. torch.ops
+            available = getattr(module, "is_available", None)
+            current = getattr(module, "current_device", None)
+            if callable(available) and callable(current) and available():
+                return torch.device(kind, current())
         if not self._warned:
             self._warned = True
             warnings.warn(

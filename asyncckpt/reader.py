@@ -8,6 +8,7 @@ Tensors are rebuilt as views over their (possibly shared) storages and placed pe
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -61,13 +62,23 @@ def open_file(storage: Storage, path: str) -> OpenedFile:
     decode_header(storage.read_range(path, 0, HEADER_SIZE), name)
     footer = decode_footer(storage.read_range(path, size - FOOTER_SIZE, FOOTER_SIZE), size, name)
     body = storage.read_range(path, footer.manifest_offset, footer.manifest_length)
-    return OpenedFile(storage, path, size, decode_manifest(body, footer, name))
+    manifest = decode_manifest(body, footer, name)
+    if manifest.byteorder != sys.byteorder:
+        raise FormatError(
+            f"{name}: written on a {manifest.byteorder}-endian machine; this one is "
+            f"{sys.byteorder}-endian and asyncckpt does not swap bytes"
+        )
+    return OpenedFile(storage, path, size, manifest)
 
 
 def read_storages(opened: OpenedFile, threads: int) -> list[torch.Tensor]:
     """Read, verify and decode every storage into a fresh CPU uint8 tensor."""
     manifest = opened.manifest
-    buffers = [torch.empty(s.nbytes, dtype=torch.uint8) for s in manifest.storages]
+    total = sum(s.nbytes for s in manifest.storages)
+    try:
+        buffers = [torch.empty(s.nbytes, dtype=torch.uint8) for s in manifest.storages]
+    except RuntimeError as exc:  # out of memory, or a crafted file declaring absurd sizes
+        raise FormatError(f"{opened.name}: cannot allocate the {total} bytes it declares") from exc
     workers = pool("read", threads)
     futures: list[Future[None]] = []
     for sid, (entry, buf) in enumerate(zip(manifest.storages, buffers)):

@@ -79,9 +79,20 @@ class _Flattener:
         if depth > MAX_DEPTH:
             raise UnsupportedObjectError(path, f"nesting deeper than {MAX_DEPTH} levels")
         kind = type(obj)
-        if obj is None or kind in (bool, int):
+        if obj is None or kind is bool:
+            return obj
+        if kind is int:
+            if obj.bit_length() > 14_000:  # JSON ints are limited to 4,300 digits
+                raise UnsupportedObjectError(path, "integers over 4,200 digits cannot be stored")
             return obj
         if kind is str:
+            if not obj.isascii():
+                try:
+                    obj.encode()
+                except UnicodeEncodeError:
+                    raise UnsupportedObjectError(
+                        path, "the string holds lone surrogates and is not valid Unicode"
+                    ) from None
             return obj
         if kind is float:
             return {"float": obj.hex()}
@@ -264,13 +275,17 @@ class _Unflattener:
             key = self.node(pair[0], path, depth)
             if isinstance(key, (list, dict, torch.Tensor, np.ndarray, np.generic)):
                 raise self.fail(path, f"unhashable key of type {type(key).__name__}")
+            try:
+                hash(key)  # a tuple holding a list
+            except TypeError:
+                raise self.fail(path, f"unhashable key {key!r}") from None
             out.append((key, self.node(pair[1], f"{path}[{key!r}]", depth)))
         return out
 
     def float_(self, value: Any, path: str) -> float:
         try:
             return float.fromhex(value) if type(value) is str else float("invalid")
-        except ValueError:
+        except (ValueError, OverflowError):
             raise self.fail(path, f"bad float {value!r}") from None
 
     def bytes_(self, value: Any, path: str) -> bytes:
@@ -287,12 +302,15 @@ class _Unflattener:
     def dtype(self, value: Any, path: str) -> torch.dtype:
         if type(value) is not str:
             raise self.fail(path, "bad dtype")
-        return torch_dtype(value)
+        try:
+            return torch_dtype(value)
+        except FormatError as exc:
+            raise self.fail(path, str(exc)) from None
 
     def device(self, value: Any, path: str) -> torch.device:
         try:
             return torch.device(value)
-        except (TypeError, RuntimeError):
+        except (TypeError, ValueError, RuntimeError):
             raise self.fail(path, f"bad device {value!r}") from None
 
     def ref(self, table: Sequence[Any], value: Any, path: str) -> Any:

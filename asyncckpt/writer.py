@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -17,7 +18,15 @@ import torch
 
 from ._version import __version__
 from .codec import checksum, encode_chunk
-from .format import Chunk, Manifest, StorageEntry, encode_footer, encode_header, encode_manifest
+from .format import (
+    MAX_CHUNK_BYTES,
+    Chunk,
+    Manifest,
+    StorageEntry,
+    encode_footer,
+    encode_header,
+    encode_manifest,
+)
 from .staging import Snapshot, StagedStorage, byte_view
 from .storage import AtomicWriter, Storage
 from .workers import pool
@@ -94,6 +103,7 @@ def _write_manifest(out: AtomicWriter, offset: int, snap: Snapshot, chunks: list
         tensors=tuple(snap.tensors),
         arrays=tuple(snap.arrays),
         root=snap.root,
+        byteorder=sys.byteorder,
         meta={
             "library": f"asyncckpt {__version__}",
             "torch": torch.__version__,
@@ -120,6 +130,7 @@ def _chunk_counts(storages: list[StagedStorage], chunks: list[Chunk]) -> Iterato
 def _slices(
     storages: list[StagedStorage], chunk_bytes: int
 ) -> Iterator[tuple[memoryview, int, bool]]:
+    chunk_bytes = min(chunk_bytes, MAX_CHUNK_BYTES)  # readers refuse longer chunks
     step = max(_CHUNK_ALIGN, chunk_bytes - chunk_bytes % _CHUNK_ALIGN)
     for staged in storages:
         view = byte_view(staged.data)

@@ -1,0 +1,241 @@
+"""Chunk codecs: raw, zstd and byte-grouped zstd, encoded and decoded directly."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncckpt.codec import (
+    check_compression,
+    checksum,
+    decode_chunk,
+    encode_chunk,
+    group_bytes,
+    ungroup_bytes,
+)
+from asyncckpt.errors import FormatError
+from asyncckpt.format import CODECS
+
+
+def _roundtrip(raw: bytes, *, itemsize: int, is_float: bool, compression: str = "zstd") -> str:
+    """Encode ``raw``, decode it into a fresh buffer, check the bytes; return the codec."""
+    codec, stored = encode_chunk(
+        memoryview(raw), itemsize=itemsize, is_float=is_float, compression=compression, level=1
+    )
+    assert codec in CODECS
+    if codec == "raw":
+        assert bytes(stored) == raw
+    out = bytearray(len(raw))
+    decode_chunk(bytes(stored), codec, itemsize, memoryview(out))
+    assert bytes(out) == raw
+    return codec
+
+
+def _weights(dtype: torch.dtype, n: int = 1 << 14) -> bytes:
+    """Bytes of trained-weight-like values: small, normally distributed."""
+    g = torch.Generator().manual_seed(1234)
+    t = (torch.randn(n, generator=g, dtype=torch.float64) * 0.02).to(dtype)
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "itemsize"),
+    [
+        (torch.float64, 8),
+        (torch.float32, 4),
+        (torch.float16, 2),
+        (torch.bfloat16, 2),
+    ],
+)
+def test_float_weights_use_bytegroup_and_shrink(dtype: torch.dtype, itemsize: int) -> None:
+    raw = _weights(dtype)
+    codec, stored = encode_chunk(
+        memoryview(raw), itemsize=itemsize, is_float=True, compression="zstd", level=1
+    )
+    assert codec == "zstd-bytegroup"
+    assert len(stored) < len(raw)
+    # The stored payload is zstd over the grouped bytes, nothing else.
+    assert zstandard.ZstdDecompressor().decompress(stored) == group_bytes(raw, itemsize)
+    out = bytearray(len(raw))
+    decode_chunk(stored, codec, itemsize, memoryview(out))
+    assert bytes(out) == raw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bytegroup_beats_plain_zstd_on_weights(dtype: torch.dtype) -> None:
+    raw = memoryview(_weights(dtype))
+    size = dtype.itemsize
+    _, grouped = encode_chunk(raw, itemsize=size, is_float=True, compression="zstd", level=1)
+    codec, plain = encode_chunk(raw, itemsize=size, is_float=False, compression="zstd", level=1)
+    assert codec == "zstd"
+    assert len(grouped) < len(plain)
+
+
+def test_integers_use_plain_zstd() -> None:
+    raw = torch.arange(4096, dtype=torch.int64).numpy().tobytes()
+    assert _roundtrip(raw, itemsize=8, is_float=False) == "zstd"
+
+
+def test_one_byte_floats_are_not_grouped() -> None:
+    raw = bytes(4096)
+    assert _roundtrip(raw, itemsize=1, is_float=True) == "zstd"
+
+
+@pytest.mark.parametrize("extra", [1, 2, 3])
+def test_length_not_a_multiple_of_itemsize_falls_back_to_zstd(extra: int) -> None:
+    raw = _weights(torch.float32, 1024) + bytes(range(extra))
+    assert _roundtrip(raw, itemsize=4, is_float=True) == "zstd"
+
+
+@pytest.mark.parametrize("compression", ["zstd", "none"])
+@pytest.mark.parametrize("is_float", [True, False])
+def test_empty_chunk_is_raw(compression: str, is_float: bool) -> None:
+    codec, stored = encode_chunk(
+        memoryview(b""), itemsize=4, is_float=is_float, compression=compression, level=1
+    )
+    assert (codec, bytes(stored)) == ("raw", b"")
+    decode_chunk(stored, codec, 4, memoryview(bytearray()))
+
+
+@pytest.mark.parametrize("is_float", [True, False])
+def test_incompressible_data_is_stored_raw(is_float: bool) -> None:
+    raw = np.random.default_rng(7).integers(0, 256, 1 << 15, dtype=np.uint8).tobytes()
+    view = memoryview(raw)
+    codec, stored = encode_chunk(view, itemsize=4, is_float=is_float, compression="zstd", level=1)
+    assert codec == "raw"
+    assert stored is view  # no copy for the raw codec
+
+
+def test_compression_none_is_raw_even_when_compressible() -> None:
+    raw = bytes(1 << 16)
+    codec, stored = encode_chunk(
+        memoryview(raw), itemsize=4, is_float=True, compression="none", level=1
+    )
+    assert codec == "raw"
+    assert bytes(stored) == raw
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.binary(max_size=2048),
+    itemsize=st.sampled_from([1, 2, 4, 8, 16]),
+    is_float=st.booleans(),
+    compression=st.sampled_from(["zstd", "none"]),
+)
+def test_any_bytes_round_trip(data: bytes, itemsize: int, is_float: bool, compression: str) -> None:
+    _roundtrip(data, itemsize=itemsize, is_float=is_float, compression=compression)
+
+
+@pytest.mark.parametrize("level", [1, 3, 19])
+def test_levels_round_trip(level: int) -> None:
+    raw = _weights(torch.float32, 2048)
+    codec, stored = encode_chunk(
+        memoryview(raw), itemsize=4, is_float=True, compression="zstd", level=level
+    )
+    out = bytearray(len(raw))
+    decode_chunk(stored, codec, 4, memoryview(out))
+    assert bytes(out) == raw
+
+
+def test_group_bytes_layout() -> None:
+    raw = bytes([0x00, 0x01, 0x02, 0x03, 0x10, 0x11, 0x12, 0x13, 0x20, 0x21, 0x22, 0x23])
+    grouped = group_bytes(raw, 4)
+    assert grouped == bytes(
+        [0x00, 0x10, 0x20, 0x01, 0x11, 0x21, 0x02, 0x12, 0x22, 0x03, 0x13, 0x23]
+    )
+    out = bytearray(len(raw))
+    ungroup_bytes(grouped, 4, memoryview(out))
+    assert bytes(out) == raw
+
+
+@settings(max_examples=60, deadline=None)
+@given(itemsize=st.integers(1, 16), elements=st.integers(0, 64), seed=st.integers(0, 2**32 - 1))
+def test_group_ungroup_round_trip(itemsize: int, elements: int, seed: int) -> None:
+    raw = np.random.default_rng(seed).integers(0, 256, itemsize * elements, dtype=np.uint8)
+    grouped = group_bytes(raw.tobytes(), itemsize)
+    assert len(grouped) == len(raw)
+    # Byte j of element i lands at j * elements + i.
+    for i in range(min(elements, 3)):
+        for j in range(itemsize):
+            assert grouped[j * elements + i] == raw[i * itemsize + j]
+    out = bytearray(len(raw))
+    ungroup_bytes(grouped, itemsize, memoryview(out))
+    assert bytes(out) == raw.tobytes()
+
+
+def test_raw_decode_of_wrong_length_raises() -> None:
+    with pytest.raises(FormatError, match="raw chunk holds 3 bytes, expected 4"):
+        decode_chunk(b"abc", "raw", 1, memoryview(bytearray(4)))
+    with pytest.raises(FormatError):
+        decode_chunk(b"abcde", "raw", 1, memoryview(bytearray(4)))
+
+
+@pytest.mark.parametrize("codec", ["zstd", "zstd-bytegroup"])
+@pytest.mark.parametrize("out_len", [0, 96, 104, 200])
+def test_zstd_decode_of_wrong_length_raises(codec: str, out_len: int) -> None:
+    stored = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(100))
+    with pytest.raises(FormatError):
+        decode_chunk(stored, codec, 4, memoryview(bytearray(out_len)))
+
+
+@pytest.mark.parametrize("codec", ["zstd", "zstd-bytegroup"])
+def test_frame_without_content_size_is_bounded_by_raw_length(codec: str) -> None:
+    stored = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(400))
+    out = bytearray(400)
+    decode_chunk(stored, codec, 4, memoryview(out))
+    assert bytes(out) == bytes(400)
+    with pytest.raises(FormatError):
+        decode_chunk(stored, codec, 4, memoryview(bytearray(200)))
+
+
+@pytest.mark.parametrize("claim", [1000, 1 << 30, 1 << 40, (1 << 64) - 2])
+def test_frame_declaring_a_huge_size_is_refused_before_allocating(claim: int) -> None:
+    # A single-segment frame with an 8-byte content size field; zstandard would allocate the
+    # declared size (a MemoryError for 1 TiB) unless the decoder checks it first.
+    frame = zstandard.ZstdCompressor(write_content_size=True).compress(bytes(100))
+    assert frame[4] == 0x20  # single segment, 1-byte content size
+    forged = frame[:4] + bytes([0xE0]) + struct.pack("<Q", claim) + frame[6:]
+    with pytest.raises(FormatError):
+        decode_chunk(forged, "zstd", 1, memoryview(bytearray(100)))
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [b"", b"\x00", b"not zstd at all", b"\x28\xb5\x2f\xfd", b"\x28\xb5\x2f\xfd\x20\x64\x00"],
+)
+@pytest.mark.parametrize("codec", ["zstd", "zstd-bytegroup"])
+def test_garbage_zstd_payload_raises(stored: bytes, codec: str) -> None:
+    with pytest.raises(FormatError):
+        decode_chunk(stored, codec, 4, memoryview(bytearray(100)))
+
+
+def test_truncated_zstd_frame_raises() -> None:
+    raw = _weights(torch.float32, 1024)
+    codec, stored = encode_chunk(
+        memoryview(raw), itemsize=4, is_float=True, compression="zstd", level=1
+    )
+    assert codec == "zstd-bytegroup"
+    with pytest.raises(FormatError):
+        decode_chunk(bytes(stored)[:-5], codec, 4, memoryview(bytearray(len(raw))))
+
+
+def test_checksum_is_zlib_crc32() -> None:
+    assert checksum(b"123456789") == 0xCBF43926  # the CRC-32/ISO-HDLC check value
+    data = bytes(range(256)) * 10
+    assert checksum(data) == zlib.crc32(data)
+    assert checksum(memoryview(data)) == zlib.crc32(data)
+    assert checksum(b"") == 0
+
+
+def test_check_compression() -> None:
+    assert check_compression("zstd") == "zstd"
+    assert check_compression("none") == "none"
+    with pytest.raises(ValueError, match="compression must be one of"):
+        check_compression("gzip")
