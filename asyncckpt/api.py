@@ -316,6 +316,7 @@ def load(
     pickle_module: Any = None,
     *,
     storage_options: dict[str, Any] | None = None,
+    into: Any = None,
     weights_only: bool | None = None,
     mmap: bool | None = None,
     **pickle_load_args: Any,
@@ -332,6 +333,10 @@ def load(
             process's *current* device (unlike ``torch.load``; see the user guide).
         pickle_module: accepted for ``torch.load`` compatibility and ignored.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
+        into: an existing state (e.g. ``model.state_dict()``) to load into, in place: each
+            saved tensor whose key path matches a tensor there is copied into it (CPU
+            tensors of the same shape and dtype are read straight into their memory, with
+            no second copy) and the returned object holds those tensors.
         weights_only: accepted and ignored: loading is always as safe as
             ``weights_only=True`` because nothing is unpickled.
         mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
@@ -346,6 +351,7 @@ def load(
         ChecksumError: a chunk is corrupt (names the chunk and the keys in it).
         FormatError: the file is not a complete asyncckpt file.
         StorageError: the backend failed.
+        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
 
     Example:
         >>> import torch, asyncckpt, tempfile, os
@@ -359,4 +365,4 @@ def load(
     storage, path = resolve(f, storage_options)
     _wait_for_writes_to(storage, path)
     opened = open_file(storage, path)
-    return materialize(opened, placement, config.tunable("threads", None))
+    return materialize(opened, placement, config.tunable("threads", None), into)

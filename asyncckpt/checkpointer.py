@@ -272,6 +272,7 @@ class Checkpointer:
         map_location: MapLocation = None,
         timeout: float | None = None,
         collective: bool | None = None,
+        into: Any = None,
     ) -> Any:
         """Load a committed version; with a process group, every rank gets the same one.
 
@@ -279,6 +280,8 @@ class Checkpointer:
         collective call: the writer rank broadcasts the step to load (``step``, or the
         newest it has saved or committed), then each rank waits until that step is
         committed (the writer on its own save, others by polling storage) and reads it.
+        Without a group, ``load()`` on the writer also waits for its own pending saves and
+        returns the newest; elsewhere it returns the newest committed version at once.
 
         Args:
             step: the step to load; None loads the newest.
@@ -286,6 +289,7 @@ class Checkpointer:
                 and accelerator tensors on this rank's current device.
             timeout: seconds to wait for the step to be committed (None waits for ever).
             collective: False to load independently even when a group is initialized.
+            into: an existing state to load into in place, as in :func:`asyncckpt.load`.
 
         Returns:
             The saved state.
@@ -301,13 +305,16 @@ class Checkpointer:
         use_group = self._distributed and collective is not False
         if collective and not self._distributed:
             raise ValueError("collective=True needs an initialized torch.distributed group")
-        target = self._agree_on_step(step) if use_group else step
-        if target is None:
-            target = self.latest()
+        if use_group:
+            target = self._agree_on_step(step)
+        elif step is None and self.is_writer:
+            target = self._newest_expected()  # includes this process's own pending saves
+        else:
+            target = step if step is not None else self.latest()
         if target is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         self._wait_committed(target, timeout)
-        return self._read(target, placement, follow_latest=step is None and not use_group)
+        return self._read(target, placement, step is None and not use_group, into)
 
     def _newest_expected(self) -> int | None:
         with self._lock:
@@ -345,7 +352,7 @@ class Checkpointer:
                 handle.result(timeout)
         wait_for_step(self._storage, self._root, step, timeout)
 
-    def _read(self, step: int, placement: Placement, follow_latest: bool) -> Any:
+    def _read(self, step: int, placement: Placement, follow_latest: bool, into: Any) -> Any:
         threads = config.tunable("threads", None)
         while True:
             commit = read_commit(self._storage, self._root, step)
@@ -360,7 +367,7 @@ class Checkpointer:
                 path = self._storage.join(
                     step_dir(self._storage, self._root, step), commit.files[0]
                 )
-                return materialize(open_file(self._storage, path), placement, threads)
+                return materialize(open_file(self._storage, path), placement, threads, into)
             except CheckpointNotFoundError as exc:
                 newest = self.latest()
                 if not follow_latest or newest is None or newest == step:

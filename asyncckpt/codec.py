@@ -67,7 +67,7 @@ def encode_chunk(
     if compression == "none" or len(raw) == 0:
         return "raw", raw
     codec = "zstd"
-    payload: bytes | memoryview = raw
+    payload: memoryview = raw
     if is_float and itemsize > 1 and len(raw) % itemsize == 0:
         codec = "zstd-bytegroup"
         payload = group_bytes(raw, itemsize)
@@ -88,33 +88,59 @@ def decode_chunk(stored: bytes | memoryview, codec: str, itemsize: int, out: mem
             raise FormatError(f"raw chunk holds {len(stored)} bytes, expected {len(out)}")
         out[:] = stored
         return
+    if codec == "zstd-bytegroup":
+        scratch = _scratch(len(out))
+        _decompress_into(stored, scratch)
+        ungroup_bytes(scratch, itemsize, out)
+    else:
+        _decompress_into(stored, out)
+
+
+def _scratch(size: int) -> memoryview:
+    """A per-thread buffer of ``size`` bytes, reused across chunks to avoid page faults."""
+    buf: bytearray | None = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < size:
+        buf = _local.scratch = bytearray(size)
+    return memoryview(buf)[:size]
+
+
+def _decompress_into(stored: bytes | memoryview, out: memoryview) -> None:
+    """Decompress one zstd frame straight into ``out``; it must fill ``out`` exactly."""
     try:
         # zstandard allocates the size a frame header declares, whatever max_output_size says.
         declared = zstandard.frame_content_size(stored)
         if declared not in (-1, len(out)):
             raise FormatError(f"zstd frame declares {declared} bytes, expected {len(out)}")
-        data = _decompressor().decompress(stored, max_output_size=len(out))
+        reader = _decompressor().stream_reader(stored)
+        done = 0
+        while done < len(out):
+            n = reader.readinto(out[done:])
+            if not n:
+                break
+            done += n
+        extra = reader.read(1)
     except zstandard.ZstdError as exc:
         raise FormatError(f"zstd payload does not decompress: {exc}") from exc
-    if len(data) != len(out):
-        raise FormatError(f"chunk decompressed to {len(data)} bytes, expected {len(out)}")
-    if codec == "zstd-bytegroup":
-        ungroup_bytes(data, itemsize, out)
-    else:
-        out[:] = data
+    if done != len(out) or extra:
+        raise FormatError(
+            f"chunk decompressed to {done if not extra else 'more than'} "
+            f"{'' if not extra else str(len(out)) + ' '}bytes, expected {len(out)}"
+        )
 
 
-def group_bytes(raw: memoryview | bytes, itemsize: int) -> bytes:
+def group_bytes(raw: memoryview | bytes, itemsize: int) -> memoryview:
     """Regroup element bytes by position: ``b0 b0 b0 … b1 b1 b1 …``."""
     grid = np.frombuffer(raw, dtype=np.uint8).reshape(-1, itemsize)
-    return np.ascontiguousarray(grid.T).tobytes()
+    return memoryview(grid.T.copy().reshape(-1))  # type: ignore[arg-type]
 
 
-def ungroup_bytes(grouped: bytes, itemsize: int, out: memoryview) -> None:
+def ungroup_bytes(grouped: bytes | memoryview, itemsize: int, out: memoryview) -> None:
     """Inverse of :func:`group_bytes`, written straight into ``out``."""
     src = np.frombuffer(grouped, dtype=np.uint8).reshape(itemsize, -1)
     dst = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
-    dst[...] = src.T
+    # One contiguous-source column at a time is several times faster than dst[...] = src.T.
+    for j in range(itemsize):
+        dst[:, j] = src[j]
 
 
 def checksum(data: bytes | memoryview) -> int:

@@ -40,6 +40,7 @@ class Placement:
             )
         self.map_location = map_location
         self._warned = False
+        self._cuda_devices: set[torch.device] = set()
 
     def device_for(self, saved: str) -> torch.device:
         """The device a storage saved on ``saved`` goes to (callables aside)."""
@@ -71,10 +72,20 @@ class Placement:
             )
         return torch.device("cpu")
 
+    def _is_callable(self) -> bool:
+        return callable(self.map_location) and not isinstance(self.map_location, Mapping)
+
+    def wants_pinned(self, saved: str) -> bool:
+        """Whether a storage saved on ``saved`` should be read into pinned memory."""
+        return not self._is_callable() and self.device_for(saved).type == "cuda"
+
     def place(self, data: torch.Tensor, saved: str) -> torch.Tensor:
-        """Move a CPU uint8 storage buffer to its target device."""
-        if callable(self.map_location) and not isinstance(self.map_location, Mapping):
-            result = self.map_location(data.untyped_storage(), saved)
+        """Move a CPU uint8 storage buffer to its target device.
+
+        Copies from pinned buffers are asynchronous; call :meth:`synchronize` before use.
+        """
+        if self._is_callable():
+            result = self.map_location(data.untyped_storage(), saved)  # type: ignore[operator,misc]
             if isinstance(result, torch.UntypedStorage):
                 return torch.empty(0, dtype=torch.uint8, device=result.device).set_(result)
             return data
@@ -82,6 +93,12 @@ class Placement:
         if device.type == "cpu":
             return data
         if device.type == "cuda":
-            # Pinned staging makes the host-to-device copy a DMA without an extra bounce.
-            return data.pin_memory().to(device, non_blocking=False)
+            self._cuda_devices.add(device)
+            return data.to(device, non_blocking=data.is_pinned())
         return data.to(device)
+
+    def synchronize(self) -> None:
+        """Wait for the asynchronous host-to-device copies started by :meth:`place`."""
+        for device in self._cuda_devices:
+            torch.cuda.synchronize(device)
+        self._cuda_devices.clear()

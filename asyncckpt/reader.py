@@ -9,6 +9,8 @@ Tensors are rebuilt as views over their (possibly shared) storages and placed pe
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +32,7 @@ from .format import (
 from .placement import Placement
 from .staging import byte_view
 from .storage import Storage
-from .tree import torch_dtype, unflatten
+from .tree import dtype_name, tensor_paths, torch_dtype, unflatten
 from .workers import pool
 
 
@@ -71,21 +73,46 @@ def open_file(storage: Storage, path: str) -> OpenedFile:
     return OpenedFile(storage, path, size, manifest)
 
 
-def read_storages(opened: OpenedFile, threads: int) -> list[torch.Tensor]:
-    """Read, verify and decode every storage into a fresh CPU uint8 tensor."""
-    manifest = opened.manifest
-    total = sum(s.nbytes for s in manifest.storages)
-    try:
-        buffers = [torch.empty(s.nbytes, dtype=torch.uint8) for s in manifest.storages]
-    except RuntimeError as exc:  # out of memory, or a crafted file declaring absurd sizes
-        raise FormatError(f"{opened.name}: cannot allocate the {total} bytes it declares") from exc
+def read_storages(
+    opened: OpenedFile,
+    threads: int,
+    destinations: Sequence[torch.Tensor | None] | None = None,
+    pinned: Sequence[bool] | None = None,
+) -> list[torch.Tensor]:
+    """Read, verify and decode every storage, in parallel chunks.
+
+    Args:
+        opened: the file.
+        threads: reader threads.
+        destinations: per storage, a 1-D uint8 CPU tensor of exactly its size to read into
+            (e.g. the memory of an existing tensor), or None to allocate one.
+        pinned: per storage, whether an allocated buffer should be pinned (for a CUDA copy).
+
+    Returns:
+        One 1-D uint8 CPU tensor per storage.
+
+    Raises:
+        ChecksumError: a chunk is damaged (the first one found).
+        FormatError: the declared sizes cannot be allocated.
+    """
+    storages = opened.manifest.storages
+    destinations = destinations or [None] * len(storages)
+    pinned = pinned or [False] * len(storages)
+    buffers = []
+    for entry, dest, pin in zip(storages, destinations, pinned):
+        try:
+            buffers.append(dest if dest is not None else _allocate(entry.nbytes, pin))
+        except RuntimeError as exc:  # out of memory, or a crafted file declaring absurd sizes
+            raise FormatError(
+                f"{opened.name}: cannot allocate the {entry.nbytes} bytes of a storage"
+            ) from exc
     workers = pool("read", threads)
     futures: list[Future[None]] = []
-    for sid, (entry, buf) in enumerate(zip(manifest.storages, buffers)):
+    for sid, (entry, buf) in enumerate(zip(storages, buffers)):
         view = byte_view(buf)
         start = 0
         for index in range(entry.first_chunk, entry.first_chunk + entry.num_chunks):
-            chunk = manifest.chunks[index]
+            chunk = opened.manifest.chunks[index]
             out = view[start : start + chunk.raw_len]
             futures.append(workers.submit(_read_chunk, opened, index, chunk, sid, out))
             start += chunk.raw_len
@@ -96,39 +123,136 @@ def read_storages(opened: OpenedFile, threads: int) -> list[torch.Tensor]:
     return buffers
 
 
+def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def _stored_scratch(size: int) -> memoryview:
+    """A per-thread buffer for compressed chunk bytes, reused across chunks."""
+    buf: bytearray | None = getattr(_local, "stored", None)
+    if buf is None or len(buf) < size:
+        buf = _local.stored = bytearray(size)
+    return memoryview(buf)[:size]
+
+
+_local = threading.local()
+
+
 def _read_chunk(opened: OpenedFile, index: int, chunk: Chunk, sid: int, out: memoryview) -> None:
-    itemsize = opened.manifest.storages[sid].itemsize
     if chunk.codec == "raw":
         got = opened.storage.read_into(opened.path, chunk.offset, out)
-        stored: bytes | memoryview = out[:got]
+        stored = out[:got]
     else:
-        stored = opened.storage.read_range(opened.path, chunk.offset, chunk.stored_len)
-        got = len(stored)
-    keys = opened.manifest.keys_of_storage(sid)
+        stored = _stored_scratch(chunk.stored_len)
+        got = opened.storage.read_into(opened.path, chunk.offset, stored)
+        stored = stored[:got]
     if got != chunk.stored_len:
-        raise ChecksumError(
-            opened.name, index, keys, f"only {got} of {chunk.stored_len} bytes could be read"
-        )
+        detail = f"only {got} of {chunk.stored_len} bytes could be read"
+        raise ChecksumError(opened.name, index, opened.manifest.keys_of_storage(sid), detail)
     if checksum(stored) != chunk.crc32:
-        raise ChecksumError(opened.name, index, keys, "checksum mismatch")
+        raise ChecksumError(
+            opened.name, index, opened.manifest.keys_of_storage(sid), "checksum mismatch"
+        )
     if chunk.codec != "raw":
         try:
-            decode_chunk(stored, chunk.codec, itemsize, out)
+            decode_chunk(stored, chunk.codec, opened.manifest.storages[sid].itemsize, out)
         except FormatError as exc:
+            keys = opened.manifest.keys_of_storage(sid)
             raise ChecksumError(opened.name, index, keys, str(exc)) from exc
 
 
-def materialize(opened: OpenedFile, placement: Placement, threads: int) -> Any:
-    """Read everything and rebuild the saved object, tensors placed per ``placement``."""
+def materialize(opened: OpenedFile, placement: Placement, threads: int, into: Any = None) -> Any:
+    """Read everything and rebuild the saved object, tensors placed per ``placement``.
+
+    Args:
+        opened: the file.
+        placement: where tensors go.
+        threads: reader threads.
+        into: optional existing state (e.g. ``model.state_dict()``); each saved tensor whose
+            key path matches a tensor there is loaded into that tensor, in place, and the
+            returned object holds the existing tensor. CPU tensors that match exactly are
+            read straight into their memory, without a second copy.
+
+    Raises:
+        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
+    """
     manifest = opened.manifest
-    raw = read_storages(opened, threads)
-    placed = [placement.place(buf, entry.device) for buf, entry in zip(raw, manifest.storages)]
-    tensors = [
-        _view(placed[t.storage], t.dtype, t.shape, t.stride, t.offset, t.requires_grad, t.parameter)
-        for t in manifest.tensors
+    targets = tensor_paths(into) if into is not None else {}
+    direct = _direct_targets(manifest, targets)
+    destinations = [
+        direct[sid][1] if sid in direct else None for sid in range(len(manifest.storages))
     ]
+    pins = [placement.wants_pinned(entry.device) for entry in manifest.storages]
+    raw = read_storages(opened, threads, destinations, pins)
+    placed = [
+        buf if sid in direct else placement.place(buf, entry.device)
+        for sid, (buf, entry) in enumerate(zip(raw, manifest.storages))
+    ]
+    tensors = []
+    for entry in manifest.tensors:
+        target = targets.get(entry.key)
+        if target is not None and entry.storage in direct:
+            tensors.append(target)
+            continue
+        view = _view(
+            placed[entry.storage],
+            entry.dtype,
+            entry.shape,
+            entry.stride,
+            entry.offset,
+            entry.requires_grad,
+            entry.parameter,
+        )
+        if target is not None:
+            _check_target(opened.name, entry.key, target, view)
+            with torch.no_grad():
+                target.copy_(view)
+            view = target
+        tensors.append(view)
+    placement.synchronize()
     arrays = [_array(raw[a.storage], a.dtype, a.shape, a.scalar) for a in manifest.arrays]
     return unflatten(manifest.root, tensors, arrays, opened.name)
+
+
+def _direct_targets(
+    manifest: Manifest, targets: dict[str, torch.Tensor]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Storages that can be read straight into an existing tensor: sid -> (tensor, bytes)."""
+    users: dict[int, int] = {}
+    for entry in manifest.tensors:
+        users[entry.storage] = users.get(entry.storage, 0) + 1
+    direct = {}
+    for entry in manifest.tensors:
+        target = targets.get(entry.key)
+        storage = manifest.storages[entry.storage]
+        if (
+            target is None
+            or users[entry.storage] != 1
+            or target.device.type != "cpu"
+            or not target.is_contiguous()
+            or dtype_name(target.dtype) != entry.dtype
+            or tuple(target.shape) != entry.shape
+            or entry.offset != 0
+            or target.numel() * target.element_size() != storage.nbytes
+            or (target.numel() > 1 and entry.stride != tuple(target.stride()))
+        ):
+            continue
+        data = torch.empty(0, dtype=torch.uint8).set_(
+            target.untyped_storage(),
+            target.storage_offset() * target.element_size(),
+            (storage.nbytes,),
+            (1,),
+        )
+        direct[entry.storage] = (target, data)
+    return direct
+
+
+def _check_target(name: str, key: str, target: torch.Tensor, loaded: torch.Tensor) -> None:
+    if target.shape != loaded.shape or target.dtype != loaded.dtype:
+        raise ValueError(
+            f"{name}: cannot load {key} into the given tensor: saved {loaded.dtype} "
+            f"{tuple(loaded.shape)}, target {target.dtype} {tuple(target.shape)}"
+        )
 
 
 def _view(

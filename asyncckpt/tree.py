@@ -121,7 +121,7 @@ class _Flattener:
                 items = [self.node(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
                 return {"list" if type(obj) is list else "tuple": items}
             pairs = [
-                [self.key(k, path), self.node(v, f"{path}[{k!r}]", depth + 1)]
+                [self.key(k, path), self.node(v, child_path(path, k), depth + 1)]
                 for k, v in obj.items()
             ]
             if type(obj) is dict:
@@ -192,6 +192,31 @@ def _unsupported_reason(obj: Any) -> str:
         f"objects of type {kind.__module__}.{kind.__qualname__} are not supported; "
         "store plain data (dicts, lists, numbers, strings, tensors, arrays)"
     )
+
+
+def tensor_paths(obj: Any) -> dict[str, torch.Tensor]:
+    """Every tensor in ``obj`` (dicts, lists, tuples) by the key path ``flatten`` gives it.
+
+    Example:
+        >>> list(tensor_paths({"model": {"w": torch.zeros(1)}}))
+        ["state['model']['w']"]
+    """
+    found: dict[str, torch.Tensor] = {}
+    stack: list[tuple[Any, str, int]] = [(obj, ROOT_NAME, 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, torch.Tensor):
+            found.setdefault(path, node)
+        elif depth < MAX_DEPTH and isinstance(node, dict):
+            stack.extend((v, child_path(path, k), depth + 1) for k, v in node.items())
+        elif depth < MAX_DEPTH and isinstance(node, (list, tuple)):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
+    return found
+
+
+def child_path(path: str, key: Any) -> str:
+    """The key path of ``container[key]`` given the container's path."""
+    return f"{path}[{key!r}]"
 
 
 def unflatten(
@@ -279,7 +304,7 @@ class _Unflattener:
                 hash(key)  # a tuple holding a list
             except TypeError:
                 raise self.fail(path, f"unhashable key {key!r}") from None
-            out.append((key, self.node(pair[1], f"{path}[{key!r}]", depth)))
+            out.append((key, self.node(pair[1], child_path(path, key), depth)))
         return out
 
     def float_(self, value: Any, path: str) -> float:
