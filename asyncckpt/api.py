@@ -223,9 +223,9 @@ def write_options(compression: str) -> WriteOptions:
     )
 
 
-def stage(obj: Any) -> Snapshot:
+def stage(obj: Any, overlap: bool = False) -> Snapshot:
     """Validate ``obj`` and copy its data into a host arena (the blocking part of a save)."""
-    return snapshot(flatten(obj), _arena_pool())
+    return snapshot(flatten(obj), _arena_pool(), overlap)
 
 
 def save(

@@ -75,6 +75,9 @@ class Checkpointer:
         process_group: the group whose ranks share this root (default: the default group,
             when ``torch.distributed`` is initialized).
         writer_rank: the rank (within the group) that writes; other ranks only load.
+        overlap: let ``save`` return once device-to-host copies are *queued*, so they
+            overlap the next forward and backward; call :meth:`protect` on the optimizer so
+            its next ``step()`` waits for the copies. Without CUDA this changes nothing.
 
     Raises:
         ValueError: a bad ``keep_last`` or ``compression``.
@@ -99,6 +102,7 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
         writer_rank: int = 0,
+        overlap: bool = False,
     ) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be None or a positive int, got {keep_last!r}")
@@ -116,6 +120,8 @@ class Checkpointer:
         self._last_step: int | None = None
         self._known_version: VersionRecord | None = None
         self._closed = False
+        self.overlap = overlap
+        self._last_snapshot: Snapshot | None = None
         if self.is_writer:
             self._recover()
 
@@ -170,7 +176,8 @@ class Checkpointer:
         options = write_options(self.compression)
         with self._lock:
             self._check_new_step(step)
-            snap = stage(state)
+            snap = stage(state, self.overlap)
+            self._last_snapshot = snap
             self._last_step = step
             path = self._storage.join(
                 step_dir(self._storage, self._root, step), data_file_name(self.rank, self._token)
@@ -184,6 +191,37 @@ class Checkpointer:
             self._pending = [(s, h) for s, h in self._pending if not h.done()]
             self._pending.append((step, handle))
         return handle
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the last save's device-to-host copies have landed.
+
+        Only needed with ``overlap=True``: before that, the state's tensors must not change.
+        """
+        snap = self._last_snapshot
+        if snap is not None:
+            snap.wait_copied()
+
+    def protect(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait for the last save's copies (for ``overlap=True``).
+
+        Args:
+            optimizer: the optimizer whose ``step`` mutates the saved parameters.
+
+        Returns:
+            The hook handle; ``.remove()`` undoes it.
+
+        Example:
+            >>> import torch, asyncckpt, tempfile
+            >>> model = torch.nn.Linear(2, 2)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> ckpt = asyncckpt.Checkpointer(tempfile.mkdtemp(), overlap=True)
+            >>> hook = ckpt.protect(opt)
+            >>> _ = ckpt.save(1, model.state_dict())
+            >>> model(torch.ones(2)).sum().backward()
+            >>> opt.step()  # waits for the snapshot's copies first
+            >>> ckpt.close()
+        """
+        return optimizer.register_step_pre_hook(lambda *_: self.wait_for_snapshot())
 
     def _check_new_step(self, step: int) -> None:
         if read_commit(self._storage, self._root, step) is not None:

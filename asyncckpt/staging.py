@@ -7,7 +7,7 @@ and grow the process (the leak users report with other async checkpointers). At 
 write to finish, which bounds host memory to ``max_inflight`` x the state size.
 
 Storages shared by several tensors (tied weights, views) are copied once. Device-specific
-code is confined to :func:`_copy_into` and :func:`_allocate`.
+code is confined to :class:`DeviceCopies` and :func:`_allocate`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ class Snapshot:
     arrays: list[ArrayEntry]
     storages: list[StagedStorage]
     lease: ArenaLease
+    copies: DeviceCopies
+
+    def wait_copied(self) -> None:
+        """Block until the device-to-host copies have landed (a no-op once they have)."""
+        self.copies.wait()
 
     @property
     def raw_bytes(self) -> int:
@@ -123,23 +128,53 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-    """Copy ``src`` (any device) into the host view ``dst``."""
-    if src.device.type == "cuda":
-        # Ordered after the work already queued on the producer stream, then overlapped
-        # with other copies on the side stream; synchronized once in ``snapshot``.
-        stream.wait_stream(torch.cuda.current_stream(src.device))
+class DeviceCopies:
+    """Device-to-host copies: one side stream per CUDA device, ordered after the producer.
+
+    Each side stream first waits for the work already queued on its device's current
+    stream (so the copy sees the values as of the ``save`` call), then copies with
+    ``non_blocking=True`` into pinned memory. ``record_stream`` keeps the caching allocator
+    from reusing a source's memory before its copy ran, even if the caller frees it.
+    Without CUDA this is a plain synchronous ``copy_``.
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        self._events: list[Any] = []
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (any device) into the host view ``dst``."""
+        if src.device.type != "cuda":
+            dst.copy_(src)
+            return
+        stream = self._streams.get(src.device)
+        if stream is None:
+            stream = torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            self._streams[src.device] = stream
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-            src.record_stream(stream)
-    else:
-        dst.copy_(src)
+        src.record_stream(stream)
+
+    def record(self) -> None:
+        """Mark the end of the copies queued so far (one event per device)."""
+        for stream in self._streams.values():
+            self._events.append(stream.record_event())
+
+    def wait(self) -> None:
+        """Block until every queued copy has landed in host memory."""
+        for event in self._events:
+            event.synchronize()
+        self._events.clear()
 
 
-def snapshot(flat: Flattened, pool: ArenaPool) -> Snapshot:
+def snapshot(flat: Flattened, pool: ArenaPool, overlap: bool = False) -> Snapshot:
     """Copy the data of ``flat`` into an arena from ``pool``.
 
-    Returns once every byte is in host memory, so the caller may modify or free its tensors.
+    By default returns once every byte is in host memory, so the caller may modify or free
+    its tensors. With ``overlap=True``, CUDA copies may still be in flight when this returns:
+    the caller must not modify CUDA tensors before ``Snapshot.wait_copied()`` (see
+    ``Checkpointer.protect``); CPU data is always copied before returning.
     """
     tensors = [_resolved(t) for t, _ in flat.tensors]
     storage_of: dict[tuple[str, int], int] = {}
@@ -172,7 +207,7 @@ def snapshot(flat: Flattened, pool: ArenaPool) -> Snapshot:
         arrays.append(ArrayEntry(len(sources), a.dtype.str, tuple(a.shape), scalar, key))
         sources.append(contiguous.reshape(-1).view(np.uint8))
         kinds.append((contiguous.dtype.itemsize, a.dtype.kind in "fc", "cpu"))
-    return _stage(flat.root, entries, arrays, sources, kinds, pool)
+    return _stage(flat.root, entries, arrays, sources, kinds, pool, overlap)
 
 
 def _stage(
@@ -182,6 +217,7 @@ def _stage(
     sources: list[torch.Tensor | np.ndarray[Any, Any]],
     kinds: list[tuple[int, bool, str]],
     pool: ArenaPool,
+    overlap: bool,
 ) -> Snapshot:
     sizes = [int(s.nbytes) if isinstance(s, np.ndarray) else s.numel() for s in sources]
     offsets, end = [], 0
@@ -189,27 +225,22 @@ def _stage(
         offsets.append(end)
         end += -(-size // _ALIGN) * _ALIGN
     lease = pool.acquire(end)
+    copies = DeviceCopies()
     try:
-        stream = _side_stream(sources)
         staged = []
         for src, off, size, (itemsize, is_float, device) in zip(sources, offsets, sizes, kinds):
             dst = lease.buffer[off : off + size]
-            source = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
-            _copy_into(dst, source, stream)
+            copies.copy(dst, torch.from_numpy(src) if isinstance(src, np.ndarray) else src)
             staged.append(StagedStorage(dst, itemsize, is_float, device))
-        if stream is not None:
-            stream.synchronize()
+        copies.record()
+        if not overlap:
+            copies.wait()
     except BaseException:
+        copies.record()  # never hand back a buffer that a copy is still writing into
+        copies.wait()
         lease.release()
         raise
-    return Snapshot(root, tensors, arrays, staged, lease)
-
-
-def _side_stream(sources: list[Any]) -> Any:
-    for src in sources:
-        if isinstance(src, torch.Tensor) and src.device.type == "cuda":
-            return torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
-    return None
+    return Snapshot(root, tensors, arrays, staged, lease, copies)
 
 
 def _resolved(t: torch.Tensor) -> torch.Tensor:

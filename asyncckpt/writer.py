@@ -76,6 +76,7 @@ def write_snapshot(
     Raises:
         StorageError: the backend failed (the target is untouched).
     """
+    snap.wait_copied()  # in overlap mode, device copies may still be landing
     with storage.atomic_write(path) as out:
         header = encode_header()
         out.write(header)
