@@ -8,6 +8,7 @@ loading rank's own device, and no rank sits in a collective while a write is in 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -122,6 +123,7 @@ class Checkpointer:
         self._closed = False
         self.overlap = overlap
         self._last_snapshot: Snapshot | None = None
+        self._agreed_step: int | None = None
         if self.is_writer:
             self._recover()
 
@@ -141,12 +143,16 @@ class Checkpointer:
             if step not in committed:
                 log.info("removing step %d under %s: it was never committed", step, self.root)
                 delete_version(storage, root, step)
+        for step in committed:  # a crash between an exclusive create and its clean-up
+            remove_temp_files(storage, step_dir(storage, root, step))
         record = read_version_file(storage, root)
         if committed and (record is None or record.step != committed[-1]):
             record = VersionRecord(committed[-1], self._token)
             write_version_file(storage, root, record)
         self._known_version = record
         self._last_step = committed[-1] if committed else None
+        # No retention here: opening a root (perhaps only to load an old version) never
+        # deletes a committed version; the next commit applies keep_last.
 
     def save(self, step: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` and write it as version ``step`` in the background.
@@ -245,6 +251,14 @@ class Checkpointer:
             record = VersionRecord(step, self._token)
             write_version_file(storage, root, record)
             self._known_version = record
+        except ConflictError:
+            # Another writer committed this step: its version is intact; remove our data.
+            if read_commit(storage, root, step) is not None:
+                with contextlib.suppress(AsyncCkptError):
+                    storage.delete(path)
+            else:
+                mark_failed(storage, root, step, ConflictError("two writers on one root"))
+            raise
         except BaseException as exc:
             mark_failed(storage, root, step, exc)
             raise
@@ -272,6 +286,8 @@ class Checkpointer:
                 committed_steps(storage, root), step_dirs(storage, root), self.keep_last, pinned
             )
             for step in plan:
+                if step == self._agreed_step:
+                    continue  # a rank may still be reading it (see _agree_on_step)
                 delete_version(storage, root, step)
             remove_temp_files(storage, root)
         except AsyncCkptError as exc:  # the new version is committed; do not fail the save
@@ -336,7 +352,8 @@ class Checkpointer:
             CheckpointNotFoundError: nothing is committed under the root.
             CheckpointTimeoutError: ``step`` was not committed within ``timeout``.
             IncompleteCheckpointError: the save of ``step`` failed, or the version was
-                deleted while it was being read.
+                deleted while it was being read. On the writer, the failure of its own
+                save of ``step`` is raised as it is (e.g. a StorageError).
         """
         self._check_open()
         placement = Placement(map_location)
@@ -351,8 +368,9 @@ class Checkpointer:
             target = step if step is not None else self.latest()
         if target is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
-        self._wait_committed(target, timeout)
-        return self._read(target, placement, step is None and not use_group, into)
+        follow_latest = step is None and not use_group
+        self._wait_committed(target, timeout, poll=not follow_latest)
+        return self._read(target, placement, follow_latest, into)
 
     def _newest_expected(self) -> int | None:
         with self._lock:
@@ -375,6 +393,10 @@ class Checkpointer:
         )
         dist.broadcast(value, src=src, group=self._group)
         agreed = int(value.item())
+        if agreed >= 0:
+            # Every rank finished the previous collective load before entering this one, so
+            # only the step agreed now can still be in use by a slow rank: retention spares it.
+            self._agreed_step = agreed
         if step is not None and agreed != step:
             raise ValueError(
                 f"rank {self.rank} asked for step {step} but the writer rank "
@@ -382,13 +404,19 @@ class Checkpointer:
             )
         return None if agreed < 0 else agreed
 
-    def _wait_committed(self, step: int, timeout: float | None) -> None:
+    def _wait_committed(self, step: int, timeout: float | None, poll: bool) -> None:
+        """Wait for this process's own save of ``step``, then (if ``poll``) for storage.
+
+        Without ``poll`` the step is known to be committed already (or to be this
+        process's own save); if retention removes it meanwhile, the read moves on.
+        """
         if self.is_writer:
             with self._lock:
                 mine = [h for s, h in self._pending if s == step]
             for handle in mine:
                 handle.result(timeout)
-        wait_for_step(self._storage, self._root, step, timeout)
+        if poll:
+            wait_for_step(self._storage, self._root, step, timeout)
 
     def _read(self, step: int, placement: Placement, follow_latest: bool, into: Any) -> Any:
         threads = config.tunable("threads", None)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import (
-    AsyncCkptError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     ConflictError,
@@ -137,7 +136,7 @@ def mark_failed(storage: Storage, root: str, step: int, error: BaseException) ->
     path = storage.join(step_dir(storage, root, step), FAILED_FILE)
     try:
         storage.write_bytes(path, _encode({"step": step, "error": str(error)[:2000]}))
-    except AsyncCkptError as exc:
+    except Exception as exc:  # best effort: the original error is what matters
         log.warning("could not record the failure of step %d: %s", step, exc)
 
 
@@ -213,7 +212,8 @@ def retention_plan(
 
 
 def remove_temp_files(storage: Storage, root: str) -> None:
-    """Delete temp files that interrupted writes left directly under ``root``."""
+    """Delete temp files that interrupted writes left directly under ``root`` (a root or a
+    step directory)."""
     for name in storage.list_dir(root):
         if is_temp_name(name):
             storage.delete(storage.join(root, name))
