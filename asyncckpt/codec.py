@@ -11,6 +11,7 @@ releases the GIL while it works.
 
 from __future__ import annotations
 
+import struct
 import threading
 import zlib
 
@@ -66,15 +67,30 @@ def encode_chunk(
     """
     if compression == "none" or len(raw) == 0:
         return "raw", raw
-    codec = "zstd"
-    payload: memoryview = raw
     if is_float and itemsize > 1 and len(raw) % itemsize == 0:
-        codec = "zstd-bytegroup"
-        payload = group_bytes(raw, itemsize)
-    stored = _compressor(level).compress(payload)
+        codec, stored = "zstd-bytegroup", _encode_planes(raw, itemsize, level)
+    else:
+        codec, stored = "zstd", _compressor(level).compress(raw)
     if len(stored) >= len(raw):
         return "raw", raw
     return codec, stored
+
+
+def _encode_planes(raw: memoryview, itemsize: int, level: int) -> bytes:
+    """Group bytes by position, then compress each plane alone (raw if it does not shrink).
+
+    Separate frames let each plane (sign/exponent bytes, noisy mantissa bytes) get its own
+    entropy tables, and a noisy plane costs nothing once it is stored raw.
+    """
+    grouped = group_bytes(raw, itemsize)
+    plane = len(raw) // itemsize
+    parts = []
+    for j in range(itemsize):
+        data = grouped[j * plane : (j + 1) * plane]
+        packed = _compressor(level).compress(data)
+        parts.append(packed if len(packed) < plane else data)
+    header = struct.pack(f"<{itemsize}I", *(len(p) for p in parts))
+    return b"".join([header, *parts])
 
 
 def decode_chunk(stored: bytes | memoryview, codec: str, itemsize: int, out: memoryview) -> None:
@@ -90,10 +106,30 @@ def decode_chunk(stored: bytes | memoryview, codec: str, itemsize: int, out: mem
         return
     if codec == "zstd-bytegroup":
         scratch = _scratch(len(out))
-        _decompress_into(stored, scratch)
+        _decode_planes(stored, itemsize, scratch)
         ungroup_bytes(scratch, itemsize, out)
     else:
         _decompress_into(stored, out)
+
+
+def _decode_planes(stored: bytes | memoryview, itemsize: int, out: memoryview) -> None:
+    """Inverse of :func:`_encode_planes` before ungrouping: fill ``out`` plane by plane."""
+    if len(out) % itemsize:
+        raise FormatError(f"byte-grouped chunk of {len(out)} bytes is not a multiple of {itemsize}")
+    plane, head = len(out) // itemsize, 4 * itemsize
+    if len(stored) < head:
+        raise FormatError(f"byte-grouped chunk of {len(stored)} bytes has no plane table")
+    lengths = struct.unpack_from(f"<{itemsize}I", stored)
+    if any(n > plane for n in lengths) or head + sum(lengths) != len(stored):
+        raise FormatError(f"byte-grouped chunk's plane lengths {lengths} do not add up")
+    view, pos = memoryview(stored), head
+    for j, n in enumerate(lengths):
+        dst = out[j * plane : (j + 1) * plane]
+        if n == plane:  # stored raw: a zstd frame is only kept when strictly shorter
+            dst[:] = view[pos : pos + n]
+        else:
+            _decompress_into(view[pos : pos + n], dst)
+        pos += n
 
 
 def _scratch(size: int) -> memoryview:

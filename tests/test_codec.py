@@ -61,8 +61,17 @@ def test_float_weights_use_bytegroup_and_shrink(dtype: torch.dtype, itemsize: in
     )
     assert codec == "zstd-bytegroup"
     assert len(stored) < len(raw)
-    # The stored payload is zstd over the grouped bytes, nothing else.
-    assert zstandard.ZstdDecompressor().decompress(stored) == group_bytes(raw, itemsize)
+    # The stored payload is a table of plane lengths, then each byte plane of the grouped
+    # bytes as its own zstd frame, or raw when compressing it did not help.
+    lengths = struct.unpack_from(f"<{itemsize}I", stored)
+    assert 4 * itemsize + sum(lengths) == len(stored)
+    grouped, plane, pos = group_bytes(raw, itemsize), len(raw) // itemsize, 4 * itemsize
+    for j, n in enumerate(lengths):
+        part = bytes(stored[pos : pos + n])
+        expected = bytes(grouped[j * plane : (j + 1) * plane])
+        assert (part if n == plane else zstandard.ZstdDecompressor().decompress(part)) == expected
+        pos += n
+    assert any(n < plane for n in lengths)  # the sign/exponent plane shrinks
     out = bytearray(len(raw))
     decode_chunk(stored, codec, itemsize, memoryview(out))
     assert bytes(out) == raw
@@ -185,14 +194,49 @@ def test_zstd_decode_of_wrong_length_raises(codec: str, out_len: int) -> None:
         decode_chunk(stored, codec, 4, memoryview(bytearray(out_len)))
 
 
-@pytest.mark.parametrize("codec", ["zstd", "zstd-bytegroup"])
-def test_frame_without_content_size_is_bounded_by_raw_length(codec: str) -> None:
+def test_frame_without_content_size_is_bounded_by_raw_length() -> None:
     stored = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(400))
     out = bytearray(400)
-    decode_chunk(stored, codec, 4, memoryview(out))
+    decode_chunk(stored, "zstd", 4, memoryview(out))
     assert bytes(out) == bytes(400)
     with pytest.raises(FormatError):
-        decode_chunk(stored, codec, 4, memoryview(bytearray(200)))
+        decode_chunk(stored, "zstd", 4, memoryview(bytearray(200)))
+
+
+def _planes(frames: list[bytes]) -> bytes:
+    return struct.pack(f"<{len(frames)}I", *map(len, frames)) + b"".join(frames)
+
+
+def test_bytegroup_planes_without_content_size_are_bounded() -> None:
+    frame = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(100))
+    out = bytearray(400)
+    decode_chunk(_planes([frame] * 4), "zstd-bytegroup", 4, memoryview(out))
+    assert bytes(out) == bytes(400)
+    with pytest.raises(FormatError):  # each plane would decode to 100, not 50 bytes
+        decode_chunk(_planes([frame] * 4), "zstd-bytegroup", 4, memoryview(bytearray(200)))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",  # no plane table
+        struct.pack("<4I", 1, 1, 1, 1),  # lengths promise bytes that are not there
+        struct.pack("<4I", 200, 0, 0, 0) + bytes(200),  # a plane longer than n / itemsize
+        struct.pack("<4I", 100, 100, 100, 100) + bytes(400) + b"x",  # trailing bytes
+    ],
+)
+def test_bytegroup_plane_table_is_checked(payload: bytes) -> None:
+    with pytest.raises(FormatError):
+        decode_chunk(payload, "zstd-bytegroup", 4, memoryview(bytearray(400)))
+
+
+def test_bytegroup_raw_planes_round_trip() -> None:
+    raw = bytes(range(256)) * 4
+    out = bytearray(len(raw))
+    grouped = bytes(group_bytes(raw, 4))
+    planes = [grouped[j * 256 : (j + 1) * 256] for j in range(4)]
+    decode_chunk(_planes(planes), "zstd-bytegroup", 4, memoryview(out))
+    assert bytes(out) == raw
 
 
 @pytest.mark.parametrize("claim", [1000, 1 << 30, 1 << 40, (1 << 64) - 2])
