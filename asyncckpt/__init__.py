@@ -13,10 +13,15 @@ Example:
     tensor([1., 1.])
 """
 
+import logging
+
 from ._version import __version__
 from .api import SaveHandle, SaveInfo, SaveStats, load, save, wait
 from .checkpointer import Checkpointer
 from .errors import AsyncCkptError
+
+# A library prints nothing unless the application configures logging.
+logging.getLogger("asyncckpt").addHandler(logging.NullHandler())
 
 __all__ = [
     "AsyncCkptError",

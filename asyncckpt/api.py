@@ -44,6 +44,13 @@ class SaveStats:
     stored_bytes: int | None = None
 
     @property
+    def throughput(self) -> float | None:
+        """Raw bytes per second from the call until durable, once known."""
+        if not self.total_s:
+            return None
+        return self.raw_bytes / self.total_s
+
+    @property
     def ratio(self) -> float | None:
         """``stored_bytes / raw_bytes`` once known (lower is better)."""
         if self.stored_bytes is None or not self.raw_bytes:
@@ -143,13 +150,15 @@ class SaveHandle:
                 self._stats.blocking_s, self._stats.raw_bytes, total, future.result()
             )
             log.info(
-                "saved %s: blocked %.3f s, durable after %.3f s, %d bytes raw, %d stored (%.1f%%)",
+                "saved %s: blocked %.3f s, durable after %.3f s, %d bytes raw, %d stored "
+                "(%.1f%%), %.1f MB/s",
                 self.path,
                 self._stats.blocking_s,
                 total,
                 self._stats.raw_bytes,
                 future.result(),
                 100 * (self._stats.ratio or 0),
+                (self._stats.throughput or 0) / 1e6,
             )
         else:
             log.error("background save to %s failed: %s", self.path, exc)

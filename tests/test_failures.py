@@ -382,10 +382,12 @@ def test_real_backend_error_without_injection(any_root: str) -> None:
 
 _EXIT_SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import logging, sys, time
     import torch
     import asyncckpt
     import asyncckpt.writer
+
+    logging.basicConfig(level=logging.INFO)  # the library itself prints nothing
 
     real = asyncckpt.writer.encode_chunk
 
