@@ -267,7 +267,9 @@ class Checkpointer:
 
     def _check_sole_writer(self, step: int) -> None:
         current = read_version_file(self._storage, self._root)
-        if current != self._known_version and current is not None:
+        # A record with our own token is ours, even if we never learned that its write
+        # landed (a response lost after the last retry on an object store).
+        if current is not None and current != self._known_version and current.writer != self._token:
             raise ConflictError(
                 f"another writer (id {current.writer}) moved the version file under "
                 f"{self.root} to step {current.step} since this Checkpointer last "

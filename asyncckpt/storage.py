@@ -9,6 +9,8 @@ interface:
   ``Checkpointer`` clean-up, never a partial target.
 * :class:`FsspecStorage` — any other fsspec filesystem (``memory://`` and friends): the same
   temp-then-move sequence through fsspec calls.
+* :class:`~asyncckpt.objectstore.ObjectStorage` — object stores (``s3://``): no renames; data
+  at its final key through a single PUT or a multipart upload, conditional creates.
 
 Every backend error surfaces as :class:`~asyncckpt.errors.StorageError` (or
 :class:`~asyncckpt.errors.CheckpointNotFoundError`) chained with ``from``.
@@ -393,10 +395,22 @@ def resolve(
         )
     if "://" not in f:
         return LocalStorage(), os.path.abspath(f)
+    from .objectstore import ObjectStorage, is_object_store, prepare_options
+
     try:
-        fs, path = fsspec.core.url_to_fs(f, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(f, **prepare_options(f, dict(storage_options or {})))
     except (ImportError, ValueError) as exc:
         raise StorageError(f"cannot open {f.split('://')[0]}:// storage: {exc}") from exc
     if isinstance(fs, LocalFileSystem):
         return LocalStorage(), os.path.abspath(path)
+    if is_object_store(fs):  # s3:// (and wrappers of it): no renames, see objectstore.py
+        return ObjectStorage(fs, label=f[: f.rindex("://") + 3]), path
     return FsspecStorage(fs), path
+
+
+# Test and simulation filesystems from asyncckpt.testing (imported only when used):
+# ``faulty::<url>`` injects faults, latency and bandwidth limits into any filesystem, and
+# ``s3mem://`` serves the S3 API from memory.
+for _name, _cls in (("faulty", "FaultyFileSystem"), ("s3mem", "MemoryS3FileSystem")):
+    with contextlib.suppress(ValueError):
+        fsspec.register_implementation(_name, f"asyncckpt.testing.{_cls}")

@@ -29,7 +29,7 @@ from asyncckpt.cli import build_parser
 from asyncckpt.config import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "docs" / "guide.md", REPO / "README.md"]
+DOCS = [REPO / "docs" / "guide.md", REPO / "docs" / "s3.md", REPO / "README.md"]
 _FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 
 

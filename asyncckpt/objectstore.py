@@ -1,0 +1,957 @@
+"""Object storage (S3 and S3-compatible stores, through s3fs): atomic writes without renames.
+
+A "rename" on an object store is a copy and a delete, neither atomic nor cheap, so
+:class:`ObjectStorage` never renames. Every file is written at its final key:
+
+* up to one part (``part_bytes``) of data: one ``PutObject``, which S3 applies whole or not
+  at all;
+* larger: a multipart upload whose parts are sent by a pool of threads while the caller
+  keeps writing (at most ``part_concurrency`` parts in flight, so a writer holds at most
+  ``(part_concurrency + 1) x part_bytes`` of memory). The object appears only when
+  :meth:`AtomicWriter.commit` completes the upload; :meth:`AtomicWriter.abort`, or any
+  failure, aborts the upload so that no parts are left behind.
+
+:meth:`ObjectStorage.create_exclusive` is a conditional ``PutObject`` (``If-None-Match: *``):
+of two writers creating one key, exactly one succeeds and the other gets
+:class:`~asyncckpt.errors.ConflictError`. Whether the store honours the condition is probed
+once per instance; a store that ignores it is used with a check-then-put that keeps the
+guarantee only for writers that do not race (a warning says so; see ``docs/s3.md``).
+
+Every request is retried on throttling (503 SlowDown), 5xx, 429, connection resets and
+timeouts, with exponential backoff and jitter, bounded by ``retry_attempts`` and
+``retry_deadline_s``; anything else (access denied, a missing bucket, a bad request) fails
+at once with :class:`~asyncckpt.errors.StorageError` naming the bucket and key. Messages
+and log lines never contain credentials: known secrets and credential-shaped strings are
+redacted, and a backend exception that carried one is not chained.
+
+Tunables (argument > ``ASYNCCKPT_*`` environment variable > default, see
+:mod:`asyncckpt.config`): ``part_bytes``, ``part_concurrency``, ``retry_attempts``,
+``retry_deadline_s``, ``retry_backoff_ms``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from . import config
+from .errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    ConflictError,
+    FormatError,
+    StorageError,
+)
+from .storage import AtomicWriter, Storage, temp_name
+from .workers import pool
+
+log = logging.getLogger("asyncckpt")
+T = TypeVar("T")
+
+#: fsspec protocols that :func:`asyncckpt.storage.resolve` routes to :class:`ObjectStorage`.
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a"})
+#: S3's limits: parts (except the last) of at least 5 MiB, at most 10,000 parts.
+MIN_PART_BYTES = 5 << 20
+MAX_PARTS = 10_000
+#: Part size doubles every this many parts, so a file of unknown size never runs out of parts.
+PARTS_PER_SIZE_STEP = 1_000
+_MAX_BACKOFF_S = 10.0
+_DELETE_BATCH = 1000
+
+# Indirection so tests can drive the retry loop with a fake clock.
+_clock: Callable[[], float] = time.monotonic
+_sleep: Callable[[float], None] = time.sleep
+
+_RETRY_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottled",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "ProvisionedThroughputExceededException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "ConditionalRequestConflict",
+        "OperationAborted",
+    }
+)
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+_RETRY_ERRNOS = frozenset(
+    {errno.EBUSY, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE}
+    | ({errno.EREMOTEIO} if hasattr(errno, "EREMOTEIO") else set())
+)
+
+
+def is_object_store(fs: Any) -> bool:
+    """Whether ``fs`` is (or wraps, like ``faulty::s3``) an S3-API object store."""
+    marker = getattr(fs, "wraps_object_store", None)
+    if marker is not None:
+        return bool(marker)
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & OBJECT_STORE_PROTOCOLS) and callable(getattr(fs, "call_s3", None))
+
+
+def prepare_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Storage options for ``url`` with asyncckpt's defaults for S3 filled in.
+
+    botocore's own retries are switched off (unless the caller configured them) so that
+    :class:`ObjectStorage`'s policy alone decides how often and how long a request is
+    retried, and the connection pool is sized for parallel parts and reads.
+    """
+    chain = [p.split("://", 1)[0] for p in url.split("::")]
+    protocol = chain[-1] if len(chain) > 1 else chain[0]
+    if protocol not in OBJECT_STORE_PROTOCOLS:
+        return options
+    out = dict(options)
+    if len(chain) > 1:
+        target = dict(out.get(protocol) or {})
+        out[protocol] = target
+    else:
+        target = out
+    kwargs = dict(target.get("config_kwargs") or {})
+    kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    kwargs.setdefault("max_pool_connections", 64)
+    target["config_kwargs"] = kwargs
+    return out
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What a backend exception means: its kind, S3 code and HTTP status if known."""
+
+    kind: str  # retry | conflict | missing | no-bucket | range | fatal
+    code: str | None
+    status: int | None
+    message: str
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen and len(seen) < 8:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _response(exc: BaseException) -> dict[str, Any] | None:
+    for e in _chain(exc):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and ("Error" in response or "ResponseMetadata" in response):
+            return response
+    return None
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        import asyncio
+
+        types.append(asyncio.TimeoutError)
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from botocore import exceptions as bce
+
+        types += [bce.HTTPClientError, bce.IncompleteReadError]
+        if hasattr(bce, "ResponseStreamingError"):
+            types.append(bce.ResponseStreamingError)
+    except ImportError:
+        pass
+    try:
+        import aiohttp
+
+        types.append(aiohttp.ClientError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+_TRANSIENT: tuple[type[BaseException], ...] | None = None
+
+
+def classify(exc: BaseException) -> _Failure:
+    """Decide what a backend exception means for the retry loop.
+
+    Example:
+        >>> classify(ConnectionResetError(104, "Connection reset by peer")).kind
+        'retry'
+        >>> classify(PermissionError("Access Denied")).kind
+        'fatal'
+    """
+    global _TRANSIENT
+    if _TRANSIENT is None:
+        _TRANSIENT = _transient_types()
+    response = _response(exc)
+    if response is not None:
+        error = response.get("Error") or {}
+        code = error.get("Code") or None
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        message = str(error.get("Message") or exc)
+        if code in _RETRY_CODES or status in _RETRY_STATUS:
+            return _Failure("retry", code, status, message)
+        if code == "PreconditionFailed" or status == 412:
+            return _Failure("conflict", code, status, message)
+        if code == "InvalidRange" or status == 416:
+            return _Failure("range", code, status, message)
+        if code == "NoSuchBucket":
+            return _Failure("no-bucket", code, status, message)
+        if code in ("NoSuchKey", "NoSuchUpload", "NotFound") or status == 404:
+            return _Failure("missing", code, status, message)
+        return _Failure("fatal", code, status, message)
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, _TRANSIENT):
+        return _Failure("retry", None, None, message)
+    if isinstance(exc, FileNotFoundError):
+        return _Failure("missing", None, None, message)
+    if isinstance(exc, FileExistsError):
+        return _Failure("conflict", None, None, message)
+    if isinstance(exc, OSError) and exc.errno in _RETRY_ERRNOS:
+        return _Failure("retry", None, None, message)
+    return _Failure("fatal", None, None, message)
+
+
+class RangeNotSatisfiable(StorageError):
+    """A ranged read started at or past the end of the object (read as empty)."""
+
+
+_CREDENTIAL_PATTERNS = (
+    (re.compile(r"\b(AKIA|ASIA|AROA|AIDA)[A-Z0-9]{12,}\b"), r"\1****"),
+    (re.compile(r"(Signature=)[0-9a-fA-F]{16,}"), r"\1****"),
+    (re.compile(r"(Credential=)[^\s,/&]+"), r"\1****"),
+    (re.compile(r"(X-Amz-Security-Token=)[^\s&]+", re.IGNORECASE), r"\1****"),
+    (re.compile(r"(aws_secret_access_key\s*[=:]\s*)\S+", re.IGNORECASE), r"\1****"),
+)
+_SECRET_FIELD = re.compile(r"key|secret|token|password|credential", re.IGNORECASE)
+
+
+def _collect_secrets(value: Any, out: set[str], field: str = "", depth: int = 0) -> None:
+    if depth > 4:
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _collect_secrets(v, out, str(k), depth + 1)
+    elif isinstance(value, str) and _SECRET_FIELD.search(field) and len(value) >= 4:
+        out.add(value)
+
+
+def secrets_of(fs: Any) -> tuple[str, ...]:
+    """Credential strings that ``fs`` (or a filesystem it wraps) or the environment holds."""
+    found: set[str] = set()
+    current, depth = fs, 0
+    while current is not None and depth < 4:
+        for attr in ("key", "secret", "token"):
+            value = getattr(current, attr, None)
+            if isinstance(value, str) and len(value) >= 4:
+                found.add(value)
+        _collect_secrets(getattr(current, "storage_options", None), found)
+        current, depth = getattr(current, "fs", None), depth + 1
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        value = os.environ.get(name, "")
+        if len(value) >= 4:
+            found.add(value)
+    return tuple(sorted(found, key=len, reverse=True))
+
+
+def redact(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """``text`` with every secret and credential-shaped substring replaced by ``****``.
+
+    Example:
+        >>> redact("key AKIAABCDEFGHIJKLMNOP and hunter22", ("hunter22",))
+        'key AKIA**** and ****'
+    """
+    for secret in secrets:
+        text = text.replace(secret, "****")
+    for pattern, replacement in _CREDENTIAL_PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def _leaks(exc: BaseException, secrets: tuple[str, ...]) -> bool:
+    for e in _chain(exc):
+        texts = [str(e), repr(getattr(e, "response", ""))]
+        if any(redact(t, secrets) != t for t in texts):
+            return True
+    return False
+
+
+# -- the storage ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a request is retried: at most ``attempts`` tries within ``deadline_s`` seconds.
+
+    The delay before retry ``n`` (1-based) is drawn uniformly from ``[d/2, d]`` with
+    ``d = min(10 s, backoff_s * 2**(n-1))`` ("equal jitter").
+    """
+
+    attempts: int
+    deadline_s: float
+    backoff_s: float
+
+    def delay(self, retry: int, rng: random.Random) -> float:
+        """Seconds to wait before retry number ``retry`` (1-based)."""
+        cap = min(_MAX_BACKOFF_S, self.backoff_s * 2.0 ** (retry - 1))
+        return cap / 2 + rng.uniform(0, cap / 2)
+
+
+class _Attempts:
+    """Counts the tries of one logical request (to recognise an ambiguous retry)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.failed_transiently = False
+
+
+class ObjectStorage(Storage):
+    """S3 (or an S3-compatible store) through an s3fs filesystem, with no renames.
+
+    Args:
+        fs: an ``s3fs.S3FileSystem`` (or a wrapper exposing its ``call_s3`` and
+            ``cat_file``, such as :class:`asyncckpt.testing.FaultyFileSystem`).
+        part_bytes: multipart part size (default: the ``part_bytes`` tunable).
+        part_concurrency: parts uploaded in parallel per file (``part_concurrency``).
+        retry_attempts: tries per request on transient errors (``retry_attempts``).
+        retry_deadline_s: seconds after which a request is no longer retried.
+        retry_backoff_ms: delay before the first retry, doubled per retry.
+        conditional_writes: whether the store honours ``If-None-Match: *``; None probes it
+            once, on the first :meth:`create_exclusive`.
+        label: the URL prefix used in messages (default ``s3://``).
+
+    Paths are ``bucket/key`` (no scheme), as :func:`asyncckpt.storage.resolve` returns.
+    """
+
+    def __init__(
+        self,
+        fs: Any,
+        *,
+        part_bytes: int | None = None,
+        part_concurrency: int | None = None,
+        retry_attempts: int | None = None,
+        retry_deadline_s: int | None = None,
+        retry_backoff_ms: int | None = None,
+        conditional_writes: bool | None = None,
+        label: str = "s3://",
+    ) -> None:
+        if not callable(getattr(fs, "call_s3", None)):
+            raise TypeError(
+                f"ObjectStorage needs an S3-API filesystem (s3fs), got {type(fs).__qualname__}"
+            )
+        self.fs = fs
+        self.label = label
+        self._explicit: dict[str, int | None] = {
+            "part_bytes": part_bytes,
+            "part_concurrency": part_concurrency,
+            "retry_attempts": retry_attempts,
+            "retry_deadline_s": retry_deadline_s,
+            "retry_backoff_ms": retry_backoff_ms,
+        }
+        for name, value in self._explicit.items():
+            if value is not None:
+                config.tunable(name, value)  # validate now
+        self.conditional_writes = conditional_writes
+        self._probe_lock = threading.Lock()
+        self._secrets = secrets_of(fs)
+        self._rng = random.Random()
+
+    def __repr__(self) -> str:
+        return f"ObjectStorage({self.label!r})"
+
+    # -- settings and plumbing --------------------------------------------------------------
+
+    def setting(self, name: str) -> int:
+        """A tunable as this storage uses it now (argument > environment > default)."""
+        return config.tunable(name, self._explicit[name])
+
+    def policy(self) -> RetryPolicy:
+        """The retry policy for the next request."""
+        return RetryPolicy(
+            attempts=self.setting("retry_attempts"),
+            deadline_s=float(self.setting("retry_deadline_s")),
+            backoff_s=self.setting("retry_backoff_ms") / 1000.0,
+        )
+
+    @staticmethod
+    def split(path: str) -> tuple[str, str]:
+        """``(bucket, key)`` of a ``bucket/key`` path."""
+        bucket, _, key = path.lstrip("/").partition("/")
+        return bucket, key
+
+    def _redact(self, text: str) -> str:
+        return redact(text, self._secrets)
+
+    def _error(
+        self, path: str, action: str, exc: BaseException, failure: _Failure, tries: int
+    ) -> AsyncCkptError:
+        """The asyncckpt error for a failed request (naming bucket and key, no secrets)."""
+        bucket, key = self.split(path)
+        where = self.describe(path)
+        what = failure.code or ""
+        if failure.status:
+            what = f"{what} (HTTP {failure.status})".strip()
+        detail = f"{what}: {failure.message}" if what else failure.message
+        after = f" after {tries} attempts" if tries > 1 else ""
+        err: AsyncCkptError
+        if failure.kind == "no-bucket":
+            err = StorageError(
+                f"{where}: {action} failed: bucket {bucket!r} does not exist ({detail})"
+            )
+        elif failure.kind == "missing":
+            err = CheckpointNotFoundError(f"{where}: no such object ({detail})")
+        elif failure.kind == "conflict":
+            err = ConflictError(f"{where} already exists ({detail})")
+        elif failure.kind == "range":
+            err = RangeNotSatisfiable(f"{where}: {action}: {detail}")
+        else:
+            hint = ""
+            if failure.status == 403 or isinstance(exc, PermissionError):
+                hint = (
+                    f"; check the credentials and that they may {action.split()[0]} "
+                    f"key {key!r} in bucket {bucket!r}"
+                )
+            elif failure.kind == "retry":
+                hint = " (transient errors persisted; see the retry_* tunables)"
+            err = StorageError(f"{where}: {action} failed{after}: {detail}{hint}")
+        message = self._redact(str(err))
+        if message != str(err):
+            err.args = (message,)
+        if _leaks(exc, self._secrets):
+            err.__cause__ = None
+            err.__suppress_context__ = True
+        else:
+            err.__cause__ = exc
+        return err
+
+    def request(
+        self,
+        action: str,
+        path: str,
+        fn: Callable[[], T],
+        attempts: _Attempts | None = None,
+    ) -> T:
+        """Run one backend request with the retry policy; raise asyncckpt errors only."""
+        policy = self.policy()
+        deadline = _clock() + policy.deadline_s
+        tries = attempts or _Attempts()
+        retry = 0
+        while True:
+            tries.count += 1
+            error: AsyncCkptError | None = None
+            try:
+                return fn()
+            except Exception as exc:
+                failure = classify(exc)
+                if failure.kind == "retry":
+                    tries.failed_transiently = True
+                    retry += 1
+                    pause = policy.delay(retry, self._rng)
+                    if retry >= policy.attempts or _clock() + pause > deadline:
+                        error = self._error(path, action, exc, failure, tries.count)
+                else:
+                    error = self._error(path, action, exc, failure, tries.count)
+            if error is not None:
+                raise error  # outside the except block: no implicit chaining of secrets
+            log.info(
+                "%s of %s failed (%s); retry %d of %d in %.2f s",
+                action,
+                self.describe(path),
+                self._redact(failure.message),
+                retry,
+                policy.attempts - 1,
+                pause,
+            )
+            _sleep(pause)
+
+    def call(
+        self,
+        action: str,
+        path: str,
+        method: str,
+        attempts: _Attempts | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """One S3 API call (``method``, e.g. ``"put_object"``) on ``path``'s bucket, retried."""
+        bucket, key = self.split(path)
+        if "Key" in kwargs and kwargs["Key"] is None:
+            kwargs["Key"] = key
+        result: dict[str, Any] = self.request(
+            action, path, lambda: self.fs.call_s3(method, Bucket=bucket, **kwargs), attempts
+        )
+        return result
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def open_atomic(self, path: str) -> AtomicWriter:
+        bucket, key = self.split(path)
+        if not bucket or not key:
+            raise StorageError(f"{self.describe(path)}: expected s3://bucket/key")
+        return _ObjectWriter(self, path)
+
+    def put(
+        self,
+        path: str,
+        data: bytes | bytearray,
+        attempts: _Attempts | None = None,
+        **kwargs: Any,
+    ) -> dict[str, Any]:
+        """One ``PutObject`` of ``data`` at ``path`` (retried)."""
+        return self.call("write", path, "put_object", attempts, Key=None, Body=data, **kwargs)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        if not self._conditional_writes_supported(path):
+            self._create_best_effort(path, data)
+            return
+        attempts = _Attempts()
+        try:
+            self.put(path, data, attempts, IfNoneMatch="*")
+        except ConflictError:
+            # A retried request may find the object that its own lost first try created.
+            if attempts.failed_transiently and self._holds(path, data):
+                return
+            raise ConflictError(f"{self.describe(path)} already exists") from None
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        try:
+            return self.read_range(path, 0, len(data) + 1) == data
+        except CheckpointNotFoundError:
+            return False
+
+    def _create_best_effort(self, path: str, data: bytes) -> None:
+        # Without conditional writes: refuse if it exists, write, then check what won.
+        if self._object_exists(path):
+            raise ConflictError(f"{self.describe(path)} already exists")
+        self.put(path, data)
+        if not self._holds(path, data):
+            raise ConflictError(f"{self.describe(path)} was created concurrently by another writer")
+
+    def _conditional_writes_supported(self, path: str) -> bool:
+        if self.conditional_writes is not None:
+            return self.conditional_writes
+        with self._probe_lock:
+            if self.conditional_writes is None:
+                self.conditional_writes = self._probe_conditional_writes(path)
+            return self.conditional_writes
+
+    def _probe_conditional_writes(self, path: str) -> bool:
+        """Put a probe object, then put it again with ``If-None-Match: *``: a store that
+        honours the condition refuses the second put."""
+        probe = temp_name(path)
+        bucket, key = self.split(probe)
+
+        def conditional_put() -> str:
+            try:
+                self.fs.call_s3(
+                    "put_object", Bucket=bucket, Key=key, Body=b"probe", IfNoneMatch="*"
+                )
+            except Exception as exc:
+                failure = classify(exc)
+                if failure.kind == "conflict":
+                    return "honoured"
+                if failure.kind == "fatal" and failure.status in (400, 501):
+                    return f"rejected ({failure.code or failure.status})"
+                raise
+            return "ignored"
+
+        self.put(probe, b"probe")
+        try:
+            outcome = self.request("probe conditional writes", probe, conditional_put)
+        finally:
+            self.delete(probe)
+        if outcome == "honoured":
+            return True
+        log.warning(
+            "%s%s: the store %s If-None-Match; exclusive creates (commit markers) fall back "
+            "to check-then-put, which two writers racing for one step can both pass "
+            "(see docs/s3.md)",
+            self.label,
+            bucket,
+            outcome,
+        )
+        return False
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def size(self, path: str) -> int:
+        head = self._head(path)
+        if head is None:
+            raise self._not_found(path)
+        return int(head["ContentLength"])
+
+    def _head(self, path: str) -> dict[str, Any] | None:
+        try:
+            return self.call("stat", path, "head_object", Key=None)
+        except CheckpointNotFoundError:
+            return None
+
+    def _not_found(self, path: str) -> AsyncCkptError:
+        bucket, _ = self.split(path)
+        try:
+            self.call("stat", bucket, "head_bucket")
+        except CheckpointNotFoundError:
+            return StorageError(f"{self.describe(path)}: bucket {bucket!r} does not exist")
+        except StorageError as exc:
+            return exc
+        return CheckpointNotFoundError(f"{self.describe(path)}: no such file")
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        bucket, key = self.split(path)
+        try:
+            data: bytes = self.request(
+                "read",
+                path,
+                lambda: self.fs.cat_file(f"{bucket}/{key}", start=start, end=start + length),
+            )
+        except RangeNotSatisfiable:
+            return b""
+        except CheckpointNotFoundError as exc:
+            raise self._not_found(path) from exc
+        return data
+
+    def read_bytes(self, path: str, limit: int) -> bytes:
+        data = self.read_range(path, 0, limit + 1)  # one request, not a HEAD and a GET
+        if len(data) > limit:
+            raise FormatError(f"{self.describe(path)}: larger than {limit} bytes")
+        if not data and not self._object_exists(path):
+            raise self._not_found(path)
+        return data
+
+    def exists(self, path: str) -> bool:
+        if self._object_exists(path):
+            return True
+        return bool(self._list(path, delimiter=True, max_keys=1))
+
+    def _object_exists(self, path: str) -> bool:
+        _, key = self.split(path)
+        return bool(key) and self._head(path) is not None
+
+    # -- listing and deleting ---------------------------------------------------------------
+
+    def _list(self, path: str, *, delimiter: bool, max_keys: int | None = None) -> list[str]:
+        """Keys (and, with ``delimiter``, common prefixes) below ``path`` + ``/``."""
+        _, key = self.split(path)
+        prefix = key.rstrip("/") + "/" if key.strip("/") else ""
+        out: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": prefix}
+            if delimiter:
+                kwargs["Delimiter"] = "/"
+            if max_keys is not None:
+                kwargs["MaxKeys"] = max_keys
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self.call("list", path, "list_objects_v2", **kwargs)
+            out += [c["Key"] for c in page.get("Contents") or []]
+            out += [p["Prefix"] for p in page.get("CommonPrefixes") or []]
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token or max_keys is not None:
+                return out
+
+    def list_dir(self, path: str) -> list[str]:
+        _, key = self.split(path)
+        cut = len(key.rstrip("/") + "/") if key.strip("/") else 0
+        names = {k[cut:].rstrip("/") for k in self._list(path, delimiter=True)}
+        # A directory exists while a file in it is being written, as on a local disk (where
+        # the temp file shows): so recovery and retention find, and delete_tree aborts, the
+        # uploads that a killed writer left in a step directory with no object yet.
+        names |= {k[cut:].split("/", 1)[0] for k, _ in self.uploads(path) if "/" in k[cut:]}
+        names.discard("")
+        return sorted(names)
+
+    def delete(self, path: str) -> None:
+        with contextlib.suppress(CheckpointNotFoundError):
+            self.call("delete", path, "delete_object", Key=None)
+
+    def delete_tree(self, path: str) -> None:
+        bucket, key = self.split(path)
+        keys = self._list(path, delimiter=False)
+        if key.strip("/") and self._object_exists(path):
+            keys.append(key)
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[i : i + _DELETE_BATCH]
+            result = self.call(
+                "delete",
+                path,
+                "delete_objects",
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+            )
+            errors = result.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"{self.label}{bucket}/{first.get('Key')}: delete failed: "
+                    f"{first.get('Code')}: {self._redact(str(first.get('Message')))}"
+                )
+        self.abort_uploads(path)
+
+    def uploads(self, path: str, *, exact: bool = False) -> list[tuple[str, str]]:
+        """``(key, upload_id)`` of every multipart upload in progress below ``path`` (or,
+        with ``exact``, of the object ``path`` itself)."""
+        _, key = self.split(path)
+        prefix = key if exact else key.rstrip("/") + "/" if key.strip("/") else ""
+        out: list[tuple[str, str]] = []
+        markers: dict[str, Any] = {}
+        while True:
+            page = self.call("list", path, "list_multipart_uploads", Prefix=prefix, **markers)
+            out += [
+                (u["Key"], u["UploadId"])
+                for u in page.get("Uploads") or []
+                if not exact or u["Key"] == key
+            ]
+            if not page.get("IsTruncated"):
+                return out
+            markers = {
+                "KeyMarker": page.get("NextKeyMarker") or "",
+                "UploadIdMarker": page.get("NextUploadIdMarker") or "",
+            }
+
+    def abort_uploads(self, path: str, *, exact: bool = False, keep: str | None = None) -> int:
+        """Abort the multipart uploads in progress below ``path`` (or, with ``exact``, of
+        the object ``path``), except upload ``keep``; returns how many were aborted.
+
+        Parts of an upload that is never completed or aborted are stored (and billed) for
+        ever, so ``delete_tree`` calls this, which makes ``Checkpointer`` recovery and
+        retention clean up after writers that were killed mid-upload. A bucket lifecycle
+        rule (``AbortIncompleteMultipartUpload``) is the backstop for drop-in saves.
+        """
+        bucket, _ = self.split(path)
+        found = [(k, u) for k, u in self.uploads(path, exact=exact) if u != keep]
+        for key, upload_id in found:
+            with contextlib.suppress(CheckpointNotFoundError):
+                self.call(
+                    "abort upload",
+                    f"{bucket}/{key}",
+                    "abort_multipart_upload",
+                    Key=key,
+                    UploadId=upload_id,
+                )
+        return len(found)
+
+
+class _ObjectWriter(AtomicWriter):
+    """One object being written: a single PUT, or a multipart upload with parallel parts."""
+
+    def __init__(self, storage: ObjectStorage, path: str) -> None:
+        self.storage = storage
+        self.path = path
+        self.part_bytes = storage.setting("part_bytes")
+        self.concurrency = storage.setting("part_concurrency")
+        self.buffer = bytearray()
+        self.size = 0
+        self.upload_id: str | None = None
+        self.next_part = 1
+        self.etags: dict[int, str] = {}
+        self.futures: list[Future[None]] = []
+        self.slots = threading.BoundedSemaphore(self.concurrency)
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def _part_limit(self) -> int:
+        return self.part_bytes << ((self.next_part - 1) // PARTS_PER_SIZE_STEP)
+
+    def _raise_part_error(self) -> None:
+        with self.lock:
+            error = self.error
+        if error is not None:
+            raise error
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.finished:
+            raise StorageError(f"{self.storage.describe(self.path)}: write after commit/abort")
+        self._raise_part_error()
+        view = memoryview(data).cast("B")
+        while len(view):
+            limit = self._part_limit()
+            if len(self.buffer) >= limit:  # a full part is sent only once more data comes,
+                self._send_part()  # so a file of exactly one part stays a single PUT
+                continue
+            take = view[: limit - len(self.buffer)]
+            self.buffer += take
+            self.size += len(take)
+            view = view[len(take) :]
+
+    def _send_part(self) -> None:
+        if self.next_part > MAX_PARTS:
+            raise StorageError(
+                f"{self.storage.describe(self.path)}: more than {MAX_PARTS} parts; "
+                "raise the part_bytes tunable"
+            )
+        if self.upload_id is None:
+            attempts = _Attempts()
+            try:
+                started = self.storage.call(
+                    "start upload", self.path, "create_multipart_upload", attempts, Key=None
+                )
+            except AsyncCkptError:
+                if attempts.failed_transiently:  # a try whose response was lost may have
+                    self._abort_strays(None)  # started an upload that nobody knows of
+                raise
+            self.upload_id = str(started["UploadId"])
+            if attempts.failed_transiently:
+                self._abort_strays(self.upload_id)
+        self.slots.acquire()  # at most `concurrency` parts in flight: bounded memory
+        try:
+            self._raise_part_error()
+        except BaseException:
+            self.slots.release()
+            raise
+        body, self.buffer = self.buffer, bytearray()
+        number = self.next_part
+        self.next_part += 1
+        workers = pool("object-parts", self.concurrency)
+        self.futures.append(workers.submit(self._upload_part, number, body))
+
+    def _abort_strays(self, keep: str | None) -> None:
+        """Abort uploads of this key other than ``keep`` (never raises)."""
+        try:
+            self.storage.abort_uploads(self.path, exact=True, keep=keep)
+        except AsyncCkptError as exc:
+            log.warning(
+                "could not look for stray uploads of %s: %s", self.storage.describe(self.path), exc
+            )
+
+    def _upload_part(self, number: int, body: bytearray) -> None:
+        try:
+            result = self.storage.call(
+                f"upload part {number}",
+                self.path,
+                "upload_part",
+                Key=None,
+                UploadId=self.upload_id,
+                PartNumber=number,
+                Body=body,
+            )
+            with self.lock:
+                self.etags[number] = str(result["ETag"])
+        except BaseException as exc:
+            with self.lock:
+                if self.error is None:
+                    self.error = exc
+            raise
+        finally:
+            self.slots.release()
+
+    def _wait_parts(self) -> None:
+        for future in self.futures:
+            future.exception()
+
+    def commit(self) -> None:
+        if self.finished:
+            raise StorageError(f"{self.storage.describe(self.path)}: already committed/aborted")
+        try:
+            if self.upload_id is None:
+                self.storage.put(self.path, self.buffer)
+            else:
+                if self.buffer:
+                    self._send_part()
+                self._wait_parts()
+                self._raise_part_error()
+                self._complete()
+            self.finished = True
+            self.buffer = bytearray()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _complete(self) -> None:
+        parts = [{"PartNumber": n, "ETag": e} for n, e in sorted(self.etags.items())]
+        try:
+            self.storage.call(
+                "complete upload",
+                self.path,
+                "complete_multipart_upload",
+                Key=None,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except CheckpointNotFoundError as exc:
+            # NoSuchUpload: a retry after a completion whose response was lost. The object
+            # is ours if it has our size and the multipart ETag of our parts.
+            head = self.storage._head(self.path)
+            if head is None or not self._is_ours(head):
+                raise StorageError(
+                    f"{self.storage.describe(self.path)}: complete upload failed: the upload "
+                    "no longer exists and the object at the key is not this upload (was it "
+                    "aborted by a lifecycle rule or another process?)"
+                ) from exc
+        self.upload_id = None
+
+    def _is_ours(self, head: dict[str, Any]) -> bool:
+        if int(head.get("ContentLength", -1)) != self.size:
+            return False
+        etag = str(head.get("ETag", "")).strip('"')
+        expected = multipart_etag(list(self.etags[n] for n in sorted(self.etags)))
+        return expected is None or etag == expected
+
+    def abort(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.buffer = bytearray()
+        for future in self.futures:
+            if not future.cancel():
+                future.exception()  # parts in flight finish (or fail) before the abort
+            else:
+                self.slots.release()
+        if self.upload_id is None:
+            return
+        upload_id, self.upload_id = self.upload_id, None
+        try:
+            self.storage.call(
+                "abort upload",
+                self.path,
+                "abort_multipart_upload",
+                Key=None,
+                UploadId=upload_id,
+            )
+        except CheckpointNotFoundError:
+            pass
+        except Exception as exc:  # abort() never raises; say what is left behind
+            log.warning(
+                "could not abort multipart upload %s of %s (%s); its parts stay until "
+                "Checkpointer clean-up or a bucket lifecycle rule removes them",
+                upload_id,
+                self.storage.describe(self.path),
+                exc,
+            )
+
+
+def multipart_etag(part_etags: list[str]) -> str | None:
+    """The ETag S3 gives a multipart object with these part ETags (None if not MD5s).
+
+    Example:
+        >>> multipart_etag(['"' + "0" * 32 + '"'])
+        '4ae71336e44bf9bf79d2752e234818a5-1'
+    """
+    digests = []
+    for etag in part_etags:
+        clean = etag.strip('"')
+        if not re.fullmatch(r"[0-9a-fA-F]{32}", clean):
+            return None
+        digests.append(bytes.fromhex(clean))
+    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"

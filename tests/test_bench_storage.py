@@ -1,0 +1,54 @@
+"""Smoke test of the object-storage benchmark: it runs, and its JSON has every figure.
+
+No timing thresholds: speed is what the benchmark reports, not what tests assert.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "bench_storage.py"
+CONFIGS = ["none/single", "none/parallel", "zstd/single", "zstd/parallel"]
+
+
+def positive(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_storage_quick(tmp_path: Path) -> None:
+    pytest.importorskip("moto.server")
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "bench_storage.json").read_text())
+    assert (out / "bench_storage.png").stat().st_size > 0
+    assert res["errors"] == {}
+    assert res["config"]["quick"] is True and positive(res["config"]["raw_bytes"])
+    for link in ("moto", "slow"):
+        assert sorted(res["results"][link]) == sorted(CONFIGS)
+        for entry in res["results"][link].values():
+            assert positive(entry["save_s"]) and positive(entry["load_s"])
+            assert 0 < entry["ratio"] <= 1.01
+        for key in ("compression_save_speedup", "compression_load_speedup"):
+            assert positive(res["ratios"][link][f"{key}_parallel"])
+        assert positive(res["ratios"][link]["parallel_save_speedup_zstd"])
+    assert positive(res["wire_time_s"]["slow"])
+    assert res["results"]["slow"]["zstd/single"]["ratio"] < 1  # compression did something
+    assert "MB/s per request" in res["note"]
