@@ -87,10 +87,28 @@ def _encode_planes(raw: memoryview, itemsize: int, level: int) -> bytes:
     parts = []
     for j in range(itemsize):
         data = grouped[j * plane : (j + 1) * plane]
-        packed = _compressor(level).compress(data)
-        parts.append(packed if len(packed) < plane else data)
+        packed = None if _looks_incompressible(data, level) else _compressor(level).compress(data)
+        parts.append(packed if packed is not None and len(packed) < plane else data)
     header = struct.pack(f"<{itemsize}I", *(len(p) for p in parts))
     return b"".join([header, *parts])
+
+
+#: Planes longer than this are probed on a sample before being compressed whole.
+_PROBE_BYTES = 64 << 10
+
+
+def _looks_incompressible(data: memoryview, level: int) -> bool:
+    """Whether samples from the start, middle and end of ``data`` shrink by under 2 %.
+
+    Low mantissa bytes of floats are close to random; compressing them whole costs as much
+    CPU as the useful planes and saves nothing, so a few spread samples decide.
+    """
+    if len(data) < 8 * _PROBE_BYTES:
+        return False
+    step = (len(data) - _PROBE_BYTES) // 2
+    samples = [data[k * step : k * step + _PROBE_BYTES // 2] for k in range(3)]
+    packed = sum(len(_compressor(level).compress(x)) for x in samples)
+    return packed > 0.98 * 3 * (_PROBE_BYTES // 2)
 
 
 def decode_chunk(stored: bytes | memoryview, codec: str, itemsize: int, out: memoryview) -> None:

@@ -283,3 +283,27 @@ def test_check_compression() -> None:
     assert check_compression("none") == "none"
     with pytest.raises(ValueError, match="compression must be one of"):
         check_compression("gzip")
+
+
+def test_noisy_planes_are_stored_raw_without_compressing_them_whole() -> None:
+    from asyncckpt import codec
+
+    rng = np.random.default_rng(0)
+    noise = memoryview(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
+    assert codec._looks_incompressible(noise, 1)
+    repetitive = memoryview(bytes(range(64)) * (1 << 14))
+    assert not codec._looks_incompressible(repetitive, 1)
+    small_noise = noise[: 64 << 10]  # too short to probe: compressed and judged whole
+    assert not codec._looks_incompressible(small_noise, 1)
+    # A float chunk whose low mantissa planes are noise: those planes go in raw.
+    raw = rng.standard_normal(1 << 20).astype(np.float32).tobytes()
+    codec_name, stored = encode_chunk(
+        memoryview(raw), itemsize=4, is_float=True, compression="zstd", level=1
+    )
+    lengths = struct.unpack_from("<4I", stored)
+    assert codec_name == "zstd-bytegroup"
+    assert lengths[0] == lengths[1] == 1 << 20  # raw planes
+    assert lengths[3] < 1 << 20  # the sign/exponent plane is compressed
+    out = bytearray(len(raw))
+    decode_chunk(stored, codec_name, 4, memoryview(out))
+    assert bytes(out) == raw
