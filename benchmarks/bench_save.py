@@ -1,0 +1,757 @@
+"""Save/load benchmark: asyncckpt against torch.save and torch DCP, in one process.
+
+Every figure is also given as a ratio to baselines measured in the same run: save times
+against a plain copy of the state into preallocated host buffers (the floor for the time a
+checkpoint can stall training), load times against ``torch.load(weights_only=True)``.
+Absolute seconds drift between machines; the ratios are what to compare.
+
+Usage::
+
+    python benchmarks/bench_save.py [--size-mib 1024] [--repeats 3] [--quick]
+                                    [--kind normal|weights] [--out benchmarks/results]
+
+Writes ``bench_save.json`` and ``bench_save.png`` under ``--out`` and prints a table.
+Everything written is fsynced, so "durable" times are real; loads read from the page cache
+(caches are not dropped), so they measure decoding, not the disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import asyncckpt
+
+MIB = 1 << 20
+
+# name -> (label for the table and plot, what "blocked" means for it)
+SAVE_METHODS: dict[str, str] = {
+    "copy_baseline": "copy into preallocated buffers",
+    "asyncckpt_zstd": "asyncckpt.save zstd (warm arena)",
+    "asyncckpt_none": "asyncckpt.save none (warm arena)",
+    "asyncckpt_zstd_cold": "asyncckpt.save zstd (first save)",
+    "dcp_async_save": "DCP async_save",
+    "dcp_async_save_reused_stager": "DCP async_save, reused stager",
+    "torch_save": "torch.save + fsync",
+    "dcp_save": "DCP save (sync)",
+}
+LOAD_METHODS: dict[str, str] = {
+    "torch_load": "torch.load(weights_only=True)",
+    "asyncckpt_load_zstd": "asyncckpt.load (zstd file)",
+    "asyncckpt_load_none": "asyncckpt.load (none file)",
+    "dcp_load": "DCP load (in place)",
+}
+
+
+# ----------------------------------------------------------------------------- the state
+
+
+def make_state(size_bytes: int, kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A model-like state of about ``size_bytes`` of fp32: a few big matrices, many small.
+
+    About 85 % of the bytes sit in 6 large matrices; the rest is spread over a few hundred
+    small tensors (biases, norms, embeddings of odd sizes) from 1 K to 256 K elements.
+
+    ``kind="normal"``: standard normal values (a hard case for compression).
+    ``kind="weights"``: values drawn like trained weights (std 0.02) and rounded to bf16
+    precision, as in the fp32 copy of a model trained or shipped in bf16; norm weights are
+    ones and biases zeros. Far more compressible than ``normal``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    total = max(1, size_bytes // 4)
+    n_small = max(8, min(400, total // 4096))
+    big_elems = int(total * 0.85) // 6
+    side = max(1, int(math.sqrt(big_elems)))
+    shapes: list[tuple[str, tuple[int, ...]]] = []
+    for i in range(6):
+        shapes.append((f"layers.{i}.weight", (side, max(1, big_elems // side))))
+    left = total - sum(math.prod(s) for _, s in shapes)
+    # log-uniform small sizes, scaled so that they fill what is left
+    raw = torch.exp(torch.empty(n_small).uniform_(math.log(1024), math.log(262144), generator=gen))
+    sizes = (raw / raw.sum() * max(left, n_small)).long().clamp_(min=1).tolist()
+    for i, n in enumerate(sizes):
+        role = ("bias", "norm.weight", "norm.bias", "extra")[i % 4]
+        shapes.append((f"blocks.{i}.{role}", (int(n),)))
+
+    state: dict[str, torch.Tensor] = {}
+    for name, shape in shapes:
+        t = torch.empty(shape, dtype=torch.float32)
+        if kind == "normal":
+            t.normal_(generator=gen)
+        elif name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif name.endswith("bias"):
+            t.zero_()
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+            t.copy_(t.to(torch.bfloat16))
+        state[name] = t
+    return state
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file, or every file in a directory tree and the directories themselves."""
+    if os.path.isdir(path):
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fd = os.open(root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    else:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def disk_bytes(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(
+            os.path.getsize(os.path.join(root, f))
+            for root, _, files in os.walk(path)
+            for f in files
+        )
+    return os.path.getsize(path)
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def filesystem_of(path: str) -> str:
+    """The mount point and type of the filesystem holding ``path`` (Linux), else ''."""
+    best = ("", "")
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mount = parts[1]
+                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+                if inside and len(mount) >= len(best[0]):
+                    best = (mount, parts[2])
+    except OSError:
+        return ""
+    return f"{best[1]} at {best[0]}" if best[0] else ""
+
+
+def states_equal(a: Any, b: dict[str, torch.Tensor]) -> bool:
+    return (
+        isinstance(a, dict)
+        and a.keys() == b.keys()
+        and all(
+            isinstance(a[k], torch.Tensor) and a[k].dtype == v.dtype and torch.equal(a[k], v)
+            for k, v in b.items()
+        )
+    )
+
+
+class Recorder:
+    """Collects raw seconds per method and metric; keeps errors instead of raising."""
+
+    def __init__(self) -> None:
+        self.raw: dict[str, dict[str, list[float]]] = {}
+        self.extra: dict[str, dict[str, Any]] = {}
+        self.errors: dict[str, str] = {}
+
+    def add(self, method: str, metric: str, seconds: float) -> None:
+        self.raw.setdefault(method, {}).setdefault(metric, []).append(seconds)
+
+    def note(self, method: str, **values: Any) -> None:
+        self.extra.setdefault(method, {}).update(values)
+
+    def attempt(self, method: str, fn: Callable[[], None]) -> None:
+        if method in self.errors:
+            return
+        try:
+            fn()
+        except Exception as exc:
+            self.errors[method] = f"{type(exc).__name__}: {exc}"
+            print(f"  ! {method} failed: {self.errors[method]}", file=sys.stderr)
+            traceback.print_exc()
+
+
+# ----------------------------------------------------------------------------- the runs
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load_into
+    from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*experimental.*")
+
+    size = int(args.size_mib * MIB)
+    load_before = _loadavg()
+    busy_before = _cpu_busy()
+    if load_before and load_before[0] > 0.5:
+        print(
+            f"warning: load average {load_before[0]:.2f} before the run: other processes share "
+            "the CPUs and will inflate the timings (recorded in the JSON)",
+            file=sys.stderr,
+        )
+    t0 = time.perf_counter()
+    state = make_state(size, args.kind)
+    nbytes = state_bytes(state)
+    print(
+        f"state: {len(state)} fp32 tensors, {nbytes / MIB:.1f} MiB ({args.kind}), "
+        f"built in {time.perf_counter() - t0:.1f} s; {args.repeats} repeat(s)"
+    )
+    rec = Recorder()
+    tmp = tempfile.mkdtemp(prefix="bench_save-", dir=args.tmp_dir)
+    print(f"temp dir: {tmp} ({filesystem_of(tmp) or 'unknown fs'})")
+
+    # preallocated buffers for the copy baseline, touched once so pages are resident
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+
+    def copy_baseline() -> float:
+        t = time.perf_counter()
+        for k, v in state.items():
+            buffers[k].copy_(v)
+        return time.perf_counter() - t
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+
+    def p(name: str) -> str:
+        return os.path.join(tmp, name)
+
+    def save_torch(path: str) -> tuple[float, float]:
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(os.path.dirname(path))
+        dt = time.perf_counter() - t
+        return dt, dt
+
+    def save_asyncckpt(path: str, compression: str) -> tuple[float, float, Any]:
+        t = time.perf_counter()
+        handle = asyncckpt.save(state, path, compression=compression)
+        blocked = time.perf_counter() - t
+        info = handle.result()
+        durable = time.perf_counter() - t
+        return blocked, durable, info.stats
+
+    def save_dcp_async(path: str, reuse: bool) -> tuple[float, float]:
+        t = time.perf_counter()
+        if reuse:
+            fut: Any = dcp_async_save(state, checkpoint_id=path, async_stager=stager)
+        else:
+            fut = dcp_async_save(state, checkpoint_id=path)
+        blocked = time.perf_counter() - t
+        # torch may return an AsyncSaveResponse (staging + upload futures) instead of a Future
+        upload = getattr(fut, "upload_completion", fut)
+        upload.result()
+        durable = time.perf_counter() - t
+        return blocked, durable
+
+    def save_dcp(path: str) -> tuple[float, float]:
+        t = time.perf_counter()
+        dcp_save(state, checkpoint_id=path)
+        dt = time.perf_counter() - t
+        return dt, dt
+
+    paths = {
+        "torch_save": p("torch.pt"),
+        "asyncckpt_zstd": p("zstd.ackpt"),
+        "asyncckpt_none": p("none.ackpt"),
+        "asyncckpt_zstd_cold": p("cold.ackpt"),
+        "dcp_async_save": p("dcp_async"),
+        "dcp_async_save_reused_stager": p("dcp_async_reused"),
+        "dcp_save": p("dcp_sync"),
+    }
+
+    def one_round(record: bool, verify: bool) -> None:
+        """Every save method once, then every load method once; files removed at the end."""
+        gc.collect()
+        for _ in range(3 if record else 1):
+            dt = copy_baseline()
+            if record:
+                rec.add("copy_baseline", "blocked_s", dt)
+
+        def timed_save(method: str, fn: Callable[[str], Any]) -> Callable[[], None]:
+            def go() -> None:
+                remove(paths[method])
+                out = fn(paths[method])
+                if record:
+                    rec.add(method, "blocked_s", out[0])
+                    rec.add(method, "durable_s", out[1])
+                    stored = disk_bytes(paths[method])
+                    rec.note(method, stored_bytes=stored, stored_fraction=stored / nbytes)
+                    if len(out) > 2:
+                        rec.add(method, "stats_blocking_s", out[2].blocking_s)
+                        rec.add(method, "stats_total_s", out[2].total_s)
+                        rec.note(method, stats_raw_bytes=out[2].raw_bytes)
+
+            return go
+
+        rec.attempt("torch_save", timed_save("torch_save", save_torch))
+        rec.attempt(
+            "asyncckpt_zstd", timed_save("asyncckpt_zstd", lambda q: save_asyncckpt(q, "zstd"))
+        )
+        rec.attempt(
+            "asyncckpt_none", timed_save("asyncckpt_none", lambda q: save_asyncckpt(q, "none"))
+        )
+        rec.attempt(
+            "dcp_async_save", timed_save("dcp_async_save", lambda q: save_dcp_async(q, False))
+        )
+        rec.attempt(
+            "dcp_async_save_reused_stager",
+            timed_save("dcp_async_save_reused_stager", lambda q: save_dcp_async(q, True)),
+        )
+        rec.attempt("dcp_save", timed_save("dcp_save", save_dcp))
+
+        def timed_load(method: str, fn: Callable[[], Any]) -> Callable[[], None]:
+            def go() -> None:
+                gc.collect()
+                t = time.perf_counter()
+                out = fn()
+                dt = time.perf_counter() - t
+                if record:
+                    rec.add(method, "load_s", dt)
+                if verify and not states_equal(out, state):
+                    raise AssertionError(f"{method}: loaded state differs from the saved one")
+                if verify:
+                    rec.note(method, verified_equal=True)
+                del out
+
+            return go
+
+        def dcp_load() -> dict[str, torch.Tensor]:
+            target = {k: torch.empty_like(v) for k, v in state.items()}
+            dcp_load_into(target, checkpoint_id=paths["dcp_save"])
+            return target
+
+        rec.attempt(
+            "torch_load",
+            timed_load(
+                "torch_load", lambda: torch.load(paths["torch_save"], weights_only=True, mmap=False)
+            ),
+        )
+        rec.attempt(
+            "asyncckpt_load_zstd",
+            timed_load("asyncckpt_load_zstd", lambda: asyncckpt.load(paths["asyncckpt_zstd"])),
+        )
+        rec.attempt(
+            "asyncckpt_load_none",
+            timed_load("asyncckpt_load_none", lambda: asyncckpt.load(paths["asyncckpt_none"])),
+        )
+        rec.attempt("dcp_load", timed_load("dcp_load", dcp_load))
+        for path in paths.values():
+            remove(path)
+
+    try:
+        copy_baseline()  # fault in the preallocated buffers
+        # The very first asyncckpt save of the process allocates its host arena: time it apart.
+        print("cold asyncckpt save ...", flush=True)
+        rec.attempt(
+            "asyncckpt_zstd_cold",
+            lambda: _record_cold(rec, paths["asyncckpt_zstd_cold"], nbytes, save_asyncckpt),
+        )
+        remove(paths["asyncckpt_zstd_cold"])
+        print("warm-up round ...", flush=True)
+        one_round(record=False, verify=True)
+        for i in range(args.repeats):
+            print(f"round {i + 1}/{args.repeats} ...", flush=True)
+            one_round(record=True, verify=False)
+    finally:
+        try:
+            stager.close()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    res = summarize(args, rec, state, nbytes, tmp)
+    res["machine"]["loadavg_before"] = load_before
+    res["machine"]["loadavg_after"] = _loadavg()
+    busy_after = _cpu_busy()
+    if busy_before is not None and busy_after is not None:
+        # CPU seconds that other processes used while this benchmark ran
+        d = [after - before for after, before in zip(busy_after, busy_before)]
+        res["machine"]["benchmark_cpu_s"] = round(d[1], 1)
+        res["machine"]["kernel_threads_cpu_s"] = round(d[2], 1)
+        res["machine"]["other_processes_cpu_s"] = round(max(0.0, d[0] - d[1] - d[2]), 1)
+        res["machine"]["benchmark_wall_s"] = round(d[3], 1)
+    return res
+
+
+def _cpu_busy() -> tuple[float, float, float, float] | None:
+    """CPU seconds used by (everything, this process, kernel threads), and wall clock. Linux.
+
+    Kernel threads are counted apart because they include the writeback of this
+    benchmark's own files.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = (sum(fields[:8]) - fields[3] - fields[4]) / hz  # all but idle and iowait
+    kthreads = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(rest[6]) & 0x00200000:  # PF_KTHREAD
+            kthreads += int(rest[11]) + int(rest[12])
+    t = os.times()
+    return busy, t.user + t.system, kthreads / hz, time.monotonic()
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _record_cold(
+    rec: Recorder,
+    path: str,
+    nbytes: int,
+    save: Callable[[str, str], tuple[float, float, Any]],
+) -> None:
+    blocked, durable, stats = save(path, "zstd")
+    rec.add("asyncckpt_zstd_cold", "blocked_s", blocked)
+    rec.add("asyncckpt_zstd_cold", "durable_s", durable)
+    rec.add("asyncckpt_zstd_cold", "stats_blocking_s", stats.blocking_s)
+    rec.add("asyncckpt_zstd_cold", "stats_total_s", stats.total_s)
+    stored = disk_bytes(path)
+    rec.note("asyncckpt_zstd_cold", stored_bytes=stored, stored_fraction=stored / nbytes)
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def summarize(
+    args: argparse.Namespace,
+    rec: Recorder,
+    state: dict[str, torch.Tensor],
+    nbytes: int,
+    tmp: str,
+) -> dict[str, Any]:
+    def med(xs: list[float]) -> float:
+        return statistics.median(xs)
+
+    copy_s = med(rec.raw["copy_baseline"]["blocked_s"])
+    copy_min = min(rec.raw["copy_baseline"]["blocked_s"])
+    saves: dict[str, Any] = {}
+    for method, label in SAVE_METHODS.items():
+        if method in rec.errors:
+            saves[method] = {"label": label, "error": rec.errors[method]}
+            continue
+        raw = rec.raw.get(method, {})
+        entry: dict[str, Any] = {"label": label, "raw": raw}
+        for metric, values in raw.items():
+            entry[metric] = med(values)
+            entry[f"{metric}_min"] = min(values)
+        entry["blocked_x_copy"] = entry["blocked_s"] / copy_s
+        entry["blocked_min_x_copy_min"] = entry["blocked_s_min"] / copy_min
+        if "durable_s" in entry:
+            entry["durable_x_copy"] = entry["durable_s"] / copy_s
+            entry["durable_min_x_copy_min"] = entry["durable_s_min"] / copy_min
+            entry["write_throughput_gb_s"] = nbytes / entry["durable_s"] / 1e9
+        entry.update(rec.extra.get(method, {}))
+        saves[method] = entry
+
+    loads: dict[str, Any] = {}
+    torch_load_s = None
+    if "torch_load" not in rec.errors and "torch_load" in rec.raw:
+        torch_load_s = med(rec.raw["torch_load"]["load_s"])
+    for method, label in LOAD_METHODS.items():
+        if method in rec.errors:
+            loads[method] = {"label": label, "error": rec.errors[method]}
+            continue
+        raw = rec.raw.get(method, {})
+        s = med(raw["load_s"])
+        entry = {
+            "label": label,
+            "raw": raw,
+            "load_s": s,
+            "load_s_min": min(raw["load_s"]),
+            "load_x_copy": s / copy_s,
+        }
+        if torch_load_s:
+            entry["load_x_torch_load"] = s / torch_load_s
+        entry["read_throughput_gb_s"] = nbytes / s / 1e9
+        entry.update(rec.extra.get(method, {}))
+        loads[method] = entry
+
+    sizes = sorted(t.numel() * 4 for t in state.values())
+    return {
+        "benchmark": "bench_save",
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "asyncckpt": asyncckpt.__version__,
+            "cuda": torch.cuda.is_available(),
+            "temp_dir_filesystem": filesystem_of(tmp),
+            "asyncckpt_env": {k: v for k, v in os.environ.items() if k.startswith("ASYNCCKPT_")},
+        },
+        "config": {
+            "size_mib_requested": args.size_mib,
+            "raw_bytes": nbytes,
+            "n_tensors": len(state),
+            "largest_tensor_bytes": sizes[-1],
+            "smallest_tensor_bytes": sizes[0],
+            "kind": args.kind,
+            "dtype": "float32",
+            "repeats": args.repeats,
+            "quick": args.quick,
+        },
+        "notes": [
+            "times in seconds, medians over repeats; x_copy = ratio to copy_baseline "
+            "(copy of every tensor into buffers preallocated once), measured in the same run",
+            "blocked_s: time the calling thread is blocked; durable_s: until the data is "
+            "fsynced (sync methods: blocked_s == durable_s)",
+            "asyncckpt warm figures reuse the host arena allocated by an earlier save; "
+            "asyncckpt_zstd_cold is the first save of the process (arena allocation included)",
+            "one untimed warm-up round of every method precedes the timed rounds",
+            "loads read from the page cache (caches are not dropped), so they measure "
+            "decoding and copying, not the disk; DCP load fills preallocated tensors in place",
+            "stored_fraction: bytes on disk / raw tensor bytes",
+            "*_min: fastest repeat, and *_min_x_copy_min its ratio to the fastest copy: less "
+            "sensitive than medians to other processes sharing the CPUs (see loadavg_*)",
+        ],
+        "baseline": {
+            "copy_s": copy_s,
+            "copy_s_min": copy_min,
+            "raw": rec.raw["copy_baseline"]["blocked_s"],
+        },
+        "save": saves,
+        "load": loads,
+        "errors": rec.errors,
+    }
+
+
+def fmt(x: float | None, spec: str) -> str:
+    width = int(re.match(r"\d*", spec).group() or 0)  # type: ignore[union-attr]
+    return "-".rjust(width) if x is None else format(x, spec)
+
+
+def print_table(res: dict[str, Any]) -> None:
+    cfg, machine = res["config"], res["machine"]
+    print()
+    print(
+        f"{cfg['raw_bytes'] / MIB:.0f} MiB fp32 ({cfg['kind']}), {cfg['n_tensors']} tensors, "
+        f"{cfg['repeats']} repeat(s); {machine['cpu_count']} CPUs, torch {machine['torch']}; "
+        f"load average before/after {machine['loadavg_before']} / {machine['loadavg_after']}; "
+        f"other processes used {machine.get('other_processes_cpu_s', '?')} CPU-s during the "
+        f"{machine.get('benchmark_wall_s', '?')} s run"
+    )
+    head = (
+        f"{'save':<36} {'blocked s':>9} {'x copy':>7} {'durable s':>9} {'x copy':>7} "
+        f"{'GB/s':>5} {'stored':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    for e in res["save"].values():
+        if "error" in e:
+            print(f"{e['label']:<36} failed: {e['error'][:60]}")
+            continue
+        stored = e.get("stored_fraction")
+        print(
+            f"{e['label']:<36} {e['blocked_s']:9.3f} {e['blocked_x_copy']:7.1f} "
+            f"{fmt(e.get('durable_s'), '9.3f')} {fmt(e.get('durable_x_copy'), '7.1f')} "
+            f"{fmt(e.get('write_throughput_gb_s'), '5.2f')} "
+            f"{'-'.rjust(7) if stored is None else f'{100 * stored:6.1f}%'}"
+        )
+    head = f"{'load (from page cache)':<36} {'seconds':>9} {'x torch.load':>12} {'GB/s':>6}"
+    print()
+    print(head)
+    print("-" * len(head))
+    for e in res["load"].values():
+        if "error" in e:
+            print(f"{e['label']:<36} failed: {e['error'][:60]}")
+            continue
+        print(
+            f"{e['label']:<36} {e['load_s']:9.3f} {fmt(e.get('load_x_torch_load'), '12.2f')} "
+            f"{e['read_throughput_gb_s']:6.2f}"
+        )
+    if res["errors"]:
+        print("\nerrors:", json.dumps(res["errors"], indent=1))
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    saves = [(k, e) for k, e in res["save"].items() if "error" not in e]
+    loads = [(k, e) for k, e in res["load"].items() if "error" not in e]
+    fig, (ax1, ax2) = plt.subplots(
+        2,
+        1,
+        figsize=(10, 8.5),
+        gridspec_kw={"height_ratios": [max(1, len(saves)), max(1, len(loads)) * 0.8]},
+    )
+    cfg = res["config"]
+    fig.suptitle(
+        f"asyncckpt vs torch.save / DCP — {cfg['raw_bytes'] / MIB:.0f} MiB fp32 ({cfg['kind']}), "
+        f"{res['machine']['cpu_count']} CPUs, torch {res['machine']['torch']}, "
+        f"median of {cfg['repeats']}",
+        fontsize=11,
+    )
+    ys = list(range(len(saves)))[::-1]
+    h = 0.38
+    blocked = [e["blocked_x_copy"] for _, e in saves]
+    durable = [e.get("durable_x_copy", 0.0) for _, e in saves]
+    b1 = ax1.barh([y + h / 2 for y in ys], blocked, h, label="caller blocked", color="#d95f02")
+    b2 = ax1.barh([y - h / 2 for y in ys], durable, h, label="until durable", color="#7570b3")
+    for bars, key in ((b1, "blocked_s"), (b2, "durable_s")):
+        for bar, (_, e) in zip(bars, saves):
+            if key in e and bar.get_width() > 0:
+                ax1.text(
+                    bar.get_width(),
+                    bar.get_y() + bar.get_height() / 2,
+                    f" {e[key]:.2f} s ({bar.get_width():.1f}×)",
+                    va="center",
+                    fontsize=8,
+                )
+    ax1.set_yticks(ys)
+    ax1.set_yticklabels([e["label"] for _, e in saves], fontsize=9)
+    ax1.set_xscale("log")
+    hi = max(durable + blocked) * 3
+    lo = min(x for x in blocked + durable if x > 0) / 1.5
+    ticks = [t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500) if lo <= t <= hi]
+    ax1.set_xticks(ticks)
+    ax1.set_xticklabels([f"{t:g}×" for t in ticks])
+    ax1.minorticks_off()
+    ax1.axvline(1.0, color="grey", lw=0.8, ls="--")
+    ax1.set_xlabel("× copy into preallocated buffers (log scale; lower is better)")
+    ax1.set_title("save", fontsize=10, loc="left")
+    ax1.legend(loc="lower right", fontsize=8)
+    ax1.set_xlim(lo, hi)
+
+    ys = list(range(len(loads)))[::-1]
+    vals = [e.get("load_x_torch_load", 0.0) for _, e in loads]
+    bars = ax2.barh(ys, vals, 0.6, color="#1b9e77")
+    for bar, (_, e) in zip(bars, loads):
+        ax2.text(
+            bar.get_width(),
+            bar.get_y() + bar.get_height() / 2,
+            f" {e['load_s']:.2f} s ({bar.get_width():.2f}×)",
+            va="center",
+            fontsize=8,
+        )
+    ax2.set_yticks(ys)
+    ax2.set_yticklabels([e["label"] for _, e in loads], fontsize=9)
+    ax2.axvline(1.0, color="grey", lw=0.8, ls="--")
+    ax2.set_xlabel("× torch.load(weights_only=True) (lower is better; from page cache)")
+    ax2.set_title("load", fontsize=10, loc="left")
+    if vals:
+        ax2.set_xlim(0, max(vals) * 1.25)
+    other = res["machine"].get("other_processes_cpu_s")
+    wall = res["machine"].get("benchmark_wall_s")
+    if other is not None and wall and other > 0.05 * wall:
+        fig.text(
+            0.01,
+            0.005,
+            f"note: other processes used {other:.0f} CPU-seconds during this "
+            f"{wall:.0f} s run; timings are inflated",
+            fontsize=8,
+            color="#a00",
+        )
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-mib", type=float, default=1024.0, help="state size (default 1024)")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 64 MiB, 1 repeat")
+    ap.add_argument(
+        "--kind",
+        choices=["normal", "weights"],
+        default="normal",
+        help="normal: N(0,1) values; weights: bf16-rounded small values, ones and zeros",
+    )
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--tmp-dir", default=None, help="where to write (default: system temp)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.size_mib, args.repeats = 64.0, 1
+    if args.repeats < 1 or args.size_mib <= 0:
+        ap.error("--repeats and --size-mib must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    res = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "bench_save.json")
+    png_path = os.path.join(args.out, "bench_save.png")
+    with open(json_path, "w") as f:
+        json.dump(res, f, indent=2)
+        f.write("\n")
+    print_table(res)
+    try:
+        plot(res, png_path)
+    except Exception as exc:  # the JSON is the result; a plotting failure must not hide it
+        print(f"plot failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
