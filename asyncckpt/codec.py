@@ -25,11 +25,35 @@ COMPRESSIONS = ("none", "zstd")
 _local = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
-    cache: dict[int, zstandard.ZstdCompressor] = _local.__dict__.setdefault("cctx", {})
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
-    return cache[level]
+def _compressor(level: int, plane: bool = False) -> zstandard.ZstdCompressor:
+    """A per-thread compressor for ``level``; ``plane`` selects the byte-plane tuning."""
+    cache: dict[tuple[int, bool], zstandard.ZstdCompressor]
+    cache = _local.__dict__.setdefault("cctx", {})
+    key = (level, plane and level == 1)
+    if key not in cache:
+        if key[1]:
+            params = zstandard.ZstdCompressionParameters(**_PLANE_PARAMS)
+            cache[key] = zstandard.ZstdCompressor(compression_params=params)
+        else:
+            cache[key] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return cache[key]
+
+
+#: zstd settings for byte planes at the default level 1, measured on fp32/bf16 weights: a
+#: sign/exponent plane has few long matches and a skewed byte histogram, so a tiny hash
+#: table and a minimum match of 7 spend the time on entropy coding instead of match
+#: search. Against plain level 1 this stores 0.335 instead of 0.366 of an N(0, 1) fp32
+#: exponent plane, at 0.84 instead of 0.31 GB/s (one core). Other levels use zstd's own.
+_PLANE_PARAMS = {
+    "window_log": 17,
+    "hash_log": 6,
+    "chain_log": 6,
+    "search_log": 1,
+    "min_match": 7,
+    "target_length": 0,
+    "strategy": zstandard.STRATEGY_FAST,
+    "write_content_size": True,
+}
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -87,7 +111,9 @@ def _encode_planes(raw: memoryview, itemsize: int, level: int) -> bytes:
     parts = []
     for j in range(itemsize):
         data = grouped[j * plane : (j + 1) * plane]
-        packed = None if _looks_incompressible(data, level) else _compressor(level).compress(data)
+        packed = (
+            None if _looks_incompressible(data, level) else _compressor(level, True).compress(data)
+        )
         parts.append(packed if packed is not None and len(packed) < plane else data)
     header = struct.pack(f"<{itemsize}I", *(len(p) for p in parts))
     return b"".join([header, *parts])
@@ -107,7 +133,7 @@ def _looks_incompressible(data: memoryview, level: int) -> bool:
         return False
     step = (len(data) - _PROBE_BYTES) // 2
     samples = [data[k * step : k * step + _PROBE_BYTES // 2] for k in range(3)]
-    packed = sum(len(_compressor(level).compress(x)) for x in samples)
+    packed = sum(len(_compressor(level, True).compress(x)) for x in samples)
     return packed > 0.98 * 3 * (_PROBE_BYTES // 2)
 
 

@@ -22,7 +22,10 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         max(2, min(8, os.cpu_count() or 2)),
         "worker threads for compression, checksums and reads (zstd and I/O release the GIL)",
     ),
-    "zstd_level": (1, "zstandard level; 1 keeps up with disk on two cores"),
+    "zstd_level": (
+        1,
+        "zstandard level; at 1, float byte planes use settings tuned for them (docs/FORMAT.md)",
+    ),
     "inflight_chunks": (8, "chunks compressed ahead of the writer (bounds extra memory)"),
     "max_inflight": (1, "saves whose snapshots may be held at once; each holds one host arena"),
     # Object stores (S3 through s3fs; see docs/s3.md).
