@@ -1,0 +1,419 @@
+"""Training-loop benchmark: step time while checkpoints are written, on the CPU.
+
+A small MLP (by default about 25 M parameters: some 290 MiB of parameters and Adam state)
+trains on random data. Each mode runs the same number of steps and, except ``none``, saves
+``{"model": ..., "optimizer": ...}`` every ``--every`` steps (by default chosen from a
+warm-up: twice the time of one background write over the step time, so that on this machine
+a write can finish before the next save, as a checkpoint interval would be chosen):
+
+* ``none``: no checkpointing, the baseline;
+* ``asyncckpt``: ``asyncckpt.Checkpointer.save`` (zstd): the step that saves blocks only for
+  the snapshot; compression and the fsynced write run in the background during the next
+  steps, on the same cores;
+* ``asyncckpt_none``: the same, uncompressed;
+* ``torch_save``: ``torch.save`` + fsync of the file and its directory, in the step.
+
+Reported per mode: median and mean step time (the mean includes the saving steps, so it is
+the cost per step amortised), the saving steps alone, and the steps that ran while a
+background write was in flight; ratios to ``none`` from the same run. Modes alternate in
+rounds (the order reversed every other round) so that drift of the machine is shared.
+
+Usage::
+
+    python benchmarks/bench_train.py [--width 2048] [--depth 6] [--batch 32] [--steps 5*every]
+        [--every N] [--rounds 2] [--quick] [--out DIR]
+
+Writes ``bench_train.json`` and ``bench_train.png`` under ``--out`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run_all
+
+import asyncckpt
+
+MIB = 1 << 20
+MODES = {
+    "none": "no checkpointing",
+    "asyncckpt": "asyncckpt.Checkpointer (zstd)",
+    "asyncckpt_none": "asyncckpt.Checkpointer (none)",
+    "torch_save": "torch.save + fsync",
+}
+
+
+class Trainer:
+    """An MLP, Adam, and one fixed batch of random data."""
+
+    def __init__(self, width: int, depth: int, batch: int) -> None:
+        torch.manual_seed(0)
+        layers: list[torch.nn.Module] = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        self.model = torch.nn.Sequential(*layers)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.x = torch.randn(batch, width)
+        self.y = torch.randn(batch, width)
+
+    def step(self) -> None:
+        loss = torch.nn.functional.mse_loss(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+
+    def state_bytes(self) -> int:
+        total = 0
+        for t in self.model.state_dict().values():
+            total += t.numel() * t.element_size()
+        for s in self.opt.state.values():
+            for v in s.values():
+                if isinstance(v, torch.Tensor):
+                    total += v.numel() * v.element_size()
+        return total
+
+
+def _fsync_file_and_dir(path: str) -> None:
+    for p, flags in ((path, os.O_RDONLY), (os.path.dirname(path), os.O_RDONLY)):
+        fd = os.open(p, flags)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def run_mode(
+    mode: str, trainer: Trainer, args: argparse.Namespace, tmp: str, first_step: int
+) -> dict[str, list[Any]]:
+    """``args.steps`` timed steps; saves where ``step % every == every // 2``."""
+    steps: list[float] = []
+    saved: list[bool] = []
+    overlapped: list[bool] = []
+    blocked: list[float] = []
+    ckpt = None
+    if mode.startswith("asyncckpt"):
+        compression = "none" if mode == "asyncckpt_none" else "zstd"
+        ckpt = asyncckpt.Checkpointer(os.path.join(tmp, mode), keep_last=1, compression=compression)
+    handle: asyncckpt.SaveHandle | None = None
+    save: Callable[[int], None] | None = None
+    if ckpt is not None:
+
+        def save_ckpt(step: int) -> None:
+            nonlocal handle
+            assert ckpt is not None
+            handle = ckpt.save(step, trainer.state())
+
+        save = save_ckpt
+    elif mode == "torch_save":
+        path = os.path.join(tmp, "torch.pt")
+
+        def save_torch(step: int) -> None:
+            with open(path, "wb") as f:
+                torch.save(trainer.state(), f)
+            _fsync_file_and_dir(path)
+
+        save = save_torch
+
+    tail = 0.0
+    try:
+        for i in range(args.steps):
+            step = first_step + i
+            overlapped.append(handle is not None and not handle.done())
+            do_save = save is not None and (i + 1) % args.every == args.every // 2
+            t = time.perf_counter()
+            trainer.step()
+            if do_save:
+                assert save is not None
+                t_save = time.perf_counter()
+                save(step)
+                blocked.append(time.perf_counter() - t_save)
+            steps.append(time.perf_counter() - t)
+            saved.append(do_save)
+        t = time.perf_counter()
+        if ckpt is not None:
+            ckpt.wait()
+        tail = time.perf_counter() - t
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    return {
+        "step_s": steps,
+        "saved": saved,
+        "overlapped": overlapped,
+        "blocked_s": blocked,
+        "tail_s": [tail],
+    }
+
+
+def summarize_mode(raw: dict[str, list[Any]], label: str) -> dict[str, Any]:
+    steps = raw["step_s"]
+    ordered = sorted(steps)
+    e: dict[str, Any] = {
+        "label": label,
+        "raw": raw,
+        "median_s": statistics.median(steps),
+        "mean_s": statistics.fmean(steps),
+        "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        "max_s": ordered[-1],
+        "n_steps": len(steps),
+        "n_saves": sum(raw["saved"]),
+    }
+    saving = [s for s, sv in zip(steps, raw["saved"]) if sv]
+    others = [s for s, sv in zip(steps, raw["saved"]) if not sv]
+    over = [s for s, sv, ov in zip(steps, raw["saved"], raw["overlapped"]) if ov and not sv]
+    quiet = [s for s, sv, ov in zip(steps, raw["saved"], raw["overlapped"]) if not ov and not sv]
+    e["saving_steps_mean_s"] = statistics.fmean(saving) if saving else None
+    e["other_steps_median_s"] = statistics.median(others) if others else None
+    e["overlapped_steps"] = len(over)
+    e["overlapped_median_s"] = statistics.median(over) if over else None
+    e["quiet_median_s"] = statistics.median(quiet) if quiet else None
+    e["blocked_mean_s"] = statistics.fmean(raw["blocked_s"]) if raw["blocked_s"] else None
+    e["tail_max_s"] = max(raw["tail_s"]) if raw["tail_s"] else None
+    return e
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    load_before = run_all.loadavg()
+    every_auto = args.every is None
+    trainer = Trainer(args.width, args.depth, args.batch)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    tmp = tempfile.mkdtemp(prefix="bench_train-", dir=args.tmp_dir)
+    raw: dict[str, dict[str, list[Any]]] = {
+        m: {"step_s": [], "saved": [], "overlapped": [], "blocked_s": [], "tail_s": []}
+        for m in MODES
+    }
+    try:
+        # warm-up: kernels, Adam state, and asyncckpt's host arena (kept across saves)
+        warm_steps = []
+        for _ in range(6):
+            t = time.perf_counter()
+            trainer.step()
+            warm_steps.append(time.perf_counter() - t)
+        with asyncckpt.Checkpointer(os.path.join(tmp, "warmup")) as ckpt:
+            ckpt.save(0, trainer.state()).result()  # allocates the arena
+            write_s = ckpt.save(1, trainer.state()).result().stats.total_s or 0.0
+        step_s = statistics.median(warm_steps[1:])
+        if args.every is None:
+            # save rarely enough that a background write can finish between two saves
+            args.every = min(60, max(5, math.ceil(2 * write_s / step_s)))
+        if args.steps is None:
+            args.steps = 5 * args.every
+        state_bytes = trainer.state_bytes()
+        print(
+            f"MLP {args.depth} x {args.width}: {params / 1e6:.1f} M parameters, "
+            f"{state_bytes / MIB:.0f} MiB with Adam state; {args.steps} steps per mode, "
+            f"a save every {args.every}, {args.rounds} round(s)",
+            flush=True,
+        )
+        step = 1
+        for r in range(args.rounds):
+            order = list(MODES) if r % 2 == 0 else list(MODES)[::-1]
+            for mode in order:
+                gc.collect()
+                t = time.perf_counter()
+                got = run_mode(mode, trainer, args, tmp, step)
+                step += args.steps
+                for k, v in got.items():
+                    raw[mode][k].extend(v)
+                print(
+                    f"  round {r + 1} {mode:15s} median step "
+                    f"{statistics.median(got['step_s']):.3f} s, "
+                    f"{time.perf_counter() - t:.1f} s in all",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    modes = {m: summarize_mode(raw[m], label) for m, label in MODES.items()}
+    base = modes["none"]
+    ratios: dict[str, float | None] = {}
+    for m in MODES:
+        if m == "none":
+            continue
+        ratios[f"{m}_median_x_none"] = modes[m]["median_s"] / base["median_s"]
+        ratios[f"{m}_mean_x_none"] = modes[m]["mean_s"] / base["mean_s"]
+        over = modes[m]["overlapped_median_s"]
+        ratios[f"{m}_overlapped_median_x_none"] = (
+            over / base["median_s"] if over is not None else None
+        )
+        saving = modes[m]["saving_steps_mean_s"]
+        ratios[f"{m}_saving_step_x_none"] = (
+            saving / base["median_s"] if saving is not None else None
+        )
+    ratios["asyncckpt_mean_x_torch_save"] = (
+        modes["asyncckpt"]["mean_s"] / (modes["torch_save"]["mean_s"])
+    )
+    return {
+        "benchmark": "bench_train",
+        "machine": {
+            **run_all.machine_info(),
+            "loadavg_before": load_before,
+            "loadavg_after": run_all.loadavg(),
+        },
+        "config": {
+            "width": args.width,
+            "depth": args.depth,
+            "batch": args.batch,
+            "steps": args.steps,
+            "every": args.every,
+            "every_auto": every_auto,
+            "warmup_step_s": step_s,
+            "warmup_write_s": write_s,
+            "rounds": args.rounds,
+            "parameters": params,
+            "state_bytes": state_bytes,
+            "state_mib": round(state_bytes / MIB, 1),
+            "torch_threads": torch.get_num_threads(),
+            "asyncckpt_threads": asyncckpt.config.tunable("threads", None),
+            "quick": args.quick,
+        },
+        "modes": modes,
+        "ratios": ratios,
+        "notes": [
+            "step_s: wall seconds of forward + backward + optimizer step, plus the save "
+            "call on saving steps (for asyncckpt only the snapshot; the write runs on)",
+            "mean_s includes the saving steps: the cost of checkpointing per step, amortised",
+            "overlapped: a step that began while an asyncckpt background write was in "
+            "flight; the write competes with training for the same cores",
+            "tail_s: after the last step, the wait for the last background write",
+            "asyncckpt's host arena is allocated by an untimed warm-up save",
+        ],
+    }
+
+
+def print_table(res: dict[str, Any]) -> None:
+    cfg = res["config"]
+    print(
+        f"\nMLP {cfg['depth']} x {cfg['width']}, batch {cfg['batch']}: {cfg['state_mib']} MiB "
+        f"state; a save every {cfg['every']} steps; {cfg['torch_threads']} torch threads"
+    )
+    head = (
+        f"{'mode':32s} {'median s':>9s} {'mean s':>8s} {'x none':>7s} {'saving s':>9s} "
+        f"{'overlap s':>9s} {'blocked s':>9s}"
+    )
+    print(head + "\n" + "-" * len(head))
+    base = res["modes"]["none"]["mean_s"]
+
+    def f(v: float | None, spec: str) -> str:
+        return "-".rjust(int(spec.split(".")[0])) if v is None else format(v, spec)
+
+    for e in res["modes"].values():
+        print(
+            f"{e['label']:32s} {e['median_s']:9.3f} {e['mean_s']:8.3f} {e['mean_s'] / base:7.2f} "
+            f"{f(e['saving_steps_mean_s'], '9.3f')} {f(e['overlapped_median_s'], '9.3f')} "
+            f"{f(e['blocked_mean_s'], '9.3f')}"
+        )
+    print("\nratios:")
+    for k, v in res["ratios"].items():
+        print(f"  {k:36s} {'-' if v is None else format(v, '.2f')}")
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
+    for _mode, e in res["modes"].items():
+        steps = e["raw"]["step_s"]
+        (line,) = ax1.plot(range(len(steps)), steps, lw=1, label=e["label"])
+        xs = [i for i, s in enumerate(e["raw"]["saved"]) if s]
+        ax1.plot(xs, [steps[i] for i in xs], "o", color=line.get_color(), ms=4)
+    ax1.set_xlabel("step (all rounds of a mode, in order; dots: saving steps)")
+    ax1.set_ylabel("seconds")
+    ax1.set_yscale("log")
+    ax1.set_title(
+        f"step times, {res['config']['state_mib']} MiB state, a save every "
+        f"{res['config']['every']} steps",
+        fontsize=10,
+    )
+    ax1.legend(fontsize=8)
+    modes = [m for m in res["modes"] if m != "none"]
+    xs = range(len(modes))
+    w = 0.38
+    med = [res["ratios"][f"{m}_median_x_none"] for m in modes]
+    mean = [res["ratios"][f"{m}_mean_x_none"] for m in modes]
+    for off, vals, label in ((-w / 2, med, "median step"), (w / 2, mean, "mean step")):
+        bars = ax2.bar([x + off for x in xs], vals, w, label=label)
+        for bar, v in zip(bars, vals):
+            ax2.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f}", ha="center", fontsize=8)
+    ax2.axhline(1.0, color="grey", ls="--", lw=1)
+    ax2.set_xticks(list(xs), [m.replace("_", "\n") for m in modes])
+    ax2.tick_params(axis="x", labelsize=8)
+    ax2.set_ylabel("× no checkpointing (lower is better)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--width", type=int, default=2048)
+    ap.add_argument("--depth", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument(
+        "--steps", type=int, default=None, help="timed steps per mode and round (5 x every)"
+    )
+    ap.add_argument(
+        "--every",
+        type=int,
+        default=None,
+        help="save every N steps (default: twice the warm-up write time over the step "
+        "time, between 5 and 60, so that a write can finish between two saves)",
+    )
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="smoke test: a tiny MLP, few steps")
+    ap.add_argument("--tmp-dir", default=None, help="where checkpoints go (default: temp)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.width, args.depth, args.batch, args.steps, args.every, args.rounds = (
+            512,
+            3,
+            16,
+            8,
+            4,
+            1,
+        )
+    counts = [args.width, args.depth, args.batch, args.rounds, args.steps or 1, args.every or 1]
+    if min(counts) < 1:
+        ap.error("sizes and counts must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    res = run(args)
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "bench_train.json")
+    with open(json_path, "w") as f:
+        json.dump(res, f, indent=2)
+        f.write("\n")
+    print_table(res)
+    png_path = os.path.join(args.out, "bench_train.png")
+    plot(res, png_path)
+    print(f"\nwrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
