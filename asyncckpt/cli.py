@@ -323,7 +323,7 @@ def _describe(exc: BaseException) -> str:
             detail = lines[at + 1]
         return (
             f"torch.load(weights_only=True) refused the file: {detail} (if you trust the file, "
-            "load it with torch.load(weights_only=False) and save plain data)"
+            "load it in Python with full unpickling allowed and save plain data)"
         )
     text = " ".join(str(exc).split()) or "(no message)"
     if isinstance(exc, (OSError, ValueError, TypeError, KeyError, RuntimeError)):

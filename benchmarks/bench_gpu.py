@@ -58,6 +58,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run_all
+from bench_save import fsync_dir, fsync_path, remove
+from bench_save import state_bytes as nbytes_of
 
 MIB = 1 << 20
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -119,29 +121,10 @@ def make_state(size_bytes: int, dtype: torch.dtype, dev: Device) -> dict[str, to
     return state
 
 
-def nbytes_of(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
 def fsync_tree(path: str) -> None:
-    paths = [path]
-    if os.path.isdir(path):
-        paths = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-        paths += [r for r, _, _ in os.walk(path)]
-    paths.append(os.path.dirname(path))
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
-        os.remove(path)
+    """fsync a file or a directory tree, and the directory that holds it."""
+    fsync_path(path)
+    fsync_dir(os.path.dirname(path))
 
 
 def equal_states(a: Any, b: dict[str, torch.Tensor]) -> bool:
