@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +26,7 @@ from .storage import Storage, resolve
 from .tree import flatten
 from .writer import WriteOptions, write_snapshot
 
-log = logging.getLogger("asyncckpt")
+log = logging.getLogger(__name__)
 PathOrUrl = str | os.PathLike[str]
 
 
@@ -104,6 +107,11 @@ class SaveHandle:
     def stats(self) -> SaveStats:
         """Blocking time and raw size now; total time and stored size once done."""
         return self._stats
+
+    @property
+    def observed(self) -> bool:
+        """Whether someone has seen the outcome through ``result``/``exception``."""
+        return self._observed
 
     def done(self) -> bool:
         """Whether the save has finished, successfully or not."""
@@ -313,10 +321,18 @@ def wait(timeout: float | None = None) -> None:
 
 
 def _wait_for_writes_to(storage: Storage, path: str) -> None:
+    """Wait for this process's saves to ``path``; raise the failure of one nobody saw.
+
+    Returning the old file while swallowing the failure of the save that should have
+    replaced it would lose that failure for good.
+    """
     target = _target(storage, path)
     for handle in workers.pending():
         if handle.target == target:
-            handle.exception()
+            seen = handle.observed
+            exc = handle.exception()
+            if exc is not None and not seen:
+                raise exc
 
 
 def load(
@@ -332,7 +348,8 @@ def load(
 ) -> Any:
     """Load an object saved by :func:`save`, verifying every checksum. Never unpickles.
 
-    If this process has a save to ``f`` still in flight, the load waits for it first.
+    If this process has a save to ``f`` still in flight, the load waits for it first, and
+    raises that save's failure if nobody has seen it yet.
 
     Args:
         f: a local path, ``os.PathLike`` or fsspec URL.
@@ -360,6 +377,7 @@ def load(
         ChecksumError: a chunk is corrupt (names the chunk and the keys in it).
         FormatError: the file is not a complete asyncckpt file.
         StorageError: the backend failed.
+        Exception: a save of this process to ``f`` failed and nobody observed it.
         ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
 
     Example:
@@ -375,3 +393,41 @@ def load(
     _wait_for_writes_to(storage, path)
     opened = open_file(storage, path)
     return materialize(opened, placement, config.tunable("threads", None), into)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """Wait for pending saves; report every failure nobody observed, and fail the exit.
+
+    A failed checkpoint must not look like a successful run: the failures go to stderr
+    (the library's logger has no handler by default) and the process exits with status 1.
+    ``atexit`` cannot change the exit status, so after printing, the remaining exit hooks
+    run here and the process ends with ``os._exit(1)``.
+    """
+    waiting = workers.pending()
+    if waiting:
+        log.warning("interpreter exiting: waiting for %d pending checkpoint save(s)", len(waiting))
+    for handle in waiting:
+        handle._future.exception()  # wait, without marking it observed
+    with _unobserved_lock:
+        failed = [h for h in _unobserved if not h.observed]
+    failed += [h for h in waiting if h.failed() and not h.observed and h not in failed]
+    if not failed:
+        return
+    for handle in failed:
+        exc = handle._future.exception()
+        print(
+            f"asyncckpt: background save to {handle.path} failed: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+    print(
+        f"asyncckpt: {len(failed)} checkpoint save(s) failed and nobody called result() "
+        "on them; exiting with status 1",
+        file=sys.stderr,
+    )
+    atexit.unregister(_finish_at_exit)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to add
+            stream.flush()
+    os._exit(1)

@@ -8,19 +8,18 @@ loading rank's own device, and no rank sits in a collective while a write is in 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import time
 import uuid
+from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import config
 from .api import (
     SaveHandle,
     completed_handle,
@@ -33,39 +32,43 @@ from .codec import check_compression
 from .errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
+    CheckpointTimeoutError,
     ConflictError,
     FormatError,
     IncompleteCheckpointError,
+    StorageError,
 )
 from .placement import MapLocation, Placement
-from .protocol import (
-    CommitRecord,
-    VersionRecord,
-    committed_steps,
-    create_commit,
-    data_file_name,
-    delete_version,
-    latest_step,
-    mark_failed,
-    read_commit,
-    read_version_file,
-    remove_temp_files,
-    retention_plan,
-    step_dir,
-    step_dirs,
-    wait_for_step,
-    write_version_file,
-)
-from .reader import materialize, open_file
+from .protocol import data_file_name, mark_failed, read_commit, step_dir
+from .root_reader import RootReader
+from .root_writer import FencedError, RootWriter
 from .staging import Snapshot
 from .storage import resolve
 from .writer import WriteOptions, write_snapshot
 
-log = logging.getLogger("asyncckpt")
+log = logging.getLogger(__name__)
+
+#: Errors a collective load can report from the writer rank to the others, by index.
+_COLLECTIVE_ERRORS: tuple[type[AsyncCkptError], ...] = (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    StorageError,
+    FormatError,
+    ConflictError,
+    IncompleteCheckpointError,
+    CheckpointTimeoutError,
+)
+_NO_STEP = -1
 
 
 class Checkpointer:
-    """Versioned checkpoints of a training run under ``root``, safe across ranks.
+    """Versioned checkpoints of a training run under ``root``, safe across ranks and jobs.
+
+    Constructing one, :meth:`latest`, :meth:`versions` and :meth:`load` never change
+    anything under the root, on any rank: any number of readers (an evaluator polling the
+    root, a notebook) can run beside the job that saves. The first :meth:`save` takes the
+    root's writer lease, taking it over from any earlier writer, which is fenced from then
+    on (its later commits fail with :class:`~asyncckpt.errors.ConflictError`).
 
     Args:
         root: local directory or fsspec URL holding one directory per step.
@@ -77,12 +80,14 @@ class Checkpointer:
             when ``torch.distributed`` is initialized).
         writer_rank: the rank (within the group) that writes; other ranks only load.
         overlap: let ``save`` return once device-to-host copies are *queued*, so they
-            overlap the next forward and backward; call :meth:`protect` on the optimizer so
-            its next ``step()`` waits for the copies. Without CUDA this changes nothing.
+            overlap the next forward and backward; call :meth:`protect` on the optimizer and
+            the model so their next ``step()``/forward waits for the copies. Without CUDA
+            this changes nothing.
+        read_only: a reader: :meth:`save` raises at once.
 
     Raises:
         ValueError: a bad ``keep_last`` or ``compression``.
-        StorageError: the root cannot be reached.
+        StorageError: the root's URL cannot be resolved.
 
     Example:
         >>> import torch, asyncckpt, tempfile
@@ -104,6 +109,7 @@ class Checkpointer:
         process_group: Any = None,
         writer_rank: int = 0,
         overlap: bool = False,
+        read_only: bool = False,
     ) -> None:
         if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
             raise ValueError(f"keep_last must be None or a positive int, got {keep_last!r}")
@@ -111,54 +117,48 @@ class Checkpointer:
         self.keep_last = keep_last
         self._storage, self._root = resolve(root, storage_options)
         self._group = process_group
-        self._distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(process_group) if self._distributed else 0
         self.writer_rank = writer_rank
-        self.is_writer = self.rank == writer_rank
+        self.read_only = read_only
+        self.overlap = overlap
         self._token = uuid.uuid4().hex[:12]
+        self._reader = RootReader(self._storage, self._root)
+        self._writer = RootWriter(self._storage, self._root, self._token)
         self._lock = threading.Lock()
         self._pending: list[tuple[int, SaveHandle]] = []
         self._last_step: int | None = None
-        self._known_version: VersionRecord | None = None
         self._closed = False
-        self.overlap = overlap
         self._last_snapshot: Snapshot | None = None
         self._agreed_step: int | None = None
-        if self.is_writer:
-            self._recover()
 
     @property
     def root(self) -> str:
         """The root as a user would write it."""
         return self._storage.describe(self._root)
 
-    # -- writing ------------------------------------------------------------------------
+    @property
+    def _distributed(self) -> bool:
+        # Resolved on every use, not at construction: a Checkpointer may be built before
+        # init_process_group.
+        return dist.is_available() and dist.is_initialized()
 
-    def _recover(self) -> None:
-        """Continue from what is under the root: drop leftovers, roll the version file on."""
-        storage, root = self._storage, self._root
-        remove_temp_files(storage, root)
-        committed = committed_steps(storage, root)
-        for step in step_dirs(storage, root):
-            if step not in committed:
-                log.info("removing step %d under %s: it was never committed", step, self.root)
-                delete_version(storage, root, step)
-        for step in committed:  # a crash between an exclusive create and its clean-up
-            remove_temp_files(storage, step_dir(storage, root, step))
-        record = read_version_file(storage, root)
-        if committed and (record is None or record.step != committed[-1]):
-            record = VersionRecord(committed[-1], self._token)
-            write_version_file(storage, root, record)
-        self._known_version = record
-        self._last_step = committed[-1] if committed else None
-        # No retention here: opening a root (perhaps only to load an old version) never
-        # deletes a committed version; the next commit applies keep_last.
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group (0 without an initialized process group)."""
+        return dist.get_rank(self._group) if self._distributed else 0
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process is the group's writer rank (it may still be read-only)."""
+        return self.rank == self.writer_rank
+
+    # -- writing ------------------------------------------------------------------------
 
     def save(self, step: int, state: Any) -> SaveHandle:
         """Snapshot ``state`` and write it as version ``step`` in the background.
 
         On ranks other than ``writer_rank`` this copies nothing and returns a completed
-        handle, so every rank can run the same code.
+        handle, so every rank can run the same code. The first save of a Checkpointer takes
+        the root's writer lease (in the background, before writing).
 
         Args:
             step: a non-negative int, greater than every step saved before under this root.
@@ -168,16 +168,24 @@ class Checkpointer:
             A :class:`SaveHandle`; its ``result()`` returns once the version is committed.
 
         Raises:
-            ConflictError: ``step`` is already committed under this root.
+            ConflictError: ``step`` is already committed under this root; or (from the
+                handle) another writer took the root over.
             ValueError: ``step`` is negative, not an int, or not greater than the last one.
             UnsupportedObjectError: ``state`` holds something that cannot be stored.
+            AsyncCkptError: the Checkpointer is read-only or closed, or WORLD_SIZE says this
+                is one of several ranks but no process group is initialized.
+            Exception: an earlier save of this process failed and nobody observed it.
         """
         self._check_open()
+        if self.read_only:
+            raise AsyncCkptError(f"this Checkpointer for {self.root} is read-only (read_only=True)")
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._check_world()
         if not self.is_writer:
             return completed_handle(f"{self.root} step {step} (rank {self.rank} does not write)")
         started = time.perf_counter()
+        self._raise_own_failure()
         raise_unobserved_failure()
         options = write_options(self.compression)
         with self._lock:
@@ -185,18 +193,26 @@ class Checkpointer:
             snap = stage(state, self.overlap)
             self._last_snapshot = snap
             self._last_step = step
-            path = self._storage.join(
-                step_dir(self._storage, self._root, step), data_file_name(self.rank, self._token)
-            )
+            name = data_file_name(self.rank, self._token)
+            path = self._storage.join(step_dir(self._storage, self._root, step), name)
             handle = submit(
                 lambda: self._write_and_commit(step, snap, path, options),
                 self._storage.describe(path),
                 snap.raw_bytes,
                 started,
             )
-            self._pending = [(s, h) for s, h in self._pending if not h.done()]
+            self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
             self._pending.append((step, handle))
         return handle
+
+    def _check_world(self) -> None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if not self._distributed and world.isdigit() and int(world) > 1:
+            raise AsyncCkptError(
+                f"WORLD_SIZE={world} but torch.distributed is not initialized: every rank "
+                f"would write to {self.root}. Call torch.distributed.init_process_group() "
+                "before the first save"
+            )
 
     def wait_for_snapshot(self) -> None:
         """Block until the last save's device-to-host copies have landed.
@@ -232,6 +248,8 @@ class Checkpointer:
     def _check_new_step(self, step: int) -> None:
         if read_commit(self._storage, self._root, step) is not None:
             raise ConflictError(f"step {step} is already committed under {self.root}")
+        if self._last_step is None:  # the first save: continue from what is committed
+            self._last_step = self._reader.latest()
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
                 f"steps must increase: {step} is not greater than {self._last_step}, the last "
@@ -239,87 +257,67 @@ class Checkpointer:
             )
 
     def _write_and_commit(self, step: int, snap: Snapshot, path: str, options: WriteOptions) -> int:
-        storage, root = self._storage, self._root
+        writer = self._writer
+        name = path.replace("\\", "/").rsplit("/", 1)[-1]
+        try:
+            writer.acquire()  # first save only; before writing, since it cleans up
+        except BaseException:
+            snap.lease.release()
+            raise  # not this root's writer (refused, or lost a takeover race): no marker
         try:
             try:
-                size = write_snapshot(snap, storage, path, options)
+                size = write_snapshot(snap, self._storage, path, options)
             finally:
                 snap.lease.release()
-            self._check_sole_writer(step)
-            name = path.replace("\\", "/").rsplit("/", 1)[-1]
-            create_commit(storage, root, CommitRecord(step, (name,), self._token))
-            record = VersionRecord(step, self._token)
-            write_version_file(storage, root, record)
-            self._known_version = record
-        except ConflictError:
-            # Another writer committed this step: its version is intact; remove our data.
-            if read_commit(storage, root, step) is not None:
-                with contextlib.suppress(AsyncCkptError):
-                    storage.delete(path)
-            else:
-                mark_failed(storage, root, step, ConflictError("two writers on one root"))
-            raise
+            writer.commit(step, (name,), (size,))
+        except FencedError:
+            raise  # the root is another writer's now: leave no marker in it
         except BaseException as exc:
-            mark_failed(storage, root, step, exc)
+            mark_failed(self._storage, self._root, step, exc)  # only if there is no COMMIT
             raise
-        self._apply_retention(step)
+        writer.apply_retention(self.keep_last, step, self._agreed_step)
         return size
-
-    def _check_sole_writer(self, step: int) -> None:
-        current = read_version_file(self._storage, self._root)
-        # A record with our own token is ours, even if we never learned that its write
-        # landed (a response lost after the last retry on an object store).
-        if current is not None and current != self._known_version and current.writer != self._token:
-            raise ConflictError(
-                f"another writer (id {current.writer}) moved the version file under "
-                f"{self.root} to step {current.step} since this Checkpointer last "
-                "committed; only one job may write to a root"
-            )
-        if current is not None and current.step >= step:
-            raise ConflictError(
-                f"step {step} is not newer than step {current.step}, "
-                f"already committed under {self.root}"
-            )
-
-    def _apply_retention(self, pinned: int) -> None:
-        storage, root = self._storage, self._root
-        try:
-            plan = retention_plan(
-                committed_steps(storage, root), step_dirs(storage, root), self.keep_last, pinned
-            )
-            for step in plan:
-                if step == self._agreed_step:
-                    continue  # a rank may still be reading it (see _agree_on_step)
-                delete_version(storage, root, step)
-            remove_temp_files(storage, root)
-        except AsyncCkptError as exc:  # the new version is committed; do not fail the save
-            log.warning(
-                "retention under %s failed (will retry after the next save): %s", self.root, exc
-            )
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until this process's pending saves are committed.
 
         Raises:
             CheckpointTimeoutError: a save is still running after ``timeout`` seconds.
-            Exception: the failure of a pending save.
+            Exception: the failure of a save of this Checkpointer that nobody observed yet
+                (each failure is raised once: by its handle, or here).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             pending = list(self._pending)
+        failure: BaseException | None = None
         for _, handle in pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            handle.result(left)
+            seen = handle.observed
+            exc = handle.exception(left)  # marks it observed: so it is raised here, once
+            if failure is None and exc is not None and not seen:
+                failure = exc
+        with self._lock:
+            self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
+        if failure is not None:
+            raise failure
+
+    def _raise_own_failure(self) -> None:
+        """Raise the oldest unobserved failure among this Checkpointer's saves, once."""
+        with self._lock:
+            failed = [h for _, h in self._pending if h.failed() and not h.observed]
+            self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
+        if failed:
+            failed[0].result()
 
     # -- reading ------------------------------------------------------------------------
 
     def latest(self) -> int | None:
-        """The newest committed step (per the version file), or None if there is none."""
-        return latest_step(self._storage, self._root)
+        """The newest committed step, or None if there is none. Changes nothing."""
+        return self._reader.latest()
 
     def versions(self) -> list[int]:
-        """Every committed step, ascending."""
-        return committed_steps(self._storage, self._root)
+        """Every committed step, ascending. Changes nothing."""
+        return self._reader.versions()
 
     def load(
         self,
@@ -333,17 +331,22 @@ class Checkpointer:
         """Load a committed version; with a process group, every rank gets the same one.
 
         With ``torch.distributed`` initialized (and ``collective`` not False) this is a
-        collective call: the writer rank broadcasts the step to load (``step``, or the
-        newest it has saved or committed), then each rank waits until that step is
-        committed (the writer on its own save, others by polling storage) and reads it.
-        Without a group, ``load()`` on the writer also waits for its own pending saves and
-        returns the newest; elsewhere it returns the newest committed version at once.
+        collective call: the ranks exchange the step each asked for and the writer rank's
+        choice (``step``, or the newest it has saved or committed) in one ``all_gather``,
+        then each rank waits until that step is committed (the writer on its own save,
+        others by polling storage) and reads it. If the writer fails to choose, or the ranks
+        asked for different steps, every rank raises. Without a group, ``load()`` on the
+        writer also waits for its own pending saves and returns the newest; elsewhere it
+        returns the newest committed version at once, and moves on to the newest one if
+        retention deletes it mid-read. Loading never changes anything under the root.
 
         Args:
             step: the step to load; None loads the newest.
             map_location: as in :func:`asyncckpt.load`; None puts CPU tensors on the CPU
                 and accelerator tensors on this rank's current device.
-            timeout: seconds to wait for the step to be committed (None waits for ever).
+            timeout: seconds to wait for the step to be committed; None waits for the
+                process group's timeout in a collective load, and for ever otherwise. A
+                writer that stops renewing its lease (dead or frozen) ends the wait early.
             collective: False to load independently even when a group is initialized.
             into: an existing state to load into in place, as in :func:`asyncckpt.load`.
 
@@ -352,10 +355,12 @@ class Checkpointer:
 
         Raises:
             CheckpointNotFoundError: nothing is committed under the root.
-            CheckpointTimeoutError: ``step`` was not committed within ``timeout``.
+            CheckpointTimeoutError: ``step`` was not committed within ``timeout``, or its
+                writer stopped renewing its lease.
             IncompleteCheckpointError: the save of ``step`` failed, or the version was
                 deleted while it was being read. On the writer, the failure of its own
                 save of ``step`` is raised as it is (e.g. a StorageError).
+            ValueError: ranks of a collective load asked for different steps.
         """
         self._check_open()
         placement = Placement(map_location)
@@ -364,6 +369,8 @@ class Checkpointer:
             raise ValueError("collective=True needs an initialized torch.distributed group")
         if use_group:
             target = self._agree_on_step(step)
+            if timeout is None:
+                timeout = _group_timeout(self._group)
         elif step is None and self.is_writer:
             target = self._newest_expected()  # includes this process's own pending saves
         else:
@@ -372,7 +379,7 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         follow_latest = step is None and not use_group
         self._wait_committed(target, timeout, poll=not follow_latest)
-        return self._read(target, placement, follow_latest, into)
+        return self._reader.read(target, placement, follow_latest, into)
 
     def _newest_expected(self) -> int | None:
         with self._lock:
@@ -382,29 +389,47 @@ class Checkpointer:
         return max(candidates) if candidates else None
 
     def _agree_on_step(self, step: int | None) -> int | None:
-        proposal = step if step is not None else self._newest_expected() if self.is_writer else None
-        backend = dist.get_backend(self._group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-        value = torch.tensor(
-            [-1 if proposal is None else proposal], dtype=torch.int64, device=device
-        )
-        src = (
-            dist.get_global_rank(self._group, self.writer_rank)
-            if self._group is not None
-            else self.writer_rank
-        )
-        dist.broadcast(value, src=src, group=self._group)
-        agreed = int(value.item())
+        """One ``all_gather`` of (the writer's choice or error, the step each rank asked)."""
+        choice, error = _NO_STEP, None
+        if self.is_writer:
+            try:
+                found = step if step is not None else self._newest_expected()
+                choice = _NO_STEP if found is None else found
+            except AsyncCkptError as exc:  # every rank must hear of it, or they hang
+                error = exc
+                choice = -2 - _error_index(exc)
+        asked = _NO_STEP if step is None else step
+        mine = torch.tensor([choice, asked], dtype=torch.int64, device=self._collective_device())
+        world = dist.get_world_size(self._group)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=self._group)
+        rows = [(int(t[0].item()), int(t[1].item())) for t in gathered]
+        if error is not None:
+            raise error
+        agreed = rows[self.writer_rank][0]
+        if agreed <= -2:
+            kind = _COLLECTIVE_ERRORS[min(-2 - agreed, len(_COLLECTIVE_ERRORS) - 1)]
+            raise kind(
+                f"the writer rank ({self.writer_rank}) failed to choose the step to load "
+                f"from {self.root}; its error is in its own log"
+            )
+        asked_by = sorted({a for _, a in rows})
+        if len(asked_by) > 1:
+            shown = ", ".join("newest" if a == _NO_STEP else str(a) for a in asked_by)
+            raise ValueError(
+                f"the ranks of a collective load of {self.root} asked for different steps "
+                f"({shown}); pass the same step on every rank"
+            )
         if agreed >= 0:
             # Every rank finished the previous collective load before entering this one, so
             # only the step agreed now can still be in use by a slow rank: retention spares it.
             self._agreed_step = agreed
-        if step is not None and agreed != step:
-            raise ValueError(
-                f"rank {self.rank} asked for step {step} but the writer rank "
-                f"asked for {agreed}; pass the same step on every rank"
-            )
         return None if agreed < 0 else agreed
+
+    def _collective_device(self) -> torch.device:
+        if dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _wait_committed(self, step: int, timeout: float | None, poll: bool) -> None:
         """Wait for this process's own save of ``step``, then (if ``poll``) for storage.
@@ -418,33 +443,7 @@ class Checkpointer:
             for handle in mine:
                 handle.result(timeout)
         if poll:
-            wait_for_step(self._storage, self._root, step, timeout)
-
-    def _read(self, step: int, placement: Placement, follow_latest: bool, into: Any) -> Any:
-        threads = config.tunable("threads", None)
-        while True:
-            commit = read_commit(self._storage, self._root, step)
-            try:
-                if commit is None:
-                    raise CheckpointNotFoundError(f"step {step} is not committed")
-                if len(commit.files) != 1:
-                    raise FormatError(
-                        f"step {step} under {self.root} has {len(commit.files)} data files; "
-                        "this asyncckpt reads single-writer versions only"
-                    )
-                path = self._storage.join(
-                    step_dir(self._storage, self._root, step), commit.files[0]
-                )
-                return materialize(open_file(self._storage, path), placement, threads, into)
-            except CheckpointNotFoundError as exc:
-                newest = self.latest()
-                if not follow_latest or newest is None or newest == step:
-                    raise IncompleteCheckpointError(
-                        f"step {step} under {self.root} was deleted while loading it (by "
-                        "retention?); load again to get the newest version"
-                    ) from exc
-                log.info("step %d was deleted while loading; moving to step %d", step, newest)
-                step = newest
+            self._reader.wait(step, timeout)
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -453,13 +452,14 @@ class Checkpointer:
             raise AsyncCkptError(f"this Checkpointer for {self.root} is closed")
 
     def close(self) -> None:
-        """Wait for pending saves (raising their failure) and stop accepting calls."""
-        if not self._closed:
-            self._closed = True
-            with self._lock:
-                pending = list(self._pending)
-            for _, handle in pending:
-                handle.result()
+        """Wait for pending saves (raising a failure nobody observed) and stop."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._writer.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -479,4 +479,32 @@ class Checkpointer:
             log.error("while closing after an error, a pending save failed: %s", close_exc)
 
     def __repr__(self) -> str:
-        return f"Checkpointer({self.root!r}, rank={self.rank}, writer_rank={self.writer_rank})"
+        role = "read-only" if self.read_only else f"writer_rank={self.writer_rank}"
+        return f"Checkpointer({self.root!r}, {role})"
+
+
+def _settled(handle: SaveHandle) -> bool:
+    """Finished, and nothing left to report: succeeded, or failed and observed."""
+    return handle.done() and (not handle.failed() or handle.observed)
+
+
+def _error_index(exc: AsyncCkptError) -> int:
+    for i in range(len(_COLLECTIVE_ERRORS) - 1, -1, -1):
+        if isinstance(exc, _COLLECTIVE_ERRORS[i]):
+            return i
+    return 0
+
+
+def _group_timeout(group: Any) -> float:
+    """The process group's timeout in seconds (what a collective would wait at most)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            options = pg._get_backend(torch.device(device)).options
+            timeout = getattr(options, "_timeout", None)
+        except Exception:  # the backend for that device does not exist
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout.total_seconds()
+    backend = dist.get_backend(group)
+    return float(dist.distributed_c10d._get_default_timeout(backend).total_seconds())

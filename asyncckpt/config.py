@@ -28,6 +28,17 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
     ),
     "inflight_chunks": (8, "chunks compressed ahead of the writer (bounds extra memory)"),
     "max_inflight": (1, "saves whose snapshots may be held at once; each holds one host arena"),
+    # The writer lease (docs/PROTOCOL.md, "Roles and the writer lease").
+    "lease_renew_ms": (5_000, "how often a writer rewrites its lease record (its heartbeat)"),
+    "lease_expiry_ms": (
+        60_000,
+        "a reader waiting for a step gives up when the writer's lease has not changed for "
+        "this long (the writer died or froze)",
+    ),
+    "lock_timeout_ms": (
+        60_000,
+        "local and POSIX filesystems: how long to wait for the version file's lock",
+    ),
     # Object stores (S3 through s3fs; see docs/s3.md).
     "part_bytes": (
         8 << 20,

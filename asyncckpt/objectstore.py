@@ -56,7 +56,7 @@ from .errors import (
 from .storage import AtomicWriter, Storage, temp_name
 from .workers import pool
 
-log = logging.getLogger("asyncckpt")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: fsspec protocols that :func:`asyncckpt.storage.resolve` routes to :class:`ObjectStorage`.
@@ -107,6 +107,20 @@ def is_object_store(fs: Any) -> bool:
         return bool(marker)
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     return bool(protocols & OBJECT_STORE_PROTOCOLS) and callable(getattr(fs, "call_s3", None))
+
+
+def _single_retry_layer(fs: Any) -> None:
+    """Switch off s3fs's own retry loop (``retries``) under this module's.
+
+    Two layers of retries hide lost responses from the one that decides: a ``PutObject``
+    whose response was lost and that s3fs retried returns 412 to us as if another writer
+    had won. With one layer, :meth:`ObjectStorage.request` sees every try.
+    """
+    current, depth = fs, 0
+    while current is not None and depth < 4:
+        if type(getattr(type(current), "retries", None)) is int:
+            current.retries = 1
+        current, depth = getattr(current, "fs", None), depth + 1
 
 
 def prepare_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -336,8 +350,10 @@ class ObjectStorage(Storage):
         retry_attempts: tries per request on transient errors (``retry_attempts``).
         retry_deadline_s: seconds after which a request is no longer retried.
         retry_backoff_ms: delay before the first retry, doubled per retry.
-        conditional_writes: whether the store honours ``If-None-Match: *``; None probes it
-            once, on the first :meth:`create_exclusive`.
+        conditional_writes: whether the store honours ``If-None-Match: *`` and
+            ``If-Match``; None probes it once, on the first conditional write.
+        allow_unconditional: use a store that does not honour them anyway (unsafe with two
+            writers on one root; the ``unsafe_unconditional_writes`` storage option).
         label: the URL prefix used in messages (default ``s3://``).
 
     Paths are ``bucket/key`` (no scheme), as :func:`asyncckpt.storage.resolve` returns.
@@ -353,6 +369,7 @@ class ObjectStorage(Storage):
         retry_deadline_s: int | None = None,
         retry_backoff_ms: int | None = None,
         conditional_writes: bool | None = None,
+        allow_unconditional: bool = False,
         label: str = "s3://",
     ) -> None:
         if not callable(getattr(fs, "call_s3", None)):
@@ -372,7 +389,9 @@ class ObjectStorage(Storage):
             if value is not None:
                 config.tunable(name, value)  # validate now
         self.conditional_writes = conditional_writes
+        self.allow_unconditional = allow_unconditional
         self._probe_lock = threading.Lock()
+        _single_retry_layer(fs)
         self._secrets = secrets_of(fs)
         self._rng = random.Random()
 
@@ -520,17 +539,53 @@ class ObjectStorage(Storage):
         return self.call("write", path, "put_object", attempts, Key=None, Body=data, **kwargs)
 
     def create_exclusive(self, path: str, data: bytes) -> None:
-        if not self._conditional_writes_supported(path):
+        self._require_conditional_writes(path)
+        if not self.conditional_writes:
             self._create_best_effort(path, data)
             return
-        attempts = _Attempts()
         try:
-            self.put(path, data, attempts, IfNoneMatch="*")
+            self.put(path, data, IfNoneMatch="*")
         except ConflictError:
-            # A retried request may find the object that its own lost first try created.
-            if attempts.failed_transiently and self._holds(path, data):
+            # A retried request (ours, or one inside the client library) may find the
+            # object that its own first try created before the response was lost: the bytes
+            # of every record are unique (a token and a time stamp), so equal bytes are ours.
+            if self._holds(path, data):
                 return
             raise ConflictError(f"{self.describe(path)} already exists") from None
+
+    def read_tagged(self, path: str, limit: int) -> tuple[bytes, str] | None:
+        head = self._head(path)
+        if head is None:
+            return None
+        # The ETag comes first: if the object changes between the two requests, the tag is
+        # the older one, so a replace_if with it fails instead of overwriting unseen data.
+        try:
+            data = self.read_bytes(path, limit)
+        except CheckpointNotFoundError:
+            return None
+        return data, str(head["ETag"])
+
+    def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
+        self._require_conditional_writes(path)
+        if not self.conditional_writes:
+            return self._replace_best_effort(path, data, tag)
+        condition: dict[str, Any] = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        try:
+            return str(self.put(path, data, None, **condition)["ETag"])
+        except (ConflictError, CheckpointNotFoundError):
+            found = self.read_tagged(path, len(data) + 1)
+            if found is not None and found[0] == data:  # our own write, response lost
+                return found[1]
+            raise ConflictError(
+                f"{self.describe(path)} was replaced by another writer since this one read it"
+            ) from None
+
+    def _replace_best_effort(self, path: str, data: bytes, tag: str | None) -> str:
+        head = self._head(path)
+        current = None if head is None else str(head["ETag"])
+        if current != tag:
+            raise ConflictError(f"{self.describe(path)} was replaced by another writer")
+        return str(self.put(path, data)["ETag"])
 
     def _holds(self, path: str, data: bytes) -> bool:
         try:
@@ -546,25 +601,40 @@ class ObjectStorage(Storage):
         if not self._holds(path, data):
             raise ConflictError(f"{self.describe(path)} was created concurrently by another writer")
 
-    def _conditional_writes_supported(self, path: str) -> bool:
-        if self.conditional_writes is not None:
-            return self.conditional_writes
+    def _require_conditional_writes(self, path: str) -> None:
+        """Probe (once) whether the store honours ``If-None-Match``/``If-Match``.
+
+        Raises:
+            StorageError: it does not, and the user did not opt in to unconditional writes.
+        """
         with self._probe_lock:
             if self.conditional_writes is None:
                 self.conditional_writes = self._probe_conditional_writes(path)
-            return self.conditional_writes
+        if self.conditional_writes or self.allow_unconditional:
+            return
+        raise StorageError(
+            f"{self.label}{self.split(path)[0]}: the store ignores conditional writes "
+            "(If-None-Match/If-Match), so two writers could both commit or move the version "
+            "file backwards. Use a store that honours them (AWS S3, SeaweedFS, MinIO), or "
+            "pass storage_options={'unsafe_unconditional_writes': True} if only one writer "
+            "can ever write to this root (docs/s3.md)"
+        )
 
     def _probe_conditional_writes(self, path: str) -> bool:
-        """Put a probe object, then put it again with ``If-None-Match: *``: a store that
-        honours the condition refuses the second put."""
+        """Whether the store refuses a ``PutObject`` whose condition does not hold.
+
+        Puts a probe object, then puts it again with ``If-None-Match: *`` and with
+        ``If-Match`` on an ETag it cannot have: a store that honours both refuses both. An
+        answer that is neither a refusal nor an acceptance (a timeout, a 5xx) proves
+        nothing, so the probe is repeated, never taken as "unsupported".
+        """
         probe = temp_name(path)
         bucket, key = self.split(probe)
+        wrong_etag = '"' + "0" * 32 + '"'
 
-        def conditional_put() -> str:
+        def outcome(**condition: str) -> str:
             try:
-                self.fs.call_s3(
-                    "put_object", Bucket=bucket, Key=key, Body=b"probe", IfNoneMatch="*"
-                )
+                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=b"probe", **condition)
             except Exception as exc:
                 failure = classify(exc)
                 if failure.kind == "conflict":
@@ -576,18 +646,23 @@ class ObjectStorage(Storage):
 
         self.put(probe, b"probe")
         try:
-            outcome = self.request("probe conditional writes", probe, conditional_put)
+            results = {
+                "If-None-Match": self.request(
+                    "probe conditional writes", probe, lambda: outcome(IfNoneMatch="*")
+                ),
+                "If-Match": self.request(
+                    "probe conditional writes", probe, lambda: outcome(IfMatch=wrong_etag)
+                ),
+            }
         finally:
             self.delete(probe)
-        if outcome == "honoured":
+        if all(r == "honoured" for r in results.values()):
             return True
         log.warning(
-            "%s%s: the store %s If-None-Match; exclusive creates (commit markers) fall back "
-            "to check-then-put, which two writers racing for one step can both pass "
-            "(see docs/s3.md)",
+            "%s%s: the store does not honour conditional writes (%s)",
             self.label,
             bucket,
-            outcome,
+            ", ".join(f"{k}: {v}" for k, v in results.items()),
         )
         return False
 

@@ -1,15 +1,20 @@
-"""The versioned-root protocol: versions, commit markers, the version file, retention.
+"""The versioned-root protocol: records, the version file, the writer lease, retention.
 
 Layout of a checkpoint root (specified, with its guarantees, in ``docs/PROTOCOL.md``)::
 
-    ROOT/VERSION                       the version file: newest committed step (JSON)
+    ROOT/VERSION                       the version file: newest published step, writer epoch
+    ROOT/_lease/<epoch>                one per writer that ever took the root; the highest is
+                                       the current writer, which rewrites it as a heartbeat
     ROOT/<step>/r00000-<token>.ackpt   data files, one per writing rank, unique per attempt
-    ROOT/<step>/COMMIT                 commit marker: names the data files (JSON)
-    ROOT/<step>/FAILED                 written (best effort) when a save of <step> failed
+    ROOT/<step>/COMMIT                 commit marker: names the data files and their sizes
+    ROOT/<step>/FAILED                 written (best effort) when an uncommitted save failed
 
-A version exists for readers only once its ``COMMIT`` marker does; the marker is created
-with an exclusive create after every data file is durable, and the version file is moved
-forward after that. Everything here is a function of a :class:`Storage` and a root path.
+A version exists for readers once its ``COMMIT`` marker does; the marker is created with an
+exclusive create after every data file is durable, and the version file is moved forward
+after that with a compare-and-swap (:meth:`Storage.replace_if`) on the value this writer
+last read, so a writer that lost the lease can never move it. Everything here is a function
+of a :class:`Storage` and a root path; the roles that use it are :mod:`asyncckpt.root_reader`
+and :mod:`asyncckpt.root_writer`.
 """
 
 from __future__ import annotations
@@ -18,48 +23,101 @@ import datetime
 import json
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import config
 from .errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
-    ConflictError,
     FormatError,
     IncompleteCheckpointError,
 )
+from .format import FOOTER_SIZE, decode_footer
 from .storage import Storage, is_temp_name
 
-log = logging.getLogger("asyncckpt")
+log = logging.getLogger(__name__)
 
 VERSION_FILE = "VERSION"
 COMMIT_FILE = "COMMIT"
 FAILED_FILE = "FAILED"
+LEASE_DIR = "_lease"
 PROTOCOL_VERSION = 1
 _MAX_RECORD_BYTES = 1 << 20
+# Canonical decimal steps only: "007", "²" or "١٢" are not steps (and never alias one).
+_STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
+_MAX_STEP = (1 << 63) - 1
+
+
+class UnreadableRecordError(FormatError):
+    """A protocol record exists but cannot be understood (damaged, or a newer protocol).
+
+    Readers skip such a version; a writer refuses to touch a root that holds one, since it
+    cannot tell what it would destroy.
+    """
 
 
 @dataclass(frozen=True)
 class CommitRecord:
-    """The content of a version's ``COMMIT`` marker."""
+    """The content of a version's ``COMMIT`` marker.
+
+    Attributes:
+        step: the version's step.
+        files: data file names, relative to the step directory.
+        writer: the token of the writer that created the marker.
+        sizes: each file's size in bytes (empty in markers written by hand).
+        epoch: the writer's lease epoch (0 when unknown).
+    """
 
     step: int
     files: tuple[str, ...]
     writer: str
+    sizes: tuple[int, ...] = ()
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
 class VersionRecord:
-    """The content of the root's version file."""
+    """The content of the root's version file.
 
-    step: int
+    Attributes:
+        step: the newest published step, or None before the first commit.
+        writer: the token of the writer that wrote it.
+        epoch: that writer's lease epoch (0 in files written before leases).
+    """
+
+    step: int | None
     writer: str
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """The content of ``_lease/<epoch>``: who holds the epoch and how often it renewed."""
+
+    epoch: int
+    writer: str
+    beat: int
 
 
 def step_dir(storage: Storage, root: str, step: int) -> str:
     """The directory (prefix) of version ``step``."""
     return storage.join(root, str(step))
+
+
+def parse_step(name: str) -> int | None:
+    """The step a directory name stands for, or None if it is not a canonical step.
+
+    Example:
+        >>> [parse_step(n) for n in ("0", "12", "007", "²", "-1", "_lease")]
+        [0, 12, None, None, None, None]
+    """
+    if not _STEP_NAME.fullmatch(name):
+        return None
+    step = int(name)
+    return step if step <= _MAX_STEP else None
 
 
 def data_file_name(rank: int, token: str) -> str:
@@ -71,71 +129,147 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat()
 
 
-def _record(storage: Storage, path: str) -> dict[str, Any] | None:
-    """A small JSON record, or None if missing; FormatError if unreadable."""
+def decode_record(raw: bytes, where: str) -> dict[str, Any]:
+    """Parse a protocol record's JSON.
+
+    Raises:
+        UnreadableRecordError: not JSON, not an object, or a protocol this code does not know.
+    """
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise UnreadableRecordError(f"{where}: not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise UnreadableRecordError(f"{where}: not an asyncckpt protocol record")
+    version = doc.get("protocol")
+    if type(version) is int and version > PROTOCOL_VERSION:
+        raise UnreadableRecordError(
+            f"{where}: written by a newer asyncckpt (protocol {version}; this one knows "
+            f"{PROTOCOL_VERSION}); upgrade asyncckpt to use this root"
+        )
+    if version != PROTOCOL_VERSION:
+        raise UnreadableRecordError(f"{where}: not an asyncckpt protocol record")
+    return doc
+
+
+def _read_record(storage: Storage, path: str) -> dict[str, Any] | None:
     try:
         raw = storage.read_bytes(path, _MAX_RECORD_BYTES)
     except CheckpointNotFoundError:
         return None
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise FormatError(f"{storage.describe(path)}: not valid JSON: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("protocol") != PROTOCOL_VERSION:
-        raise FormatError(f"{storage.describe(path)}: not an asyncckpt protocol record")
-    return doc
+    return decode_record(raw, storage.describe(path))
 
 
-def _encode(doc: dict[str, Any]) -> bytes:
+def encode_record(doc: dict[str, Any]) -> bytes:
+    """A protocol record's bytes; the time stamp also makes every write's bytes unique."""
     return json.dumps({"protocol": PROTOCOL_VERSION, **doc, "time": _now()}).encode()
 
 
-def read_commit(storage: Storage, root: str, step: int) -> CommitRecord | None:
-    """The commit marker of ``step`` if it exists and is well formed, else None."""
-    path = storage.join(step_dir(storage, root, step), COMMIT_FILE)
-    try:
-        doc = _record(storage, path)
-    except FormatError as exc:
-        log.warning("ignoring damaged commit marker: %s", exc)
-        return None
-    if doc is None:
-        return None
+# -- commit markers ---------------------------------------------------------------------------
+
+
+def _int_list(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, list) and all(type(v) is int and v >= 0 for v in value):
+        return tuple(value)
+    return None
+
+
+def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
+    """Validate a decoded ``COMMIT`` document.
+
+    Raises:
+        UnreadableRecordError: a field is missing or malformed.
+    """
     files, writer = doc.get("files"), doc.get("writer")
+    sizes = _int_list(doc.get("sizes", []))
+    epoch = doc.get("epoch", 0)
     valid = (
         doc.get("step") == step
         and isinstance(files, list)
         and files
         and all(isinstance(f, str) and "/" not in f and f.endswith(".ackpt") for f in files)
         and isinstance(writer, str)
+        and sizes is not None
+        and (not sizes or len(sizes) == len(files))
+        and type(epoch) is int
     )
     if not valid:
-        log.warning("ignoring malformed commit marker %s", storage.describe(path))
+        raise UnreadableRecordError(f"{where}: malformed commit marker")
+    return CommitRecord(step, tuple(files), writer, sizes or (), epoch)  # type: ignore[arg-type]
+
+
+def read_commit_strict(storage: Storage, root: str, step: int) -> CommitRecord | None:
+    """The commit marker of ``step``, or None if there is none.
+
+    Raises:
+        UnreadableRecordError: a marker exists but cannot be understood.
+    """
+    path = storage.join(step_dir(storage, root, step), COMMIT_FILE)
+    doc = _read_record(storage, path)
+    return None if doc is None else commit_from(doc, step, storage.describe(path))
+
+
+def read_commit(storage: Storage, root: str, step: int) -> CommitRecord | None:
+    """The commit marker of ``step`` if it exists and is understood, else None (readers)."""
+    try:
+        return read_commit_strict(storage, root, step)
+    except FormatError as exc:  # unreadable, or oversized
+        log.warning("ignoring commit marker: %s", exc)
         return None
-    return CommitRecord(step, tuple(files), writer)  # type: ignore[arg-type]
 
 
 def create_commit(storage: Storage, root: str, record: CommitRecord) -> None:
     """Create ``step``'s commit marker; the version exists for readers from then on.
 
     Raises:
-        ConflictError: the step was already committed (by this or another writer).
+        ConflictError: a marker already exists (this writer's own, or another's).
     """
     path = storage.join(step_dir(storage, root, record.step), COMMIT_FILE)
-    doc = {"step": record.step, "files": list(record.files), "writer": record.writer}
-    try:
-        storage.create_exclusive(path, _encode(doc))
-    except ConflictError:
-        raise ConflictError(
-            f"step {record.step} is already committed under {storage.describe(root)}; "
-            "steps must be unique and increasing (are two jobs writing to this root?)"
-        ) from None
+    doc = {
+        "step": record.step,
+        "files": list(record.files),
+        "sizes": list(record.sizes),
+        "writer": record.writer,
+        "epoch": record.epoch,
+    }
+    storage.create_exclusive(path, encode_record(doc))
+
+
+def verify_commit(storage: Storage, root: str, record: CommitRecord) -> str | None:
+    """Check that every data file a marker names is there, whole: None if so, else why.
+
+    Each file must exist, have the size the marker records (when it records one) and end in
+    a valid asyncckpt footer. A marker that fails this is never published as the latest.
+    """
+    directory = step_dir(storage, root, record.step)
+    for i, name in enumerate(record.files):
+        path = storage.join(directory, name)
+        try:
+            size = storage.size(path)
+            if record.sizes and size != record.sizes[i]:
+                return (
+                    f"{storage.describe(path)} is {size} bytes, the marker says {record.sizes[i]}"
+                )
+            tail = storage.read_range(path, max(0, size - FOOTER_SIZE), FOOTER_SIZE)
+            decode_footer(tail, size, storage.describe(path))
+        except (CheckpointNotFoundError, FormatError) as exc:
+            return str(exc)
+    return None
+
+
+# -- failure markers --------------------------------------------------------------------------
 
 
 def mark_failed(storage: Storage, root: str, step: int, error: BaseException) -> None:
-    """Tell pollers that the save of ``step`` failed (best effort; never raises)."""
+    """Tell pollers that the save of ``step`` failed (best effort; never raises).
+
+    Only for steps with no ``COMMIT``: a committed step is never marked failed.
+    """
     path = storage.join(step_dir(storage, root, step), FAILED_FILE)
     try:
-        storage.write_bytes(path, _encode({"step": step, "error": str(error)[:2000]}))
+        if read_commit(storage, root, step) is not None:
+            return
+        storage.write_bytes(path, encode_record({"step": step, "error": str(error)[:2000]}))
     except Exception as exc:  # best effort: the original error is what matters
         log.warning("could not record the failure of step %d: %s", step, exc)
 
@@ -143,47 +277,149 @@ def mark_failed(storage: Storage, root: str, step: int, error: BaseException) ->
 def failure_of(storage: Storage, root: str, step: int) -> str | None:
     """The recorded error of a failed save of ``step``, if any."""
     try:
-        doc = _record(storage, storage.join(step_dir(storage, root, step), FAILED_FILE))
+        doc = _read_record(storage, storage.join(step_dir(storage, root, step), FAILED_FILE))
     except FormatError:
         return "unknown error (damaged FAILED marker)"
     return None if doc is None else str(doc.get("error", "unknown error"))
 
 
+# -- the version file -------------------------------------------------------------------------
+
+
+def version_from(doc: dict[str, Any], where: str) -> VersionRecord:
+    """Validate a decoded version file.
+
+    Raises:
+        UnreadableRecordError: a field is missing or malformed.
+    """
+    step, writer, epoch = doc.get("step"), doc.get("writer"), doc.get("epoch", 0)
+    if (step is not None and type(step) is not int) or not isinstance(writer, str):
+        raise UnreadableRecordError(f"{where}: malformed version file")
+    if type(epoch) is not int or epoch < 0 or (step is not None and step < 0):
+        raise UnreadableRecordError(f"{where}: malformed version file")
+    return VersionRecord(step, writer, epoch)
+
+
+def read_version_tagged(storage: Storage, root: str) -> tuple[VersionRecord | None, str | None]:
+    """The version file's record and its tag (for :meth:`Storage.replace_if`).
+
+    Returns:
+        ``(None, None)`` when there is no version file.
+
+    Raises:
+        UnreadableRecordError: the file exists but cannot be understood.
+    """
+    path = storage.join(root, VERSION_FILE)
+    found = storage.read_tagged(path, _MAX_RECORD_BYTES)
+    if found is None:
+        return None, None
+    raw, tag = found
+    where = storage.describe(path)
+    return version_from(decode_record(raw, where), where), tag
+
+
 def read_version_file(storage: Storage, root: str) -> VersionRecord | None:
-    """The version file's record, or None if it is missing or damaged."""
+    """The version file's record, or None if it is missing or cannot be understood."""
     try:
-        doc = _record(storage, storage.join(root, VERSION_FILE))
-    except FormatError as exc:
-        log.warning("ignoring damaged version file: %s", exc)
+        doc = _read_record(storage, storage.join(root, VERSION_FILE))
+        return None if doc is None else version_from(doc, root)
+    except FormatError as exc:  # unreadable, or oversized
+        log.warning("ignoring version file: %s", exc)
         return None
-    if doc is None or type(doc.get("step")) is not int or not isinstance(doc.get("writer"), str):
-        return None
-    return VersionRecord(doc["step"], doc["writer"])
+
+
+def publish_version(storage: Storage, root: str, record: VersionRecord, tag: str | None) -> str:
+    """Replace the version file with ``record`` if it still has ``tag``; return the new tag.
+
+    Raises:
+        ConflictError: the file changed since ``tag`` was read (another writer moved it).
+    """
+    doc = {"step": record.step, "writer": record.writer, "epoch": record.epoch}
+    return storage.replace_if(storage.join(root, VERSION_FILE), encode_record(doc), tag)
 
 
 def write_version_file(storage: Storage, root: str, record: VersionRecord) -> None:
-    """Atomically replace the version file (callers ensure it never moves backwards)."""
-    doc = {"step": record.step, "writer": record.writer}
-    storage.write_bytes(storage.join(root, VERSION_FILE), _encode(doc))
+    """Replace the version file unconditionally (tests and repair tools only)."""
+    doc = {"step": record.step, "writer": record.writer, "epoch": record.epoch}
+    storage.write_bytes(storage.join(root, VERSION_FILE), encode_record(doc))
+
+
+# -- the writer lease -------------------------------------------------------------------------
+
+
+def lease_path(storage: Storage, root: str, epoch: int) -> str:
+    """Where epoch ``epoch``'s lease record lives."""
+    return storage.join(root, LEASE_DIR, f"{epoch:012d}")
+
+
+def lease_epochs(storage: Storage, root: str) -> list[int]:
+    """Every epoch that has a lease record, ascending."""
+    names = storage.list_dir(storage.join(root, LEASE_DIR))
+    return sorted(int(n) for n in names if len(n) == 12 and n.isascii() and n.isdigit())
+
+
+def create_lease(storage: Storage, root: str, epoch: int, writer: str) -> None:
+    """Claim ``epoch`` (exclusive create).
+
+    Raises:
+        ConflictError: another writer claimed it first.
+    """
+    doc = {"epoch": epoch, "writer": writer, "beat": 0}
+    storage.create_exclusive(lease_path(storage, root, epoch), encode_record(doc))
+
+
+def renew_lease(storage: Storage, root: str, lease: LeaseRecord) -> None:
+    """Rewrite this writer's own lease record with its next heartbeat number."""
+    doc = {"epoch": lease.epoch, "writer": lease.writer, "beat": lease.beat}
+    storage.write_bytes(lease_path(storage, root, lease.epoch), encode_record(doc))
+
+
+def current_lease(storage: Storage, root: str) -> LeaseRecord | None:
+    """The newest lease record, or None when no writer ever took the root (or unreadable)."""
+    epochs = lease_epochs(storage, root)
+    if not epochs:
+        return None
+    try:
+        doc = _read_record(storage, lease_path(storage, root, epochs[-1]))
+    except FormatError:
+        return None
+    if doc is None or type(doc.get("beat")) is not int or not isinstance(doc.get("writer"), str):
+        return None
+    return LeaseRecord(epochs[-1], doc["writer"], doc["beat"])
+
+
+# -- listing, latest, retention ---------------------------------------------------------------
 
 
 def step_dirs(storage: Storage, root: str) -> list[int]:
     """Every step that has a directory under ``root`` (committed or not), ascending."""
-    return sorted(int(n) for n in storage.list_dir(root) if n.isdigit() and len(n) < 20)
+    steps = (parse_step(n) for n in storage.list_dir(root))
+    return sorted(s for s in steps if s is not None)
 
 
 def committed_steps(storage: Storage, root: str) -> list[int]:
-    """Steps with a valid commit marker, ascending."""
+    """Steps with an understood commit marker, ascending."""
     return [s for s in step_dirs(storage, root) if read_commit(storage, root, s) is not None]
 
 
 def latest_step(storage: Storage, root: str) -> int | None:
-    """The step the version file names, if committed; else the newest committed step."""
+    """The newest step a reader may load.
+
+    The version file's step, unless a newer commit marker exists whose files verify (a
+    writer that crashed, or whose version-file write failed, after its ``COMMIT``): then that
+    one. None when nothing is committed.
+    """
     record = read_version_file(storage, root)
-    if record is not None and read_commit(storage, root, record.step) is not None:
-        return record.step
-    steps = committed_steps(storage, root)
-    return steps[-1] if steps else None
+    named = record.step if record is not None else None
+    if named is not None and read_commit(storage, root, named) is None:
+        named = None
+    for step in reversed(step_dirs(storage, root)):
+        if named is not None and step <= named:
+            break
+        commit = read_commit(storage, root, step)
+        if commit is not None and verify_commit(storage, root, commit) is None:
+            return step
+    return named
 
 
 def delete_version(storage: Storage, root: str, step: int) -> None:
@@ -219,36 +455,72 @@ def remove_temp_files(storage: Storage, root: str) -> None:
             storage.delete(storage.join(root, name))
 
 
+# -- waiting ----------------------------------------------------------------------------------
+
+
+class _LeaseWatch:
+    """Notices a writer that stopped renewing its lease, on the reader's own clock."""
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage, self.root = storage, root
+        self.expiry_s = config.tunable("lease_expiry_ms", None) / 1000
+        self.seen: LeaseRecord | None = current_lease(storage, root)
+        self.since = time.monotonic()
+
+    def stale_for(self) -> float | None:
+        """Seconds since the lease last changed, if longer than the expiry; else None."""
+        lease = current_lease(self.storage, self.root)
+        now = time.monotonic()
+        if lease is None or lease != self.seen:  # no writer yet, or it is alive
+            self.seen, self.since = lease, now
+            return None
+        waited = now - self.since
+        return waited if waited >= self.expiry_s else None
+
+
 def wait_for_step(storage: Storage, root: str, step: int, timeout: float | None) -> None:
     """Poll, with exponential backoff and jitter, until ``step`` is committed.
 
     Raises:
-        IncompleteCheckpointError: the writer recorded that the save of ``step`` failed.
-        CheckpointTimeoutError: not committed within ``timeout`` seconds; says what is.
+        IncompleteCheckpointError: the writer recorded that the save of ``step`` failed, or
+            the version file passed ``step`` without it being committed.
+        CheckpointTimeoutError: not committed within ``timeout`` seconds, or the writer
+            stopped renewing its lease (it died or froze) while ``step`` was not committed.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    delay, next_log = 0.02, time.monotonic() + 60
+    where = storage.describe(root)
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
+    delay, next_log = 0.02, started + 60
+    watch = _LeaseWatch(storage, root)
     while read_commit(storage, root, step) is None:
         failure = failure_of(storage, root, step)
         if failure is not None:
             raise IncompleteCheckpointError(
-                f"the save of step {step} under {storage.describe(root)} failed: {failure}"
+                f"the save of step {step} under {where} failed: {failure}"
             )
         newer = read_version_file(storage, root)
-        if newer is not None and newer.step > step and read_commit(storage, root, step) is None:
+        passed = newer.step if newer is not None and newer.step is not None else -1
+        if passed > step and read_commit(storage, root, step) is None:
             # Steps only increase, so a step passed over by the version file never commits.
             raise IncompleteCheckpointError(
-                f"step {step} under {storage.describe(root)} was never committed (or was "
-                f"deleted); step {newer.step} is the newest"
+                f"step {step} under {where} was never committed (or was deleted); step "
+                f"{passed} is the newest"
             )
         now = time.monotonic()
+        stale = watch.stale_for()
+        if stale is not None:
+            raise CheckpointTimeoutError(
+                f"gave up waiting for step {step} under {where} after {now - started:.1f} s: "
+                f"the writer (epoch {watch.seen.epoch if watch.seen else '?'}) has not renewed "
+                f"its lease for {stale:.1f} s, so it died or froze before committing the step"
+            )
         if deadline is not None and now >= deadline:
             raise CheckpointTimeoutError(
-                f"step {step} was not committed under {storage.describe(root)} within "
-                f"{timeout} s; committed steps: {committed_steps(storage, root) or 'none'}"
+                f"step {step} was not committed under {where} within {timeout} s; "
+                f"committed steps: {committed_steps(storage, root) or 'none'}"
             )
         if now >= next_log:
-            log.info("still waiting for step %d under %s", step, storage.describe(root))
+            log.info("still waiting for step %d under %s", step, where)
             next_log = now + 60
         pause = delay * (0.5 + random.random())
         time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))

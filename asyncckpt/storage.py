@@ -19,9 +19,12 @@ Every backend error surfaces as :class:`~asyncckpt.errors.StorageError` (or
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
 import shutil
 import threading
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -30,9 +33,13 @@ from typing import Any, BinaryIO
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from . import config
 from .errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
 
 TEMP_MARK = ".acktmp-"
+#: The storage option that lets an object store without conditional writes be used anyway.
+UNSAFE_UNCONDITIONAL_WRITES = "unsafe_unconditional_writes"
+_MAX_TAGGED_BYTES = 1 << 20
 
 
 def temp_name(path: str) -> str:
@@ -144,6 +151,57 @@ class Storage(ABC):
         """Join path parts with ``/``."""
         return "/".join(p.rstrip("/") for p in parts if p)
 
+    # -- compare-and-swap of small files (the version file) ----------------------------------
+
+    def read_tagged(self, path: str, limit: int) -> tuple[bytes, str] | None:
+        """A small file's bytes and a tag that changes whenever the file is replaced.
+
+        Returns:
+            None when the file does not exist.
+        """
+        try:
+            data = self.read_bytes(path, limit)
+        except CheckpointNotFoundError:
+            return None
+        return data, content_tag(data)
+
+    def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
+        """Atomically replace ``path`` with ``data`` only if its tag is still ``tag``.
+
+        ``tag=None`` means "only if ``path`` does not exist". This default serialises callers
+        with a process-wide lock: exact for in-process filesystems (``memory://``) and best
+        effort for others; local disk and object stores override it with real fences.
+
+        Returns:
+            The new tag.
+
+        Raises:
+            ConflictError: the file's tag is not ``tag`` (someone else replaced it).
+        """
+        with _create_lock:
+            self._check_tag(path, tag)
+            self.write_bytes(path, data)
+        return content_tag(data)
+
+    def _check_tag(self, path: str, tag: str | None) -> None:
+        found = self.read_tagged(path, _MAX_TAGGED_BYTES)
+        current = None if found is None else found[1]
+        if current != tag:
+            raise ConflictError(
+                f"{self.describe(path)} was replaced by another writer (expected "
+                f"{tag or 'no file'}, found {current or 'no file'})"
+            )
+
+
+def content_tag(data: bytes) -> str:
+    """The tag of a file's content where the store has no ETag of its own.
+
+    Example:
+        >>> content_tag(b"x")[:8]
+        '2d711642'
+    """
+    return hashlib.sha256(data).hexdigest()[:32]
+
 
 class LocalStorage(Storage):
     """Local disk through the OS, with fsync discipline."""
@@ -217,6 +275,51 @@ class LocalStorage(Storage):
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
+
+    def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
+        # The lock file excludes every process that uses this protocol on this machine (and
+        # on NFS/Lustre only where flock is coherent across clients; see docs/PROTOCOL.md).
+        with _errors(self, path, "lock"):
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with _flocked(self, f"{path}.lock"):
+            self._check_tag(path, tag)
+            self.write_bytes(path, data)
+        return content_tag(data)
+
+
+@contextlib.contextmanager
+def _flocked(storage: Storage, lock_path: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_path``, waiting at most ``lock_timeout_ms``.
+
+    Bounded so that a writer frozen while holding the lock (SIGSTOP, a swapped-out VM)
+    turns into a clear error instead of a hang; the lock is only held for a read and an
+    atomic rename, so a healthy holder never comes near the limit.
+    """
+    import fcntl
+
+    deadline = time.monotonic() + config.tunable("lock_timeout_ms", None) / 1000
+    with _errors(storage, lock_path, "lock"):
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        delay = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                    raise StorageError(f"{lock_path}: flock failed: {exc}") from exc
+                if time.monotonic() >= deadline:
+                    raise StorageError(
+                        f"{lock_path}: still locked by another process after "
+                        f"{config.tunable('lock_timeout_ms', None)} ms (a writer frozen while "
+                        "committing?)"
+                    ) from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 class _LocalWriter(AtomicWriter):
@@ -397,14 +500,17 @@ def resolve(
         return LocalStorage(), os.path.abspath(f)
     from .objectstore import ObjectStorage, is_object_store, prepare_options
 
+    options = dict(storage_options or {})
+    unsafe = bool(options.pop(UNSAFE_UNCONDITIONAL_WRITES, False))
     try:
-        fs, path = fsspec.core.url_to_fs(f, **prepare_options(f, dict(storage_options or {})))
+        fs, path = fsspec.core.url_to_fs(f, **prepare_options(f, options))
     except (ImportError, ValueError) as exc:
         raise StorageError(f"cannot open {f.split('://')[0]}:// storage: {exc}") from exc
     if isinstance(fs, LocalFileSystem):
         return LocalStorage(), os.path.abspath(path)
     if is_object_store(fs):  # s3:// (and wrappers of it): no renames, see objectstore.py
-        return ObjectStorage(fs, label=f[: f.rindex("://") + 3]), path
+        label = f[: f.rindex("://") + 3]
+        return ObjectStorage(fs, label=label, allow_unconditional=unsafe), path
     return FsspecStorage(fs), path
 
 

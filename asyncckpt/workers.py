@@ -1,15 +1,13 @@
 """Background threads: a small daemon pool, and the process's queue of pending saves.
 
-The threads are daemons on purpose: pending saves are awaited by an ``atexit`` hook (which
-logs what it waits for), and daemon threads keep running while ``atexit`` hooks do. The
+The threads are daemons on purpose: pending saves are awaited by an ``atexit`` hook (in
+:mod:`asyncckpt.api`), and daemon threads keep running while ``atexit`` hooks do. The
 stdlib ``ThreadPoolExecutor`` refuses new work once interpreter shutdown begins, which would
 break a save that is still compressing when the main thread ends.
 """
 
 from __future__ import annotations
 
-import atexit
-import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -17,7 +15,6 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
-log = logging.getLogger("asyncckpt")
 
 
 class DaemonPool:
@@ -90,16 +87,3 @@ def pending() -> list[Any]:
     """The saves of this process that have not finished, oldest first."""
     with _lock:
         return sorted(_pending, key=lambda h: h.sequence)
-
-
-@atexit.register
-def _finish_pending_saves() -> None:
-    waiting = pending()
-    if not waiting:
-        return
-    log.warning("interpreter exiting: waiting for %d pending checkpoint save(s)", len(waiting))
-    for handle in waiting:
-        try:
-            handle.result()
-        except BaseException as exc:  # an exit hook must not raise; report and go on
-            log.error("checkpoint save to %s failed at exit: %s", handle.path, exc)

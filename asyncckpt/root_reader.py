@@ -1,0 +1,99 @@
+"""The reading side of a checkpoint root: it never creates, deletes, renames or rewrites.
+
+Every process that looks at a root (an evaluator polling it, a notebook, the CLI, the
+non-writer ranks of a job, the writer itself when it loads) reads through a
+:class:`RootReader`. Nothing here takes a lock or a lease, so a reader can never disturb a
+save in progress, however it is scheduled.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import config
+from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
+from .placement import Placement
+from .protocol import committed_steps, latest_step, read_commit, step_dir, wait_for_step
+from .reader import materialize, open_file
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class RootReader:
+    """Read-only access to the committed versions under ``root``.
+
+    Args:
+        storage: the storage that holds the root.
+        root: the root's path within ``storage``.
+
+    Example:
+        >>> import tempfile
+        >>> from asyncckpt.storage import LocalStorage
+        >>> RootReader(LocalStorage(), tempfile.mkdtemp()).latest() is None
+        True
+    """
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage = storage
+        self.root = root
+
+    @property
+    def where(self) -> str:
+        """The root as a user would write it."""
+        return self.storage.describe(self.root)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None (see :func:`asyncckpt.protocol.latest_step`)."""
+        return latest_step(self.storage, self.root)
+
+    def versions(self) -> list[int]:
+        """Every committed step, ascending."""
+        return committed_steps(self.storage, self.root)
+
+    def wait(self, step: int, timeout: float | None) -> None:
+        """Block until ``step`` is committed (see :func:`asyncckpt.protocol.wait_for_step`)."""
+        wait_for_step(self.storage, self.root, step, timeout)
+
+    def read(self, step: int, placement: Placement, follow_latest: bool, into: Any) -> Any:
+        """Load committed version ``step``.
+
+        Args:
+            step: a committed step.
+            placement: where tensors go.
+            follow_latest: if retention deletes ``step`` while it is read, read the newest
+                version instead of raising (for callers that asked for "the newest").
+            into: an existing state to load into, or None.
+
+        Raises:
+            IncompleteCheckpointError: ``step`` is not (or no longer) committed and
+                ``follow_latest`` is false, or nothing newer exists.
+            FormatError: the version has more than one data file.
+        """
+        threads = config.tunable("threads", None)
+        while True:
+            try:
+                return materialize(
+                    open_file(self.storage, self._data_path(step)), placement, threads, into
+                )
+            except CheckpointNotFoundError as exc:
+                newest = self.latest()
+                if not follow_latest or newest is None or newest == step:
+                    raise IncompleteCheckpointError(
+                        f"step {step} under {self.where} was deleted while loading it (by "
+                        "retention?); load again to get the newest version"
+                    ) from exc
+                log.info("step %d was deleted while loading; moving to step %d", step, newest)
+                step = newest
+
+    def _data_path(self, step: int) -> str:
+        commit = read_commit(self.storage, self.root, step)
+        if commit is None:
+            raise CheckpointNotFoundError(f"step {step} under {self.where} is not committed")
+        if len(commit.files) != 1:
+            raise FormatError(
+                f"step {step} under {self.where} has {len(commit.files)} data files; this "
+                "asyncckpt reads single-writer versions only"
+            )
+        return self.storage.join(step_dir(self.storage, self.root, step), commit.files[0])

@@ -1,0 +1,288 @@
+"""The writing side of a checkpoint root: the lease, recovery, commit and retention.
+
+Only a process that saves builds a :class:`RootWriter`, and it touches the root only from
+its first save on. That save takes the writer lease: a new epoch, claimed with an exclusive
+create, installed in the version file with a compare-and-swap. From then on every commit is
+conditional on the version file still carrying this writer's epoch, so a writer that
+another job has taken the root from (a frozen or restarted predecessor) fails with
+:class:`~asyncckpt.errors.ConflictError` and changes nothing readers see. See
+``docs/PROTOCOL.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+from . import config
+from .errors import AsyncCkptError, ConflictError, FormatError
+from .protocol import (
+    CommitRecord,
+    LeaseRecord,
+    UnreadableRecordError,
+    VersionRecord,
+    create_commit,
+    create_lease,
+    delete_version,
+    lease_epochs,
+    lease_path,
+    publish_version,
+    read_commit_strict,
+    read_version_tagged,
+    remove_temp_files,
+    renew_lease,
+    retention_plan,
+    step_dir,
+    step_dirs,
+    verify_commit,
+)
+from .storage import Storage
+
+log = logging.getLogger(__name__)
+
+
+class FencedError(ConflictError):
+    """Another writer took the root over; this writer may no longer commit to it."""
+
+
+class RootWriter:
+    """The lease holder's operations on ``root``.
+
+    Args:
+        storage: the storage that holds the root.
+        root: the root's path within ``storage``.
+        token: this writer's unique id (also in its data file names).
+    """
+
+    def __init__(self, storage: Storage, root: str, token: str) -> None:
+        self.storage = storage
+        self.root = root
+        self.token = token
+        self.epoch: int | None = None
+        self.published: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    @property
+    def where(self) -> str:
+        """The root as a user would write it."""
+        return self.storage.describe(self.root)
+
+    # -- the lease ------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take the root over (once): claim a new epoch, install it, clean up leftovers.
+
+        Raises:
+            ConflictError: another writer took the root at the same moment with a newer
+                epoch, or the root holds records this asyncckpt cannot understand.
+        """
+        with self._lock:
+            if self.epoch is not None:
+                return
+            self._refuse_unreadable()
+            record, tag = read_version_tagged(self.storage, self.root)
+            epoch = self._claim_epoch(record)
+            self.published = self._install(epoch, record, tag)
+            self.epoch = epoch
+        log.info("took the writer lease on %s (epoch %d)", self.where, epoch)
+        self._recover()
+        self._start_heartbeat()
+
+    def _claim_epoch(self, record: VersionRecord | None) -> int:
+        known = [record.epoch if record else 0, *lease_epochs(self.storage, self.root)]
+        epoch = max(known) + 1
+        while True:
+            try:
+                create_lease(self.storage, self.root, epoch, self.token)
+                return epoch
+            except ConflictError:
+                epoch += 1  # another new writer claimed it first: take the next one
+
+    def _install(self, epoch: int, record: VersionRecord | None, tag: str | None) -> int | None:
+        """Write our epoch into the version file, rolled forward to the newest good commit."""
+        while True:
+            named = record.step if record is not None else None
+            if named is not None and read_commit_strict(self.storage, self.root, named) is None:
+                named = None  # it names a step that is not committed: never published
+            step = self._newest_verified(named)
+            try:
+                publish_version(
+                    self.storage, self.root, VersionRecord(step, self.token, epoch), tag
+                )
+                return step
+            except ConflictError:
+                record, tag = read_version_tagged(self.storage, self.root)
+                if record is not None and record.epoch > epoch:
+                    raise ConflictError(
+                        f"another writer (id {record.writer}, epoch {record.epoch}) took "
+                        f"{self.where} over at the same time as this one (epoch {epoch}); "
+                        "only one job may write to a root"
+                    ) from None
+                # An older writer committed meanwhile: retry on top of what it published.
+
+    def _newest_verified(self, published: int | None) -> int | None:
+        for step in reversed(step_dirs(self.storage, self.root)):
+            if published is not None and step <= published:
+                break
+            commit = read_commit_strict(self.storage, self.root, step)
+            if commit is None:
+                continue
+            problem = verify_commit(self.storage, self.root, commit)
+            if problem is None:
+                return step
+            log.warning("not publishing step %d under %s: %s", step, self.where, problem)
+        return published
+
+    def _refuse_unreadable(self) -> None:
+        """Raise if the root holds a record we cannot understand (damaged, or newer)."""
+        try:
+            read_version_tagged(self.storage, self.root)
+            for step in step_dirs(self.storage, self.root):
+                read_commit_strict(self.storage, self.root, step)
+        except FormatError as exc:  # damaged, oversized, or from a newer protocol
+            raise ConflictError(
+                f"refusing to write to {self.where}: {exc}. Nothing was changed; move the "
+                "record aside (or upgrade asyncckpt) if the root is really yours"
+            ) from exc
+
+    def _start_heartbeat(self) -> None:
+        interval = config.tunable("lease_renew_ms", None) / 1000
+        assert self.epoch is not None
+        epoch = self.epoch
+
+        def beat() -> None:
+            count = 0
+            while not self._stop.wait(interval):
+                count += 1
+                try:
+                    renew_lease(self.storage, self.root, LeaseRecord(epoch, self.token, count))
+                except Exception as exc:  # a missed beat only makes readers wait less
+                    log.warning("could not renew the writer lease on %s: %s", self.where, exc)
+
+        self._heartbeat = threading.Thread(target=beat, name="asyncckpt-lease", daemon=True)
+        self._heartbeat.start()
+
+    def release(self) -> None:
+        """Stop renewing the lease (the lease record stays: readers see the writer stop)."""
+        self._stop.set()
+
+    # -- recovery and retention -----------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Drop what earlier writers left: temp files, uncommitted steps, old lease records."""
+        storage, root = self.storage, self.root
+        try:
+            remove_temp_files(storage, root)
+            for step in step_dirs(storage, root):
+                if read_commit_strict(storage, root, step) is None:
+                    log.info("removing step %d under %s: it was never committed", step, self.where)
+                    delete_version(storage, root, step)
+                else:  # a crash between an exclusive create and its clean-up
+                    remove_temp_files(storage, step_dir(storage, root, step))
+            self._prune_leases()
+        except AsyncCkptError as exc:  # leftovers are harmless; the next retention retries
+            log.warning("recovery under %s was incomplete: %s", self.where, exc)
+
+    def _prune_leases(self) -> None:
+        for epoch in lease_epochs(self.storage, self.root):
+            if self.epoch is not None and epoch < self.epoch:
+                self.storage.delete(lease_path(self.storage, self.root, epoch))
+
+    def apply_retention(self, keep_last: int | None, pinned: int, spare: int | None) -> None:
+        """Delete versions beyond the newest ``keep_last`` and leftovers older than ``pinned``.
+
+        Never ``pinned`` (just published), ``spare`` (a step other ranks may be reading),
+        anything newer, or a step whose marker cannot be understood. Failures only warn: the
+        new version is committed, and the next save retries.
+        """
+        storage, root = self.storage, self.root
+        try:
+            committed, unreadable = [], set()
+            dirs = step_dirs(storage, root)
+            for step in dirs:
+                try:
+                    if read_commit_strict(storage, root, step) is not None:
+                        committed.append(step)
+                except UnreadableRecordError as exc:
+                    log.warning("retention leaves step %d alone: %s", step, exc)
+                    unreadable.add(step)
+            for step in retention_plan(committed, dirs, keep_last, pinned):
+                if step not in unreadable and step != spare:
+                    delete_version(storage, root, step)
+            remove_temp_files(storage, root)
+        except AsyncCkptError as exc:
+            log.warning(
+                "retention under %s failed (will retry after the next save): %s", self.where, exc
+            )
+
+    # -- commit ---------------------------------------------------------------------------
+
+    def commit(self, step: int, files: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+        """Publish version ``step`` whose data ``files`` (in its directory) are durable.
+
+        Raises:
+            FencedError: another writer took the root over; our files were removed.
+            ConflictError: ``step`` is not newer than the published one, or another writer
+                committed it; our files were removed.
+        """
+        assert self.epoch is not None, "acquire() first"
+        record, tag = read_version_tagged(self.storage, self.root)
+        if record is None or record.epoch != self.epoch or record.writer != self.token:
+            self._discard(step, files)
+            holder = "nobody" if record is None else f"id {record.writer}, epoch {record.epoch}"
+            raise FencedError(
+                f"another writer ({holder}) took {self.where} over from this one (epoch "
+                f"{self.epoch}); step {step} was not committed and nothing was changed"
+            )
+        if record.step is not None and record.step >= step:
+            self._discard(step, files)
+            raise ConflictError(
+                f"step {step} is not newer than step {record.step}, already committed under "
+                f"{self.where}"
+            )
+        self._create_commit(step, files, sizes)
+        self._publish(step, tag)
+
+    def _create_commit(self, step: int, files: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+        record = CommitRecord(step, files, self.token, sizes, self.epoch or 0)
+        try:
+            create_commit(self.storage, self.root, record)
+        except ConflictError:
+            existing = read_commit_strict(self.storage, self.root, step)
+            if existing is not None and existing.writer == self.token and existing.files == files:
+                return  # our own marker, whose creation we did not hear about
+            self._discard(step, files)
+            raise ConflictError(
+                f"step {step} is already committed under {self.where} by another writer "
+                f"(id {existing.writer if existing else '?'}); only one job may write to a root"
+            ) from None
+
+    def _publish(self, step: int, tag: str | None) -> None:
+        record = VersionRecord(step, self.token, self.epoch or 0)
+        try:
+            publish_version(self.storage, self.root, record, tag)
+        except ConflictError:
+            raise FencedError(
+                f"step {step} is committed under {self.where}, but another writer took the "
+                "root over before the version file could name it; readers keep to that "
+                "writer's versions"
+            ) from None
+        except AsyncCkptError as exc:
+            # COMMIT exists and its files verify, so the version is there for every reader
+            # (latest() falls back to the newest verified marker); only the pointer lags.
+            log.warning(
+                "step %d under %s is committed, but the version file was not moved to it: %s",
+                step,
+                self.where,
+                exc,
+            )
+        self.published = step
+
+    def _discard(self, step: int, files: tuple[str, ...]) -> None:
+        directory = step_dir(self.storage, self.root, step)
+        for name in files:
+            with contextlib.suppress(AsyncCkptError):
+                self.storage.delete(self.storage.join(directory, name))
