@@ -21,7 +21,7 @@ from .checkpointer import Checkpointer
 from .errors import AsyncCkptError
 
 # A library prints nothing unless the application configures logging.
-logging.getLogger("asyncckpt").addHandler(logging.NullHandler())
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "AsyncCkptError",

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import overlap
 from .api import (
     SaveHandle,
     completed_handle,
@@ -223,27 +224,36 @@ class Checkpointer:
         if snap is not None:
             snap.wait_copied()
 
-    def protect(self, optimizer: torch.optim.Optimizer) -> Any:
-        """Make ``optimizer.step()`` wait for the last save's copies (for ``overlap=True``).
+    def protect(self, *targets: Any) -> Any:
+        """Make everything that mutates saved state wait for the last save's copies.
+
+        For ``overlap=True``: ``optimizer.step()`` changes parameters and moments, and the
+        forward pass changes buffers in place (BatchNorm running statistics and
+        ``num_batches_tracked``); ``GradScaler.update``/``unscale_`` change its scale. Pass
+        the optimizer, the model (a forward pre-hook on it covers its submodules' buffers)
+        and the scaler, so none of them can tear the snapshot.
 
         Args:
-            optimizer: the optimizer whose ``step`` mutates the saved parameters.
+            targets: optimizers, modules, ``GradScaler``s, or lists of them.
 
         Returns:
-            The hook handle; ``.remove()`` undoes it.
+            One handle; ``.remove()`` undoes every hook.
+
+        Raises:
+            TypeError: a target of another type (nothing is installed).
 
         Example:
             >>> import torch, asyncckpt, tempfile
             >>> model = torch.nn.Linear(2, 2)
             >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
             >>> ckpt = asyncckpt.Checkpointer(tempfile.mkdtemp(), overlap=True)
-            >>> hook = ckpt.protect(opt)
+            >>> hook = ckpt.protect(opt, model)
             >>> _ = ckpt.save(1, model.state_dict())
             >>> model(torch.ones(2)).sum().backward()
             >>> opt.step()  # waits for the snapshot's copies first
             >>> ckpt.close()
         """
-        return optimizer.register_step_pre_hook(lambda *_: self.wait_for_snapshot())
+        return overlap.guard(list(targets), self.wait_for_snapshot)
 
     def _check_new_step(self, step: int) -> None:
         if read_commit(self._storage, self._root, step) is not None:
@@ -251,6 +261,8 @@ class Checkpointer:
         if self._last_step is None:  # the first save: continue from what is committed
             self._last_step = self._reader.latest()
         if self._last_step is not None and step <= self._last_step:
+            if read_commit(self._storage, self._root, step) is not None:  # committed meanwhile
+                raise ConflictError(f"step {step} is already committed under {self.root}")
             raise ValueError(
                 f"steps must increase: {step} is not greater than {self._last_step}, the last "
                 f"step saved under {self.root}"

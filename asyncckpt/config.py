@@ -28,6 +28,11 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
     ),
     "inflight_chunks": (8, "chunks compressed ahead of the writer (bounds extra memory)"),
     "max_inflight": (1, "saves whose snapshots may be held at once; each holds one host arena"),
+    "pin_budget_bytes": (
+        1 << 30,
+        "bytes of host memory one load may pin for copies to CUDA; storages past it are "
+        "read into pageable memory",
+    ),
     # The writer lease (docs/PROTOCOL.md, "Roles and the writer lease").
     "lease_renew_ms": (5_000, "how often a writer rewrites its lease record (its heartbeat)"),
     "lease_expiry_ms": (

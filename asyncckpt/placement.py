@@ -11,13 +11,49 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import torch
 
 MapLocation: TypeAlias = (
     str | torch.device | Mapping[str, str | torch.device] | Callable[..., Any] | None
 )
+
+
+#: Device types a file may name. Each is a real torch device type; the accelerator
+#: modules among them (``torch.cuda``, ``torch.mps``, ``torch.xpu``...) are looked up by
+#: name, so a name outside this set must never reach ``getattr(torch, ...)``.
+DEVICE_TYPES: Final = frozenset(
+    {"cpu", "cuda", "mps", "xpu", "meta", "hpu", "mtia", "xla", "privateuseone"}
+)
+
+
+def device_types() -> frozenset[str]:
+    """:data:`DEVICE_TYPES` plus the name a PrivateUse1 backend registered in this process.
+
+    Example:
+        >>> "cuda" in device_types() and "_dynamo" not in device_types()
+        True
+    """
+    renamed = torch._C._get_privateuse1_backend_name()
+    return DEVICE_TYPES | {renamed}
+
+
+def known_device(saved: str) -> bool:
+    """Whether a device string read from a file names an allowed device type.
+
+    Args:
+        saved: e.g. ``"cuda:1"``.
+
+    Returns:
+        True for ``type`` or ``type:index`` with a type from :func:`device_types`.
+
+    Example:
+        >>> known_device("cuda:1"), known_device("_dynamo:0"), known_device("cpu:x")
+        (True, False, False)
+    """
+    kind, _, index = saved.partition(":")
+    return kind in device_types() and (not index or (index.isdigit() and index.isascii()))
 
 
 class Placement:
@@ -57,8 +93,8 @@ class Placement:
             return torch.device("cpu")
         if kind == "cuda" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
-        if kind != "cuda":
-            module = getattr(torch, kind, None)  # may be any torch attribute, e.g. torch.ops
+        if kind != "cuda" and known_device(saved):
+            module = getattr(torch, kind, None)  # only allow-listed names: never torch._dynamo
             available = getattr(module, "is_available", None)
             current = getattr(module, "current_device", None)
             if callable(available) and callable(current) and available():

@@ -8,9 +8,10 @@ Tensors are rebuilt as views over their (possibly shared) storages and placed pe
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import config
 from .codec import checksum, decode_chunk
 from .errors import ChecksumError, FormatError, TruncatedFileError
 from .format import (
@@ -25,15 +27,16 @@ from .format import (
     HEADER_SIZE,
     Chunk,
     Manifest,
+    StorageEntry,
     decode_footer,
     decode_header,
     decode_manifest,
 )
-from .placement import Placement
+from .placement import Placement, device_types, known_device
 from .staging import byte_view
 from .storage import Storage
-from .tree import dtype_name, tensor_paths, torch_dtype, unflatten
-from .workers import pool
+from .tree import tensor_paths, torch_dtype, unflatten
+from .workers import DaemonPool, pool
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,27 @@ def open_file(storage: Storage, path: str) -> OpenedFile:
     return OpenedFile(storage, path, size, manifest)
 
 
+#: Default bound on the host memory pinned by one load (page-locked memory cannot be
+#: swapped, so a file claiming huge CUDA tensors must not pin all of RAM). Storages past
+#: the budget are read into ordinary memory; their copy to the device is then synchronous.
+#: zstd's best case: a 128 KiB block stored as a 3-byte header and one repeated byte. A
+#: chunk claiming more raw bytes per stored byte cannot be genuine.
+MAX_EXPANSION = 32_768
+#: Chunks queued per reader thread ahead of the oldest unfinished one; buffers are
+#: allocated as their first chunk is queued, so a damaged file fails before most of them.
+_QUEUED_PER_THREAD = 4
+
+
+def pin_budget_bytes() -> int:
+    """The pinned-memory budget of one load (the ``pin_budget_bytes`` tunable).
+
+    Example:
+        >>> pin_budget_bytes() == config.DEFAULTS["pin_budget_bytes"][0]  # variable unset
+        True
+    """
+    return config.tunable("pin_budget_bytes", None)
+
+
 def read_storages(
     opened: OpenedFile,
     threads: int,
@@ -81,46 +105,132 @@ def read_storages(
 ) -> list[torch.Tensor]:
     """Read, verify and decode every storage, in parallel chunks.
 
+    Buffers are allocated as reading reaches them, after the declared sizes were checked
+    against the file's size, so a crafted file cannot make the reader allocate more than
+    its bytes can decode to.
+
     Args:
         opened: the file.
         threads: reader threads.
-        destinations: per storage, a 1-D uint8 CPU tensor of exactly its size to read into
-            (e.g. the memory of an existing tensor), or None to allocate one.
-        pinned: per storage, whether an allocated buffer should be pinned (for a CUDA copy).
+        destinations: per storage, a 1-D uint8 CPU tensor of exactly its size to read into,
+            or None to allocate one.
+        pinned: per storage, whether an allocated buffer should be pinned (for a CUDA copy);
+            honoured up to :func:`pin_budget_bytes` in all, in storage order.
 
     Returns:
         One 1-D uint8 CPU tensor per storage.
 
     Raises:
         ChecksumError: a chunk is damaged (the first one found).
-        FormatError: the declared sizes cannot be allocated.
+        FormatError: the declared sizes cannot be justified by the file, or allocated.
+
+    Example:
+        >>> import asyncckpt, os, tempfile, torch
+        >>> from asyncckpt.storage import resolve
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
+        >>> [b.numel() for b in read_storages(open_file(*resolve(path, None)), threads=2)]
+        [24]
     """
     storages = opened.manifest.storages
+    check_sizes(opened)
     destinations = destinations or [None] * len(storages)
-    pinned = pinned or [False] * len(storages)
+    pins = _within_budget(storages, pinned or [False] * len(storages), pin_budget_bytes())
+    queue = _Queue(pool("read", threads), threads * _QUEUED_PER_THREAD)
     buffers = []
-    for entry, dest, pin in zip(storages, destinations, pinned):
-        try:
-            buffers.append(dest if dest is not None else _allocate(entry.nbytes, pin))
-        except RuntimeError as exc:  # out of memory, or a crafted file declaring absurd sizes
-            raise FormatError(
-                f"{opened.name}: cannot allocate the {entry.nbytes} bytes of a storage"
-            ) from exc
-    workers = pool("read", threads)
-    futures: list[Future[None]] = []
-    for sid, (entry, buf) in enumerate(zip(storages, buffers)):
-        view = byte_view(buf)
-        start = 0
-        for index in range(entry.first_chunk, entry.first_chunk + entry.num_chunks):
-            chunk = opened.manifest.chunks[index]
-            out = view[start : start + chunk.raw_len]
-            futures.append(workers.submit(_read_chunk, opened, index, chunk, sid, out))
-            start += chunk.raw_len
-    errors = [f.exception() for f in futures]
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
+    try:
+        for sid, (entry, dest, pin) in enumerate(zip(storages, destinations, pins)):
+            buf = dest if dest is not None else _allocate_for(opened, entry.nbytes, pin)
+            buffers.append(buf)
+            view, start = byte_view(buf), 0
+            for index in range(entry.first_chunk, entry.first_chunk + entry.num_chunks):
+                chunk = opened.manifest.chunks[index]
+                out = view[start : start + chunk.raw_len]
+                queue.submit(_read_chunk, opened, index, chunk, sid, out)
+                start += chunk.raw_len
+        queue.drain()
+    finally:
+        queue.cancel()
     return buffers
+
+
+def check_sizes(opened: OpenedFile) -> None:
+    """Refuse a manifest whose chunks claim more bytes than the file can hold.
+
+    Chunks must not share bytes of the file, and no chunk may decode to more than
+    :data:`MAX_EXPANSION` times its stored length, so the total raw size is bounded by the
+    file's size before anything is allocated from it.
+
+    Raises:
+        FormatError: chunks overlap, or a chunk's raw length is impossible.
+
+    Example:
+        >>> import asyncckpt, os, tempfile, torch
+        >>> from asyncckpt.storage import resolve
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"w": torch.zeros(1000)}, path).result()
+        >>> check_sizes(open_file(*resolve(path, None)))
+    """
+    chunks = opened.manifest.chunks
+    for index, chunk in enumerate(chunks):
+        if chunk.raw_len > max(chunk.stored_len, 1) * MAX_EXPANSION:
+            raise FormatError(
+                f"{opened.name}: chunk {index} claims {chunk.raw_len} bytes from "
+                f"{chunk.stored_len} stored bytes, more than any chunk can decode to"
+            )
+    end = 0
+    for chunk in sorted(chunks, key=lambda c: c.offset):
+        if chunk.stored_len and chunk.offset < end:
+            raise FormatError(f"{opened.name}: chunks overlap at byte {chunk.offset}")
+        end = max(end, chunk.offset + chunk.stored_len)
+
+
+def _within_budget(
+    storages: Sequence[StorageEntry], wanted: Sequence[bool], budget: int
+) -> list[bool]:
+    """Pin the storages that want it, in order, while the budget lasts."""
+    pins = []
+    for entry, want in zip(storages, wanted):
+        pin = want and entry.nbytes <= budget
+        budget -= entry.nbytes if pin else 0
+        pins.append(pin)
+    return pins
+
+
+class _Queue:
+    """Futures on a shared pool, at most ``limit`` unfinished; the first failure stops all."""
+
+    def __init__(self, workers: DaemonPool, limit: int) -> None:
+        self._workers = workers
+        self._limit = max(1, limit)
+        self._pending: collections.deque[Future[None]] = collections.deque()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        while len(self._pending) >= self._limit:
+            self._pending.popleft().result()  # re-raises the oldest chunk's error first
+        self._pending.append(self._workers.submit(fn, *args))
+
+    def drain(self) -> None:
+        while self._pending:
+            self._pending.popleft().result()
+
+    def cancel(self) -> None:
+        # After a failure, chunks still queued must not write into buffers being dropped.
+        for future in self._pending:
+            future.cancel()
+        for future in self._pending:
+            if not future.cancelled():
+                future.exception()
+        self._pending.clear()
+
+
+def _allocate_for(opened: OpenedFile, nbytes: int, pin: bool) -> torch.Tensor:
+    try:
+        return _allocate(nbytes, pin)
+    except RuntimeError as exc:  # out of memory
+        raise FormatError(
+            f"{opened.name}: cannot allocate the {nbytes} bytes of a storage"
+        ) from exc
 
 
 def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
@@ -170,30 +280,38 @@ def materialize(opened: OpenedFile, placement: Placement, threads: int, into: An
         threads: reader threads.
         into: optional existing state (e.g. ``model.state_dict()``); each saved tensor whose
             key path matches a tensor there is loaded into that tensor, in place, and the
-            returned object holds the existing tensor. CPU tensors that match exactly are
-            read straight into their memory, without a second copy.
+            returned object holds the existing tensor. Nothing in ``into`` changes unless
+            every chunk was verified and every target matches, so a failed load leaves it
+            as it was.
+
+    Returns:
+        The saved object.
 
     Raises:
+        FormatError: a storage names an unknown device type, or sizes the file cannot hold.
+        ChecksumError: a chunk is damaged.
         ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
+
+    Example:
+        >>> import asyncckpt, os, tempfile, torch
+        >>> from asyncckpt.storage import resolve
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
+        >>> state = {"w": torch.zeros(3, dtype=torch.int64)}
+        >>> _ = materialize(open_file(*resolve(path, None)), Placement("cpu"), 2, into=state)
+        >>> state["w"]
+        tensor([0, 1, 2])
     """
     manifest = opened.manifest
+    check_devices(opened)
     targets = tensor_paths(into) if into is not None else {}
-    direct = _direct_targets(manifest, targets)
-    destinations = [
-        direct[sid][1] if sid in direct else None for sid in range(len(manifest.storages))
-    ]
     pins = [placement.wants_pinned(entry.device) for entry in manifest.storages]
-    raw = read_storages(opened, threads, destinations, pins)
-    placed = [
-        buf if sid in direct else placement.place(buf, entry.device)
-        for sid, (buf, entry) in enumerate(zip(raw, manifest.storages))
-    ]
-    tensors = []
+    # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
+    # not leave the caller's tensors half overwritten.
+    raw = read_storages(opened, threads, None, pins)
+    placed = [placement.place(buf, entry.device) for buf, entry in zip(raw, manifest.storages)]
+    tensors, copies = [], []
     for entry in manifest.tensors:
-        target = targets.get(entry.key)
-        if target is not None and entry.storage in direct:
-            tensors.append(target)
-            continue
         view = _view(
             placed[entry.storage],
             entry.dtype,
@@ -203,48 +321,43 @@ def materialize(opened: OpenedFile, placement: Placement, threads: int, into: An
             entry.requires_grad,
             entry.parameter,
         )
+        target = targets.get(entry.key)
         if target is not None:
             _check_target(opened.name, entry.key, target, view)
-            with torch.no_grad():
-                target.copy_(view)
+            copies.append((target, view))
             view = target
         tensors.append(view)
+    with torch.no_grad():
+        for target, view in copies:
+            target.copy_(view)
     placement.synchronize()
     arrays = [_array(raw[a.storage], a.dtype, a.shape, a.scalar) for a in manifest.arrays]
     return unflatten(manifest.root, tensors, arrays, opened.name)
 
 
-def _direct_targets(
-    manifest: Manifest, targets: dict[str, torch.Tensor]
-) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Storages that can be read straight into an existing tensor: sid -> (tensor, bytes)."""
-    users: dict[int, int] = {}
-    for entry in manifest.tensors:
-        users[entry.storage] = users.get(entry.storage, 0) + 1
-    direct = {}
-    for entry in manifest.tensors:
-        target = targets.get(entry.key)
-        storage = manifest.storages[entry.storage]
-        if (
-            target is None
-            or users[entry.storage] != 1
-            or target.device.type != "cpu"
-            or not target.is_contiguous()
-            or dtype_name(target.dtype) != entry.dtype
-            or tuple(target.shape) != entry.shape
-            or entry.offset != 0
-            or target.numel() * target.element_size() != storage.nbytes
-            or (target.numel() > 1 and entry.stride != tuple(target.stride()))
-        ):
-            continue
-        data = torch.empty(0, dtype=torch.uint8).set_(
-            target.untyped_storage(),
-            target.storage_offset() * target.element_size(),
-            (storage.nbytes,),
-            (1,),
-        )
-        direct[entry.storage] = (target, data)
-    return direct
+def check_devices(opened: OpenedFile) -> None:
+    """Refuse storages whose device type is not one torch can place data on.
+
+    A device string from a file must never reach ``getattr(torch, kind)``: names such as
+    ``_dynamo`` would import torch subpackages.
+
+    Raises:
+        FormatError: names the file, the storage's keys and the device.
+
+    Example:
+        >>> import asyncckpt, os, tempfile, torch
+        >>> from asyncckpt.storage import resolve
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
+        >>> check_devices(open_file(*resolve(path, None)))
+    """
+    for sid, entry in enumerate(opened.manifest.storages):
+        if not known_device(entry.device):
+            keys = ", ".join(opened.manifest.keys_of_storage(sid)[:5]) or f"storage {sid}"
+            raise FormatError(
+                f"{opened.name}: {keys}: device {entry.device!r} is not a known device type "
+                f"(one of {', '.join(sorted(device_types()))})"
+            )
 
 
 def _check_target(name: str, key: str, target: torch.Tensor, loaded: torch.Tensor) -> None:

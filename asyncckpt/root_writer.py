@@ -243,8 +243,22 @@ class RootWriter:
                 f"step {step} is not newer than step {record.step}, already committed under "
                 f"{self.where}"
             )
-        self._create_commit(step, files, sizes)
-        self._publish(step, tag)
+        try:
+            self._create_commit(step, files, sizes)
+            self._publish(step, tag)
+        except AsyncCkptError as exc:
+            if not isinstance(exc, FencedError) and not self._fenced():
+                raise
+            # Taken over while committing (frozen between the check above and here): the
+            # new writer's recovery may have removed our data, so a marker we made may name
+            # nothing. Withdraw it unless it is a whole version (then it may be published).
+            self._withdraw(step)
+            if isinstance(exc, FencedError):
+                raise
+            raise FencedError(
+                f"another writer took {self.where} over while this one (epoch {self.epoch}) "
+                f"was committing step {step}: {exc}"
+            ) from exc
 
     def _create_commit(self, step: int, files: tuple[str, ...], sizes: tuple[int, ...]) -> None:
         record = CommitRecord(step, files, self.token, sizes, self.epoch or 0)
@@ -265,6 +279,9 @@ class RootWriter:
         try:
             publish_version(self.storage, self.root, record, tag)
         except ConflictError:
+            if self._still_newest(step):
+                self.published = step
+                return
             raise FencedError(
                 f"step {step} is committed under {self.where}, but another writer took the "
                 "root over before the version file could name it; readers keep to that "
@@ -280,6 +297,44 @@ class RootWriter:
                 exc,
             )
         self.published = step
+
+    def _still_newest(self, step: int) -> bool:
+        """Whether our committed step is still the root's newest after another writer took
+        the root over between our marker and the version file.
+
+        Then the version is whole, no newer one exists, and readers load it (the version
+        file names it, or ``latest()`` falls back to it); the new writer's own save of the
+        same step is the one that fails, so exactly one of two racers wins. If the new
+        writer already published something newer, our step stays an old version and this
+        writer is fenced.
+        """
+        try:
+            record, _ = read_version_tagged(self.storage, self.root)
+            commit = read_commit_strict(self.storage, self.root, step)
+        except AsyncCkptError:
+            return False
+        return (
+            record is not None
+            and (record.step is None or record.step <= step)
+            and commit is not None
+            and commit.writer == self.token
+            and verify_commit(self.storage, self.root, commit) is None
+        )
+
+    def _fenced(self) -> bool:
+        try:
+            record, _ = read_version_tagged(self.storage, self.root)
+        except AsyncCkptError:
+            return False  # cannot tell: report the original error
+        return record is None or record.epoch != self.epoch or record.writer != self.token
+
+    def _withdraw(self, step: int) -> None:
+        with contextlib.suppress(AsyncCkptError):
+            commit = read_commit_strict(self.storage, self.root, step)
+            if commit is None or commit.writer != self.token:
+                return
+            if verify_commit(self.storage, self.root, commit) is not None:
+                delete_version(self.storage, self.root, step)
 
     def _discard(self, step: int, files: tuple[str, ...]) -> None:
         directory = step_dir(self.storage, self.root, step)

@@ -168,70 +168,177 @@ class DeviceCopies:
         self._events.clear()
 
 
+@dataclass
+class _Source:
+    """One stored region: ``nbytes`` bytes assembled from pieces at byte offsets."""
+
+    nbytes: int
+    pieces: list[tuple[int, torch.Tensor]]  # (offset in the region, 1-D uint8 source bytes)
+    itemsize: int
+    is_float: bool
+    device: str
+
+
+@dataclass
+class _Span:
+    """A distinct storage byte range ``[start, end)`` on ``device`` and its tensors."""
+
+    device: str
+    start: int
+    end: int
+    data: torch.Tensor  # 1-D uint8 view of the whole storage
+    tensors: list[int]  # indices into the tensor table
+
+
 def snapshot(flat: Flattened, pool: ArenaPool, overlap: bool = False) -> Snapshot:
     """Copy the data of ``flat`` into an arena from ``pool``.
+
+    Storages are de-duplicated by byte range, not by identity: tensors built over one
+    buffer (``torch.frombuffer``, ``torch.from_numpy``) may have distinct storages that
+    start at the same address or overlap; overlapping ranges are stored once as their
+    union when every tensor's offset in it is a whole number of elements, else apart.
 
     By default returns once every byte is in host memory, so the caller may modify or free
     its tensors. With ``overlap=True``, CUDA copies may still be in flight when this returns:
     the caller must not modify CUDA tensors before ``Snapshot.wait_copied()`` (see
     ``Checkpointer.protect``); CPU data is always copied before returning.
+
+    Example:
+        >>> from asyncckpt.tree import flatten
+        >>> buf = bytearray(16)
+        >>> state = {"a": torch.frombuffer(buf, dtype=torch.int32, count=1),
+        ...          "b": torch.frombuffer(buf, dtype=torch.int32)}
+        >>> snap = snapshot(flatten(state), ArenaPool(1))
+        >>> [s.data.numel() for s in snap.storages], [t.storage for t in snap.tensors]
+        ([16], [0, 0])
+        >>> snap.lease.release()
     """
     tensors = [_resolved(t) for t, _ in flat.tensors]
-    storage_of: dict[tuple[str, int], int] = {}
-    sources: list[torch.Tensor | np.ndarray[Any, Any]] = []
-    kinds: list[tuple[int, bool, str]] = []
-    entries: list[TensorEntry] = []
-    for t, (_, key) in zip(tensors, flat.tensors):
-        ident = (str(t.device), t.untyped_storage().data_ptr())
-        sid = storage_of.get(ident) if t.untyped_storage().nbytes() else None
-        if sid is None:
-            sid = len(sources)
-            storage_of[ident] = sid
-            sources.append(_storage_bytes(t))
-            kinds.append((*_codec_hint(t.dtype), str(t.device)))
-        entries.append(
-            TensorEntry(
-                storage=sid,
-                dtype=dtype_name(t.dtype),
-                shape=tuple(t.shape),
-                stride=tuple(t.stride()),
-                offset=int(t.storage_offset()),
-                requires_grad=t.requires_grad,
-                parameter=isinstance(t, torch.nn.Parameter),
-                key=key,
-            )
+    sources, placed = _regions(tensors)
+    entries = [
+        TensorEntry(
+            storage=sid,
+            dtype=dtype_name(t.dtype),
+            shape=tuple(t.shape),
+            stride=tuple(t.stride()),
+            offset=int(t.storage_offset()) + shift,
+            requires_grad=t.requires_grad,
+            parameter=isinstance(t, torch.nn.Parameter),
+            key=key,
         )
+        for t, (_, key), (sid, shift) in zip(tensors, flat.tensors, placed)
+    ]
     arrays: list[ArrayEntry] = []
     for a, key, scalar in flat.arrays:
         contiguous = np.ascontiguousarray(a)
         arrays.append(ArrayEntry(len(sources), a.dtype.str, tuple(a.shape), scalar, key))
-        sources.append(contiguous.reshape(-1).view(np.uint8))
-        kinds.append((contiguous.dtype.itemsize, a.dtype.kind in "fc", "cpu"))
-    return _stage(flat.root, entries, arrays, sources, kinds, pool, overlap)
+        data = torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
+        hint = (contiguous.dtype.itemsize, a.dtype.kind in "fc")
+        sources.append(_Source(data.numel(), [(0, data)], *hint, "cpu"))
+    return _stage(flat.root, entries, arrays, sources, pool, overlap)
+
+
+def _regions(tensors: list[torch.Tensor]) -> tuple[list[_Source], list[tuple[int, int]]]:
+    """Group tensors into stored regions.
+
+    Returns:
+        The regions, and per tensor (region index, element offset of its storage there).
+    """
+    spans: dict[tuple[str, int, int], _Span] = {}
+    empty: list[int] = []
+    for i, t in enumerate(tensors):
+        storage = t.untyped_storage()
+        if not storage.nbytes():
+            empty.append(i)  # no address to compare; each stands alone
+            continue
+        start = storage.data_ptr()
+        ident = (str(t.device), start, start + storage.nbytes())
+        if ident not in spans:
+            spans[ident] = _Span(*ident, _storage_bytes(t), [])
+        spans[ident].tensors.append(i)
+    regions = [
+        region
+        for group in _overlapping(list(spans.values()))
+        for region in _mergeable(group, tensors)
+    ]
+    regions += [
+        [_Span(str(tensors[i].device), 0, 0, _storage_bytes(tensors[i]), [i])] for i in empty
+    ]
+    # First-seen order, as the tensors appear in the state, keeps files deterministic.
+    regions.sort(key=lambda region: min(i for span in region for i in span.tensors))
+    sources: list[_Source] = []
+    placed: list[tuple[int, int]] = [(0, 0)] * len(tensors)
+    for region in regions:
+        _add_region(region, tensors, sources, placed)
+    return sources, placed
+
+
+def _overlapping(spans: list[_Span]) -> list[list[_Span]]:
+    """Split spans into groups whose byte ranges chain into one overlapping union."""
+    groups: list[list[_Span]] = []
+    end: dict[str, int] = {}
+    last: dict[str, list[_Span]] = {}
+    for span in sorted(spans, key=lambda s: (s.device, s.start, -s.end)):
+        if span.device in last and span.start < end[span.device]:
+            last[span.device].append(span)
+            end[span.device] = max(end[span.device], span.end)
+        else:
+            last[span.device] = [span]
+            end[span.device] = span.end
+            groups.append(last[span.device])
+    return groups
+
+
+def _mergeable(group: list[_Span], tensors: list[torch.Tensor]) -> list[list[_Span]]:
+    """The group as one region if every storage sits a whole element from its start."""
+    base = group[0].start
+    aligned = all(
+        (span.start - base) % tensors[i].element_size() == 0 for span in group for i in span.tensors
+    )
+    return [group] if aligned else [[span] for span in group]
+
+
+def _add_region(
+    region: list[_Span],
+    tensors: list[torch.Tensor],
+    sources: list[_Source],
+    placed: list[tuple[int, int]],
+) -> None:
+    base = region[0].start
+    pieces: list[tuple[int, torch.Tensor]] = []
+    covered = base
+    for span in region:  # sorted by start: a span ending inside the covered part adds nothing
+        if span.end > covered or not pieces:
+            pieces.append((span.start - base, span.data))
+            covered = span.end
+        for i in span.tensors:
+            placed[i] = (len(sources), (span.start - base) // tensors[i].element_size())
+    first = tensors[region[0].tensors[0]]
+    nbytes = max(span.end for span in region) - base
+    sources.append(_Source(nbytes, pieces, *_codec_hint(first.dtype), region[0].device))
 
 
 def _stage(
     root: Any,
     tensors: list[TensorEntry],
     arrays: list[ArrayEntry],
-    sources: list[torch.Tensor | np.ndarray[Any, Any]],
-    kinds: list[tuple[int, bool, str]],
+    sources: list[_Source],
     pool: ArenaPool,
     overlap: bool,
 ) -> Snapshot:
-    sizes = [int(s.nbytes) if isinstance(s, np.ndarray) else s.numel() for s in sources]
     offsets, end = [], 0
-    for size in sizes:
+    for src in sources:
         offsets.append(end)
-        end += -(-size // _ALIGN) * _ALIGN
+        end += -(-src.nbytes // _ALIGN) * _ALIGN
     lease = pool.acquire(end)
     copies = DeviceCopies()
     try:
         staged = []
-        for src, off, size, (itemsize, is_float, device) in zip(sources, offsets, sizes, kinds):
-            dst = lease.buffer[off : off + size]
-            copies.copy(dst, torch.from_numpy(src) if isinstance(src, np.ndarray) else src)
-            staged.append(StagedStorage(dst, itemsize, is_float, device))
+        for src, off in zip(sources, offsets):
+            for at, data in src.pieces:
+                copies.copy(lease.buffer[off + at : off + at + data.numel()], data)
+            dst = lease.buffer[off : off + src.nbytes]
+            staged.append(StagedStorage(dst, src.itemsize, src.is_float, src.device))
         copies.record()
         if not overlap:
             copies.wait()

@@ -26,6 +26,7 @@ import torch
 
 from .errors import FormatError, UnsupportedObjectError
 from .format import DTYPE_ITEMSIZE, MAX_DEPTH
+from .placement import known_device
 
 ROOT_NAME = "state"
 
@@ -333,6 +334,8 @@ class _Unflattener:
             raise self.fail(path, str(exc)) from None
 
     def device(self, value: Any, path: str) -> torch.device:
+        if type(value) is not str or not known_device(value):
+            raise self.fail(path, f"unknown device type {value!r}")
         try:
             return torch.device(value)
         except (TypeError, ValueError, RuntimeError):

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import struct
 import sys
 import tempfile
 import time
@@ -107,36 +106,15 @@ def synthetic_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """Read a .safetensors file (8-byte header length, JSON header, data) into tensors."""
-    with open(path, "rb") as f:
-        blob = f.read()
-    (head_len,) = struct.unpack_from("<Q", blob)
-    header = json.loads(blob[8 : 8 + head_len])
-    data = bytearray(blob[8 + head_len :])
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = entry["data_offsets"]
-        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-        flat = torch.frombuffer(data, dtype=torch.uint8, count=end - start, offset=start)
-        out[name] = flat.view(dtype).reshape(entry["shape"]).clone()
-    return out
+    """Read a .safetensors file into tensors with the ``safetensors`` package (the bench extra).
+
+    ``safe_open`` reads tensor by tensor; each is cloned so nothing stays mapped to the file.
+    """
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return {name: f.get_tensor(name).clone() for name in f.offset_keys()}
 
 
 def load_weights() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

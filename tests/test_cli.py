@@ -315,6 +315,8 @@ def test_gc_dry_run_deletes_nothing_and_gc_applies_retention(
         "40",  # newer than the version file's step: a save in progress is never touched
         "VERSION",
         "VERSION.acktmp-0123456789ab",  # kept without --remove-temp
+        "VERSION.lock",  # the version file's lock and the writer lease (docs/PROTOCOL.md)
+        "_lease",
     ]
     assert asyncckpt.Checkpointer(root, writer_rank=1).versions() == [30]
     code, out, _ = main(capsys, "gc", root, "--keep", "1", "--remove-temp")
@@ -329,7 +331,8 @@ def test_gc_pins_the_step_the_version_file_names(
     code, out, _ = main(capsys, "gc", root, "--keep", "1", "--json")
     assert code == 0
     assert [d["step"] for d in json.loads(out)["delete"]] == [10, 15]
-    assert sorted(p.name for p in root.iterdir()) == ["20", "30", "40", "VERSION"]
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["20", "30", "40", "VERSION", "VERSION.lock", "_lease"]
 
 
 # -- convert --------------------------------------------------------------------------------
@@ -384,7 +387,11 @@ def test_convert_round_trip_torch_ackpt_safetensors_torch(
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     assert n % 8 == 0 and raw[8:9] == b"{"
-    assert header.pop("__metadata__") == {"format": "pt"}
+    # safetensors sorts its header; the dict's order is recorded to be restored on reading
+    assert header.pop("__metadata__") == {
+        "format": "pt",
+        "asyncckpt.order": json.dumps(list(original), separators=(",", ":")),
+    }
     spans = sorted(tuple(v["data_offsets"]) for v in header.values())
     assert spans[0][0] == 0 and spans[-1][1] == len(raw) - 8 - n
     assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
@@ -396,10 +403,8 @@ def test_convert_round_trip_torch_ackpt_safetensors_torch(
     begin, end = header["f32"]["data_offsets"]
     f32 = np.frombuffer(raw[8 + n + begin : 8 + n + end], dtype="<f4").reshape(6, 5)
     assert np.array_equal(f32, original["f32"].numpy())
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        return
+    from safetensors.torch import load_file  # the dev extra installs it: never skipped
+
     other = load_file(tmp_path / "c.safetensors")
     assert all(torch.equal(other[k], v) for k, v in original.items())
 
@@ -656,7 +661,7 @@ def test_each_completed_save_logs_one_info_line_with_its_stats(
     while not [r for r in caplog.records if str(path) in r.getMessage()]:
         assert time.monotonic() < deadline, "no log line for the save"
         time.sleep(0.01)
-    lines = [r for r in caplog.records if r.name == "asyncckpt" and str(path) in r.getMessage()]
+    lines = [r for r in caplog.records if r.name == "asyncckpt.api" and str(path) in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     message = lines[0].getMessage()
     stats = info.stats
@@ -694,7 +699,7 @@ with asyncckpt.Checkpointer("run", keep_last=1) as ckpt:
     result = run_python(script, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and result.stderr == ""
-    assert sorted(os.listdir(tmp_path / "run")) == ["2", "VERSION"]
+    assert sorted(os.listdir(tmp_path / "run")) == ["2", "VERSION", "VERSION.lock", "_lease"]
 
 
 def test_a_save_pending_at_exit_is_finished_without_printing(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import asyncckpt.checkpointer
+import asyncckpt.root_reader
 from asyncckpt import Checkpointer
 from asyncckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
 from asyncckpt.protocol import read_commit, read_version_file
@@ -260,7 +261,7 @@ def _load_during_write(rank: int, world: int, store: Any, workdir: Path) -> None
         releaser.join(120)
         assert handle.done()
     else:
-        real_wait = asyncckpt.checkpointer.wait_for_step
+        real_wait = asyncckpt.root_reader.wait_for_step
 
         def wait_for_step(storage: Any, base: str, step: int, timeout: Any) -> None:
             # entering the poll: the step must not be committed yet (the write is held)
@@ -268,7 +269,7 @@ def _load_during_write(rank: int, world: int, store: Any, workdir: Path) -> None
             _signal(workdir, f"polling-{step}")
             real_wait(storage, base, step, timeout)
 
-        asyncckpt.checkpointer.wait_for_step = wait_for_step  # type: ignore[assignment]
+        asyncckpt.root_reader.wait_for_step = wait_for_step  # type: ignore[assignment]
         _await(workdir, "committed-1")
         _await(workdir, "writing-2")
         assert ckpt.versions() == [1]
@@ -401,14 +402,14 @@ def _save_load_loop_keep_one(rank: int, world: int, store: Any, workdir: Path) -
     steps = 4
     ckpt = Checkpointer(workdir / "ckpt", keep_last=1)
     if rank == 1:
-        real_wait = asyncckpt.checkpointer.wait_for_step
+        real_wait = asyncckpt.root_reader.wait_for_step
 
         def wait_for_step(st: Any, root: str, step: int, timeout: Any) -> None:
             real_wait(st, root, step, timeout)
             if step + 1 < steps:
                 _await(workdir, f"saved-{step + 1}")
 
-        asyncckpt.checkpointer.wait_for_step = wait_for_step  # type: ignore[assignment]
+        asyncckpt.root_reader.wait_for_step = wait_for_step  # type: ignore[assignment]
     for step in range(steps):
         if rank == 0:
             handle = ckpt.save(step, _rank_state(0, step))

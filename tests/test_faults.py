@@ -34,7 +34,7 @@ from asyncckpt.testing import (
     FaultyFileSystem,
     random_faults,
 )
-from tests.conftest import S3_BUCKET
+from tests.conftest import S3_BUCKET, S3_TEST_PART_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEDULES = 24
@@ -42,12 +42,21 @@ ATTEMPTS = 2  # few, so that fault schedules also exhaust retries
 STEPS = (1, 2, 3)
 
 
+def scale() -> int:
+    """The store's part size over the test part size (s3_root sets ASYNCCKPT_PART_BYTES).
+
+    1 on moto, 20 on SeaweedFS (which needs 5 MiB parts); child processes inherit it.
+    """
+    part_bytes = int(os.environ.get("ASYNCCKPT_PART_BYTES", S3_TEST_PART_BYTES))
+    return max(1, part_bytes // S3_TEST_PART_BYTES)
+
+
 def state(seed: int) -> dict[str, Any]:
-    """About 0.7 MB (three multipart parts at the test part size), a function of ``seed``."""
+    """About 0.7 MB times scale() (three parts at the store's part size), from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     return {
-        "w": torch.randn(150_000, generator=g),
-        "h": torch.randn(20_000, generator=g).to(torch.float16),
+        "w": torch.randn(150_000 * scale(), generator=g),
+        "h": torch.randn(20_000 * scale(), generator=g).to(torch.float16),
         "meta": {"seed": seed},
     }
 
@@ -120,8 +129,10 @@ _KILLED = (
 
 
 def killed_writer_main(mode: str, root: str, endpoint: str) -> None:
-    """Save version 1, then start saving version 2 and hang in its third part upload."""
-    os.environ["ASYNCCKPT_PART_BYTES"] = str(256 << 10)
+    """Save version 1, then start saving version 2 and hang in its third part upload.
+
+    Its part size (``ASYNCCKPT_PART_BYTES``) is inherited from the test, set for the store.
+    """
 
     def on_call(op: str, path: str, call: int) -> None:
         if op == "upload_part" and call == 3 and plan.armed:
@@ -178,8 +189,9 @@ def test_sigkill_during_s3_save_keeps_previous_version(
         assert reader.latest() == 1 and reader.versions() == [1]
         assert_state(reader.load(), 1)
         with Checkpointer(s3_root, storage_options=opts) as writer:  # recovery, then go on
+            assert len(uploads_under(s3_server, s3_root)) == 1  # opening changes nothing
+            writer.save(2, state(22)).result()  # the first save's recovery aborts it
             assert uploads_under(s3_server, s3_root) == []
-            writer.save(2, state(22)).result()
         assert_state(reader.load(), 22)
     else:
         assert_state(asyncckpt.load(f"{s3_root}/m.ackpt", storage_options=opts), 1)

@@ -902,7 +902,21 @@ def test_unmutated_manifest_round_trips(
     assert _equal(asyncckpt.load(path), state)
 
 
-@pytest.mark.parametrize("device", ["distributed", "classes", "ops", "nn", "quantum", "cuda:7"])
+@pytest.mark.parametrize("device", ["distributed", "classes", "ops", "nn", "quantum", "_dynamo:0"])
+def test_unknown_device_types_are_refused(
+    tmp_path: Path, sample: tuple[bytes, dict[str, Any]], device: str
+) -> None:
+    """A device type from a file never reaches getattr(torch, ...) unless allow-listed."""
+    original, _ = sample
+    _, _, doc = _layout(original)
+    doc["storages"][0][2] = device
+    path = tmp_path / "device.ackpt"
+    path.write_bytes(_with_manifest(original, doc))
+    with pytest.raises(FormatError, match=r"device\.ackpt.*is not a known device type"):
+        asyncckpt.load(path)
+
+
+@pytest.mark.parametrize("device", ["cuda:7", "mps", "xpu:0", "hpu", "privateuseone:0"])
 def test_unavailable_device_types_load_on_cpu(
     tmp_path: Path, sample: tuple[bytes, dict[str, Any]], device: str
 ) -> None:

@@ -30,7 +30,9 @@ def test_model_state_is_read_into_parameter_memory(any_root: str, compression: s
     assert type(loaded) is type(source.state_dict())
 
 
-def test_direct_reads_need_no_buffer_per_storage(tmp_path: Any, monkeypatch: Any) -> None:
+def test_into_is_written_only_from_verified_buffers(tmp_path: Any, monkeypatch: Any) -> None:
+    # Reading straight into the caller's tensors would leave them half overwritten when a
+    # later chunk fails its checksum, so into= reads through buffers like a plain load.
     source = _model()
     path = tmp_path / "m.ackpt"
     asyncckpt.save(source.state_dict(), path).result()
@@ -43,8 +45,6 @@ def test_direct_reads_need_no_buffer_per_storage(tmp_path: Any, monkeypatch: Any
 
     monkeypatch.setattr(reader, "_allocate", counting)
     asyncckpt.load(path, into=_model().state_dict())
-    assert allocated == []
-    asyncckpt.load(path)
     assert len(allocated) == len(source.state_dict())
 
 

@@ -1,4 +1,8 @@
-"""asyncckpt on S3: a real moto server over HTTP, reached through s3fs (no mocks).
+"""asyncckpt on S3: real moto and SeaweedFS servers over HTTP, reached through s3fs (no mocks).
+
+Every test that uses ``s3_server`` runs once per store (``[moto]``, ``[seaweedfs]``). On
+SeaweedFS, which enforces S3's 5 MiB minimum part size, parts are 5 MiB instead of 256 KiB
+and the states grow with them, so that they span as many parts on both stores.
 
 Covers save/load and the Checkpointer on ``s3://bucket/prefix``, multipart uploads (parallel,
 bounded, aborted on failure), retries of transient errors and immediate failure on permanent
@@ -31,13 +35,28 @@ from asyncckpt.errors import (
 from asyncckpt.objectstore import ObjectStorage, RetryPolicy, classify, multipart_etag, redact
 from asyncckpt.storage import resolve
 from asyncckpt.testing import Fault, FaultPlan
-from tests.conftest import S3_BUCKET, S3_TEST_PART_BYTES
+from tests.conftest import (
+    S3_BUCKET,
+    S3_OTHER_ACCESS_KEY,
+    S3_OTHER_SECRET_KEY,
+    S3_TEST_PART_BYTES,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def state(seed: int, n: int = 300_000) -> dict[str, Any]:
-    """About 1.5 MB: several multipart parts at the test part size."""
+def scale() -> int:
+    """The store's part size over the test part size (s3_root sets ASYNCCKPT_PART_BYTES).
+
+    1 on moto, 20 on SeaweedFS; racing child processes inherit the variable.
+    """
+    part_bytes = int(os.environ.get("ASYNCCKPT_PART_BYTES", S3_TEST_PART_BYTES))
+    return max(1, part_bytes // S3_TEST_PART_BYTES)
+
+
+def state(seed: int, n: int | None = None) -> dict[str, Any]:
+    """About 1.5 MB times scale(): several multipart parts at the store's part size."""
+    n = 300_000 * scale() if n is None else n
     g = torch.Generator().manual_seed(seed)
     return {
         "w": torch.randn(n, generator=g),
@@ -47,7 +66,7 @@ def state(seed: int, n: int = 300_000) -> dict[str, Any]:
     }
 
 
-def assert_state(got: Any, seed: int, n: int = 300_000) -> None:
+def assert_state(got: Any, seed: int, n: int | None = None) -> None:
     want = state(seed, n)
     assert got["meta"] == want["meta"]
     for key in ("w", "b", "ids"):
@@ -68,13 +87,15 @@ def uploads_under(s3_server: Any, s3_root: str) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])
-def test_save_load_roundtrip(s3_root: str, s3_server: Any, compression: str) -> None:
+def test_save_load_roundtrip(
+    s3_root: str, s3_server: Any, s3_part_bytes: int, compression: str
+) -> None:
     opts = s3_server.storage_options
     url = f"{s3_root}/model.ackpt"
     info = asyncckpt.save(state(1), url, compression=compression, storage_options=opts).result()
     assert info.path == url
     assert info.stats.stored_bytes is not None
-    assert info.stats.stored_bytes > 2 * S3_TEST_PART_BYTES  # a multipart upload
+    assert info.stats.stored_bytes > 2 * s3_part_bytes  # a multipart upload
     assert_state(asyncckpt.load(url, storage_options=opts), 1)
     small = f"{s3_root}/small.ackpt"  # one PUT
     asyncckpt.save({"x": torch.arange(3)}, small, storage_options=opts).result()
@@ -112,7 +133,7 @@ def test_checkpointer_on_s3(s3_root: str, s3_server: Any) -> None:
         assert_state(ckpt.load(), 30)
         assert_state(ckpt.load(20), 20)
     storage, root = resolve(s3_root, opts)
-    assert storage.list_dir(root) == ["20", "30", "VERSION"]
+    assert storage.list_dir(root) == ["20", "30", "VERSION", "_lease"]
     assert sorted(storage.list_dir(storage.join(root, "30")))[0] == "COMMIT"
     reader = Checkpointer(s3_root, storage_options=opts, writer_rank=1)  # loads only
     assert reader.latest() == 30
@@ -144,15 +165,15 @@ def test_parts_go_in_parallel_and_are_bounded(
     assert_state(asyncckpt.load(f"{url}/m.ackpt", storage_options=opts), 3)
 
 
-def test_one_part_file_is_a_single_put(s3_root: str, s3_server: Any) -> None:
+def test_one_part_file_is_a_single_put(s3_root: str, s3_server: Any, s3_part_bytes: int) -> None:
     plan = FaultPlan()
     url, opts = faulty(s3_root, s3_server, plan)
     storage, root = resolve(url, opts)
     path = storage.join(root, "exact")
-    storage.write_bytes(path, b"x" * S3_TEST_PART_BYTES)
+    storage.write_bytes(path, b"x" * s3_part_bytes)
     assert plan.counts["put_object"] == 1
     assert plan.counts["create_multipart_upload"] == 0
-    assert storage.size(path) == S3_TEST_PART_BYTES
+    assert storage.size(path) == s3_part_bytes
 
 
 def test_permanent_failure_aborts_upload_and_names_bucket_and_key(
@@ -172,15 +193,20 @@ def test_permanent_failure_aborts_upload_and_names_bucket_and_key(
     assert_state(asyncckpt.load(f"{s3_root}/m.ackpt", storage_options=opts), 1)
 
 
-def test_delete_tree_and_recovery_abort_orphaned_uploads(s3_root: str, s3_server: Any) -> None:
+def test_delete_tree_and_recovery_abort_orphaned_uploads(
+    s3_root: str, s3_server: Any, s3_part_bytes: int
+) -> None:
     opts = s3_server.storage_options
     storage, root = resolve(s3_root, opts)
     assert isinstance(storage, ObjectStorage)
     writer = storage.open_atomic(storage.join(root, "7", "r00000-dead.ackpt"))
-    writer.write(b"x" * (3 * S3_TEST_PART_BYTES))  # two parts sent, never completed
+    writer.write(b"x" * (3 * s3_part_bytes))  # two parts sent, never completed
     assert len(uploads_under(s3_server, s3_root)) == 1
-    Checkpointer(s3_root, storage_options=opts)  # recovery drops the uncommitted step 7
+    ckpt = Checkpointer(s3_root, storage_options=opts)
+    assert len(uploads_under(s3_server, s3_root)) == 1  # opening a root changes nothing
+    ckpt.save(8, state(8)).result()  # the first save's recovery drops the uncommitted step 7
     assert uploads_under(s3_server, s3_root) == []
+    ckpt.close()
     assert storage.list_dir(root) == []
     writer.abort()  # the upload is gone already: abort is quiet
 
@@ -295,7 +321,7 @@ def test_classify() -> None:
 # -- conditional create ---------------------------------------------------------------------
 
 
-def test_moto_honours_conditional_writes(s3_root: str, s3_server: Any) -> None:
+def test_store_honours_conditional_writes(s3_root: str, s3_server: Any) -> None:
     storage, root = resolve(s3_root, s3_server.storage_options)
     assert isinstance(storage, ObjectStorage)
     storage.create_exclusive(storage.join(root, "1", "COMMIT"), b"a")
@@ -319,17 +345,21 @@ def test_lost_response_on_create_is_recognised_as_ours(s3_root: str, s3_server: 
     assert storage.read_bytes(path, 10) == b"mine"
 
 
-def test_store_without_conditional_writes_falls_back(
+def test_store_without_conditional_writes_is_refused_unless_opted_in(
     s3_root: str, s3_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     plan = FaultPlan(ignore_conditional=True)
     url, opts = faulty(s3_root, s3_server, plan)
     storage, root = resolve(url, opts)
     assert isinstance(storage, ObjectStorage)
+    with pytest.raises(StorageError, match="unsafe_unconditional_writes"):  # no silent downgrade
+        storage.create_exclusive(storage.join(root, "COMMIT"), b"first")
+    assert not storage.exists(storage.join(root, "COMMIT"))
+    storage, root = resolve(url, {**opts, "unsafe_unconditional_writes": True})
     with caplog.at_level(logging.WARNING, logger="asyncckpt"):
         storage.create_exclusive(storage.join(root, "COMMIT"), b"first")
-    assert storage.conditional_writes is False
-    assert "ignored If-None-Match" in caplog.text and "check-then-put" in caplog.text
+    assert storage.conditional_writes is False  # type: ignore[attr-defined]
+    assert "If-None-Match: ignored" in caplog.text
     with pytest.raises(ConflictError):
         storage.create_exclusive(storage.join(root, "COMMIT"), b"second")
     assert storage.read_bytes(storage.join(root, "COMMIT"), 10) == b"first"
@@ -337,8 +367,8 @@ def test_store_without_conditional_writes_falls_back(
 
 # -- credentials ------------------------------------------------------------------------------
 
-SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRETKEY"
-ACCESS_KEY = "AKIAIOSFODNN7EXAMPLE"
+SECRET = S3_OTHER_SECRET_KEY  # the stores accept them
+ACCESS_KEY = S3_OTHER_ACCESS_KEY
 
 
 def test_credentials_never_appear_in_errors_or_logs(
@@ -384,10 +414,11 @@ _RACER = (
 
 
 def racer_main(root: str, endpoint: str, name: str) -> None:
-    """One of two writer processes: both stop just before creating the commit marker."""
-    from tests.conftest import S3_TEST_PART_BYTES as part_bytes
+    """One of two writer processes: both stop just before creating the commit marker.
 
-    os.environ["ASYNCCKPT_PART_BYTES"] = str(part_bytes)
+    Its part size (``ASYNCCKPT_PART_BYTES``) is inherited from the test, which set it for
+    the store.
+    """
 
     def on_call(op: str, path: str, call: int) -> None:
         if op == "put_object" and path.endswith("/5/COMMIT"):

@@ -1,7 +1,8 @@
 """Every storage backend passes asyncckpt.testing.StorageConformanceSuite.
 
-Backends: local disk, ``memory://``, S3 (a real moto server over HTTP), and the fault
-injecting wrapper with no faults around memory and around S3.
+Backends: local disk, ``memory://``, S3 (real moto and SeaweedFS servers over HTTP, each
+test once per store), the in-process S3 API, and the fault injecting wrapper with no faults
+around memory and around S3.
 """
 
 from __future__ import annotations
@@ -54,20 +55,18 @@ class TestFaultyMemory(StorageConformanceSuite):
 
 
 class TestS3(StorageConformanceSuite):
-    large_bytes = 5 * S3_TEST_PART_BYTES + 12_345  # six parts, four in flight at most
-
     @pytest.fixture
-    def storage_root(self, s3_root: str, s3_server: Any) -> tuple[Storage, str]:
+    def storage_root(self, s3_root: str, s3_server: Any, s3_part_bytes: int) -> tuple[Storage, str]:
+        self.large_bytes = 5 * s3_part_bytes + 12_345  # six parts, four in flight at most
         storage, root = resolve(s3_root, s3_server.storage_options)
         assert isinstance(storage, ObjectStorage)
         return storage, root
 
 
 class TestFaultyS3(StorageConformanceSuite):
-    large_bytes = 5 * S3_TEST_PART_BYTES + 12_345
-
     @pytest.fixture
-    def storage_root(self, s3_root: str, s3_server: Any) -> tuple[Storage, str]:
+    def storage_root(self, s3_root: str, s3_server: Any, s3_part_bytes: int) -> tuple[Storage, str]:
+        self.large_bytes = 5 * s3_part_bytes + 12_345
         storage, root = resolve(f"faulty::{s3_root}", {"s3": s3_server.storage_options})
         assert isinstance(storage, ObjectStorage)
         assert isinstance(storage.fs, FaultyFileSystem)

@@ -1,6 +1,4 @@
-"""Test helpers that ship with asyncckpt: fault injection, a local S3 server, conformance.
-
-Three public pieces, usable from any project's tests:
+"""Fault injection for any fsspec filesystem, and an in-process S3 API for simulations.
 
 * :class:`FaultyFileSystem` — an fsspec filesystem that wraps another one (local, memory,
   S3 ...) and, following a :class:`FaultPlan`, fails chosen calls (the Nth call of an
@@ -19,16 +17,11 @@ Three public pieces, usable from any project's tests:
   ``create_multipart_upload``, ``upload_part``, ``complete_multipart_upload``,
   ``abort_multipart_upload``, ``head_object``, ``list_objects_v2``, ``delete_objects`` ...;
   ranged reads are ``cat_file``).
-* :class:`MotoServer` — a real moto S3 server in a child process on ``127.0.0.1`` with a free
-  port, for tests and benchmarks that talk HTTP to "S3" (needs ``moto[server]``).
-* :class:`StorageConformanceSuite` — pytest tests that every :class:`~asyncckpt.storage.Storage`
-  backend must pass. Subclass it and provide a ``storage_root`` fixture returning
-  ``(storage, root)``::
+* :class:`MemoryS3FileSystem` — the S3 calls asyncckpt makes, served from memory (the
+  ``s3mem`` protocol), to simulate links behind ``faulty::`` without a server's own cost.
 
-      class TestMyBackend(StorageConformanceSuite):
-          @pytest.fixture
-          def storage_root(self, tmp_path):
-              return LocalStorage(), str(tmp_path)
+These fail requests *inside* the client process, at the fsspec call. To fail them on the
+wire, between a real client and a real server, use :class:`asyncckpt.testing.FaultProxy`.
 """
 
 from __future__ import annotations
@@ -37,25 +30,18 @@ import collections
 import contextlib
 import errno
 import hashlib
-import os
 import random
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 from fsspec.implementations.chained import ChainedFileSystem
 
-from .errors import CheckpointNotFoundError, ConflictError, FormatError
-from .objectstore import is_object_store
-from .storage import Storage
+from ..objectstore import is_object_store
 
 __all__ = [
     "FAULT_KINDS",
@@ -66,8 +52,6 @@ __all__ = [
     "FaultPlan",
     "FaultyFileSystem",
     "MemoryS3FileSystem",
-    "MotoServer",
-    "StorageConformanceSuite",
     "random_faults",
 ]
 
@@ -176,8 +160,8 @@ class FaultPlan:
         link_bandwidth: bytes per second shared by all requests (None: no shared limit).
         on_call: called as ``on_call(op, path, call)`` before every call (tests use it to
             observe or to synchronise with a request in flight).
-        ignore_conditional: drop ``IfNoneMatch`` from S3 writes, as a store without
-            conditional writes would.
+        ignore_conditional: drop ``IfNoneMatch`` and ``IfMatch`` from S3 writes, as a store
+            without conditional writes would.
         sleep, clock: how to wait and what time it is (tests may fake both).
 
     Attributes:
@@ -396,6 +380,7 @@ class FaultyFileSystem(ChainedFileSystem):  # type: ignore[misc]
     def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.plan.ignore_conditional:
             kwargs.pop("IfNoneMatch", None)
+            kwargs.pop("IfMatch", None)
         path = f"{kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}"
         body = kwargs.get("Body")
         payload = body if isinstance(body, (bytes, bytearray, memoryview)) else b""
@@ -586,14 +571,7 @@ class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
             if method in ("create_bucket", "head_bucket"):
                 return {}
             if method == "put_object":
-                if kw.get("IfNoneMatch") == "*" and (bucket, key) in self._objects:
-                    raise _s3_error(
-                        "PreconditionFailed",
-                        412,
-                        "At least one of the pre-conditions you specified did not hold",
-                        method,
-                        Condition="If-None-Match",
-                    )
+                self._check_condition(method, bucket, key, kw)
                 self._objects[(bucket, key)] = bytes(kw.get("Body") or b"")
                 self._etags[(bucket, key)] = self._etag()
                 return {"ETag": self._etags[(bucket, key)]}
@@ -628,6 +606,7 @@ class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
                     return {"ETag": etag}
                 del self._uploads[str(kw["UploadId"])]
                 if method == "complete_multipart_upload":
+                    self._check_condition(method, bucket, key, kw)
                     numbers = [p["PartNumber"] for p in kw["MultipartUpload"]["Parts"]]
                     self._objects[(bucket, key)] = b"".join(parts[n][0] for n in numbers)
                     tags = b"".join(bytes.fromhex(parts[n][1].strip('"')) for n in numbers)
@@ -645,6 +624,25 @@ class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
                     ]
                 }
         raise NotImplementedError(f"MemoryS3FileSystem does not implement {method}")
+
+    def _check_condition(self, method: str, bucket: str, key: str, kw: dict[str, Any]) -> None:
+        """Refuse a write whose ``IfNoneMatch``/``IfMatch`` does not hold, as S3 does."""
+        etag = self._etags.get((bucket, key))
+        if kw.get("IfNoneMatch") == "*" and etag is not None:
+            failed = "If-None-Match"
+        elif "IfMatch" in kw and etag is None:
+            raise _s3_error("NoSuchKey", 404, "The specified key does not exist.", method)
+        elif "IfMatch" in kw and kw["IfMatch"] != etag:
+            failed = "If-Match"
+        else:
+            return
+        raise _s3_error(
+            "PreconditionFailed",
+            412,
+            "At least one of the pre-conditions you specified did not hold",
+            method,
+            Condition=failed,
+        )
 
     def _list(self, bucket: str, kw: dict[str, Any]) -> dict[str, Any]:
         prefix, delimiter = str(kw.get("Prefix", "")), kw.get("Delimiter")
@@ -675,408 +673,3 @@ class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
         if start >= len(data) and (start or end):
             raise _s3_error("InvalidRange", 416, "The requested range is not satisfiable", "get")
         return data[start:end]
-
-
-# -- a local S3 server ----------------------------------------------------------------------
-
-FAKE_ACCESS_KEY = "asyncckpt-fake-access-key"
-FAKE_SECRET_KEY = "asyncckpt-fake-secret-key"
-
-_SERVER_CODE = r"""
-import logging, sys, threading
-from werkzeug.serving import make_server
-from moto.moto_server.werkzeug_app import (
-    DomainDispatcherApplication, MotoRequestHandler, create_backend_app)
-logging.getLogger("werkzeug").setLevel(logging.ERROR)
-app = DomainDispatcherApplication(create_backend_app)
-lock = threading.Lock()
-
-def serialized(environ, start_response):
-    # moto checks If-None-Match / If-Match and then writes, without a lock between the two;
-    # S3 does both atomically. Serialising conditional requests gives moto S3's semantics.
-    if "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ:
-        with lock:
-            return app(environ, start_response)
-    return app(environ, start_response)
-
-server = make_server("127.0.0.1", 0, serialized, threaded=True,
-                     request_handler=MotoRequestHandler)
-threading.Thread(target=server.serve_forever, daemon=True).start()
-sys.stdout.write(f"{server.server_port}\n")
-sys.stdout.flush()
-sys.stdin.read()  # returns when the parent closes stdin, or dies
-"""
-
-
-def fake_aws_environment() -> dict[str, str | None]:
-    """Environment variables that keep boto away from real credentials and config files.
-
-    A value of None means "unset". Apply them before creating any S3 filesystem.
-    """
-    missing = os.path.join(tempfile.gettempdir(), f"asyncckpt-no-aws-{uuid.uuid4().hex}")
-    return {
-        "AWS_ACCESS_KEY_ID": FAKE_ACCESS_KEY,
-        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET_KEY,
-        "AWS_SESSION_TOKEN": None,
-        "AWS_SECURITY_TOKEN": None,
-        "AWS_PROFILE": None,
-        "AWS_DEFAULT_PROFILE": None,
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": missing,
-        "AWS_SHARED_CREDENTIALS_FILE": missing,
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_ENDPOINT_URL": None,
-        "AWS_ENDPOINT_URL_S3": None,
-    }
-
-
-class MotoServer:
-    """A moto S3 server in a child process, listening on ``127.0.0.1`` on a free port.
-
-    Args:
-        min_part_bytes: the smallest multipart part the server accepts (S3: 5 MiB); tests
-            lower it to exercise multipart uploads with small files.
-        startup_timeout: seconds to wait for the server to listen.
-
-    The child exits when :meth:`stop` is called or when this process dies (it watches its
-    stdin). Use as a context manager, or call :meth:`start` and :meth:`stop`.
-    """
-
-    region = "us-east-1"
-
-    def __init__(self, *, min_part_bytes: int | None = None, startup_timeout: float = 60) -> None:
-        self.min_part_bytes = min_part_bytes
-        self.startup_timeout = startup_timeout
-        self.port: int | None = None
-        self._fs: Any = None
-        self._fs_port: int | None = None
-        self._proc: subprocess.Popen[str] | None = None
-        self._log: Any = None
-
-    @property
-    def endpoint_url(self) -> str:
-        """``http://127.0.0.1:<port>``."""
-        if self.port is None:
-            raise RuntimeError("the moto server is not running; call start() first")
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def storage_options(self) -> dict[str, Any]:
-        """s3fs options that reach this server with fake credentials."""
-        return {
-            "endpoint_url": self.endpoint_url,
-            "key": FAKE_ACCESS_KEY,
-            "secret": FAKE_SECRET_KEY,
-            "client_kwargs": {"region_name": self.region},
-        }
-
-    def start(self) -> MotoServer:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env.update({k: v for k, v in fake_aws_environment().items() if v is not None})
-        env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(64 << 20)
-        if self.min_part_bytes is not None:
-            env["S3_UPLOAD_PART_MIN_SIZE"] = str(self.min_part_bytes)
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop)
-            prefix="asyncckpt-moto-", suffix=".log", delete=False
-        )
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", _SERVER_CODE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env=env,
-            text=True,
-        )
-        line: list[str] = []
-        reader = threading.Thread(
-            target=lambda: line.append(self._proc.stdout.readline()),  # type: ignore[union-attr]
-            daemon=True,
-        )
-        reader.start()
-        reader.join(self.startup_timeout)
-        if not line or not line[0].strip().isdigit():
-            with open(self._log.name, errors="replace") as f:
-                tail = f.read()[-2000:]
-            self.stop()
-            raise RuntimeError(f"the moto server did not start: {tail or 'no output'}")
-        self.port = int(line[0])
-        return self
-
-    def stop(self) -> None:
-        """Stop the server (idempotent)."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        with contextlib.suppress(OSError):
-            proc.stdin.close()  # type: ignore[union-attr]
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        with contextlib.suppress(OSError):
-            proc.stdout.close()  # type: ignore[union-attr]
-        self.port = None
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                self._log.close()
-                os.unlink(self._log.name)
-            self._log = None
-
-    def __enter__(self) -> MotoServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def filesystem(self) -> Any:
-        """An ``s3fs.S3FileSystem`` talking to this server (one per server)."""
-        if self._fs is None or self._fs_port != self.port:
-            self._fs = fsspec.filesystem("s3", skip_instance_cache=True, **self.storage_options)
-            self._fs_port = self.port
-        return self._fs
-
-    def create_bucket(self, name: str) -> None:
-        """Create bucket ``name`` (no error if it exists)."""
-        with contextlib.suppress(FileExistsError):
-            self.filesystem().call_s3("create_bucket", Bucket=name)
-
-    def uploads(self, bucket: str, prefix: str = "") -> list[tuple[str, str]]:
-        """``(key, upload_id)`` of the multipart uploads in progress under ``prefix``."""
-        fs = self.filesystem()
-        page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
-        return [(u["Key"], u["UploadId"]) for u in page.get("Uploads") or []]
-
-
-# -- the storage conformance suite ----------------------------------------------------------
-
-
-def _payload(n: int, seed: int = 0) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-@contextlib.contextmanager
-def _raises(kind: type[BaseException] | tuple[type[BaseException], ...]) -> Iterator[None]:
-    try:
-        yield
-    except kind:
-        return
-    raise AssertionError(f"expected {kind}, nothing was raised")
-
-
-class StorageConformanceSuite:
-    """Behaviour every :class:`~asyncckpt.storage.Storage` backend must have.
-
-    Subclass it in a ``test_*.py`` module and define a ``storage_root`` fixture that returns
-    ``(storage, root)``: a backend and an empty directory (prefix) in it, unique per test.
-
-    Class attributes a subclass may override:
-        large_bytes: size of the "large" streamed file (make it span several multipart
-            parts on an object store).
-        racers: threads that race to create one file exclusively.
-    """
-
-    large_bytes = 1 << 20
-    racers = 8
-
-    # -- writes and reads ---------------------------------------------------------------
-
-    def test_write_then_read(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "a.bin")
-        data = _payload(10_000)
-        storage.write_bytes(path, data)
-        assert storage.exists(path)
-        assert storage.size(path) == len(data)
-        assert storage.read_bytes(path, 1 << 20) == data
-        assert storage.read_range(path, 100, 50) == data[100:150]
-        out = bytearray(300)
-        assert storage.read_into(path, 9_800, memoryview(out)) == 200
-        assert bytes(out[:200]) == data[9_800:]
-
-    def test_streamed_large_write(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "large.bin")
-        rng = random.Random(1)
-        digest, total = hashlib.sha256(), 0
-        with storage.atomic_write(path) as out:
-            while total < self.large_bytes:
-                piece = rng.randbytes(min(rng.randint(1, 300_000), self.large_bytes - total))
-                out.write(piece if rng.random() < 0.5 else memoryview(piece))
-                digest.update(piece)
-                total += len(piece)
-        assert storage.size(path) == total
-        got = hashlib.sha256(storage.read_range(path, 0, total)).hexdigest()
-        assert got == digest.hexdigest()
-        middle = total // 2
-        chunk = storage.read_range(path, middle, 1000)
-        assert len(chunk) == 1000
-
-    def test_empty_file(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "empty")
-        storage.write_bytes(path, b"")
-        assert storage.exists(path)
-        assert storage.size(path) == 0
-        assert storage.read_bytes(path, 10) == b""
-        assert storage.read_range(path, 0, 10) == b""
-
-    def test_overwrite_replaces(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "f")
-        storage.write_bytes(path, b"old" * 1000)
-        storage.write_bytes(path, b"new")
-        assert storage.read_bytes(path, 1 << 20) == b"new"
-
-    def test_invisible_until_commit(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "pending.bin")
-        writer = storage.open_atomic(path)
-        try:
-            writer.write(_payload(1000))
-            assert not storage.exists(path)
-            assert "pending.bin" not in storage.list_dir(root)
-            with _raises(CheckpointNotFoundError):
-                storage.size(path)
-        except BaseException:
-            writer.abort()
-            raise
-        writer.commit()
-        assert storage.exists(path)
-        assert "pending.bin" in storage.list_dir(root)
-
-    def test_abort_leaves_nothing(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "aborted.bin")
-        writer = storage.open_atomic(path)
-        writer.write(_payload(self.large_bytes))
-        writer.abort()
-        writer.abort()  # idempotent
-        assert not storage.exists(path)
-        assert storage.list_dir(root) == []
-
-    def test_failure_keeps_previous_version(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "kept.bin")
-        storage.write_bytes(path, b"version 1")
-
-        class Boom(Exception):
-            pass
-
-        with _raises(Boom), storage.atomic_write(path) as out:
-            out.write(_payload(self.large_bytes))
-            raise Boom
-        assert storage.read_bytes(path, 100) == b"version 1"
-        assert storage.list_dir(root) == ["kept.bin"]
-
-    def test_read_range_bounds(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "r")
-        storage.write_bytes(path, b"0123456789")
-        assert storage.read_range(path, 0, 0) == b""
-        assert storage.read_range(path, 8, 10) == b"89"
-        assert storage.read_range(path, 10, 5) == b""
-        assert storage.read_range(path, 50, 5) == b""
-
-    def test_missing_file(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "missing")
-        assert not storage.exists(path)
-        for call in (
-            lambda: storage.size(path),
-            lambda: storage.read_range(path, 0, 10),
-            lambda: storage.read_bytes(path, 10),
-        ):
-            with _raises(CheckpointNotFoundError):
-                call()
-        assert issubclass(CheckpointNotFoundError, FileNotFoundError)
-
-    def test_read_bytes_limit(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "big")
-        storage.write_bytes(path, b"x" * 100)
-        assert storage.read_bytes(path, 100) == b"x" * 100
-        with _raises(FormatError):
-            storage.read_bytes(path, 99)
-
-    def test_parallel_reads(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "p")
-        data = _payload(64_000)
-        storage.write_bytes(path, data)
-        ranges = [(i * 1000, 1000) for i in range(64)]
-        with ThreadPoolExecutor(8) as ex:
-            parts = list(ex.map(lambda r: storage.read_range(path, *r), ranges))
-        assert b"".join(parts) == data
-
-    # -- exclusive create ---------------------------------------------------------------
-
-    def test_create_exclusive(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "sub", "COMMIT")
-        storage.create_exclusive(path, b"first")
-        with _raises(ConflictError):
-            storage.create_exclusive(path, b"second")
-        assert storage.read_bytes(path, 100) == b"first"
-
-    def test_create_exclusive_race(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "race", "COMMIT")
-        storage.create_exclusive(storage.join(root, "race", "warmup"), b"")  # probes, dirs
-        barrier = threading.Barrier(self.racers)
-
-        def attempt(i: int) -> bool:
-            barrier.wait(30)
-            try:
-                storage.create_exclusive(path, f"writer {i}".encode())
-            except ConflictError:
-                return False
-            return True
-
-        with ThreadPoolExecutor(self.racers) as ex:
-            won = list(ex.map(attempt, range(self.racers)))
-        assert won.count(True) == 1, won
-        assert storage.read_bytes(path, 100) == f"writer {won.index(True)}".encode()
-
-    # -- listing and deleting -----------------------------------------------------------
-
-    def test_list_dir(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        assert storage.list_dir(root) == []
-        assert storage.list_dir(storage.join(root, "nope")) == []
-        for name in ("b", "a", "d/x", "d/y/z", "dd/w"):
-            storage.write_bytes(storage.join(root, *name.split("/")), name.encode())
-        assert storage.list_dir(root) == ["a", "b", "d", "dd"]
-        assert storage.list_dir(storage.join(root, "d")) == ["x", "y"]
-        assert storage.exists(storage.join(root, "d"))
-
-    def test_delete(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "gone")
-        storage.delete(path)  # missing: fine
-        storage.write_bytes(path, b"x")
-        storage.delete(path)
-        assert not storage.exists(path)
-        assert storage.list_dir(root) == []
-
-    def test_delete_tree(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        for name in ("1/a", "1/sub/b", "10/c", "2/d"):
-            storage.write_bytes(storage.join(root, *name.split("/")), b"x")
-        storage.delete_tree(storage.join(root, "1"))
-        assert storage.list_dir(root) == ["10", "2"]
-        assert storage.read_bytes(storage.join(root, "10", "c"), 10) == b"x"
-        storage.delete_tree(storage.join(root, "missing"))  # missing: fine
-        storage.delete_tree(storage.join(root, "1"))
-
-    def test_describe_names_the_file(self, storage_root: tuple[Storage, str]) -> None:
-        storage, root = storage_root
-        path = storage.join(root, "named.bin")
-        assert "named.bin" in storage.describe(path)
-        with _raises(CheckpointNotFoundError):
-            try:
-                storage.size(path)
-            except CheckpointNotFoundError as exc:
-                assert "named.bin" in str(exc)
-                raise

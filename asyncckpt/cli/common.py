@@ -1,0 +1,476 @@
+"""What every ``asyncckpt`` subcommand shares: errors and exit codes, common options, output,
+and finding what a command is pointed at (a file, a root, a version of a root).
+
+Nothing here imports another module of :mod:`asyncckpt.cli`: the command modules and
+:mod:`asyncckpt.cli.main` import this one, never the other way round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeAlias
+
+from .. import config
+from ..errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    FormatError,
+    IncompleteCheckpointError,
+)
+from ..progress import Progress
+from ..protocol import (
+    COMMIT_FILE,
+    FAILED_FILE,
+    committed_steps,
+    failure_of,
+    latest_step,
+    read_commit,
+    step_dir,
+)
+from ..reader import OpenedFile, open_file
+from ..storage import LocalStorage, Storage, resolve
+from ..tree import unflatten
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+#: The type ``ArgumentParser.add_subparsers`` returns (each command module adds to it).
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit status 2)."""
+
+
+class CommandFailed(Exception):
+    """The command ran and its outcome is a failure (exit status 1); output is printed."""
+
+
+# -- the parser -----------------------------------------------------------------------------
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line (raised, so ``main`` reports them)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see '{self.prog} --help')")
+
+
+def add_common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
+    """Options every command takes; on subcommands they default to 'not given'.
+
+    Args:
+        parser: the top-level parser (``suppress=False``) or a subcommand's.
+        suppress: leave the option out of the namespace when it is not given, so a value
+            given before the subcommand is not overwritten by the subcommand's default.
+    """
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
+    group = parser.add_argument_group("common options")
+    group.add_argument(
+        "--storage-option",
+        "-o",
+        action="append",
+        metavar="KEY=VALUE",
+        default=default([]),
+        help="fsspec storage option, e.g. endpoint_url=http://minio:9000 (repeatable; "
+        "values are JSON when they parse, dotted keys nest: client_kwargs.region_name=eu)",
+    )
+    group.add_argument(
+        "--json", action="store_true", default=default(False), help="machine-readable output"
+    )
+    group.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=default(False),
+        help="show the library's INFO log on stderr",
+    )
+    group.add_argument(
+        "--debug",
+        action="store_true",
+        default=default(False),
+        help="show DEBUG log and a traceback on errors",
+    )
+    group.add_argument(
+        "--no-progress",
+        action="store_true",
+        default=default(False),
+        help="never draw a progress bar (it is drawn only when stderr is a terminal)",
+    )
+
+
+def new_command(sub: Subparsers, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` with the common options."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description)
+    add_common_options(parser, suppress=True)
+    return parser
+
+
+def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
+    """``["endpoint_url=http://x", "client_kwargs.region_name=eu"]`` -> nested options.
+
+    Values that parse as JSON (numbers, true/false/null, objects, lists) are taken as such;
+    anything else is a string.
+
+    Args:
+        pairs: the ``--storage-option`` values, in order (a later key wins).
+
+    Returns:
+        The options, nested at the dots.
+
+    Raises:
+        UsageError: a pair without ``=``, or a dotted key below a key that is not a mapping.
+
+    Example:
+        >>> parse_storage_options(["anon=true", "client_kwargs.region_name=eu-west-1"])
+        {'anon': True, 'client_kwargs': {'region_name': 'eu-west-1'}}
+    """
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"asyncckpt: --storage-option expects KEY=VALUE, got {pair!r}")
+        try:
+            value: Any = json.loads(raw)
+        except ValueError:
+            value = raw
+        *parents, leaf = key.strip().split(".")
+        node = options
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise UsageError(f"asyncckpt: --storage-option {key}: {part} is not a mapping")
+            node = child
+        node[leaf] = value
+    return options
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def plural(n: int, word: str) -> str:
+    """``n`` and ``word``, with an ``s`` unless ``n`` is 1.
+
+    Example:
+        >>> plural(1, "chunk"), plural(2, "chunk")
+        ('1 chunk', '2 chunks')
+    """
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def emit(args: argparse.Namespace, doc: Any, text: str | Sequence[str]) -> None:
+    """Print ``doc`` as JSON under ``--json``, else ``text`` (one string or lines)."""
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+    elif isinstance(text, str):
+        print(text)
+    else:
+        for line in text:
+            print(line)
+
+
+def progress(args: argparse.Namespace, total: int | None, label: str) -> Progress:
+    """A progress bar on stderr, off under ``--no-progress`` (and when it is no terminal)."""
+    return Progress(total, label, enabled=False if args.no_progress else None)
+
+
+def threads() -> int:
+    """Parallel readers: the ``threads`` tunable."""
+    return config.tunable("threads", None)
+
+
+def table(headers: list[str], rows: list[list[str]], first_align: str = "<") -> list[str]:
+    """Rows as aligned text columns; ``first_align=">"`` right-aligns the first column.
+
+    Example:
+        >>> table(["A", "BB"], [["1", "x"], ["22", "y"]], ">")
+        [' A  BB', ' 1  x', '22  y']
+    """
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        out = [
+            c.rjust(w) if i == 0 and first_align == ">" else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        return "  ".join(out).rstrip()
+
+    return [line(headers), *(line(r) for r in rows)]
+
+
+def short_time(iso: str | None) -> str:
+    """An ISO time as ``YYYY-MM-DD HH:MM:SS`` in UTC, ``-`` when there is none.
+
+    Example:
+        >>> short_time("2026-01-02T03:04:05+01:00"), short_time(None)
+        ('2026-01-02 02:04:05', '-')
+    """
+    if not iso:
+        return "-"
+    try:
+        moment = datetime.datetime.fromisoformat(iso)
+    except ValueError:
+        return iso[:19]
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(datetime.timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+# -- finding what a command is pointed at ----------------------------------------------------
+
+
+def display(storage: Storage, path: str) -> str:
+    """A path as the user would write it: relative to the working directory when local
+    and below it, else as the storage describes it (a URL)."""
+    if isinstance(storage, LocalStorage):
+        with contextlib.suppress(ValueError):
+            relative = os.path.relpath(path)
+            if not relative.startswith(os.pardir):
+                return relative
+    return storage.describe(path)
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """One ``.ackpt`` (or other) file."""
+
+    storage: Storage
+    path: str
+    step: int | None = None
+
+    @property
+    def name(self) -> str:
+        return display(self.storage, self.path)
+
+
+@dataclass(frozen=True)
+class RootRef:
+    """A checkpoint root, optionally with a step chosen by ``ROOT@STEP``."""
+
+    storage: Storage
+    path: str
+    step: int | None = None
+
+    @property
+    def name(self) -> str:
+        return display(self.storage, self.path)
+
+
+def kind_of(storage: Storage, path: str) -> str:
+    """``"root"`` (a directory / prefix), ``"file"`` or ``"missing"``."""
+    if isinstance(storage, LocalStorage):
+        return "root" if os.path.isdir(path) else "file" if os.path.isfile(path) else "missing"
+    if storage.list_dir(path):
+        return "root"
+    try:
+        storage.size(path)
+    except CheckpointNotFoundError:
+        return "missing"
+    return "file"
+
+
+def locate(spec: str, options: dict[str, Any]) -> FileRef | RootRef:
+    """Resolve ``PATH``, ``ROOT`` or ``ROOT@STEP``.
+
+    Args:
+        spec: what the user typed: a local path or fsspec URL, maybe ending in ``@STEP``.
+        options: fsspec storage options.
+
+    Returns:
+        A :class:`FileRef` for a file, a :class:`RootRef` for a directory or prefix.
+
+    Raises:
+        CheckpointNotFoundError: nothing is there.
+        UsageError: ``@STEP`` after something that is not a root.
+
+    Example:
+        >>> isinstance(locate(".", {}), RootRef)
+        True
+    """
+    storage, path = resolve(spec, options)
+    kind = kind_of(storage, path)
+    if kind == "file":
+        return FileRef(storage, path)
+    if kind == "root":
+        return RootRef(storage, path)
+    match = re.fullmatch(r"(.+)@(\d{1,18})", spec)
+    if match:
+        storage, path = resolve(match.group(1), options)
+        kind = kind_of(storage, path)
+        if kind == "root":
+            return RootRef(storage, path, int(match.group(2)))
+        if kind == "file":
+            raise UsageError(
+                f"asyncckpt: {match.group(1)} is a file; @STEP selects a version of a "
+                "checkpoint root"
+            )
+    raise CheckpointNotFoundError(f"{display(storage, path)}: no such file or checkpoint root")
+
+
+def files_of(root: RootRef, step: int) -> list[FileRef]:
+    """The data files of committed version ``step``.
+
+    Raises:
+        IncompleteCheckpointError: ``step`` is not committed under the root.
+    """
+    storage = root.storage
+    commit = read_commit(storage, root.path, step)
+    if commit is None:
+        committed = committed_steps(storage, root.path)
+        raise IncompleteCheckpointError(
+            f"step {step} is not committed under {root.name}; committed steps: "
+            f"{', '.join(map(str, committed)) or 'none'}"
+        )
+    directory = step_dir(storage, root.path, step)
+    return [FileRef(storage, storage.join(directory, name), step) for name in commit.files]
+
+
+def chosen_step(root: RootRef) -> int:
+    """``ROOT@STEP``'s step, else the latest committed one.
+
+    Raises:
+        CheckpointNotFoundError: no step was given and none is committed.
+    """
+    if root.step is not None:
+        return root.step
+    step = latest_step(root.storage, root.path)
+    if step is None:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {root.name}")
+    return step
+
+
+def single_file(ref: FileRef | RootRef) -> FileRef:
+    """The one data file a PATH or ROOT[@STEP] stands for.
+
+    Raises:
+        FormatError: the version has several data files (multi-writer).
+    """
+    if isinstance(ref, FileRef):
+        return ref
+    files = files_of(ref, chosen_step(ref))
+    if len(files) != 1:
+        raise FormatError(
+            f"step {files[0].step} under {ref.name} has {len(files)} data files; this "
+            "asyncckpt reads single-writer versions only"
+        )
+    return files[0]
+
+
+def need_root(ref: FileRef | RootRef, spec: str) -> RootRef:
+    """``ref`` as a root without ``@STEP``, or a usage error naming ``spec``."""
+    if isinstance(ref, FileRef):
+        raise UsageError(
+            f"asyncckpt: {spec} is a file, not a checkpoint root (try 'asyncckpt inspect {spec}')"
+        )
+    if ref.step is not None:
+        raise UsageError(f"asyncckpt: {spec}: this command takes a ROOT without @STEP")
+    return ref
+
+
+# -- what a version and a file hold (ls, gc, inspect, verify) ----------------------------------
+
+
+def record_time(storage: Storage, path: str) -> str | None:
+    """The informational ``time`` field of a protocol record (COMMIT, FAILED)."""
+    try:
+        doc = json.loads(storage.read_bytes(path, 1 << 20))
+    except (AsyncCkptError, ValueError):
+        return None
+    value = doc.get("time") if isinstance(doc, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _incomplete_info(storage: Storage, root: str, step: int, info: dict[str, Any]) -> None:
+    directory = step_dir(storage, root, step)
+    names = [n for n in storage.list_dir(directory) if n not in (COMMIT_FILE, FAILED_FILE)]
+    info["files"] = names
+    partial = 0
+    for name in names:
+        with contextlib.suppress(AsyncCkptError):
+            partial += storage.size(storage.join(directory, name))
+    info["stored_bytes"] = partial
+    failure = failure_of(storage, root, step)
+    if failure is not None:
+        info["state"] = "failed"
+        info["problem"] = failure
+        info["time"] = record_time(storage, storage.join(directory, FAILED_FILE))
+
+
+def _committed_sizes(
+    storage: Storage, directory: str, files: Sequence[str], info: dict[str, Any]
+) -> None:
+    raw: int | None = 0
+    stored: int | None = 0
+    for name in files:
+        path = storage.join(directory, name)
+        try:
+            opened = open_file(storage, path)
+        except AsyncCkptError as exc:
+            info["problem"] = str(exc)
+            raw = None
+            try:
+                stored = None if stored is None else stored + storage.size(path)
+            except AsyncCkptError:
+                stored = None
+            continue
+        raw = None if raw is None else raw + sum(s.nbytes for s in opened.manifest.storages)
+        stored = None if stored is None else stored + opened.size
+    info["raw_bytes"] = raw
+    info["stored_bytes"] = stored
+    info["ratio"] = stored / raw if raw and stored is not None else None
+
+
+def version_info(storage: Storage, root: str, step: int, latest: int | None) -> dict[str, Any]:
+    """What ``ls`` shows of one version: state, time, files, raw and stored bytes, problem."""
+    commit = read_commit(storage, root, step)
+    info: dict[str, Any] = {
+        "step": step,
+        "state": "committed" if commit is not None else "incomplete",
+        "latest": step == latest,
+        "time": None,
+        "files": [],
+        "raw_bytes": None,
+        "stored_bytes": None,
+        "ratio": None,
+        "problem": None,
+    }
+    if commit is None:
+        _incomplete_info(storage, root, step, info)
+        return info
+    directory = step_dir(storage, root, step)
+    info["time"] = record_time(storage, storage.join(directory, COMMIT_FILE))
+    info["files"] = list(commit.files)
+    _committed_sizes(storage, directory, commit.files, info)
+    return info
+
+
+@dataclass(frozen=True)
+class DataRef:
+    """Stands for a tensor or array while walking a manifest's tree without its data."""
+
+    table: str
+    index: int
+
+
+def manifest_tree(opened: OpenedFile) -> Any:
+    """The saved object with :class:`DataRef` markers in place of tensors and arrays.
+
+    Raises:
+        FormatError: the tree in the manifest is not valid.
+    """
+    manifest = opened.manifest
+    tensors: list[Any] = [DataRef("tensor", i) for i in range(len(manifest.tensors))]
+    arrays: list[Any] = [DataRef("array", i) for i in range(len(manifest.arrays))]
+    return unflatten(manifest.root, tensors, arrays, opened.name)

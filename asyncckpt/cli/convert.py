@@ -1,0 +1,194 @@
+"""``asyncckpt convert SRC DST``: between torch.save, asyncckpt and safetensors files."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from ..progress import format_bytes
+from ..storage import resolve
+from ..tree import child_path
+from .common import (
+    EXIT_OK,
+    FileRef,
+    RootRef,
+    Subparsers,
+    UsageError,
+    display,
+    emit,
+    kind_of,
+    locate,
+    new_command,
+    plural,
+    progress,
+    single_file,
+)
+from .formats import FORMATS, format_of, load_ackpt, load_torch, save_ackpt, save_torch, sniff
+from .safetensors_io import flat_tensors, read_safetensors, write_safetensors
+
+
+def add_parser(sub: Subparsers) -> None:
+    """Add the ``convert`` subcommand to ``sub``."""
+    p = new_command(
+        sub,
+        "convert",
+        "convert between torch.save, asyncckpt and safetensors files",
+        "Convert a checkpoint between torch.save (.pt/.pth/.bin; read with "
+        "weights_only=True), asyncckpt (.ackpt, or ROOT[@STEP]) and safetensors "
+        "(.safetensors; a flat dict of tensors; tied weights are written once and tied "
+        "again on the way back). The same tensors come out.",
+    )
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument("--from", dest="src_format", choices=sorted(FORMATS), help="format of SRC")
+    p.add_argument("--to", dest="dst_format", choices=sorted(FORMATS), help="format of DST")
+    p.add_argument(
+        "--key",
+        metavar="A/B",
+        help="convert only this part of the state, e.g. --key model (a /-separated path)",
+    )
+    p.add_argument(
+        "--compression",
+        choices=["zstd", "none"],
+        default="zstd",
+        help="for an asyncckpt DST (default zstd)",
+    )
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.set_defaults(run=cmd_convert)
+
+
+def select(obj: Any, key: str | None, src: str) -> Any:
+    """The part of ``obj`` at ``key`` (``"model"``, ``"optim/state/0"``), or all of it.
+
+    Args:
+        obj: the loaded state.
+        key: a ``/``-separated path; integer parts index lists and int-keyed dicts.
+        src: how to name the source in errors.
+
+    Returns:
+        The selected part.
+
+    Raises:
+        UsageError: a part of the path is not there; the message lists what is.
+
+    Example:
+        >>> select({"model": {"w": 1}, "step": 3}, "model/w", "x.pt")
+        1
+    """
+    if not key:
+        return obj
+    path = "state"
+    for part in key.strip("/").split("/"):
+        if isinstance(obj, dict):
+            if part in obj:
+                obj, path = obj[part], child_path(path, part)
+                continue
+            if part.lstrip("-").isdigit() and int(part) in obj:
+                obj, path = obj[int(part)], child_path(path, int(part))
+                continue
+            raise UsageError(
+                f"asyncckpt convert: {src} has no key {part!r} at {path}; keys there: "
+                + ", ".join(repr(k) for k in list(obj)[:20])
+            )
+        if isinstance(obj, (list, tuple)) and part.isdigit() and int(part) < len(obj):
+            obj, path = obj[int(part)], f"{path}[{part}]"
+            continue
+        raise UsageError(f"asyncckpt convert: {path} in {src} has no part {part!r}")
+    return obj
+
+
+def tensors_in(obj: Any) -> tuple[int, int]:
+    """How many tensors ``obj`` holds and their bytes (a tensor seen twice counts twice).
+
+    Example:
+        >>> tensors_in({"a": torch.zeros(2), "b": [torch.zeros(3, dtype=torch.int8)]})
+        (2, 11)
+    """
+    count = nbytes = 0
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            count += 1
+            nbytes += value.numel() * value.element_size()
+        elif isinstance(value, dict) and id(value) not in seen:
+            seen.add(id(value))
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)) and id(value) not in seen:
+            seen.add(id(value))
+            stack.extend(value)
+    return count, nbytes
+
+
+def _source(args: argparse.Namespace) -> tuple[FileRef, str]:
+    """The file to read and its format."""
+    src_ref = locate(args.src, args.options)
+    src_format = format_of(args.src, args.src_format, "SRC")
+    if isinstance(src_ref, RootRef):
+        if src_format not in (None, "ackpt"):
+            raise UsageError(f"asyncckpt convert: {args.src} is a checkpoint root (asyncckpt)")
+        src_format = "ackpt"
+    src = single_file(src_ref)
+    return src, src_format or sniff(src)
+
+
+def _read(args: argparse.Namespace, src: FileRef, fmt: str) -> tuple[Any, dict[str, str] | None]:
+    """The state in ``src`` and, for safetensors, its metadata."""
+    with progress(args, src.storage.size(src.path), f"read {fmt}") as bar:
+        if fmt == "ackpt":
+            return load_ackpt(src, bar.update), None
+        if fmt == "torch":
+            return load_torch(src, bar.update), None
+        return read_safetensors(src.storage, src.path, bar.update)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """``asyncckpt convert SRC DST``.
+
+    Returns:
+        The exit status (0).
+
+    Raises:
+        UsageError: DST exists (without ``--force``), or a format cannot be told.
+    """
+    dst_format = format_of(args.dst, args.dst_format, "DST")
+    src, src_format = _source(args)
+    dst_storage, dst_path = resolve(args.dst, args.options)
+    if not args.force and kind_of(dst_storage, dst_path) != "missing":
+        raise UsageError(f"asyncckpt convert: {args.dst} exists; pass --force to replace it")
+    size = src.storage.size(src.path)
+    obj, metadata = _read(args, src, src_format)
+    obj = select(obj, args.key, src.name)
+    count, nbytes = tensors_in(obj)
+    with progress(args, nbytes, f"write {dst_format}") as bar:
+        if dst_format == "safetensors":
+            flat = flat_tensors(obj, f"{src.name} --key {args.key}" if args.key else src.name)
+            del obj  # the flat dict holds the same tensors; nothing else should keep them
+            written = write_safetensors(flat, dst_storage, dst_path, metadata, bar.update)
+        elif dst_format == "torch":
+            written = save_torch(obj, dst_storage, dst_path, bar.update)
+        else:
+            written = save_ackpt(obj, dst_storage, dst_path, args.compression, bar.update)
+    dst_name = display(dst_storage, dst_path)
+    doc = {
+        "src": src.name,
+        "src_format": src_format,
+        "dst": dst_name,
+        "dst_format": dst_format,
+        "key": args.key,
+        "tensors": count,
+        "raw_bytes": nbytes,
+        "src_bytes": size,
+        "dst_bytes": written,
+    }
+    emit(
+        args,
+        doc,
+        f"converted {src.name} ({src_format}, {format_bytes(size)}) -> {dst_name} "
+        f"({dst_format}, {format_bytes(written)}): {plural(count, 'tensor')}, "
+        f"{format_bytes(nbytes)}",
+    )
+    return EXIT_OK

@@ -1,0 +1,341 @@
+"""Checkpoint file formats the command line reads and writes: which format a file is, and
+``torch.save`` and asyncckpt files in and out (safetensors is in
+:mod:`asyncckpt.cli.safetensors_io`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Callable
+from typing import IO, Any, cast
+
+import numpy as np
+import torch
+
+from ..api import stage, write_options
+from ..errors import AsyncCkptError, FormatError
+from ..format import MAGIC
+from ..placement import Placement
+from ..reader import OpenedFile, materialize, open_file
+from ..storage import AtomicWriter, LocalStorage, Storage
+from ..writer import write_snapshot
+from .common import FileRef, UsageError, threads
+
+#: Checkpoint formats ``convert`` knows, and the file extensions that select them.
+FORMATS: dict[str, tuple[str, ...]] = {
+    "torch": (".pt", ".pth", ".bin"),
+    "ackpt": (".ackpt",),
+    "safetensors": (".safetensors",),
+}
+
+#: Bytes a remote ``torch.load`` reads per request.
+_READ_BLOCK = 8 << 20
+
+
+def format_of(spec: str, explicit: str | None, role: str) -> str | None:
+    """The format named by ``--from/--to`` or by the extension of ``spec``.
+
+    Args:
+        spec: the path or URL, maybe with ``@STEP``.
+        explicit: the ``--from``/``--to`` value, if given.
+        role: ``"SRC"`` (None when unknown: the file is sniffed) or ``"DST"``.
+
+    Returns:
+        ``"torch"``, ``"ackpt"``, ``"safetensors"``, or None for an unknown SRC.
+
+    Raises:
+        UsageError: the format of DST cannot be told.
+
+    Example:
+        >>> format_of("model.pth", None, "DST"), format_of("run@20", None, "SRC")
+        ('torch', None)
+    """
+    if explicit:
+        return explicit
+    base = re.sub(r"@\d+$", "", spec).rstrip("/").lower()
+    for name, extensions in FORMATS.items():
+        if base.endswith(extensions):
+            return name
+    if role == "DST":
+        raise UsageError(
+            f"asyncckpt convert: cannot tell the format of {spec} from its extension "
+            "(.pt/.pth/.bin, .ackpt, .safetensors); pass --to torch|ackpt|safetensors"
+        )
+    return None
+
+
+def sniff(ref: FileRef) -> str:
+    """The format of a file, from its first bytes.
+
+    Raises:
+        UsageError: the bytes match no known format.
+    """
+    head = ref.storage.read_range(ref.path, 0, 16)
+    if head.startswith(MAGIC):
+        return "ackpt"
+    if head.startswith((b"PK\x03\x04", b"\x80")):
+        return "torch"
+    if len(head) >= 9 and head[8:9] == b"{":
+        return "safetensors"
+    raise UsageError(
+        f"asyncckpt convert: cannot tell the format of {ref.name}; pass --from "
+        "torch|ackpt|safetensors"
+    )
+
+
+def reject_other_format(ref: FileRef) -> None:
+    """Raise a clear error if ``ref`` is a torch.save or safetensors file.
+
+    Raises:
+        FormatError: it is; the message says how to convert it.
+    """
+    other = None
+    with contextlib.suppress(UsageError, AsyncCkptError):
+        other = sniff(ref)
+    if other is not None and other != "ackpt":
+        raise FormatError(
+            f"{ref.name} is a {other} file, not an asyncckpt file; convert it first: "
+            f"asyncckpt convert {ref.name} OUT.ackpt"
+        )
+
+
+def open_ackpt(ref: FileRef) -> OpenedFile:
+    """``open_file``, saying so when the file is a torch.save or safetensors file.
+
+    Raises:
+        FormatError: the file is not a valid asyncckpt file.
+    """
+    try:
+        return open_file(ref.storage, ref.path)
+    except FormatError:
+        reject_other_format(ref)
+        raise
+
+
+class _Metered(Storage):
+    """A storage that reports every byte read to a progress callback."""
+
+    def __init__(self, inner: Storage, progress: Callable[[int], None]) -> None:
+        self.inner = inner
+        self.progress = progress
+        self.label = inner.label
+
+    def describe(self, path: str) -> str:
+        return self.inner.describe(path)
+
+    def join(self, *parts: str) -> str:
+        return self.inner.join(*parts)
+
+    def open_atomic(self, path: str) -> AtomicWriter:
+        return self.inner.open_atomic(path)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        data = self.inner.read_range(path, start, length)
+        self.progress(len(data))
+        return data
+
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        n = self.inner.read_into(path, start, out)
+        self.progress(n)
+        return n
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self.inner.create_exclusive(path, data)
+
+    def list_dir(self, path: str) -> list[str]:
+        return self.inner.list_dir(path)
+
+    def delete_tree(self, path: str) -> None:
+        self.inner.delete_tree(path)
+
+
+class _CountingWriter:
+    """A write-only file object over an AtomicWriter (torch.save streams into it)."""
+
+    def __init__(self, out: AtomicWriter, progress: Callable[[int], None]) -> None:
+        self.out = out
+        self.progress = progress
+        self.written = 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        n = len(memoryview(data).cast("B"))
+        self.out.write(data)
+        self.written += n
+        self.progress(n)
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+class RangeReader(io.RawIOBase):
+    """A seekable, read-only file object over ranged reads of a storage.
+
+    ``torch.load`` of a zip-format file seeks to each record it needs, so a remote file is
+    read through this (wrapped in a buffer) instead of being copied whole into memory first.
+
+    Example:
+        >>> import fsspec, io
+        >>> from asyncckpt.storage import resolve
+        >>> fsspec.filesystem("memory").pipe_file("/rr/x", b"0123456789")
+        >>> storage, path = resolve("memory://rr/x", None)
+        >>> f = io.BufferedReader(RangeReader(storage, path))
+        >>> _ = f.seek(4); f.read(3)
+        b'456'
+    """
+
+    def __init__(
+        self, storage: Storage, path: str, progress: Callable[[int], None] | None = None
+    ) -> None:
+        super().__init__()
+        self.storage, self.path, self.progress = storage, path, progress
+        self.length = storage.size(path)
+        self.position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = max(0, base + offset)
+        return self.position
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        want = min(len(out), self.length - self.position)
+        if want <= 0:
+            return 0
+        n = self.storage.read_into(self.path, self.position, out[:want])
+        self.position += n
+        if self.progress is not None:
+            self.progress(n)
+        return n
+
+
+def load_ackpt(ref: FileRef, progress: Callable[[int], None] | None = None) -> Any:
+    """Load an asyncckpt file on the CPU.
+
+    Args:
+        ref: the file.
+        progress: called with the number of bytes read, as they are read.
+
+    Returns:
+        The saved object.
+    """
+    storage = ref.storage if progress is None else _Metered(ref.storage, progress)
+    return materialize(open_file(storage, ref.path), Placement("cpu"), threads())
+
+
+def _numpy_globals() -> list[Any]:
+    """What unpickling plain numpy arrays and scalars needs (no object arrays: they hold
+    pickles of their own, which the weights-only unpickler still refuses)."""
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray  # type: ignore[no-redef]
+    dtypes = {type(np.dtype(code)) for code in "?bBhHiIlLqQefdgFDG"}
+    return [multiarray._reconstruct, multiarray.scalar, np.ndarray, np.dtype, *dtypes]
+
+
+def load_torch(
+    ref: FileRef, progress: Callable[[int], None] | None = None, *, mmap: bool = True
+) -> Any:
+    """``torch.load(..., weights_only=True, map_location="cpu")`` of a local or remote file.
+
+    Plain numpy arrays and scalars (e.g. ``np.random.get_state()``) are allowed on top of
+    torch's weights-only defaults, as torch's documentation suggests for them. A remote
+    file is read through ranged reads as torch asks for its parts, never copied whole.
+
+    Args:
+        ref: the file.
+        progress: called with the number of bytes read.
+        mmap: map a local file instead of reading it (falls back to reading).
+
+    Returns:
+        The unpickled object.
+
+    Raises:
+        pickle.UnpicklingError: the file holds something weights-only loading refuses.
+    """
+    with torch.serialization.safe_globals(_numpy_globals()):
+        if isinstance(ref.storage, LocalStorage):
+            return _load_local_torch(ref, progress, mmap)
+        raw = RangeReader(ref.storage, ref.path, progress)
+        with io.BufferedReader(raw, buffer_size=_READ_BLOCK) as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+
+
+def _load_local_torch(ref: FileRef, progress: Callable[[int], None] | None, mmap: bool) -> Any:
+    try:
+        obj = torch.load(ref.path, map_location="cpu", weights_only=True, mmap=mmap)
+    except RuntimeError as exc:
+        if not mmap or "mmap" not in str(exc):
+            raise
+        obj = torch.load(ref.path, map_location="cpu", weights_only=True)
+    if progress is not None:
+        progress(ref.storage.size(ref.path))
+    return obj
+
+
+def save_torch(
+    obj: Any, storage: Storage, path: str, progress: Callable[[int], None] | None = None
+) -> int:
+    """``torch.save`` streamed into an atomic write.
+
+    Args:
+        obj: what to save.
+        storage: where to.
+        path: the file.
+        progress: called with the number of bytes written.
+
+    Returns:
+        The bytes written.
+    """
+    with storage.atomic_write(path) as out:
+        writer = _CountingWriter(out, progress or (lambda n: None))
+        torch.save(obj, cast(IO[bytes], writer))
+    return writer.written
+
+
+def save_ackpt(
+    obj: Any,
+    storage: Storage,
+    path: str,
+    compression: str = "zstd",
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write an asyncckpt file synchronously.
+
+    Args:
+        obj: what to save.
+        storage: where to.
+        path: the file.
+        compression: ``"zstd"`` or ``"none"``.
+        progress: called with the number of bytes written.
+
+    Returns:
+        The file's size.
+    """
+    options = write_options(compression)
+    snap = stage(obj)
+    try:
+        return write_snapshot(snap, storage, path, options, progress)
+    finally:
+        snap.lease.release()

@@ -1,0 +1,209 @@
+"""``asyncckpt inspect PATH | ROOT[@STEP]``: what a checkpoint holds, without its data."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..format import DTYPE_ITEMSIZE, FORMAT_VERSION, Manifest
+from ..progress import format_bytes
+from ..tree import child_path
+from .common import (
+    EXIT_OK,
+    DataRef,
+    Subparsers,
+    emit,
+    locate,
+    manifest_tree,
+    new_command,
+    plural,
+    short_time,
+    single_file,
+    table,
+)
+from .formats import open_ackpt
+
+
+def add_parser(sub: Subparsers) -> None:
+    """Add the ``inspect`` subcommand to ``sub``."""
+    p = new_command(
+        sub,
+        "inspect",
+        "show the keys, dtypes, shapes, sizes and codecs of a checkpoint",
+        "Show what a checkpoint holds without reading its data: the key tree with dtypes, "
+        "shapes, sizes, saved devices and codecs. ROOT alone means its latest version.",
+    )
+    p.add_argument("target", metavar="PATH|ROOT[@STEP]")
+    p.set_defaults(run=cmd_inspect)
+
+
+def _codecs(manifest: Manifest, sid: int) -> tuple[list[str], int]:
+    entry = manifest.storages[sid]
+    chunks = manifest.chunks[entry.first_chunk : entry.first_chunk + entry.num_chunks]
+    return sorted({c.codec for c in chunks}), sum(c.stored_len for c in chunks)
+
+
+def _tensor_row(manifest: Manifest, index: int, seen: dict[int, str]) -> dict[str, Any]:
+    t = manifest.tensors[index]
+    entry = manifest.storages[t.storage]
+    codecs, stored = _codecs(manifest, t.storage)
+    out: dict[str, Any] = {
+        "kind": "parameter" if t.parameter else "tensor",
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "nbytes": math.prod(t.shape) * DTYPE_ITEMSIZE.get(t.dtype, 1),
+        "device": entry.device,
+        "codecs": codecs,
+        "storage": t.storage,
+        "storage_bytes": entry.nbytes,
+        "stored_bytes": stored,
+        "requires_grad": t.requires_grad,
+    }
+    if t.storage in seen:
+        out["shares_storage_with"] = seen[t.storage]
+    else:
+        seen[t.storage] = t.key
+    return out
+
+
+def _array_row(manifest: Manifest, index: int) -> dict[str, Any]:
+    a = manifest.arrays[index]
+    codecs, stored = _codecs(manifest, a.storage)
+    return {
+        "kind": "ndarray",
+        "dtype": a.dtype,
+        "shape": list(a.shape),
+        "nbytes": manifest.storages[a.storage].nbytes,
+        "device": "cpu",
+        "codecs": codecs,
+        "stored_bytes": stored,
+    }
+
+
+def entries(manifest: Manifest, obj: Any) -> list[dict[str, Any]]:
+    """One row per node of the tree: key path, depth, kind and details.
+
+    Args:
+        manifest: the file's manifest.
+        obj: its tree, from :func:`~asyncckpt.cli.common.manifest_tree`.
+
+    Returns:
+        The rows, parents before their children.
+    """
+    rows: list[dict[str, Any]] = []
+    seen: dict[int, str] = {}
+
+    def leaf(value: Any) -> dict[str, Any]:
+        if isinstance(value, DataRef) and value.table == "tensor":
+            return _tensor_row(manifest, value.index, seen)
+        if isinstance(value, DataRef):
+            return _array_row(manifest, value.index)
+        text = repr(value)
+        return {
+            "kind": type(value).__name__,
+            "value": text if len(text) <= 60 else text[:57] + "...",
+        }
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if isinstance(value, dict):
+            kind = "OrderedDict" if isinstance(value, OrderedDict) else "dict"
+            rows.append({"key": path, "depth": depth, "kind": kind, "length": len(value)})
+            for k, v in value.items():
+                walk(v, child_path(path, k), depth + 1)
+        elif isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+            kind = type(value).__name__
+            rows.append({"key": path, "depth": depth, "kind": kind, "length": len(value)})
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]", depth + 1)
+        else:
+            rows.append({"key": path, "depth": depth, **leaf(value)})
+
+    walk(obj, "state", 0)
+    return rows
+
+
+def _label(row: dict[str, Any], parent: str | None) -> str:
+    key: str = row["key"]
+    if parent is not None and key.startswith(parent):
+        key = key[len(parent) :]
+    return "  " * int(row["depth"]) + key
+
+
+def _table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    out: list[list[str]] = []
+    parents: list[str] = []
+    for row in rows:
+        del parents[row["depth"] :]
+        label = _label(row, parents[-1] if parents else None)
+        kind = row["kind"]
+        if "length" in row:
+            parents.append(row["key"])
+            out.append([label, kind, plural(row["length"], "item"), "", "", ""])
+        elif "dtype" in row:
+            detail = f"{row['dtype']} {list(row['shape'])}"
+            codecs = ",".join(row["codecs"]) or "-"
+            if "shares_storage_with" in row:
+                codecs = f"shares storage with {row['shares_storage_with']}"
+            out.append([label, kind, detail, format_bytes(row["nbytes"]), row["device"], codecs])
+        else:
+            out.append([label, kind, row["value"], "", "", ""])
+    return out
+
+
+def _summary(doc: dict[str, Any], meta: dict[str, Any]) -> list[str]:
+    raw, stored, size = doc["raw_bytes"], doc["stored_bytes"], doc["size"]
+    codecs = ", ".join(f"{n} {c}" for c, n in sorted(doc["codecs"].items()))
+    return [
+        doc["file"] + (f" (step {doc['step']})" if doc["step"] is not None else ""),
+        f"  format {FORMAT_VERSION}, written by {meta.get('library', '?')} with torch "
+        f"{meta.get('torch', '?')} at {short_time(meta.get('created'))} UTC",
+        f"  {plural(doc['tensors'], 'tensor')}, {plural(doc['arrays'], 'array')} in "
+        f"{plural(doc['storages'], 'storage')}, {plural(doc['chunks'], 'chunk')} ({codecs})",
+        f"  {format_bytes(raw)} raw, {format_bytes(stored)} stored"
+        + (f" ({100 * stored / raw:.1f}%)" if raw else "")
+        + f", file {format_bytes(size)}",
+        "",
+    ]
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    """``asyncckpt inspect PATH | ROOT[@STEP]``.
+
+    Returns:
+        The exit status (0).
+    """
+    ref = single_file(locate(args.target, args.options))
+    opened = open_ackpt(ref)
+    manifest = opened.manifest
+    rows = entries(manifest, manifest_tree(opened))
+    raw = sum(s.nbytes for s in manifest.storages)
+    stored = sum(c.stored_len for c in manifest.chunks)
+    codec_counts: dict[str, int] = {}
+    for c in manifest.chunks:
+        codec_counts[c.codec] = codec_counts.get(c.codec, 0) + 1
+    doc = {
+        "file": ref.name,
+        "step": ref.step,
+        "size": opened.size,
+        "format_version": FORMAT_VERSION,
+        "meta": manifest.meta,
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "ratio": stored / raw if raw else None,
+        "tensors": len(manifest.tensors),
+        "arrays": len(manifest.arrays),
+        "storages": len(manifest.storages),
+        "chunks": len(manifest.chunks),
+        "codecs": codec_counts,
+        "entries": rows,
+    }
+    lines = _summary(doc, manifest.meta)
+    lines += table(
+        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "CODEC"], _table_rows(rows)
+    )
+    emit(args, doc, lines)
+    return EXIT_OK

@@ -1,0 +1,95 @@
+"""``asyncckpt ls ROOT``: the versions under a checkpoint root."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..progress import format_bytes
+from ..protocol import latest_step, read_version_file, step_dirs
+from ..storage import is_temp_name
+from .common import (
+    EXIT_OK,
+    Subparsers,
+    emit,
+    locate,
+    need_root,
+    new_command,
+    short_time,
+    table,
+    version_info,
+)
+
+
+def add_parser(sub: Subparsers) -> None:
+    """Add the ``ls`` subcommand to ``sub``."""
+    p = new_command(
+        sub,
+        "ls",
+        "list the versions under a checkpoint root",
+        "List the versions under a Checkpointer root: step, committed or not, time, raw and "
+        "stored size, and which one the version file names.",
+    )
+    p.add_argument("root", metavar="ROOT", help="checkpoint root (directory or URL)")
+    p.set_defaults(run=cmd_ls)
+
+
+def _version_note(record_step: int | None, committed: list[int], latest: int | None) -> str:
+    if record_step is None:
+        return "missing or damaged" + (
+            f"; readers use the newest committed step, {latest}" if latest is not None else ""
+        )
+    if record_step not in committed:
+        return f"names step {record_step}, which is not committed" + (
+            f"; readers use step {latest}" if latest is not None else ""
+        )
+    return f"step {record_step}"
+
+
+def _row(v: dict[str, Any], record_step: int | None) -> list[str]:
+    raw, stored = v["raw_bytes"], v["stored_bytes"]
+    state = v["state"] + (" (damaged)" if v["problem"] and v["state"] == "committed" else "")
+    return [
+        str(v["step"]),
+        state,
+        short_time(v["time"]),
+        "-" if raw is None else format_bytes(raw),
+        "-" if stored is None else format_bytes(stored),
+        "-" if v["ratio"] is None else f"{100 * v['ratio']:.1f}%",
+        "<- version file" if v["step"] == record_step else "",
+    ]
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    """``asyncckpt ls ROOT``.
+
+    Returns:
+        The exit status (0).
+    """
+    ref = need_root(locate(args.root, args.options), args.root)
+    storage, root = ref.storage, ref.path
+    record = read_version_file(storage, root)
+    record_step = None if record is None else record.step
+    latest = latest_step(storage, root)
+    versions = [version_info(storage, root, s, latest) for s in step_dirs(storage, root)]
+    temps = [n for n in storage.list_dir(root) if is_temp_name(n)]
+    committed = [v["step"] for v in versions if v["state"] == "committed"]
+    doc = {
+        "root": ref.name,
+        "version_file": None if record is None else {"step": record.step, "writer": record.writer},
+        "latest": latest,
+        "versions": versions,
+        "temp_files": temps,
+    }
+    lines = [
+        f"{ref.name}: {len(committed)} committed of {len(versions)} versions; "
+        f"version file: {_version_note(record_step, committed, latest)}"
+    ]
+    if versions:
+        rows = [_row(v, record_step) for v in versions]
+        lines += table(["STEP", "STATE", "TIME (UTC)", "RAW", "STORED", "RATIO", ""], rows, ">")
+    if temps:
+        lines.append(f"{len(temps)} temp file(s) of unfinished writes under the root")
+    lines += [f"step {v['step']}: {v['problem']}" for v in versions if v["problem"]]
+    emit(args, doc, lines)
+    return EXIT_OK

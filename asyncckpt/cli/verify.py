@@ -1,0 +1,323 @@
+"""``asyncckpt verify PATH | ROOT[@STEP|--all]``: read everything, check every checksum."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..codec import checksum, decode_chunk
+from ..errors import AsyncCkptError, CheckpointNotFoundError, FormatError
+from ..format import Manifest
+from ..progress import format_bytes
+from ..protocol import committed_steps, read_version_file, step_dirs
+from ..reader import open_file
+from ..storage import Storage
+from .common import (
+    EXIT_OK,
+    CommandFailed,
+    FileRef,
+    RootRef,
+    Subparsers,
+    UsageError,
+    chosen_step,
+    display,
+    emit,
+    files_of,
+    locate,
+    manifest_tree,
+    new_command,
+    plural,
+    progress,
+)
+from .common import threads as _default_threads
+from .formats import reject_other_format
+
+#: How many bytes of chunks ``verify_file`` holds at once, at most (or one chunk if larger).
+_VERIFY_BUDGET = 512 << 20
+
+
+def add_parser(sub: Subparsers) -> None:
+    """Add the ``verify`` subcommand to ``sub``."""
+    p = new_command(
+        sub,
+        "verify",
+        "read a checkpoint and check every checksum",
+        "Read every byte of a checkpoint and check every chunk's checksum and the whole "
+        "structure. Exit status 0 only when everything is sound; each bad chunk is named "
+        "with the keys it holds. ROOT alone means its latest version.",
+    )
+    p.add_argument("target", metavar="PATH|ROOT[@STEP]")
+    p.add_argument("--all", action="store_true", help="verify every committed version of ROOT")
+    p.set_defaults(run=cmd_verify)
+
+
+@dataclass
+class BadChunk:
+    """One chunk that failed verification."""
+
+    chunk: int
+    keys: list[str]
+    detail: str
+
+
+@dataclass
+class FileReport:
+    """What verifying one file found."""
+
+    file: str
+    step: int | None = None
+    size: int | None = None
+    chunks: int = 0
+    raw_bytes: int = 0
+    stored_bytes: int = 0
+    bad_chunks: list[BadChunk] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad_chunks and not self.errors
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "file": self.file,
+            "step": self.step,
+            "ok": self.ok,
+            "size": self.size,
+            "chunks": self.chunks,
+            "raw_bytes": self.raw_bytes,
+            "stored_bytes": self.stored_bytes,
+            "bad_chunks": [b.__dict__ for b in self.bad_chunks],
+            "errors": self.errors,
+        }
+
+
+class _ChunkChecker:
+    """Checks the chunks of one opened file and knows which keys each chunk holds."""
+
+    def __init__(
+        self, storage: Storage, path: str, manifest: Manifest, progress: Callable[[int], None]
+    ) -> None:
+        self.storage, self.path, self.manifest, self.progress = storage, path, manifest, progress
+        self.keys: dict[int, list[str]] = {}
+        for t in manifest.tensors:
+            self.keys.setdefault(t.storage, []).append(t.key)
+        for a in manifest.arrays:
+            self.keys.setdefault(a.storage, []).append(a.key)
+        self.owner: dict[int, int] = {}
+        for sid, entry in enumerate(manifest.storages):
+            for index in range(entry.first_chunk, entry.first_chunk + entry.num_chunks):
+                self.owner.setdefault(index, sid)
+
+    def keys_of(self, index: int) -> list[str]:
+        sid = self.owner.get(index)
+        return self.keys.get(sid, []) if sid is not None else []
+
+    def cost(self, index: int) -> int:
+        """Bytes checking the chunk holds: stored, plus decoded unless raw."""
+        chunk = self.manifest.chunks[index]
+        return chunk.stored_len + (chunk.raw_len if chunk.codec != "raw" else 0)
+
+    def check(self, index: int) -> str | None:
+        """What is wrong with chunk ``index``, or None."""
+        chunk = self.manifest.chunks[index]
+        sid = self.owner.get(index)
+        itemsize = self.manifest.storages[sid].itemsize if sid is not None else 1
+        try:
+            stored = self.storage.read_range(self.path, chunk.offset, chunk.stored_len)
+        except AsyncCkptError as exc:
+            return f"read failed: {exc}"
+        finally:
+            self.progress(chunk.stored_len)
+        if len(stored) != chunk.stored_len:
+            return f"only {len(stored)} of {chunk.stored_len} bytes could be read"
+        actual = checksum(stored)
+        if actual != chunk.crc32:
+            return f"checksum mismatch: crc32 {actual:#010x}, recorded {chunk.crc32:#010x}"
+        if chunk.codec != "raw":
+            try:
+                decode_chunk(stored, chunk.codec, itemsize, memoryview(bytearray(chunk.raw_len)))
+            except FormatError as exc:
+                return (
+                    f"does not decode although its checksum matches ({exc}); the file was "
+                    "written by an incompatible asyncckpt, or crafted"
+                )
+        return None
+
+
+def _check_all(checker: _ChunkChecker, workers: int, report: FileReport) -> None:
+    """Check every chunk on ``workers`` threads, holding at most ``_VERIFY_BUDGET`` bytes."""
+    with ThreadPoolExecutor(workers, thread_name_prefix="asyncckpt-verify") as pool:
+        window: deque[tuple[int, Future[str | None]]] = deque()
+        inflight = 0
+
+        def settle() -> None:
+            nonlocal inflight
+            index, future = window.popleft()
+            inflight -= checker.cost(index)
+            detail = future.result()
+            if detail is not None:
+                report.bad_chunks.append(BadChunk(index, checker.keys_of(index), detail))
+
+        for index in range(len(checker.manifest.chunks)):
+            while window and (
+                len(window) >= 2 * workers or inflight + checker.cost(index) > _VERIFY_BUDGET
+            ):
+                settle()
+            inflight += checker.cost(index)
+            window.append((index, pool.submit(checker.check, index)))
+        while window:
+            settle()
+
+
+def verify_file(
+    storage: Storage,
+    path: str,
+    *,
+    threads: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    step: int | None = None,
+) -> FileReport:
+    """Read a whole file and check everything, collecting *every* problem.
+
+    Unlike a load, which stops at the first damaged chunk, this reads and checks every
+    chunk (checksum over the stored bytes, then a full decode) and validates the object
+    tree, so a report names each bad chunk and the keys whose data it holds.
+
+    Args:
+        storage: where the file is.
+        path: the file.
+        threads: parallel chunk readers (default: the ``threads`` tunable).
+        progress: called with the number of bytes read, as they are read.
+        step: the version the file belongs to, for the report.
+
+    Returns:
+        The report; ``report.ok`` is True only when nothing is wrong.
+
+    Example:
+        >>> import torch, asyncckpt
+        >>> from asyncckpt.storage import resolve
+        >>> _ = asyncckpt.save({"w": torch.ones(3)}, "memory://v/one.ackpt").result()
+        >>> verify_file(*resolve("memory://v/one.ackpt", None)).ok
+        True
+    """
+    report = FileReport(display(storage, path), step)
+    try:
+        opened = open_file(storage, path)
+    except AsyncCkptError as exc:
+        report.errors.append(str(exc))
+        return report
+    manifest = opened.manifest
+    report.size = opened.size
+    report.chunks = len(manifest.chunks)
+    report.raw_bytes = sum(s.nbytes for s in manifest.storages)
+    report.stored_bytes = sum(c.stored_len for c in manifest.chunks)
+    meter = progress or (lambda n: None)
+    meter(max(0, opened.size - report.stored_bytes))
+    try:
+        manifest_tree(opened)
+    except FormatError as exc:
+        report.errors.append(str(exc))
+    workers = max(1, threads or _default_threads())
+    _check_all(_ChunkChecker(storage, path, manifest, meter), workers, report)
+    return report
+
+
+def _show_keys(keys: list[str]) -> str:
+    if not keys:
+        return "(no keys: the chunk belongs to no storage)"
+    return ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+
+
+def _root_files(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]:
+    """The files to verify under a root, noting what a reader of the root would see."""
+    if every and ref.step is not None:
+        raise UsageError("asyncckpt: give either ROOT@STEP or --all, not both")
+    storage, root = ref.storage, ref.path
+    committed = committed_steps(storage, root)
+    if every and not committed:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {ref.name}")
+    steps = committed if every else [chosen_step(ref)]
+    files = [f for s in steps for f in files_of(ref, s)]
+    record = read_version_file(storage, root)
+    if record is None and committed:
+        warnings.append(
+            f"the version file under {ref.name} is missing or damaged (readers fall back "
+            f"to step {committed[-1]}; a Checkpointer opened on the root rewrites it)"
+        )
+    elif record is not None and record.step not in committed:
+        warnings.append(
+            f"the version file names step {record.step}, which is not committed (readers "
+            "fall back to the newest committed step)"
+        )
+    pending = [s for s in step_dirs(storage, root) if s not in committed]
+    if pending:
+        warnings.append(
+            "not committed (in progress, failed or interrupted; readers never see them): "
+            f"step {', '.join(map(str, pending))}"
+        )
+    return files
+
+
+def _report_lines(reports: list[FileReport], warnings: list[str]) -> list[str]:
+    lines = []
+    for r in reports:
+        where = r.file + (f" (step {r.step})" if r.step is not None else "")
+        if r.ok:
+            lines.append(
+                f"OK   {where}: {plural(r.chunks, 'chunk')}, {format_bytes(r.raw_bytes)} raw, "
+                f"{format_bytes(r.stored_bytes)} stored, every checksum matches"
+            )
+            continue
+        lines.append(f"BAD  {where}")
+        lines += [f"     {e}" for e in r.errors]
+        for b in r.bad_chunks:
+            lines.append(f"     chunk {b.chunk}: {b.detail}; keys: {_show_keys(b.keys)}")
+    lines += [f"note: {w}" for w in warnings]
+    bad = [r for r in reports if not r.ok]
+    chunks = sum(len(r.bad_chunks) for r in bad)
+    lines.append(
+        f"{len(reports) - len(bad)} of {plural(len(reports), 'file')} sound"
+        + (f"; {len(bad)} damaged ({plural(chunks, 'bad chunk')})" if bad else "")
+    )
+    return lines
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``asyncckpt verify PATH | ROOT[@STEP|--all]``.
+
+    Returns:
+        The exit status (0: everything is sound).
+
+    Raises:
+        CommandFailed: some file is damaged (after the report is printed).
+    """
+    ref = locate(args.target, args.options)
+    warnings: list[str] = []
+    if isinstance(ref, FileRef):
+        if args.all:
+            raise UsageError(f"asyncckpt: --all needs a checkpoint root; {args.target} is a file")
+        reject_other_format(ref)
+        files = [ref]
+    else:
+        files = _root_files(ref, args.all, warnings)
+    total = 0
+    for f in files:
+        with contextlib.suppress(AsyncCkptError):
+            total += f.storage.size(f.path)
+    with progress(args, total, "verify") as bar:
+        reports = [verify_file(f.storage, f.path, progress=bar.update, step=f.step) for f in files]
+    bad = [r for r in reports if not r.ok]
+    doc = {"ok": not bad, "files": [r.as_dict() for r in reports], "warnings": warnings}
+    emit(args, doc, _report_lines(reports, warnings))
+    if bad:
+        chunks = sum(len(r.bad_chunks) for r in bad)
+        raise CommandFailed(
+            f"verify: {len(bad)} of {plural(len(reports), 'file')} damaged "
+            f"({plural(chunks, 'bad chunk')}); load an older version or restore these files"
+        )
+    return EXIT_OK

@@ -1,0 +1,71 @@
+"""Test helpers that ship with asyncckpt: fault injection, local S3 servers, conformance.
+
+Usable from any project's tests:
+
+* :mod:`~asyncckpt.testing.faults` — :class:`FaultyFileSystem` (the ``faulty`` fsspec
+  protocol) fails, slows or truncates chosen calls of any filesystem following a
+  :class:`FaultPlan`; :class:`MemoryS3FileSystem` (``s3mem``) serves the S3 API from
+  memory for link simulations.
+* :mod:`~asyncckpt.testing.servers` — real S3 servers on loopback: :class:`MotoServer`
+  and :class:`SeaweedServer`; and :class:`FaultProxy`, an HTTP proxy in front of either
+  that holds requests or loses their responses on the wire.
+* :mod:`~asyncckpt.testing.conformance` — :class:`StorageConformanceSuite`, the tests
+  every :class:`~asyncckpt.storage.Storage` backend passes.
+
+Modules depend downwards only: ``conformance`` and ``servers`` do not import each other,
+and ``faults`` imports neither.
+
+Example:
+    >>> from asyncckpt.testing import Fault, FaultPlan
+    >>> plan = FaultPlan([Fault("put_object", nth=2, kind="slowdown")])
+    >>> plan.fired()
+    []
+"""
+
+from __future__ import annotations
+
+from .conformance import StorageConformanceSuite
+from .faults import (
+    FAULT_KINDS,
+    S3_OPERATIONS,
+    TRANSIENT_KINDS,
+    Fault,
+    FaultEvent,
+    FaultPlan,
+    FaultyFileSystem,
+    MemoryS3FileSystem,
+    random_faults,
+)
+from .servers import (
+    FAKE_ACCESS_KEY,
+    FAKE_SECRET_KEY,
+    FaultProxy,
+    LocalS3Server,
+    MotoServer,
+    ProxyRule,
+    SeaweedServer,
+    fake_aws_environment,
+    find_weed,
+)
+
+__all__ = [
+    "FAKE_ACCESS_KEY",
+    "FAKE_SECRET_KEY",
+    "FAULT_KINDS",
+    "S3_OPERATIONS",
+    "TRANSIENT_KINDS",
+    "Fault",
+    "FaultEvent",
+    "FaultPlan",
+    "FaultProxy",
+    "FaultyFileSystem",
+    "LocalS3Server",
+    "MemoryS3FileSystem",
+    "MotoServer",
+    "ProxyRule",
+    "SeaweedServer",
+    "StorageConformanceSuite",
+    "fake_aws_environment",
+    "find_weed",
+    "random_faults",
+]

@@ -1,0 +1,254 @@
+"""The storage conformance suite: behaviour every asyncckpt storage backend must have.
+
+Subclass :class:`StorageConformanceSuite` in a ``test_*.py`` module and provide a
+``storage_root`` fixture returning ``(storage, root)``::
+
+    class TestMyBackend(StorageConformanceSuite):
+        @pytest.fixture
+        def storage_root(self, tmp_path):
+            return LocalStorage(), str(tmp_path)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import random
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import CheckpointNotFoundError, ConflictError, FormatError
+from ..storage import Storage
+
+__all__ = ["StorageConformanceSuite"]
+
+
+def _payload(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+@contextlib.contextmanager
+def _raises(kind: type[BaseException] | tuple[type[BaseException], ...]) -> Iterator[None]:
+    try:
+        yield
+    except kind:
+        return
+    raise AssertionError(f"expected {kind}, nothing was raised")
+
+
+class StorageConformanceSuite:
+    """Behaviour every :class:`~asyncckpt.storage.Storage` backend must have.
+
+    Subclass it in a ``test_*.py`` module and define a ``storage_root`` fixture that returns
+    ``(storage, root)``: a backend and an empty directory (prefix) in it, unique per test.
+
+    Class attributes a subclass may override:
+        large_bytes: size of the "large" streamed file (make it span several multipart
+            parts on an object store).
+        racers: threads that race to create one file exclusively.
+    """
+
+    large_bytes = 1 << 20
+    racers = 8
+
+    # -- writes and reads ---------------------------------------------------------------
+
+    def test_write_then_read(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "a.bin")
+        data = _payload(10_000)
+        storage.write_bytes(path, data)
+        assert storage.exists(path)
+        assert storage.size(path) == len(data)
+        assert storage.read_bytes(path, 1 << 20) == data
+        assert storage.read_range(path, 100, 50) == data[100:150]
+        out = bytearray(300)
+        assert storage.read_into(path, 9_800, memoryview(out)) == 200
+        assert bytes(out[:200]) == data[9_800:]
+
+    def test_streamed_large_write(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "large.bin")
+        rng = random.Random(1)
+        digest, total = hashlib.sha256(), 0
+        with storage.atomic_write(path) as out:
+            while total < self.large_bytes:
+                piece = rng.randbytes(min(rng.randint(1, 300_000), self.large_bytes - total))
+                out.write(piece if rng.random() < 0.5 else memoryview(piece))
+                digest.update(piece)
+                total += len(piece)
+        assert storage.size(path) == total
+        got = hashlib.sha256(storage.read_range(path, 0, total)).hexdigest()
+        assert got == digest.hexdigest()
+        middle = total // 2
+        chunk = storage.read_range(path, middle, 1000)
+        assert len(chunk) == 1000
+
+    def test_empty_file(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "empty")
+        storage.write_bytes(path, b"")
+        assert storage.exists(path)
+        assert storage.size(path) == 0
+        assert storage.read_bytes(path, 10) == b""
+        assert storage.read_range(path, 0, 10) == b""
+
+    def test_overwrite_replaces(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "f")
+        storage.write_bytes(path, b"old" * 1000)
+        storage.write_bytes(path, b"new")
+        assert storage.read_bytes(path, 1 << 20) == b"new"
+
+    def test_invisible_until_commit(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "pending.bin")
+        writer = storage.open_atomic(path)
+        try:
+            writer.write(_payload(1000))
+            assert not storage.exists(path)
+            assert "pending.bin" not in storage.list_dir(root)
+            with _raises(CheckpointNotFoundError):
+                storage.size(path)
+        except BaseException:
+            writer.abort()
+            raise
+        writer.commit()
+        assert storage.exists(path)
+        assert "pending.bin" in storage.list_dir(root)
+
+    def test_abort_leaves_nothing(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "aborted.bin")
+        writer = storage.open_atomic(path)
+        writer.write(_payload(self.large_bytes))
+        writer.abort()
+        writer.abort()  # idempotent
+        assert not storage.exists(path)
+        assert storage.list_dir(root) == []
+
+    def test_failure_keeps_previous_version(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "kept.bin")
+        storage.write_bytes(path, b"version 1")
+
+        class Boom(Exception):
+            pass
+
+        with _raises(Boom), storage.atomic_write(path) as out:
+            out.write(_payload(self.large_bytes))
+            raise Boom
+        assert storage.read_bytes(path, 100) == b"version 1"
+        assert storage.list_dir(root) == ["kept.bin"]
+
+    def test_read_range_bounds(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "r")
+        storage.write_bytes(path, b"0123456789")
+        assert storage.read_range(path, 0, 0) == b""
+        assert storage.read_range(path, 8, 10) == b"89"
+        assert storage.read_range(path, 10, 5) == b""
+        assert storage.read_range(path, 50, 5) == b""
+
+    def test_missing_file(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "missing")
+        assert not storage.exists(path)
+        for call in (
+            lambda: storage.size(path),
+            lambda: storage.read_range(path, 0, 10),
+            lambda: storage.read_bytes(path, 10),
+        ):
+            with _raises(CheckpointNotFoundError):
+                call()
+        assert issubclass(CheckpointNotFoundError, FileNotFoundError)
+
+    def test_read_bytes_limit(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "big")
+        storage.write_bytes(path, b"x" * 100)
+        assert storage.read_bytes(path, 100) == b"x" * 100
+        with _raises(FormatError):
+            storage.read_bytes(path, 99)
+
+    def test_parallel_reads(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "p")
+        data = _payload(64_000)
+        storage.write_bytes(path, data)
+        ranges = [(i * 1000, 1000) for i in range(64)]
+        with ThreadPoolExecutor(8) as ex:
+            parts = list(ex.map(lambda r: storage.read_range(path, *r), ranges))
+        assert b"".join(parts) == data
+
+    # -- exclusive create ---------------------------------------------------------------
+
+    def test_create_exclusive(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "sub", "COMMIT")
+        storage.create_exclusive(path, b"first")
+        with _raises(ConflictError):
+            storage.create_exclusive(path, b"second")
+        assert storage.read_bytes(path, 100) == b"first"
+
+    def test_create_exclusive_race(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "race", "COMMIT")
+        storage.create_exclusive(storage.join(root, "race", "warmup"), b"")  # probes, dirs
+        barrier = threading.Barrier(self.racers)
+
+        def attempt(i: int) -> bool:
+            barrier.wait(30)
+            try:
+                storage.create_exclusive(path, f"writer {i}".encode())
+            except ConflictError:
+                return False
+            return True
+
+        with ThreadPoolExecutor(self.racers) as ex:
+            won = list(ex.map(attempt, range(self.racers)))
+        assert won.count(True) == 1, won
+        assert storage.read_bytes(path, 100) == f"writer {won.index(True)}".encode()
+
+    # -- listing and deleting -----------------------------------------------------------
+
+    def test_list_dir(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        assert storage.list_dir(root) == []
+        assert storage.list_dir(storage.join(root, "nope")) == []
+        for name in ("b", "a", "d/x", "d/y/z", "dd/w"):
+            storage.write_bytes(storage.join(root, *name.split("/")), name.encode())
+        assert storage.list_dir(root) == ["a", "b", "d", "dd"]
+        assert storage.list_dir(storage.join(root, "d")) == ["x", "y"]
+        assert storage.exists(storage.join(root, "d"))
+
+    def test_delete(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "gone")
+        storage.delete(path)  # missing: fine
+        storage.write_bytes(path, b"x")
+        storage.delete(path)
+        assert not storage.exists(path)
+        assert storage.list_dir(root) == []
+
+    def test_delete_tree(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        for name in ("1/a", "1/sub/b", "10/c", "2/d"):
+            storage.write_bytes(storage.join(root, *name.split("/")), b"x")
+        storage.delete_tree(storage.join(root, "1"))
+        assert storage.list_dir(root) == ["10", "2"]
+        assert storage.read_bytes(storage.join(root, "10", "c"), 10) == b"x"
+        storage.delete_tree(storage.join(root, "missing"))  # missing: fine
+        storage.delete_tree(storage.join(root, "1"))
+
+    def test_describe_names_the_file(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "named.bin")
+        assert "named.bin" in storage.describe(path)
+        with _raises(CheckpointNotFoundError):
+            try:
+                storage.size(path)
+            except CheckpointNotFoundError as exc:
+                assert "named.bin" in str(exc)
+                raise

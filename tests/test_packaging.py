@@ -1,0 +1,125 @@
+"""Packaging: one version number, a license file that matches the declared license, true
+dependency floors, exact linter pins, and the command-line entry points.
+
+Building and installing the wheel is ``make wheel-check`` (part of ``make test``); these
+tests read the sources only, so they are fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import asyncckpt
+from asyncckpt._version import __version__
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+; 3.10 runs the rest of the suite
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def project() -> dict[str, Any]:
+    with open(REPO / "pyproject.toml", "rb") as f:
+        doc: dict[str, Any] = tomllib.load(f)
+    return doc
+
+
+def requirement(specs: list[str], name: str) -> str:
+    found = [s for s in specs if re.match(rf"{re.escape(name)}(\[|[<>=!~ ]|$)", s)]
+    assert len(found) == 1, (name, specs)
+    return found[0]
+
+
+def test_the_version_is_written_once(project: dict[str, Any]) -> None:
+    assert "version" not in project["project"] and project["project"]["dynamic"] == ["version"]
+    dynamic = project["tool"]["setuptools"]["dynamic"]["version"]
+    assert dynamic == {"attr": "asyncckpt._version.__version__"}
+    assert asyncckpt.__version__ == __version__
+    assert re.fullmatch(r"\d+\.\d+\.\d+([ab]\d+|rc\d+)?", __version__)
+    written = [
+        p.relative_to(REPO).as_posix()
+        for p in (REPO / "asyncckpt").rglob("*.py")
+        if re.search(r"__version__\s*=", p.read_text(encoding="utf-8"))
+    ]
+    assert written == ["asyncckpt/_version.py"]
+
+
+def test_the_license_file_is_the_apache_2_text(project: dict[str, Any]) -> None:
+    assert project["project"]["license"] == "Apache-2.0"
+    text = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+    sections = re.findall(r"^   (\d)\. ([A-Z][\w ]+)\.", text, re.M)
+    assert [int(n) for n, _ in sections] == list(range(1, 10))
+    assert len(text.split()) > 1500  # the full text, not a notice pointing at it
+
+
+def test_dependency_floors(project: dict[str, Any]) -> None:
+    deps = project["project"]["dependencies"]
+    assert requirement(deps, "torch").startswith("torch>=2.5")  # serialization.safe_globals
+    assert requirement(deps, "fsspec") == "fsspec>=2025.10.0"  # ChainedFileSystem
+    extras = project["project"]["optional-dependencies"]
+    # s3fs X requires fsspec==X: a lower s3fs floor than fsspec's could never be installed
+    assert requirement(extras["s3"], "s3fs") == "s3fs>=2025.10.0"
+    assert requirement(extras["safetensors"], "safetensors") == "safetensors>=0.8"
+    for extra in ("dev", "bench"):
+        assert requirement(extras[extra], "safetensors") == "safetensors>=0.8"
+        assert requirement(extras[extra], "matplotlib").startswith("matplotlib>=")
+    import torch
+    from torch import serialization
+
+    assert hasattr(serialization, "safe_globals"), torch.__version__
+    from fsspec.implementations.chained import ChainedFileSystem  # noqa: F401
+
+
+@pytest.mark.parametrize("tool", ["ruff", "mypy"])
+def test_linters_are_pinned_to_what_lints_the_code(project: dict[str, Any], tool: str) -> None:
+    pin = requirement(project["project"]["optional-dependencies"]["dev"], tool)
+    assert re.fullmatch(rf"{tool}==[\d.]+", pin), pin
+    try:
+        installed = metadata.version(tool)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"{tool} is not installed")
+    assert pin == f"{tool}=={installed}"
+
+
+def test_the_console_script_and_python_m_run_the_cli(project: dict[str, Any]) -> None:
+    target = project["project"]["scripts"]["asyncckpt"]
+    assert target == "asyncckpt.cli:main"
+    module, _, name = target.partition(":")
+    main = getattr(importlib.import_module(module), name)
+    assert callable(main) and main(["--version"]) == 0
+    result = subprocess.run(
+        [sys.executable, "-m", "asyncckpt", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == f"asyncckpt {__version__}"
+
+
+def test_the_cli_package_imports_downward_only() -> None:
+    """main imports the command modules, which import the formats, which import common."""
+    layers = [
+        {"main"},
+        {"ls", "inspect", "verify", "gc", "convert", "bench"},
+        {"safetensors_io", "formats"},
+        {"common"},
+    ]
+    rank = {name: i for i, layer in enumerate(layers) for name in layer}
+    folder = REPO / "asyncckpt" / "cli"
+    assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(rank)
+    for name, level in rank.items():
+        source = (folder / f"{name}.py").read_text(encoding="utf-8")
+        for imported in re.findall(r"^from \.(\w+) import|^from \. import (.+)$", source, re.M):
+            for target in filter(None, re.split(r"[,\s]+", " ".join(imported))):
+                assert rank[target] > level or target == name, (name, target)
