@@ -207,7 +207,7 @@ def test_delete_tree_and_recovery_abort_orphaned_uploads(
     ckpt.save(8, state(8)).result()  # the first save's recovery drops the uncommitted step 7
     assert uploads_under(s3_server, s3_root) == []
     ckpt.close()
-    assert storage.list_dir(root) == []
+    assert storage.list_dir(root) == ["8", "VERSION", "_lease"]  # step 7 is gone
     writer.abort()  # the upload is gone already: abort is quiet
 
 
