@@ -17,6 +17,7 @@ traceback.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import traceback
@@ -34,7 +35,12 @@ from torch.nn.parallel import DistributedDataParallel
 import asyncckpt.checkpointer
 import asyncckpt.root_reader
 from asyncckpt import Checkpointer
-from asyncckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    IncompleteCheckpointError,
+    StorageError,
+)
 from asyncckpt.protocol import read_commit, read_version_file
 from asyncckpt.storage import TEMP_MARK, AtomicWriter, resolve
 
@@ -63,8 +69,19 @@ def _rank_main(name: str, rank: int, world: int, port: int, workdir: str, args: 
         raise SystemExit(1) from None
 
 
-def run_ranks(name: str, world: int, workdir: Path, *args: Any, timeout: float = 150) -> None:
-    """Run ``name(rank, world, store, workdir, *args)`` on ``world`` ranks; fail on any error."""
+def run_ranks(
+    name: str,
+    world: int,
+    workdir: Path,
+    *args: Any,
+    timeout: float = 150,
+    killed: tuple[int, ...] = (),
+) -> None:
+    """Run ``name(rank, world, store, workdir, *args)`` on ``world`` ranks; fail on any error.
+
+    Ranks in ``killed`` must end by SIGKILL (they kill themselves on purpose).
+    """
+    expected = [-signal.SIGKILL if r in killed else 0 for r in range(world)]
     store = dist.TCPStore("127.0.0.1", 0, world + 1, True, _WAIT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     procs = [
@@ -78,9 +95,9 @@ def run_ranks(name: str, world: int, workdir: Path, *args: Any, timeout: float =
     try:
         while True:
             codes = [p.exitcode for p in procs]
-            if all(c == 0 for c in codes):
+            if codes == expected:
                 break
-            if any(c not in (None, 0) for c in codes):
+            if any(c not in (None, e) for c, e in zip(codes, expected)):
                 outcome = "a rank failed"
                 break
             if time.monotonic() > deadline:
@@ -486,3 +503,98 @@ def _non_writer_saves(rank: int, world: int, store: Any, workdir: Path) -> None:
 @pytest.mark.timeout(180)
 def test_save_on_a_non_writer_rank_writes_nothing(tmp_path: Path) -> None:
     run_ranks("_non_writer_saves", 3, tmp_path)
+
+
+# --------------------------------------------------------------------------- loads that cannot hang
+
+
+def _collective_errors(rank: int, world: int, store: Any, workdir: Path) -> None:
+    ckpt = Checkpointer(workdir / "ckpt")
+    if rank == 0:
+        ckpt.save(1, {"w": torch.ones(4)}).result(timeout=120)
+    dist.barrier()
+    if rank == 0:
+
+        def broken() -> int | None:
+            raise StorageError("injected: listing the root failed")
+
+        ckpt._newest_expected = broken  # type: ignore[method-assign]
+    # The writer fails before the exchange: every rank raises the same kind of error.
+    with pytest.raises(StorageError):
+        ckpt.load(timeout=60)
+    # Ranks asking for different steps all raise, not only the non-writers.
+    with pytest.raises(ValueError, match="different steps"):
+        ckpt.load(step=rank + 1, timeout=60)
+    with pytest.raises(ValueError, match="different steps"):
+        ckpt.load(step=1 if rank == 0 else None, timeout=60)
+    assert torch.equal(ckpt.load(step=1, timeout=60)["w"], torch.ones(4))  # still in step
+    ckpt.close()
+
+
+@pytest.mark.timeout(180)
+def test_collective_load_errors_reach_every_rank(tmp_path: Path) -> None:
+    run_ranks("_collective_errors", 2, tmp_path)
+
+
+class _StuckWriter(AtomicWriter):
+    """A data file write that never finishes (the writer is killed while it hangs)."""
+
+    def __init__(self, inner: AtomicWriter, workdir: Path) -> None:
+        self.inner, self.workdir = inner, workdir
+
+    def write(self, data: bytes | memoryview) -> None:
+        _signal(self.workdir, "writing-2")
+        time.sleep(3600)
+
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+def _writer_killed_during_collective_load(rank: int, world: int, store: Any, workdir: Path) -> None:
+    os.environ["ASYNCCKPT_LEASE_RENEW_MS"] = "100"
+    os.environ["ASYNCCKPT_LEASE_EXPIRY_MS"] = "2000"
+    ckpt = Checkpointer(workdir / "ckpt")
+    if rank == 0:
+        ckpt.save(1, {"w": torch.ones(4)}).result(timeout=120)
+        storage = ckpt._storage
+        real_open = storage.open_atomic
+
+        def open_atomic(path: str) -> AtomicWriter:
+            inner = real_open(path)
+            return _StuckWriter(inner, workdir) if "/2/" in path else inner
+
+        storage.open_atomic = open_atomic  # type: ignore[method-assign]
+        ckpt.save(2, {"w": torch.full((4,), 2.0)})
+        _await(workdir, "writing-2")
+        dist.barrier()
+
+        def die() -> None:
+            _await(workdir, "polling-2")
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-save, inside a collective load
+
+        threading.Thread(target=die, daemon=True).start()
+        ckpt.load()  # agrees on its pending step 2, then waits for its own save
+        raise AssertionError("the writer should have been killed")
+    real_wait = asyncckpt.root_reader.wait_for_step
+
+    def wait_for_step(storage: Any, base: str, step: int, timeout: Any) -> None:
+        _signal(workdir, f"polling-{step}")
+        real_wait(storage, base, step, timeout)
+
+    asyncckpt.root_reader.wait_for_step = wait_for_step  # type: ignore[assignment]
+    dist.barrier()
+    # The default timeout is the group's (120 s); the message shows the dead writer's lease
+    # ended the wait, not the timeout.
+    with pytest.raises(CheckpointTimeoutError, match=r"step 2 .*not renewed its lease"):
+        ckpt.load()
+    Path(workdir, "rank1.done").touch()
+    os._exit(0)  # the group's peer is dead: skip its orderly teardown
+
+
+@pytest.mark.timeout(180)
+def test_collective_load_gives_up_when_the_writer_is_killed_mid_save(tmp_path: Path) -> None:
+    run_ranks("_writer_killed_during_collective_load", 2, tmp_path, killed=(0,))
+    assert (tmp_path / "rank1.done").exists()

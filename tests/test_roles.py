@@ -344,3 +344,44 @@ def test_version_record_carries_the_epoch(any_root: str) -> None:
         storage, base = resolve(any_root, None)
         doc = json.loads(storage.read_bytes(storage.join(base, "VERSION"), 4096))
         assert doc["epoch"] == expected and doc["step"] == expected
+
+
+RESTARTED_JOB = """
+import json, sys, torch, asyncckpt
+with asyncckpt.Checkpointer(sys.argv[1], storage_options=json.loads(sys.argv[2])) as ckpt:
+    for step in (10, 20):
+        ckpt.save(step, {"step": step, "w": torch.full((1000,), float(step)),
+                         "ids": torch.arange(10) * step})
+"""
+
+
+def test_a_zombie_writer_on_s3_cannot_move_the_version_backwards(
+    s3_root: str, s3_server: Any
+) -> None:
+    """Writer A's VERSION PUT is held on the wire while job B takes over and commits 10, 20."""
+    from asyncckpt.testing import FaultProxy
+
+    with FaultProxy(s3_server) as proxy:
+        zombie = Checkpointer(s3_root, storage_options=proxy.storage_options)
+        for step in (1, 2):
+            zombie.save(step, state(step)).result(timeout=120)
+        rule = proxy.hold("PUT", "/VERSION", count=100)  # its retries are held too
+        handle = zombie.save(3, state(3))
+        rule.wait_held(timeout=120)
+        restarted = subprocess.run(
+            [sys.executable, "-c", RESTARTED_JOB, s3_root, json.dumps(s3_server.storage_options)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert restarted.returncode == 0, restarted.stderr[-3000:]
+        rule.release()
+        with pytest.raises(ConflictError, match=r"took .* over"):
+            handle.result(timeout=120)
+        zombie.close()
+    reader = Checkpointer(s3_root, storage_options=s3_server.storage_options)
+    record = read_version_file(reader._storage, reader._root)
+    assert record is not None and record.step == 20 and record.epoch == 2
+    assert reader.latest() == 20
+    check(reader.load(), 20)
