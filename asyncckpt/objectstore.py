@@ -766,6 +766,10 @@ class ObjectStorage(Storage):
         keys = self._list(path, delimiter=False)
         if key.strip("/") and self._object_exists(path):
             keys.append(key)
+        # Stores with a real namespace (SeaweedFS's filer) keep a "directory" listed as a
+        # common prefix after its last object is gone; deleting its marker key removes it.
+        # On S3 the markers do not exist and deleting them is a no-op.
+        keys += _directory_markers(key, keys) if keys else []
         for i in range(0, len(keys), _DELETE_BATCH):
             batch = keys[i : i + _DELETE_BATCH]
             result = self.call(
@@ -1014,6 +1018,25 @@ class _ObjectWriter(AtomicWriter):
                 self.storage.describe(self.path),
                 exc,
             )
+
+
+def _directory_markers(top: str, keys: list[str]) -> list[str]:
+    """The ``dir/`` keys of ``top`` and of every directory below it that holds ``keys``,
+    deepest first.
+
+    Example:
+        >>> _directory_markers("run/7", ["run/7/a/x", "run/7/b"])
+        ['run/7/a/', 'run/7/']
+    """
+    root = top.strip("/")
+    if not root:
+        return []
+    found = {root}
+    for k in keys:
+        parts = k.split("/")[:-1]
+        for n in range(len(root.split("/")), len(parts) + 1):
+            found.add("/".join(parts[:n]))
+    return [f"{d}/" for d in sorted(found, key=lambda d: (-d.count("/"), d))]
 
 
 def multipart_etag(part_etags: list[str]) -> str | None:

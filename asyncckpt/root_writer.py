@@ -18,6 +18,7 @@ import threading
 from . import config
 from .errors import AsyncCkptError, ConflictError, FormatError
 from .protocol import (
+    COMMIT_FILE,
     CommitRecord,
     LeaseRecord,
     UnreadableRecordError,
@@ -172,11 +173,22 @@ class RootWriter:
     # -- recovery and retention -----------------------------------------------------------
 
     def _recover(self) -> None:
-        """Drop what earlier writers left: temp files, uncommitted steps, old lease records."""
+        """Drop what earlier writers left: temp files, uncommitted steps, old lease records.
+
+        Only uncommitted steps older than the published one: steps only increase, so those
+        can never be committed. A newer one may be the save in flight of the writer this
+        one just fenced, or of a writer racing it for the same step; removing its data
+        could leave that writer's commit marker naming nothing. Retention removes such
+        steps once a newer version is committed, and a commit sweeps foreign files out of
+        its own step directory.
+        """
         storage, root = self.storage, self.root
+        floor = -1 if self.published is None else self.published
         try:
             remove_temp_files(storage, root)
             for step in step_dirs(storage, root):
+                if step > floor:
+                    continue
                 if read_commit_strict(storage, root, step) is None:
                     log.info("removing step %d under %s: it was never committed", step, self.where)
                     delete_version(storage, root, step)
@@ -246,6 +258,7 @@ class RootWriter:
         try:
             self._create_commit(step, files, sizes)
             self._publish(step, tag)
+            self._sweep(step, files)
         except AsyncCkptError as exc:
             if not isinstance(exc, FencedError) and not self._fenced():
                 raise
@@ -329,12 +342,26 @@ class RootWriter:
         return record is None or record.epoch != self.epoch or record.writer != self.token
 
     def _withdraw(self, step: int) -> None:
+        """Remove our own marker of ``step`` if it names data that is gone (only ours:
+        another writer may be committing the same step in the same directory)."""
         with contextlib.suppress(AsyncCkptError):
             commit = read_commit_strict(self.storage, self.root, step)
             if commit is None or commit.writer != self.token:
                 return
             if verify_commit(self.storage, self.root, commit) is not None:
-                delete_version(self.storage, self.root, step)
+                self.storage.delete(
+                    self.storage.join(step_dir(self.storage, self.root, step), COMMIT_FILE)
+                )
+                self._discard(step, commit.files)
+
+    def _sweep(self, step: int, files: tuple[str, ...]) -> None:
+        """After our commit of ``step``, remove what else is in its directory (an earlier
+        attempt's partial data, a racer's data): nothing can commit it any more."""
+        directory = step_dir(self.storage, self.root, step)
+        with contextlib.suppress(AsyncCkptError):
+            for name in self.storage.list_dir(directory):
+                if name not in files and name != COMMIT_FILE:
+                    self.storage.delete(self.storage.join(directory, name))
 
     def _discard(self, step: int, files: tuple[str, ...]) -> None:
         directory = step_dir(self.storage, self.root, step)

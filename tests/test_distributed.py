@@ -475,7 +475,7 @@ def _non_writer_saves(rank: int, world: int, store: Any, workdir: Path) -> None:
         storage, base = resolve(root, None)
         assert read_version_file(storage, base).writer == tokens[writer]  # type: ignore[union-attr]
         names = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-        expected = ["VERSION"] + [
+        expected = ["VERSION", "VERSION.lock", "_lease/000000000001"] + [
             f"{s}/{n}"
             for s in range(4)
             for n in ("COMMIT", f"r{writer:05d}-{tokens[writer]}.ackpt")
