@@ -23,8 +23,8 @@ import torch
 import asyncckpt
 from asyncckpt import Checkpointer
 from asyncckpt.errors import AsyncCkptError, StorageError
-from asyncckpt.objectstore import ObjectStorage
 from asyncckpt.storage import FsspecStorage, resolve
+from asyncckpt.storage.objectstore import ObjectStorage
 from asyncckpt.testing import (
     FAULT_KINDS,
     S3_OPERATIONS,

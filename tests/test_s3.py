@@ -32,8 +32,14 @@ from asyncckpt.errors import (
     ConflictError,
     StorageError,
 )
-from asyncckpt.objectstore import ObjectStorage, RetryPolicy, classify, multipart_etag, redact
 from asyncckpt.storage import resolve
+from asyncckpt.storage.objectstore import (
+    ObjectStorage,
+    RetryPolicy,
+    classify,
+    multipart_etag,
+    redact,
+)
 from asyncckpt.testing import Fault, FaultPlan
 from tests.conftest import (
     S3_BUCKET,

@@ -45,16 +45,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from . import config
-from .errors import (
+from .. import config
+from ..errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
     ConflictError,
     FormatError,
     StorageError,
 )
-from .storage import AtomicWriter, Storage, temp_name
-from .workers import pool
+from ..workers import pool
+from .base import AtomicWriter, Storage, temp_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
