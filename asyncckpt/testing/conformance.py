@@ -211,6 +211,44 @@ class StorageConformanceSuite:
         assert won.count(True) == 1, won
         assert storage.read_bytes(path, 100) == f"writer {won.index(True)}".encode()
 
+    # -- compare-and-swap (the version file; docs/PROTOCOL.md §0) ------------------------
+
+    def test_read_tagged_and_replace_if(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        path = storage.join(root, "VERSION")
+        assert storage.read_tagged(path, 100) is None
+        first = storage.replace_if(path, b"one", None)  # None: only if it does not exist
+        with _raises(ConflictError):
+            storage.replace_if(path, b"again", None)
+        found = storage.read_tagged(path, 100)
+        assert found is not None and found == (b"one", first)
+        second = storage.replace_if(path, b"two", first)
+        assert second != first
+        with _raises(ConflictError):  # a writer holding the old tag is fenced
+            storage.replace_if(path, b"stale", first)
+        assert storage.read_tagged(path, 100) == (b"two", second)
+
+    def test_replace_if_race(self, storage_root: tuple[Storage, str]) -> None:
+        """Writers that all read one tag: exactly one replaces the file."""
+        storage, root = storage_root
+        path = storage.join(root, "race", "VERSION")
+        tag = storage.replace_if(path, b"start", None)
+        barrier = threading.Barrier(self.racers)
+
+        def attempt(i: int) -> bool:
+            barrier.wait(30)
+            try:
+                storage.replace_if(path, f"writer {i}".encode(), tag)
+            except ConflictError:
+                return False
+            return True
+
+        with ThreadPoolExecutor(self.racers) as ex:
+            won = list(ex.map(attempt, range(self.racers)))
+        assert won.count(True) == 1, won
+        found = storage.read_tagged(path, 100)
+        assert found is not None and found[0] == f"writer {won.index(True)}".encode()
+
     # -- listing and deleting -----------------------------------------------------------
 
     def test_list_dir(self, storage_root: tuple[Storage, str]) -> None:
