@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import itertools
 import logging
 import os
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from . import config, workers
 from .codec import check_compression
@@ -22,7 +23,8 @@ from .errors import CheckpointTimeoutError
 from .placement import MapLocation, Placement
 from .reader import materialize, open_file
 from .staging import ArenaPool, Snapshot, snapshot
-from .storage import Storage, resolve
+from .storage import AtomicWriter, Storage, resolve
+from .storage.base import errors_as
 from .tree import flatten
 from .writer import WriteOptions, write_snapshot
 
@@ -247,7 +249,11 @@ def stage(obj: Any, overlap: bool = False) -> Snapshot:
 
 def save(
     obj: Any,
-    f: PathOrUrl,
+    f: PathOrUrl | BinaryIO,
+    pickle_module: Any = None,
+    pickle_protocol: Any = None,
+    _use_new_zipfile_serialization: Any = None,
+    _disable_byteorder_record: Any = None,
     *,
     compression: str = "zstd",
     storage_options: dict[str, Any] | None = None,
@@ -259,31 +265,55 @@ def save(
     on a background thread. The target is replaced atomically: readers see the old file or
     the new one, never a mixture.
 
+    A file object (``io.BytesIO``, a file opened ``"wb"``) is written *synchronously*, as
+    ``torch.save`` writes it: the whole file is encoded and written into it, from its
+    current position, before ``save`` returns a handle that is already done. There is no
+    atomic replacement there (the object is the caller's); if the save fails, a seekable
+    object is truncated back to where it was. It is flushed, not closed.
+
     Args:
         obj: plain data: dicts, lists, tuples, numbers, strings, bytes, tensors, numpy
             arrays, ``torch.Size``/``dtype``/``device`` (see the user guide for the list).
-        f: a local path, ``os.PathLike`` or fsspec URL (``memory://``, ``file://``, ...).
+        f: a local path, ``os.PathLike``, fsspec URL (``memory://``, ``file://``, ...), or a
+            writable binary file object.
+        pickle_module: accepted for ``torch.save`` compatibility and ignored: nothing is
+            pickled.
+        pickle_protocol: accepted and ignored, likewise.
+        _use_new_zipfile_serialization: accepted and ignored (the format is asyncckpt's own).
+        _disable_byteorder_record: accepted and ignored (the byte order is always recorded).
         compression: ``"zstd"`` (default; byte-grouped for floats) or ``"none"``.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
 
     Returns:
-        A :class:`SaveHandle`; ``handle.result()`` waits until the file is durable.
+        A :class:`SaveHandle`; ``handle.result()`` waits until the file is durable (at once
+        for a file object).
 
     Raises:
         UnsupportedObjectError: ``obj`` holds something that cannot be stored; nothing was
             written. The message names the key path.
+        TypeError: ``f`` is neither a path, URL nor writable binary file object.
+        StorageError: writing into a file object failed (raised here, not on the handle).
         Exception: a previous background save failed and nobody observed it.
 
     Example:
-        >>> import torch, asyncckpt, tempfile, os
+        >>> import io, torch, asyncckpt, tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "model.ackpt")
         >>> handle = asyncckpt.save({"w": torch.zeros(3)}, path)
         >>> asyncckpt.load(path)["w"].tolist()
         [0.0, 0.0, 0.0]
+        >>> buffer = io.BytesIO()
+        >>> asyncckpt.save({"w": torch.ones(2)}, buffer).done()  # written before returning
+        True
+        >>> asyncckpt.load(io.BytesIO(buffer.getvalue()))["w"].tolist()
+        [1.0, 1.0]
     """
+    del pickle_module, pickle_protocol, _use_new_zipfile_serialization
+    del _disable_byteorder_record
     started = time.perf_counter()
     raise_unobserved_failure()
     options = write_options(compression)
+    if not isinstance(f, (str, os.PathLike)):
+        return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options)
     snap = stage(obj)
 
@@ -294,6 +324,152 @@ def save(
             snap.lease.release()
 
     return submit(job, storage.describe(path), snap.raw_bytes, started, _target(storage, path))
+
+
+def is_file_object(f: object, method: str) -> bool:
+    """Whether ``f`` is a file object (not a path or URL) with the method ``method``.
+
+    Example:
+        >>> import io
+        >>> is_file_object(io.BytesIO(), "write"), is_file_object("x.ackpt", "write")
+        (True, False)
+    """
+    return not isinstance(f, (str, bytes, os.PathLike)) and callable(getattr(f, method, None))
+
+
+def _save_to_file_object(obj: Any, f: Any, options: WriteOptions, started: float) -> SaveHandle:
+    """Snapshot, encode and write ``obj`` into ``f`` now; return a completed handle."""
+    writable = getattr(f, "writable", None)
+    if (
+        not is_file_object(f, "write")
+        or isinstance(f, io.TextIOBase)
+        or (callable(writable) and not writable())
+    ):
+        raise TypeError(
+            f"expected a path, os.PathLike, fsspec URL or binary file object open for "
+            f"writing, got {_stream_label(f)}; open the file with mode 'wb', or pass its path"
+        )
+    storage = StreamStorage(f)
+    snap = stage(obj)
+    blocking = time.perf_counter() - started
+    try:
+        stored = write_snapshot(snap, storage, "", options)
+    finally:
+        snap.lease.release()
+    stats = SaveStats(blocking, snap.raw_bytes, time.perf_counter() - started, stored)
+    future: Future[int] = Future()
+    future.set_result(stored)
+    handle = SaveHandle(storage.describe(""), future, stats, started)
+    handle._observed = True  # nothing can fail later: a failure was raised above
+    return handle
+
+
+def _stream_label(f: Any) -> str:
+    name = getattr(f, "name", None)
+    return name if isinstance(name, str) else f"<{type(f).__name__}>"
+
+
+class _StreamWriter(AtomicWriter):
+    """Writes into a caller's file object; on abort, truncates back where it started."""
+
+    def __init__(self, storage: StreamStorage) -> None:
+        self.storage = storage
+        self.f = storage.f
+        self.start: int | None = None
+        with contextlib.suppress(Exception):
+            if self.f.seekable():
+                self.start = self.f.tell()
+
+    def write(self, data: bytes | memoryview) -> None:
+        with errors_as(self.storage, "", "write"):
+            view = memoryview(data).cast("B")
+            while view:
+                n = self.f.write(view)
+                # Buffered files write everything or raise; raw files may write less.
+                view = view[len(view) if n is None else n :]
+
+    def commit(self) -> None:
+        with errors_as(self.storage, "", "flush"):
+            self.f.flush()
+
+    def abort(self) -> None:
+        if self.start is not None:
+            with contextlib.suppress(Exception):
+                self.f.seek(self.start)
+                self.f.truncate()
+
+
+class StreamStorage(Storage):
+    """A caller's file object seen as one file (path ``""``), for ``save`` and ``load``.
+
+    Reads cover the object from its position when opened to its end; they seek and read
+    under a lock, because a load reads chunks from several threads. A stream that cannot
+    seek is read into memory first.
+
+    Args:
+        f: a binary file object: writable to save into it, readable to load from it.
+
+    Example:
+        >>> import io
+        >>> storage = StreamStorage(io.BytesIO(b"..abc"))
+        >>> storage.size(""), storage.read_range("", 2, 5)
+        (5, b'abc')
+    """
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.label = _stream_label(f)
+        self._lock = threading.Lock()
+        self._base: int | None = None
+        self._size: int | None = None
+
+    def describe(self, path: str) -> str:
+        return self.label
+
+    def open_atomic(self, path: str) -> AtomicWriter:
+        return _StreamWriter(self)
+
+    def _measure(self) -> tuple[int, int]:
+        if self._base is None or self._size is None:
+            with errors_as(self, "", "read"):
+                seekable = bool(getattr(self.f, "seekable", lambda: False)())
+                if not seekable:  # a pipe or socket: read it all once
+                    self.f = io.BytesIO(self.f.read())
+                self._base = self.f.tell()
+                self._size = self.f.seek(0, io.SEEK_END) - self._base
+        return self._base, self._size
+
+    def size(self, path: str) -> int:
+        return self._measure()[1]
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        base, size = self._measure()
+        length = max(0, min(length, size - start))
+        parts: list[bytes] = []
+        with self._lock, errors_as(self, "", "read"):
+            self.f.seek(base + start)
+            while length > 0:
+                part = self.f.read(length)
+                if not part:
+                    break
+                parts.append(part)
+                length -= len(part)
+        return b"".join(parts)
+
+    def exists(self, path: str) -> bool:
+        return True
+
+    def delete(self, path: str) -> None:
+        raise TypeError("a file object cannot be deleted")
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        raise TypeError("a file object cannot be created exclusively")
+
+    def list_dir(self, path: str) -> list[str]:
+        return []
+
+    def delete_tree(self, path: str) -> None:
+        raise TypeError("a file object cannot be deleted")
 
 
 def _target(storage: Storage, path: str) -> tuple[str, str]:
@@ -336,7 +512,7 @@ def _wait_for_writes_to(storage: Storage, path: str) -> None:
 
 
 def load(
-    f: PathOrUrl,
+    f: PathOrUrl | BinaryIO,
     map_location: MapLocation = None,
     pickle_module: Any = None,
     *,
@@ -352,7 +528,8 @@ def load(
     raises that save's failure if nobody has seen it yet.
 
     Args:
-        f: a local path, ``os.PathLike`` or fsspec URL.
+        f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object
+            (read from its current position to its end).
         map_location: as for ``torch.load``: a device string, ``torch.device``, a dict
             mapping saved locations to new ones, or a callable ``(storage, location)``.
             None (the default) puts CPU tensors on the CPU and accelerator tensors on this
@@ -389,8 +566,18 @@ def load(
     """
     del pickle_module, weights_only, mmap, pickle_load_args
     placement = Placement(map_location)
-    storage, path = resolve(f, storage_options)
-    _wait_for_writes_to(storage, path)
+    storage: Storage
+    if isinstance(f, (str, os.PathLike)):
+        storage, path = resolve(f, storage_options)
+        _wait_for_writes_to(storage, path)
+    elif is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
+        # From its position to its end, as torch.load reads.
+        storage, path = StreamStorage(f), ""
+    else:
+        raise TypeError(
+            f"expected a path, os.PathLike, fsspec URL or binary file object open for "
+            f"reading, got {_stream_label(f)}; open the file with mode 'rb', or pass its path"
+        )
     opened = open_file(storage, path)
     return materialize(opened, placement, config.tunable("threads", None), into)
 

@@ -362,6 +362,7 @@ class RootWriter:
             for name in self.storage.list_dir(directory):
                 if name not in files and name != COMMIT_FILE:
                     self.storage.delete(self.storage.join(directory, name))
+            self.storage.abort_unfinished(directory)
 
     def _discard(self, step: int, files: tuple[str, ...]) -> None:
         directory = step_dir(self.storage, self.root, step)

@@ -24,7 +24,11 @@ Usage::
     python benchmarks/bench_storage.py [--size-mib 256] [--repeats 2] [--quick]
         [--latency-ms 20] [--bandwidth-mbps 100] [--link-mbps N] [--part-mib 8]
         [--parallel 8] [--dtype mixed|fp32|bf16] [--slow-backend memory|moto]
-        [--out benchmarks/results]
+        [--baseline-mib 1024] [--out benchmarks/results]
+
+It also compares asyncckpt with boto3's s3transfer (``upload_file``/``download_file``, same
+threads and part size) on the same bytes, on moto and on SeaweedFS (when ``weed`` is
+installed), reporting asyncckpt's throughput as a multiple of s3transfer's.
 
 Writes ``bench_storage.json`` and ``bench_storage.png`` under ``--out`` and prints a table.
 """
@@ -46,7 +50,13 @@ import torch
 
 import asyncckpt
 from asyncckpt.storage import resolve
-from asyncckpt.testing import FaultPlan, MotoServer, fake_aws_environment
+from asyncckpt.testing import (
+    FaultPlan,
+    MotoServer,
+    SeaweedServer,
+    fake_aws_environment,
+    find_weed,
+)
 
 MIB = 1 << 20
 BUCKET = "asyncckpt-bench"
@@ -147,10 +157,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "threads": asyncckpt.config.tunable("threads", None),
         },
         "results": results,
+        "baseline": baseline(args, errors),
         "wire_time_s": {"slow": wire_s},
         "ratios": ratios(results, wire_s),
         "errors": errors,
     }
+
+
+def baseline(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
+    """asyncckpt vs boto3's s3transfer on the same bytes, on moto and on SeaweedFS.
+
+    s3transfer (``upload_file``/``download_file``, ``--parallel`` threads, ``--part-mib``
+    parts) moves the raw tensor bytes as one file; asyncckpt saves and loads the same tensors
+    (zstd, ``--parallel`` parts in flight). Reported: seconds, and asyncckpt's throughput as
+    a multiple of s3transfer's (``t(s3transfer) / t(asyncckpt)``; above 1 is faster).
+    """
+    import tempfile
+
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    state = make_state(int(args.baseline_mib * MIB), args.dtype)
+    nbytes = raw_bytes(state)
+    part = int(args.part_mib * MIB)
+    transfer = TransferConfig(
+        multipart_threshold=part, multipart_chunksize=part, max_concurrency=args.parallel
+    )
+    servers: dict[str, Any] = {"moto": lambda: MotoServer(min_part_bytes=min(5 * MIB, part))}
+    if find_weed() is not None:
+        servers["seaweedfs"] = SeaweedServer
+    else:
+        print("  baseline: no `weed` binary; SeaweedFS skipped", flush=True)
+    os.environ["ASYNCCKPT_PART_CONCURRENCY"] = str(args.parallel)
+    out: dict[str, Any] = {"raw_bytes": nbytes, "servers": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "raw.bin"), os.path.join(tmp, "back.bin")
+        with open(src, "wb") as f:
+            for t in state.values():
+                f.write(t.view(torch.uint8).numpy().tobytes())
+        for name, factory in servers.items():
+            try:
+                with factory() as server:
+                    server.create_bucket(BUCKET)
+                    opts = server.storage_options
+                    client = boto3.client(
+                        "s3", endpoint_url=server.endpoint_url, region_name="us-east-1"
+                    )
+                    key = f"baseline-{uuid.uuid4().hex[:6]}"
+                    t0 = time.perf_counter()
+                    client.upload_file(src, BUCKET, f"{key}.bin", Config=transfer)
+                    up = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    client.download_file(BUCKET, f"{key}.bin", dst, Config=transfer)
+                    down = time.perf_counter() - t0
+                    ours = measure(state, f"s3://{BUCKET}", opts, "zstd", args.repeats)
+                    entry = {
+                        "s3transfer_upload_s": up,
+                        "s3transfer_download_s": down,
+                        "save_s": ours["save_s"],
+                        "load_s": ours["load_s"],
+                        "save_vs_s3transfer": up / ours["save_s"],
+                        "load_vs_s3transfer": down / ours["load_s"],
+                    }
+                    out["servers"][name] = entry
+                    print(
+                        f"  {name:9s} s3transfer up {up:.3f} s down {down:.3f} s | asyncckpt "
+                        f"save {entry['save_s']:.3f} s ({entry['save_vs_s3transfer']:.2f}x) "
+                        f"load {entry['load_s']:.3f} s ({entry['load_vs_s3transfer']:.2f}x)",
+                        flush=True,
+                    )
+            except Exception as exc:  # record, keep measuring the rest
+                errors[f"baseline/{name}"] = "".join(traceback.format_exception(exc))[-2000:]
+    return out
 
 
 def measure(
@@ -316,10 +394,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="memory",
         help="what the slow link leads to: the in-process S3 API (default) or moto",
     )
+    ap.add_argument(
+        "--baseline-mib",
+        type=float,
+        default=1024.0,
+        help="size for the s3transfer comparison on moto and SeaweedFS (default 1024)",
+    )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mib, args.repeats, args.part_mib = 24.0, 1, 5.0
+        args.baseline_mib = min(args.baseline_mib, 16.0)
     return args
 
 

@@ -889,7 +889,29 @@ def test_missing_file(any_root: str) -> None:
     assert os.path.basename(path) in str(info.value)
 
 
-def test_file_objects_are_refused(tmp_path: Path) -> None:
-    with open(tmp_path / "f", "wb") as f, pytest.raises(TypeError, match="file objects"):
+def test_text_file_objects_are_refused(tmp_path: Path) -> None:
+    """Binary file objects are written synchronously (tests/test_torch_compat.py); text ones
+    are refused before anything is written, with the remedy."""
+    with open(tmp_path / "f", "w") as f, pytest.raises(TypeError, match="mode 'wb'"):
         asyncckpt.save({"x": 1}, f)  # type: ignore[arg-type]
+    assert (tmp_path / "f").read_bytes() == b""
     asyncckpt.wait()
+
+
+def test_save_takes_every_torch_save_parameter() -> None:
+    """Code written for torch.save runs unchanged: same names, same positions."""
+    import inspect
+
+    ours = list(inspect.signature(asyncckpt.save).parameters)
+    theirs = list(inspect.signature(torch.save).parameters)
+    assert ours[: len(theirs)] == theirs
+
+
+def test_save_into_a_file_object_is_synchronous() -> None:
+    import io
+
+    buffer = io.BytesIO()
+    handle = asyncckpt.save({"w": torch.arange(4)}, buffer)
+    assert handle.done() and handle.result().stats.stored_bytes == len(buffer.getvalue())
+    buffer.seek(0)
+    assert asyncckpt.load(buffer)["w"].tolist() == [0, 1, 2, 3]

@@ -52,3 +52,7 @@ def test_bench_storage_quick(tmp_path: Path) -> None:
     assert positive(res["wire_time_s"]["slow"])
     assert res["results"]["slow"]["zstd/single"]["ratio"] < 1  # compression did something
     assert "MB/s per request" in res["note"]
+    for server in res["baseline"]["servers"].values():  # moto, and SeaweedFS when installed
+        for key in ("save_vs_s3transfer", "load_vs_s3transfer", "s3transfer_upload_s"):
+            assert positive(server[key])
+    assert "moto" in res["baseline"]["servers"]

@@ -29,7 +29,8 @@ from asyncckpt.cli import build_parser
 from asyncckpt.config import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "docs" / "guide.md", REPO / "docs" / "s3.md", REPO / "README.md"]
+DOC_NAMES = ("guide.md", "s3.md", "lightning.md", "sharded.md")
+DOCS = [REPO / "docs" / name for name in DOC_NAMES] + [REPO / "README.md"]
 _FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 
 

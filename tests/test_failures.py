@@ -1,7 +1,7 @@
 """Background failures are never lost, never raised twice, and never damage the target.
 
 Faults are injected where a real backend would fail: the local writer's ``open``/``os``
-calls inside ``asyncckpt.storage``, and the methods of fsspec's (cached) memory filesystem.
+calls inside ``asyncckpt.storage.local``, and the methods of fsspec's (cached) memory filesystem.
 So the library's own error translation (``OSError`` -> ``StorageError`` chained with
 ``from``) and clean-up run exactly as they would on a full disk or a failing server.
 """
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import asyncckpt
-import asyncckpt.storage
+import asyncckpt.storage.local
 from asyncckpt.errors import AsyncCkptError, StorageError
 from asyncckpt.storage import TEMP_MARK, is_temp_name
 
@@ -90,7 +90,7 @@ class _FailingFile:
 
 
 class _OsProxy:
-    """``os`` as seen by ``asyncckpt.storage``, with a rename that can fail."""
+    """``os`` as seen by ``asyncckpt.storage.local``, with a rename that can fail."""
 
     def __init__(self, faults: Faults) -> None:
         self._faults = faults
@@ -126,8 +126,8 @@ def faults(
             handle = builtins.open(file, mode, *args, **kwargs)  # noqa: SIM115
             return _FailingFile(handle, f) if _opens_temp_for_writing(file, mode) else handle
 
-        monkeypatch.setattr(asyncckpt.storage, "open", local_open, raising=False)
-        monkeypatch.setattr(asyncckpt.storage, "os", _OsProxy(f))
+        monkeypatch.setattr(asyncckpt.storage.local, "open", local_open, raising=False)
+        monkeypatch.setattr(asyncckpt.storage.local, "os", _OsProxy(f))
     else:
         f = Faults("memory", memory_root)
         fs = fsspec.filesystem("memory")  # the cached instance that memory:// URLs resolve to

@@ -256,7 +256,7 @@ def test_retries_are_bounded_by_attempts(
 
 def test_retries_are_bounded_by_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """The deadline, driven by a fake clock: no real waiting, no timing in the assertion."""
-    from asyncckpt import objectstore
+    from asyncckpt.storage import objectstore
 
     now = [0.0]
     monkeypatch.setattr(objectstore, "_clock", lambda: now[0])

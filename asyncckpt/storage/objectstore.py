@@ -761,6 +761,9 @@ class ObjectStorage(Storage):
         with contextlib.suppress(CheckpointNotFoundError):
             self.call("delete", path, "delete_object", Key=None)
 
+    def abort_unfinished(self, path: str) -> None:
+        self.abort_uploads(path)
+
     def delete_tree(self, path: str) -> None:
         bucket, key = self.split(path)
         keys = self._list(path, delimiter=False)

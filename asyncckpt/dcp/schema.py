@@ -1,0 +1,473 @@
+"""The commit object of a DCP checkpoint: DCP's ``Metadata`` as bounded JSON, no pickle.
+
+``torch.distributed.checkpoint`` keeps a checkpoint's ``Metadata`` (which tensors exist,
+their chunks, where each chunk is stored) in a pickled ``.metadata`` file; loading one
+unpickles whatever is in it. Here the same information is a JSON document, written last
+as the commit point, and every field is type- and range-checked before anything is built
+from it. Functions here are pure (bytes in, objects out); the storage I/O lives in
+:mod:`asyncckpt.dcp.writer` and :mod:`asyncckpt.dcp.reader`.
+
+The document (every key required unless marked optional)::
+
+    {
+      "format": "asyncckpt-dcp", "version": 1,
+      "dcp_version": "1.0.0" | null,          # Metadata.version
+      "attempt": "<32 hex>",                  # the save attempt; also in every file name
+      "time": "2026-...+00:00",               # informational
+      "library": "asyncckpt 0.1.0",           # informational
+      "files": [["r00000-<attempt>.ackpt", size], ...],
+      "state_dict_metadata": [[fqn, {"type": "bytes"}]
+                              | [fqn, {"type": "tensor", "dtype": "float32",
+                                       "layout": "strided", "requires_grad": false,
+                                       "memory_format": "contiguous_format",
+                                       "pin_memory": false, "size": [...],
+                                       "chunks": [[offsets, sizes], ...]}], ...],
+      "items": [[fqn, offsets | null, index_hint | null, file_no, entry, nbytes], ...],
+      "planner_data": {fqn: [path element, ...], ...} | null,
+      "storage_meta": {"checkpoint_id": str | null, "save_id": str | null,
+                       "modules": [str, ...]} | null
+    }
+
+An item says where one stored piece (a chunk of a tensor, or a bytes object) lives: in data
+file ``files[file_no]``, as tensor ``entry`` of that file's tensor table, ``nbytes`` long.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any, Final, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .._version import __version__
+from ..errors import FormatError, UnsupportedObjectError
+from ..format import DTYPE_ITEMSIZE, FOOTER_SIZE, HEADER_SIZE, MAX_MANIFEST_BYTES, MAX_NDIM
+from ..reader import MAX_EXPANSION
+from ..tree import dtype_name, torch_dtype
+
+#: Name of the commit object inside a checkpoint directory (or prefix). It is DCP's own
+#: name, so tools that recognise a finished DCP checkpoint by the presence of
+#: ``<dir>/.metadata`` (torchtitan's resume-step scan, retention scripts) see these too;
+#: the content is JSON, and a pickle found there is refused (:func:`decode_metadata`).
+METADATA_NAME: Final = ".metadata"
+SCHEMA: Final = "asyncckpt-dcp"
+SCHEMA_VERSION: Final = 1
+#: Largest commit object a reader accepts (bounds the one allocation made before parsing).
+MAX_METADATA_BYTES: Final = MAX_MANIFEST_BYTES
+_MAX_INT: Final = 1 << 62
+#: ``r<rank>-<attempt>.ackpt``: the rank keeps ranks apart, the attempt token keeps two
+#: saves into one directory apart. A name from a file is matched against this before it is
+#: joined to a path, so a crafted commit object cannot point outside its directory.
+_DATA_NAME: Final = re.compile(r"r[0-9]{5,9}-[0-9a-f]{32}\.ackpt")
+_LAYOUTS: Final[Mapping[str, torch.layout]] = {"strided": torch.strided}
+_MEMORY_FORMATS: Final[Mapping[str, torch.memory_format]] = {
+    "contiguous_format": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "channels_last_3d": torch.channels_last_3d,
+    "preserve_format": torch.preserve_format,
+}
+
+
+class ItemLocation(NamedTuple):
+    """Where one DCP write item is stored (the ``storage_data`` of its ``WriteResult``).
+
+    Attributes:
+        file: the data file's name inside the checkpoint directory.
+        file_size: that file's size in bytes, as written.
+        entry: index of the item's tensor in the file's tensor table.
+        nbytes: the item's raw length in bytes (a tensor chunk's data, or a bytes object).
+
+    Example:
+        >>> ItemLocation(data_file_name(0, "0" * 32), 4096, 0, 64).entry
+        0
+    """
+
+    file: str
+    file_size: int
+    entry: int
+    nbytes: int
+
+
+def data_file_name(rank: int, attempt: str) -> str:
+    """The name of ``rank``'s data file in save attempt ``attempt`` (32 hex digits).
+
+    Example:
+        >>> data_file_name(3, "ab" * 16)
+        'r00003-abababababababababababababababab.ackpt'
+    """
+    name = f"r{rank:05d}-{attempt}.ackpt"
+    if not _DATA_NAME.fullmatch(name):
+        raise ValueError(f"invalid rank {rank} or attempt token {attempt!r}")
+    return name
+
+
+def is_data_file_name(name: str) -> bool:
+    """Whether ``name`` is a data file name this module writes.
+
+    Example:
+        >>> is_data_file_name("r00000-" + "0" * 32 + ".ackpt"), is_data_file_name("../x")
+        (True, False)
+    """
+    return _DATA_NAME.fullmatch(name) is not None
+
+
+def item_key(index: MetadataIndex) -> str:
+    """The key of a write item inside its data file: ``fqn``, or ``fqn@o0,o1,...``.
+
+    Example:
+        >>> item_key(MetadataIndex("w", [4, 0]))
+        'w@4,0'
+    """
+    if index.offset is None:
+        return index.fqn
+    return f"{index.fqn}@{','.join(str(o) for o in index.offset)}"
+
+
+# ------------------------------------------------------------------------------- encode
+
+
+def encode_metadata(metadata: Metadata, attempt: str) -> bytes:
+    """Serialize ``metadata`` (its ``storage_data`` mapping to :class:`ItemLocation`).
+
+    Args:
+        metadata: DCP's metadata, as ``finish`` receives it, with ``storage_data`` set to
+            ``{MetadataIndex: ItemLocation}`` from every rank's write results.
+        attempt: the save attempt's token (it makes the bytes of every commit unique).
+
+    Returns:
+        Compact UTF-8 JSON.
+
+    Raises:
+        UnsupportedObjectError: a field holds something the schema cannot represent (a
+            non-strided layout, an unknown dtype, planner data that is not a mapping of
+            key paths); nothing is written in that case.
+    """
+    locations: Mapping[MetadataIndex, ItemLocation] = metadata.storage_data
+    files: dict[str, int] = {}
+    sizes: list[int] = []
+    items = []
+    for index, loc in locations.items():
+        if not isinstance(loc, ItemLocation):
+            raise UnsupportedObjectError(index.fqn, f"storage data {type(loc).__name__}")
+        if loc.file not in files:
+            files[loc.file] = len(sizes)
+            sizes.append(loc.file_size)
+        offset = None if index.offset is None else list(index.offset)
+        items.append([index.fqn, offset, index.index, files[loc.file], loc.entry, loc.nbytes])
+    doc = {
+        "format": SCHEMA,
+        "version": SCHEMA_VERSION,
+        "dcp_version": metadata.version,
+        "attempt": attempt,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "library": f"asyncckpt {__version__}",
+        "files": [[name, size] for name, size in zip(files, sizes)],
+        "state_dict_metadata": [
+            [fqn, _encode_storage(fqn, md)] for fqn, md in metadata.state_dict_metadata.items()
+        ],
+        "items": items,
+        "planner_data": _encode_planner_data(metadata.planner_data),
+        "storage_meta": _encode_storage_meta(metadata.storage_meta),
+    }
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _encode_storage(fqn: str, md: Any) -> dict[str, Any]:
+    if isinstance(md, BytesStorageMetadata):
+        return {"type": "bytes"}
+    if not isinstance(md, TensorStorageMetadata):
+        raise UnsupportedObjectError(fqn, f"DCP storage metadata {type(md).__name__}")
+    props = md.properties
+    name = dtype_name(props.dtype)
+    if name not in DTYPE_ITEMSIZE:
+        raise UnsupportedObjectError(fqn, f"dtype {props.dtype}")
+    return {
+        "type": "tensor",
+        "dtype": name,
+        "layout": _name_of(fqn, "layout", props.layout, _LAYOUTS),
+        "requires_grad": bool(props.requires_grad),
+        "memory_format": _name_of(fqn, "memory format", props.memory_format, _MEMORY_FORMATS),
+        "pin_memory": bool(props.pin_memory),
+        "size": list(md.size),
+        "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
+    }
+
+
+def _name_of(fqn: str, what: str, value: Any, table: Mapping[str, Any]) -> str:
+    for name, known in table.items():
+        if value == known:
+            return name
+    raise UnsupportedObjectError(fqn, f"{what} {value} (supported: {', '.join(table)})")
+
+
+def _encode_planner_data(data: Any) -> dict[str, list[str | int]] | None:
+    # DefaultSavePlanner stores {flattened fqn: path in the original nested state dict}.
+    if data is None:
+        return None
+    bad = UnsupportedObjectError(
+        "metadata.planner_data",
+        "asyncckpt.dcp stores planner data only as {str: tuple of str/int} (what "
+        "DefaultSavePlanner produces)",
+    )
+    if not isinstance(data, Mapping):
+        raise bad
+    out: dict[str, list[str | int]] = {}
+    for key, path in data.items():
+        if not isinstance(key, str) or not isinstance(path, (tuple, list)):
+            raise bad
+        if not all(type(p) is str or type(p) is int for p in path):
+            raise bad
+        out[key] = list(path)
+    return out
+
+
+def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
+    if meta is None:
+        return None
+    ckpt = meta.checkpoint_id
+    return {
+        "checkpoint_id": None if ckpt is None else str(ckpt),
+        "save_id": meta.save_id,
+        "modules": [str(m) for m in meta.modules],
+    }
+
+
+# ------------------------------------------------------------------------------- decode
+
+
+def decode_metadata(data: bytes, name: str) -> Metadata:
+    """Parse and validate a commit object into DCP's ``Metadata``.
+
+    Args:
+        data: the commit object's bytes.
+        name: its location, for error messages.
+
+    Returns:
+        The metadata, ``storage_data`` mapping every ``MetadataIndex`` to an
+        :class:`ItemLocation` whose file name is a plain data file name.
+
+    Raises:
+        FormatError: anything malformed, out of range, inconsistent (an item for a chunk
+            that does not exist, a chunk without an item) or from a newer schema.
+
+    Example:
+        >>> decode_metadata(b"[]", "x")
+        Traceback (most recent call last):
+        ...
+        asyncckpt.errors.FormatError: x: invalid DCP metadata: top level is not an object
+    """
+    if len(data) > MAX_METADATA_BYTES:
+        raise FormatError(f"{name}: {len(data)} bytes of metadata exceed {MAX_METADATA_BYTES}")
+    if data[:1] == b"\x80":  # the first byte of every pickle of protocol 2 and later
+        raise FormatError(
+            f"{name}: a pickle, i.e. a checkpoint of DCP's FileSystemWriter, not of "
+            "asyncckpt.dcp.Writer; asyncckpt never unpickles: load it with "
+            "torch.distributed.checkpoint.FileSystemReader if you trust it"
+        )
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{name}: DCP metadata is not valid JSON: {exc}") from exc
+    return _Decoder(name).metadata(doc)
+
+
+def _reject_constant(token: str) -> None:
+    raise ValueError(f"non-standard JSON constant {token}")
+
+
+class _Decoder:
+    """Builds DCP's dataclasses from a parsed document, checking every field first."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def fail(self, what: str) -> FormatError:
+        return FormatError(f"{self.name}: invalid DCP metadata: {what}")
+
+    def int_(self, value: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
+        if type(value) is not int or not lo <= value <= hi:
+            raise self.fail(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
+        return value
+
+    def str_(self, value: Any, what: str, optional: bool = False) -> Any:
+        if not (isinstance(value, str) or (optional and value is None)):
+            raise self.fail(f"{what} is not a string")
+        return value
+
+    def list_(self, value: Any, what: str, length: int | None = None) -> list[Any]:
+        if not isinstance(value, list) or (length is not None and len(value) != length):
+            raise self.fail(f"{what} is not a list" + (f" of {length}" if length else ""))
+        return value
+
+    def dims(self, value: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or len(value) > MAX_NDIM:
+            raise self.fail(f"{what} is not a list of at most {MAX_NDIM} integers")
+        return tuple(self.int_(v, what) for v in value)
+
+    def bool_(self, value: Any, what: str) -> bool:
+        if type(value) is not bool:
+            raise self.fail(f"{what} is not a boolean")
+        return value
+
+    def metadata(self, doc: Any) -> Metadata:
+        if not isinstance(doc, dict):
+            raise self.fail("top level is not an object")
+        if doc.get("format") != SCHEMA:
+            raise self.fail(f"format is {doc.get('format')!r}, expected {SCHEMA!r}")
+        version = doc.get("version")
+        if type(version) is not int or version != SCHEMA_VERSION:
+            raise self.fail(
+                f"schema version {version!r} is not supported (this asyncckpt reads "
+                f"{SCHEMA_VERSION}); upgrade asyncckpt"
+            )
+        files = [self.file(i, f) for i, f in enumerate(self.list_(doc.get("files"), "files"))]
+        if len({f[0] for f in files}) != len(files):
+            raise self.fail("a data file is listed twice")
+        sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        for i, rec in enumerate(self.list_(doc.get("state_dict_metadata"), "state")):
+            fqn, md = self.list_(rec, f"state_dict_metadata[{i}]", 2)
+            fqn = self.str_(fqn, f"state_dict_metadata[{i}] key")
+            if fqn in sdm:
+                raise self.fail(f"{fqn!r} is described twice")
+            sdm[fqn] = self.storage(fqn, md)
+        locations = self.items(self.list_(doc.get("items"), "items"), files, sdm)
+        return Metadata(
+            state_dict_metadata=sdm,
+            planner_data=self.planner_data(doc.get("planner_data")),
+            storage_data=locations,
+            storage_meta=self.storage_meta(doc.get("storage_meta")),
+            version=self.str_(doc.get("dcp_version"), "dcp_version", optional=True),
+        )
+
+    def file(self, i: int, rec: Any) -> tuple[str, int]:
+        name, size = self.list_(rec, f"files[{i}]", 2)
+        if not isinstance(name, str) or not is_data_file_name(name):
+            raise self.fail(f"files[{i}] name {name!r} is not a data file name")
+        return name, self.int_(size, f"files[{i}] size", HEADER_SIZE + FOOTER_SIZE)
+
+    def storage(self, fqn: str, md: Any) -> TensorStorageMetadata | BytesStorageMetadata:
+        if not isinstance(md, dict) or md.get("type") not in ("tensor", "bytes"):
+            raise self.fail(f"{fqn!r}: type is neither 'tensor' nor 'bytes'")
+        if md["type"] == "bytes":
+            return BytesStorageMetadata()
+        dtype = md.get("dtype")
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+            raise self.fail(f"{fqn!r}: unknown dtype {dtype!r}")
+        layout, memory_format = md.get("layout"), md.get("memory_format")
+        if not isinstance(layout, str) or layout not in _LAYOUTS:
+            raise self.fail(f"{fqn!r}: unsupported layout {layout!r}")
+        if not isinstance(memory_format, str) or memory_format not in _MEMORY_FORMATS:
+            raise self.fail(f"{fqn!r}: unknown memory format {memory_format!r}")
+        try:
+            torch_type = torch_dtype(dtype)
+        except FormatError as exc:
+            raise self.fail(f"{fqn!r}: {exc}") from None
+        props = TensorProperties(
+            dtype=torch_type,
+            layout=_LAYOUTS[layout],
+            requires_grad=self.bool_(md.get("requires_grad"), f"{fqn!r} requires_grad"),
+            memory_format=_MEMORY_FORMATS[memory_format],
+            pin_memory=self.bool_(md.get("pin_memory"), f"{fqn!r} pin_memory"),
+        )
+        size = self.dims(md.get("size"), f"{fqn!r} size")
+        if math.prod(size) > _MAX_INT:
+            raise self.fail(f"{fqn!r} has more than 2**62 elements")
+        chunks = []
+        for j, rec in enumerate(self.list_(md.get("chunks"), f"{fqn!r} chunks")):
+            offsets, sizes = self.list_(rec, f"{fqn!r} chunk {j}", 2)
+            off, sz = self.dims(offsets, f"{fqn!r} offsets"), self.dims(sizes, f"{fqn!r} sizes")
+            if len(off) != len(size) or len(sz) != len(size):
+                raise self.fail(f"{fqn!r} chunk {j} has the wrong number of dimensions")
+            if any(o + s > n for o, s, n in zip(off, sz, size)):
+                raise self.fail(f"{fqn!r} chunk {j} reaches past the tensor's size {size}")
+            chunks.append(ChunkStorageMetadata(torch.Size(off), torch.Size(sz)))
+        # A load allocates the whole tensor from `size`; its chunks (each backed by stored
+        # bytes, checked in `items`) must account for that many elements, so a small
+        # crafted file cannot make a reader allocate an arbitrary amount.
+        if sum(math.prod(c.sizes) for c in chunks) < math.prod(size):
+            raise self.fail(f"{fqn!r}: its chunks do not cover its size {size}")
+        return TensorStorageMetadata(props, torch.Size(size), chunks)
+
+    def items(
+        self,
+        records: list[Any],
+        files: list[tuple[str, int]],
+        sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata],
+    ) -> dict[MetadataIndex, ItemLocation]:
+        locations: dict[MetadataIndex, ItemLocation] = {}
+        for i, rec in enumerate(records):
+            fqn, offset, hint, file_no, entry, nbytes = self.list_(rec, f"items[{i}]", 6)
+            fqn = self.str_(fqn, f"items[{i}] key")
+            md = sdm.get(fqn)
+            if md is None:
+                raise self.fail(f"items[{i}] stores {fqn!r}, which is not in the state")
+            file_no = self.int_(file_no, f"items[{i}] file", 0, len(files) - 1)
+            name, file_size = files[file_no]
+            nbytes = self.int_(nbytes, f"items[{i}] length", 0, file_size * MAX_EXPANSION)
+            entry = self.int_(entry, f"items[{i}] entry")
+            if hint is not None:
+                hint = self.int_(hint, f"items[{i}] index hint")
+            if isinstance(md, TensorStorageMetadata):
+                off = self.dims(offset, f"items[{i}] offsets")
+                chunk = next((c for c in md.chunks if tuple(c.offsets) == off), None)
+                if chunk is None:
+                    raise self.fail(f"items[{i}]: {fqn!r} has no chunk at offsets {off}")
+                expected = math.prod(chunk.sizes) * DTYPE_ITEMSIZE[dtype_name(md.properties.dtype)]
+                if nbytes != expected:
+                    raise self.fail(f"items[{i}]: {fqn!r} chunk at {off} is {expected} bytes")
+                index = MetadataIndex(fqn, off, hint)
+            else:
+                if offset is not None:
+                    raise self.fail(f"items[{i}]: bytes object {fqn!r} has offsets")
+                index = MetadataIndex(fqn, None, hint)
+            if index in locations:
+                raise self.fail(f"items[{i}]: {item_key(index)!r} is stored twice")
+            locations[index] = ItemLocation(name, file_size, entry, nbytes)
+        for fqn, md in sdm.items():
+            wanted = (
+                [MetadataIndex(fqn, c.offsets) for c in md.chunks]
+                if isinstance(md, TensorStorageMetadata)
+                else [MetadataIndex(fqn)]
+            )
+            for index in wanted:
+                if index not in locations:
+                    raise self.fail(f"no stored data for {item_key(index)!r}")
+        return locations
+
+    def planner_data(self, value: Any) -> dict[str, tuple[str | int, ...]] | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self.fail("planner_data is not an object")
+        out: dict[str, tuple[str | int, ...]] = {}
+        for key, path in value.items():
+            items = self.list_(path, f"planner_data[{key!r}]")
+            if len(items) > 1024 or not all(type(p) in (str, int) for p in items):
+                raise self.fail(f"planner_data[{key!r}] is not a list of strings and integers")
+            out[key] = tuple(items)
+        return out
+
+    def storage_meta(self, value: Any) -> StorageMeta:
+        if value is None:
+            return StorageMeta()
+        if not isinstance(value, dict):
+            raise self.fail("storage_meta is not an object")
+        modules = self.list_(value.get("modules", []), "storage_meta modules")
+        return StorageMeta(
+            checkpoint_id=self.str_(value.get("checkpoint_id"), "checkpoint_id", optional=True),
+            save_id=self.str_(value.get("save_id"), "save_id", optional=True),
+            modules=[self.str_(m, "storage_meta module") for m in modules],
+        )

