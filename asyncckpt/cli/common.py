@@ -243,9 +243,7 @@ def display(storage: Storage, path: str) -> str:
 
 
 @dataclass(frozen=True)
-class FileRef:
-    """One ``.ackpt`` (or other) file."""
-
+class _Located:
     storage: Storage
     path: str
     step: int | None = None
@@ -256,16 +254,13 @@ class FileRef:
 
 
 @dataclass(frozen=True)
-class RootRef:
+class FileRef(_Located):
+    """One ``.ackpt`` (or other) file."""
+
+
+@dataclass(frozen=True)
+class RootRef(_Located):
     """A checkpoint root, optionally with a step chosen by ``ROOT@STEP``."""
-
-    storage: Storage
-    path: str
-    step: int | None = None
-
-    @property
-    def name(self) -> str:
-        return display(self.storage, self.path)
 
 
 def kind_of(storage: Storage, path: str) -> str:

@@ -15,7 +15,7 @@ import contextlib
 import hashlib
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import CheckpointNotFoundError, ConflictError, FormatError
@@ -196,20 +196,26 @@ class StorageConformanceSuite:
         storage, root = storage_root
         path = storage.join(root, "race", "COMMIT")
         storage.create_exclusive(storage.join(root, "race", "warmup"), b"")  # probes, dirs
+        won = self._race(lambda i: storage.create_exclusive(path, f"writer {i}".encode()))
+        assert storage.read_bytes(path, 100) == f"writer {won}".encode()
+
+    def _race(self, attempt: Callable[[int], object]) -> int:
+        """Run ``attempt(i)`` on ``racers`` threads at once; exactly one may succeed (the
+        others raise ConflictError). Returns the winner's ``i``."""
         barrier = threading.Barrier(self.racers)
 
-        def attempt(i: int) -> bool:
+        def one(i: int) -> bool:
             barrier.wait(30)
             try:
-                storage.create_exclusive(path, f"writer {i}".encode())
+                attempt(i)
             except ConflictError:
                 return False
             return True
 
         with ThreadPoolExecutor(self.racers) as ex:
-            won = list(ex.map(attempt, range(self.racers)))
+            won = list(ex.map(one, range(self.racers)))
         assert won.count(True) == 1, won
-        assert storage.read_bytes(path, 100) == f"writer {won.index(True)}".encode()
+        return won.index(True)
 
     # -- compare-and-swap (the version file; docs/PROTOCOL.md §0) ------------------------
 
@@ -233,21 +239,9 @@ class StorageConformanceSuite:
         storage, root = storage_root
         path = storage.join(root, "race", "VERSION")
         tag = storage.replace_if(path, b"start", None)
-        barrier = threading.Barrier(self.racers)
-
-        def attempt(i: int) -> bool:
-            barrier.wait(30)
-            try:
-                storage.replace_if(path, f"writer {i}".encode(), tag)
-            except ConflictError:
-                return False
-            return True
-
-        with ThreadPoolExecutor(self.racers) as ex:
-            won = list(ex.map(attempt, range(self.racers)))
-        assert won.count(True) == 1, won
+        won = self._race(lambda i: storage.replace_if(path, f"writer {i}".encode(), tag))
         found = storage.read_tagged(path, 100)
-        assert found is not None and found[0] == f"writer {won.index(True)}".encode()
+        assert found is not None and found[0] == f"writer {won}".encode()
 
     # -- listing and deleting -----------------------------------------------------------
 
