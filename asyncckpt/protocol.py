@@ -6,6 +6,8 @@ Layout of a checkpoint root (specified, with its guarantees, in ``docs/PROTOCOL.
     ROOT/_lease/<epoch>                one per writer that ever took the root; the highest is
                                        the current writer, which rewrites it as a heartbeat
     ROOT/<step>/r00000-<token>.ackpt   data files, one per writing rank, unique per attempt
+    ROOT/<step>/.metadata              sharded versions only: DCP-style JSON index of the shards
+    ROOT/<step>/r00000-<token>.done    sharded versions only: rank 0's completion marker
     ROOT/<step>/COMMIT                 commit marker: names the data files and their sizes
     ROOT/<step>/FAILED                 written (best effort) when an uncommitted save failed
 
@@ -45,6 +47,13 @@ COMMIT_FILE = "COMMIT"
 FAILED_FILE = "FAILED"
 LEASE_DIR = "_lease"
 PROTOCOL_VERSION = 1
+#: Kinds of version a ``COMMIT`` can describe: one writer's single data file, or one file
+#: per rank plus :data:`METADATA_FILE` (see :mod:`asyncckpt.sharded`).
+SINGLE = "single"
+SHARDED = "sharded"
+#: The JSON index of a sharded version's pieces; the same name as ``asyncckpt.dcp``'s
+#: commit object, so ``asyncckpt.dcp.Reader`` reads a sharded step directory as it is.
+METADATA_FILE = ".metadata"
 _MAX_RECORD_BYTES = 1 << 20
 # Canonical decimal steps only: "007", "²" or "١٢" are not steps (and never alias one).
 _STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
@@ -69,6 +78,8 @@ class CommitRecord:
         writer: the token of the writer that created the marker.
         sizes: each file's size in bytes (empty in markers written by hand).
         epoch: the writer's lease epoch (0 when unknown).
+        kind: :data:`SINGLE` (one data file) or :data:`SHARDED` (one data file per rank,
+            then :data:`METADATA_FILE`).
     """
 
     step: int
@@ -76,6 +87,7 @@ class CommitRecord:
     writer: str
     sizes: tuple[int, ...] = ()
     epoch: int = 0
+    kind: str = SINGLE
 
 
 @dataclass(frozen=True)
@@ -182,12 +194,13 @@ def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
     """
     files, writer = doc.get("files"), doc.get("writer")
     sizes = _int_list(doc.get("sizes", []))
-    epoch = doc.get("epoch", 0)
+    epoch, kind = doc.get("epoch", 0), doc.get("kind", SINGLE)
     valid = (
         doc.get("step") == step
+        and kind in (SINGLE, SHARDED)
         and isinstance(files, list)
         and files
-        and all(isinstance(f, str) and "/" not in f and f.endswith(".ackpt") for f in files)
+        and all(_is_version_file(f, kind) for f in files)
         and isinstance(writer, str)
         and sizes is not None
         and (not sizes or len(sizes) == len(files))
@@ -195,7 +208,14 @@ def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
     )
     if not valid:
         raise UnreadableRecordError(f"{where}: malformed commit marker")
-    return CommitRecord(step, tuple(files), writer, sizes or (), epoch)  # type: ignore[arg-type]
+    return CommitRecord(step, tuple(files), writer, sizes or (), epoch, kind)  # type: ignore[arg-type]
+
+
+def _is_version_file(name: Any, kind: Any) -> bool:
+    """A data file name, or (sharded versions) the metadata's: never a path elsewhere."""
+    if not isinstance(name, str) or "/" in name:
+        return False
+    return name.endswith(".ackpt") or (kind == SHARDED and name == METADATA_FILE)
 
 
 def read_commit_strict(storage: Storage, root: str, step: int) -> CommitRecord | None:
@@ -232,14 +252,17 @@ def create_commit(storage: Storage, root: str, record: CommitRecord) -> None:
         "writer": record.writer,
         "epoch": record.epoch,
     }
+    if record.kind != SINGLE:  # single-file markers keep the bytes older readers know
+        doc["kind"] = record.kind
     storage.create_exclusive(path, encode_record(doc))
 
 
 def verify_commit(storage: Storage, root: str, record: CommitRecord) -> str | None:
     """Check that every data file a marker names is there, whole: None if so, else why.
 
-    Each file must exist, have the size the marker records (when it records one) and end in
-    a valid asyncckpt footer. A marker that fails this is never published as the latest.
+    Each file must exist, have the size the marker records (when it records one) and, if it
+    is a data file, end in a valid asyncckpt footer (a sharded version's metadata is JSON:
+    its size is checked). A marker that fails this is never published as the latest.
     """
     directory = step_dir(storage, root, record.step)
     for i, name in enumerate(record.files):
@@ -250,6 +273,8 @@ def verify_commit(storage: Storage, root: str, record: CommitRecord) -> str | No
                 return (
                     f"{storage.describe(path)} is {size} bytes, the marker says {record.sizes[i]}"
                 )
+            if not name.endswith(".ackpt"):
+                continue
             tail = storage.read_range(path, max(0, size - FOOTER_SIZE), FOOTER_SIZE)
             decode_footer(tail, size, storage.describe(path))
         except (CheckpointNotFoundError, FormatError) as exc:

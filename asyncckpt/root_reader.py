@@ -14,7 +14,14 @@ from typing import Any
 from . import config
 from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from .placement import Placement
-from .protocol import committed_steps, latest_step, read_commit, step_dir, wait_for_step
+from .protocol import (
+    CommitRecord,
+    committed_steps,
+    latest_step,
+    read_commit,
+    step_dir,
+    wait_for_step,
+)
 from .reader import materialize, open_file
 from .storage import Storage
 
@@ -51,6 +58,10 @@ class RootReader:
     def versions(self) -> list[int]:
         """Every committed step, ascending."""
         return committed_steps(self.storage, self.root)
+
+    def commit_of(self, step: int) -> CommitRecord | None:
+        """The commit marker of ``step`` if it is committed (and understood), else None."""
+        return read_commit(self.storage, self.root, step)
 
     def wait(self, step: int, timeout: float | None) -> None:
         """Block until ``step`` is committed (see :func:`asyncckpt.protocol.wait_for_step`)."""

@@ -19,6 +19,7 @@ from . import config
 from .errors import AsyncCkptError, ConflictError, FormatError
 from .protocol import (
     COMMIT_FILE,
+    SINGLE,
     CommitRecord,
     LeaseRecord,
     UnreadableRecordError,
@@ -232,8 +233,26 @@ class RootWriter:
 
     # -- commit ---------------------------------------------------------------------------
 
-    def commit(self, step: int, files: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+    def commit(
+        self,
+        step: int,
+        files: tuple[str, ...],
+        sizes: tuple[int, ...],
+        *,
+        kind: str = SINGLE,
+        keep: tuple[str, ...] = (),
+    ) -> None:
         """Publish version ``step`` whose data ``files`` (in its directory) are durable.
+
+        Args:
+            step: the version's step.
+            files: every file of the version, relative to its directory (a sharded
+                version: one data file per rank, then its metadata).
+            sizes: each file's size in bytes, as written.
+            kind: the version's kind (:data:`~asyncckpt.protocol.SINGLE` or ``SHARDED``),
+                recorded in ``COMMIT``.
+            keep: other files of this save in the directory that the sweep after the
+                commit must leave (a sharded version's per-rank completion markers).
 
         Raises:
             FencedError: another writer took the root over; our files were removed.
@@ -256,9 +275,9 @@ class RootWriter:
                 f"{self.where}"
             )
         try:
-            self._create_commit(step, files, sizes)
+            self._create_commit(step, files, sizes, kind)
             self._publish(step, tag)
-            self._sweep(step, files)
+            self._sweep(step, files + keep)
         except AsyncCkptError as exc:
             if not isinstance(exc, FencedError) and not self._fenced():
                 raise
@@ -273,8 +292,10 @@ class RootWriter:
                 f"was committing step {step}: {exc}"
             ) from exc
 
-    def _create_commit(self, step: int, files: tuple[str, ...], sizes: tuple[int, ...]) -> None:
-        record = CommitRecord(step, files, self.token, sizes, self.epoch or 0)
+    def _create_commit(
+        self, step: int, files: tuple[str, ...], sizes: tuple[int, ...], kind: str
+    ) -> None:
+        record = CommitRecord(step, files, self.token, sizes, self.epoch or 0, kind)
         try:
             create_commit(self.storage, self.root, record)
         except ConflictError:

@@ -385,3 +385,24 @@ def test_a_zombie_writer_on_s3_cannot_move_the_version_backwards(
     assert record is not None and record.step == 20 and record.epoch == 2
     assert reader.latest() == 20
     check(reader.load(), 20)
+
+
+def test_lost_responses_on_the_wire_to_commit_and_version(s3_root: str, s3_server: Any) -> None:
+    """Through a proxy: the store performs the COMMIT and VERSION PUTs, the client's
+    connection closes before the answer; the client library and our retry see a reset."""
+    from asyncckpt.testing import FaultProxy
+
+    with FaultProxy(s3_server) as proxy:
+        ckpt = Checkpointer(s3_root, storage_options=proxy.storage_options)
+        ckpt.save(1, state(1)).result(timeout=120)
+        commit_rule = proxy.drop_response("PUT", "/2/COMMIT")
+        version_rule = proxy.drop_response("PUT", "/VERSION")
+        ckpt.save(2, state(2)).result(timeout=120)  # succeeds: nothing of ours deleted
+        commit_rule.wait_done(timeout=60)
+        version_rule.wait_done(timeout=60)
+        ckpt.close()
+    reader = Checkpointer(s3_root, storage_options=s3_server.storage_options)
+    assert reader.versions() == [1, 2]
+    record = read_version_file(reader._storage, reader._root)
+    assert record is not None and record.step == 2
+    check(reader.load(), 2)

@@ -91,6 +91,22 @@ class Reader(StorageReader):
         self._load_id = uuid.uuid4().hex
         self._locations: dict[MetadataIndex, ItemLocation] = {}
 
+    @classmethod
+    def at(cls, storage: Storage, path: str) -> Reader:
+        """A reader of the checkpoint directory ``path`` on an already opened ``storage``.
+
+        For callers that resolved the storage themselves (``Checkpointer`` reading a
+        sharded version); the reader pickles as ``storage.describe(path)``.
+
+        Example:
+            >>> from asyncckpt.storage import resolve
+            >>> Reader.at(*resolve("memory://ckpt/7", None)).checkpoint_id
+            'memory://ckpt/7'
+        """
+        reader = cls(storage.describe(path))
+        reader._storage, reader._path = storage, path
+        return reader
+
     def _open(self, url: str | os.PathLike[str]) -> None:
         self._url = os.fspath(url)
         self._storage: Storage
@@ -270,14 +286,46 @@ def _read_entries(opened: OpenedFile, wanted: set[int], threads: int) -> dict[in
         ChecksumError: a chunk is damaged (the first one found).
     """
     manifest = opened.manifest
-    check_sizes(opened)  # bounds every allocation below by the file's size
     for wanted_entry in wanted:
         if wanted_entry >= len(manifest.tensors):
             raise FormatError(
                 f"{opened.name}: the metadata names tensor {wanted_entry}; the file has "
                 f"{len(manifest.tensors)}"
             )
-    storages = sorted({manifest.tensors[e].storage for e in wanted})
+    buffers = read_storage_ids(opened, {manifest.tensors[e].storage for e in wanted}, threads)
+    return {e: _view(buffers[manifest.tensors[e].storage], manifest.tensors[e]) for e in wanted}
+
+
+def read_storage_ids(opened: OpenedFile, sids: set[int], threads: int) -> dict[int, torch.Tensor]:
+    """Read, verify and decode only the storages ``sids`` of a file, in parallel chunks.
+
+    Args:
+        opened: the file.
+        sids: indices into its storage table.
+        threads: reader threads.
+
+    Returns:
+        ``{storage index: 1-D uint8 CPU tensor of its bytes}``.
+
+    Raises:
+        FormatError: the file's sizes are impossible.
+        ChecksumError: a chunk is damaged (the first one found).
+
+    Example:
+        >>> import asyncckpt, os, tempfile, torch
+        >>> from asyncckpt.reader import open_file
+        >>> from asyncckpt.storage import resolve
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"a": torch.arange(3), "b": torch.ones(2)}, path).result()
+        >>> opened = open_file(*resolve(path, None))
+        >>> {sid: buf.numel() for sid, buf in read_storage_ids(opened, {1}, 2).items()}
+        {1: 8}
+    """
+    manifest = opened.manifest
+    check_sizes(opened)  # bounds every allocation below by the file's size
+    storages = sorted(sids)
+    if storages and not 0 <= storages[0] <= storages[-1] < len(manifest.storages):
+        raise FormatError(f"{opened.name}: no storage {storages} among {len(manifest.storages)}")
     buffers: dict[int, torch.Tensor] = {}
     workers = pool("read", threads)
     pending: collections.deque[ThreadFuture[None]] = collections.deque()
@@ -302,7 +350,7 @@ def _read_entries(opened: OpenedFile, wanted: set[int], threads: int) -> dict[in
         for future in pending:
             if not future.cancelled():
                 future.exception()
-    return {e: _view(buffers[manifest.tensors[e].storage], manifest.tensors[e]) for e in wanted}
+    return buffers
 
 
 def _read_chunk(opened: OpenedFile, index: int, sid: int, out: memoryview) -> None:
