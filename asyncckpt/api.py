@@ -22,7 +22,7 @@ from .codec import check_compression
 from .errors import CheckpointTimeoutError
 from .placement import MapLocation, Placement
 from .reader import materialize, open_file
-from .staging import ArenaPool, Snapshot, snapshot
+from .staging import ArenaPool, Snapshot, arena_bytes, snapshot
 from .storage import AtomicWriter, Storage, resolve
 from .storage.base import errors_as
 from .tree import flatten
@@ -83,6 +83,35 @@ def _arena_pool() -> ArenaPool:
         if _arenas is None:
             _arenas = ArenaPool(config.tunable("max_inflight", None))
         return _arenas
+
+
+def reserve(state_or_nbytes: Any) -> threading.Thread | None:
+    """Prepare the host arena for saves of a state this big, in a background thread.
+
+    The first save of a process otherwise pays for allocating and faulting in its arena
+    while the caller waits (several times the copy itself). Call this once the state
+    exists (after building the model and optimizer); saves reuse the arena afterwards. A
+    save that starts before the reservation is done waits for it instead of allocating a
+    second arena.
+
+    Args:
+        state_or_nbytes: the state to be saved (its exact arena size is computed; nothing
+            is copied), or a size in bytes of tensor data (a little is added for alignment).
+
+    Returns:
+        The background thread (``join`` it to wait), or None if nothing had to be done.
+
+    Example:
+        >>> import torch
+        >>> thread = reserve({"w": torch.zeros(1024)})
+        >>> thread is None or thread.join() is None
+        True
+    """
+    if isinstance(state_or_nbytes, int):
+        nbytes = state_or_nbytes + state_or_nbytes // 64 + (1 << 20)  # room for alignment
+    else:
+        nbytes = arena_bytes(flatten(state_or_nbytes))
+    return _arena_pool().reserve(nbytes)
 
 
 class SaveHandle:
@@ -242,9 +271,14 @@ def write_options(compression: str) -> WriteOptions:
     )
 
 
-def stage(obj: Any, overlap: bool = False) -> Snapshot:
-    """Validate ``obj`` and copy its data into a host arena (the blocking part of a save)."""
-    return snapshot(flatten(obj), _arena_pool(), overlap)
+def stage(
+    obj: Any, overlap: bool = False, on_layout: Callable[[Snapshot], None] | None = None
+) -> Snapshot:
+    """Validate ``obj`` and copy its data into a host arena (the blocking part of a save).
+
+    ``on_layout`` lets a writer start before the copy ends (see ``staging.snapshot``).
+    """
+    return snapshot(flatten(obj), _arena_pool(), overlap, on_layout)
 
 
 def save(
@@ -315,15 +349,34 @@ def save(
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options)
-    snap = stage(obj)
+    # The write starts as soon as the arena is leased and follows the copy chunk by chunk,
+    # so the time until durable is the longer of copy and write, not their sum.
+    handles: list[SaveHandle] = []
+    copied = threading.Event()
 
-    def job() -> int:
+    def job(snap: Snapshot) -> int:
         try:
             return write_snapshot(snap, storage, path, options)
         finally:
             snap.lease.release()
+            copied.wait()  # let the caller record its blocking time before the handle settles
 
-    return submit(job, storage.describe(path), snap.raw_bytes, started, _target(storage, path))
+    def start(snap: Snapshot) -> None:
+        label, target = storage.describe(path), _target(storage, path)
+        handles.append(submit(lambda: job(snap), label, snap.raw_bytes, started, target))
+
+    try:
+        snap = stage(obj, on_layout=start)
+    except BaseException:
+        copied.set()
+        for handle in handles:  # the copy failed: its error is raised here, not later
+            handle._observed = True
+            handle._future.exception()  # the writer aborts its file and frees the arena
+        raise
+    handle = handles[0]
+    handle._stats = SaveStats(time.perf_counter() - started, snap.raw_bytes)
+    copied.set()
+    return handle
 
 
 def is_file_object(f: object, method: str) -> bool:

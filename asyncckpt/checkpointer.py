@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import overlap
+from . import overlap, sharded, sharded_load
 from .api import (
     SaveHandle,
     completed_handle,
@@ -40,7 +40,7 @@ from .errors import (
     StorageError,
 )
 from .placement import MapLocation, Placement
-from .protocol import data_file_name, mark_failed, read_commit, step_dir
+from .protocol import SHARDED, data_file_name, mark_failed, read_commit, step_dir
 from .root_reader import RootReader
 from .root_writer import FencedError, RootWriter
 from .staging import Snapshot
@@ -161,6 +161,12 @@ class Checkpointer:
         handle, so every rank can run the same code. The first save of a Checkpointer takes
         the root's writer lease (in the background, before writing).
 
+        A state holding ``DTensor``s (FSDP2, TP) is saved *sharded* instead, and ``save``
+        must then be called on every rank: each rank snapshots and writes its own shards and
+        plain values, and the writer rank commits once every rank's file is durable (see
+        :mod:`asyncckpt.sharded`). Its first sharded save broadcasts a token from the writer
+        rank (once per Checkpointer); nothing else is collective.
+
         Args:
             step: a non-negative int, greater than every step saved before under this root.
             state: what ``asyncckpt.save`` accepts.
@@ -183,6 +189,8 @@ class Checkpointer:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._check_world()
+        if sharded.holds_dtensor(state):
+            return sharded.save(self, step, state)
         if not self.is_writer:
             return completed_handle(f"{self.root} step {step} (rank {self.rank} does not write)")
         started = time.perf_counter()
@@ -352,6 +360,13 @@ class Checkpointer:
         returns the newest committed version at once, and moves on to the newest one if
         retention deletes it mid-read. Loading never changes anything under the root.
 
+        A sharded version (saved from DTensors) loads in two ways: with DTensors in
+        ``into`` (``get_state_dict`` of the current model, any sharding or world size),
+        collectively and in place, with this rank's own plain values (rank 0's if the
+        version was saved by fewer ranks); without, as the consolidated full state (every
+        tensor whole, rank 0's plain values, or this rank's own in a group). See
+        :mod:`asyncckpt.sharded_load`.
+
         Args:
             step: the step to load; None loads the newest.
             map_location: as in :func:`asyncckpt.load`; None puts CPU tensors on the CPU
@@ -360,7 +375,8 @@ class Checkpointer:
                 process group's timeout in a collective load, and for ever otherwise. A
                 writer that stops renewing its lease (dead or frozen) ends the wait early.
             collective: False to load independently even when a group is initialized.
-            into: an existing state to load into in place, as in :func:`asyncckpt.load`.
+            into: an existing state to load into in place, as in :func:`asyncckpt.load`
+                (DTensors included, for a sharded version).
 
         Returns:
             The saved state.
@@ -372,7 +388,8 @@ class Checkpointer:
             IncompleteCheckpointError: the save of ``step`` failed, or the version was
                 deleted while it was being read. On the writer, the failure of its own
                 save of ``step`` is raised as it is (e.g. a StorageError).
-            ValueError: ranks of a collective load asked for different steps.
+            ValueError: ranks of a collective load asked for different steps, or
+                DTensors in ``into`` with ``collective=False`` or a version not sharded.
         """
         self._check_open()
         placement = Placement(map_location)
@@ -391,6 +408,14 @@ class Checkpointer:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         follow_latest = step is None and not use_group
         self._wait_committed(target, timeout, poll=not follow_latest)
+        commit = self._reader.commit_of(target)
+        if commit is not None and commit.kind == SHARDED:
+            return sharded_load.load(self, commit, placement, into, use_group)
+        if sharded.holds_dtensor(into):
+            raise ValueError(
+                f"step {target} under {self.root} was not saved from DTensors; load it "
+                "without DTensors in `into`"
+            )
         return self._reader.read(target, placement, follow_latest, into)
 
     def _newest_expected(self) -> int | None:

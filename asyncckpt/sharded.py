@@ -236,7 +236,8 @@ class Piece:
         shape, offsets, sizes = (tuple(d) for d in dims)  # type: ignore[arg-type]
         if any(o + s > n for o, s, n in zip(offsets, sizes, shape)):
             raise bad
-        return cls(doc["fqn"], tuple(path), shape, doc["dtype"], offsets, sizes, *scalars)
+        entry, nbytes = doc["entry"], doc["nbytes"]
+        return cls(doc["fqn"], tuple(path), shape, doc["dtype"], offsets, sizes, entry, nbytes)
 
 
 def _dims(value: Any) -> bool:
@@ -459,12 +460,14 @@ def save(ckpt: Checkpointer, step: int, state: Any) -> SaveHandle:
     started = time.perf_counter()
     if not ckpt._distributed:
         raise AsyncCkptError("a state holding DTensors needs torch.distributed initialized")
+    # First, while every rank is sure to get here: a rank raising before the (first save's)
+    # broadcast would leave the others waiting in it.
+    attempt = next_attempt(ckpt, step)
     ckpt._raise_own_failure()
     raise_unobserved_failure()
     options = write_options(ckpt.compression)
     group = ckpt._group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    attempt = next_attempt(ckpt, step)
     part = split_state(state)
     pieces = pieces_of(part)
     with ckpt._lock:

@@ -3,6 +3,10 @@
 Runs on the background save thread. Chunks are compressed and checksummed by a pool of
 threads while the save thread writes finished chunks to storage, so compression overlaps
 I/O; at most ``inflight_chunks`` encoded chunks wait in memory at once.
+
+The writer may start before the snapshot is complete (see ``staging.snapshot``'s
+``on_layout``): each chunk is handed to the encoders only once its bytes have landed in the
+arena, and if the copy fails the file is aborted (the target is left untouched).
 """
 
 from __future__ import annotations
@@ -76,13 +80,12 @@ def write_snapshot(
     Raises:
         StorageError: the backend failed (the target is untouched).
     """
-    snap.wait_copied()  # in overlap mode, device copies may still be landing
     with storage.atomic_write(path) as out:
         header = encode_header()
         out.write(header)
         offset = len(header)
         chunks: list[Chunk] = []
-        for enc in _encode_all(snap.storages, options):
+        for enc in _encode_all(snap.storages, options, snap.wait_staged):
             out.write(enc.payload)
             chunks.append(Chunk(offset, len(enc.payload), enc.raw_len, enc.codec, enc.crc32))
             offset += len(enc.payload)
@@ -128,23 +131,41 @@ def _chunk_counts(storages: list[StagedStorage], chunks: list[Chunk]) -> Iterato
         yield count
 
 
+def _no_wait(index: int, end: int) -> None:
+    """``ready`` for a snapshot that is complete."""
+
+
 def _slices(
-    storages: list[StagedStorage], chunk_bytes: int
+    storages: list[StagedStorage],
+    chunk_bytes: int,
+    ready: Callable[[int, int], None] = _no_wait,
 ) -> Iterator[tuple[memoryview, int, bool]]:
+    """The chunks of every storage, each yielded once ``ready(storage, end)`` returned."""
     chunk_bytes = min(chunk_bytes, MAX_CHUNK_BYTES)  # readers refuse longer chunks
     step = max(_CHUNK_ALIGN, chunk_bytes - chunk_bytes % _CHUNK_ALIGN)
-    for staged in storages:
+    for index, staged in enumerate(storages):
         view = byte_view(staged.data)
+        if not len(view):
+            ready(index, 0)  # device copies of an empty storage still have to be waited on
         for start in range(0, len(view), step):
-            yield view[start : start + step], staged.itemsize, staged.is_float
+            chunk = view[start : start + step]
+            ready(index, start + len(chunk))
+            yield chunk, staged.itemsize, staged.is_float
 
 
-def _encode_all(storages: list[StagedStorage], options: WriteOptions) -> Iterator[_Encoded]:
-    """Yield encoded chunks in order while up to ``inflight_chunks`` encode in parallel."""
+def _encode_all(
+    storages: list[StagedStorage],
+    options: WriteOptions,
+    ready: Callable[[int, int], None] = _no_wait,
+) -> Iterator[_Encoded]:
+    """Yield encoded chunks in order while up to ``inflight_chunks`` encode in parallel.
+
+    ``ready(storage, end)`` blocks until a chunk's bytes are in host memory.
+    """
     workers = pool("encode", options.threads)
     window: collections.deque[Future[_Encoded]] = collections.deque()
     try:
-        for raw, itemsize, is_float in _slices(storages, options.chunk_bytes):
+        for raw, itemsize, is_float in _slices(storages, options.chunk_bytes, ready):
             if len(window) >= options.inflight_chunks:
                 yield window.popleft().result()
             window.append(workers.submit(_encode_one, raw, itemsize, is_float, options))

@@ -401,6 +401,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.repeats):
             print(f"round {i + 1}/{args.repeats} ...", flush=True)
             one_round(record=True, verify=False)
+        print("paired durable rounds ...", flush=True)
+        paired = paired_durable(state, tmp, max(2, args.repeats), save_torch)
+        print("first save of a fresh process, with and without reserve ...", flush=True)
+        first = first_save(args, 1 if args.quick else 3)
+        print("pure-Python speed during background saves ...", flush=True)
+        speed = python_speed(state, tmp, save_torch, 1 if args.quick else 3)
     finally:
         try:
             stager.close()
@@ -408,6 +414,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(tmp, ignore_errors=True)
 
     res = summarize(args, rec, state, nbytes, tmp)
+    res["durable_paired"] = paired
+    res["first_save"] = first
+    res["python_speed"] = speed
     res["machine"]["loadavg_before"] = load_before
     res["machine"]["loadavg_after"] = _loadavg()
     busy_after = _cpu_busy()
@@ -469,6 +478,226 @@ def _record_cold(
     rec.add("asyncckpt_zstd_cold", "stats_total_s", stats.total_s)
     stored = disk_bytes(path)
     rec.note("asyncckpt_zstd_cold", stored_bytes=stored, stored_fraction=stored / nbytes)
+
+
+# ----------------------------------------------------------------------------- durable, paired
+
+
+def settle(path: str | None = None) -> None:
+    """Delete ``path`` and let the disk settle before the next timed save.
+
+    On this machine ``/`` is ext4 mounted with ``discard``: unlinking a 1 GiB file queues
+    discards that run at the next journal commit, i.e. during the *next* method's fsync,
+    and writeback of other processes' files lands wherever it lands. ``os.sync`` twice and
+    a short pause move that work out of every timed window (see docs/benchmarks.md).
+    """
+    if path is not None:
+        remove(path)
+    os.sync()
+    time.sleep(0.2)
+    os.sync()
+
+
+def paired_durable(
+    state: dict[str, torch.Tensor],
+    tmp: str,
+    rounds: int,
+    save_torch: Callable[[str], tuple[float, float]],
+) -> dict[str, Any]:
+    """Durable time of asyncckpt against torch.save+fsync, two ways, on a settled disk.
+
+    Each round saves with every method once, the order reversed every other round, each
+    save preceded by :func:`settle`; the figure is the median over rounds of the ratio
+    *within* a round. ``asyncckpt.save`` (pipelined copy and write) is the first method,
+    ``Checkpointer.save`` (the second one: how a training script saves, incl. the commit)
+    must reproduce it.
+    """
+    ckpt_root = os.path.join(tmp, "paired_ckpt")
+    checkpointers = {
+        c: asyncckpt.Checkpointer(os.path.join(ckpt_root, c), keep_last=1, compression=c)
+        for c in ("none", "zstd")
+    }
+    step = [0]
+
+    def ackpt(compression: str) -> Callable[[str], float]:
+        def go(path: str) -> float:
+            t = time.perf_counter()
+            asyncckpt.save(state, path, compression=compression).result()
+            return time.perf_counter() - t
+
+        return go
+
+    def checkpointer(compression: str) -> Callable[[str], float]:
+        def go(path: str) -> float:
+            step[0] += 1
+            t = time.perf_counter()
+            checkpointers[compression].save(step[0], state).result()
+            return time.perf_counter() - t
+
+        return go
+
+    methods: dict[str, Callable[[str], float]] = {
+        "torch_save": lambda q: save_torch(q)[0],
+        "save_none": ackpt("none"),
+        "save_zstd": ackpt("zstd"),
+        "checkpointer_none": checkpointer("none"),
+        "checkpointer_zstd": checkpointer("zstd"),
+    }
+    for name in ("save_none", "checkpointer_none"):  # warm arena and threads, untimed
+        methods[name](os.path.join(tmp, "paired_warm"))
+        settle(os.path.join(tmp, "paired_warm"))
+    raw: dict[str, list[float]] = {m: [] for m in methods}
+    order = list(methods)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            path = os.path.join(tmp, f"paired_{name}")
+            settle(path)
+            raw[name].append(methods[name](path))
+            settle(path)
+    for opened in checkpointers.values():
+        opened.close()
+    shutil.rmtree(ckpt_root, ignore_errors=True)
+    return paired_summary(raw)
+
+
+def paired_summary(raw: dict[str, list[float]]) -> dict[str, Any]:
+    """Per-round ratios to ``raw["torch_save"]``: median, spread, and the two methods' gap."""
+    ratios = {
+        m: [a / b for a, b in zip(xs, raw["torch_save"])]
+        for m, xs in raw.items()
+        if m != "torch_save"
+    }
+    out: dict[str, Any] = {"rounds": len(raw["torch_save"]), "raw_s": raw}
+    out.update(spread_summary(ratios, "_x_torch_save"))
+    for c in ("none", "zstd"):
+        a, b = out[f"save_{c}_x_torch_save"], out[f"checkpointer_{c}_x_torch_save"]
+        out[f"agreement_{c}"] = abs(a - b) / max(a, b)  # 0: the two methods agree exactly
+    return out
+
+
+def spread_summary(raw: dict[str, list[float]], suffix: str) -> dict[str, Any]:
+    """``{name+suffix: median, name+suffix+"_spread": [min, max]}`` for every list."""
+    out: dict[str, Any] = {}
+    for name, xs in raw.items():
+        out[f"{name}{suffix}"] = statistics.median(xs)
+        out[f"{name}{suffix}_spread"] = [min(xs), max(xs)]
+    return out
+
+
+# ----------------------------------------------------------------------------- first save
+
+
+def first_save(args: argparse.Namespace, repeats: int) -> dict[str, Any]:
+    """The first save's stall in fresh processes, with and without ``asyncckpt.api.reserve``.
+
+    Each run is its own interpreter (so nothing is warm), alternating the two modes; the
+    stall is divided by a copy into preallocated buffers measured in that process.
+    """
+    import subprocess
+
+    raw: dict[str, list[float]] = {"plain": [], "reserve": []}
+    for _ in range(repeats):
+        for mode in raw:
+            cmd = [sys.executable, os.path.abspath(__file__), "--first-save", mode]
+            cmd += ["--size-mib", str(args.size_mib), "--kind", args.kind]
+            if args.tmp_dir:
+                cmd += ["--tmp-dir", args.tmp_dir]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600)
+            raw[mode].append(json.loads(done.stdout.strip().splitlines()[-1])["blocked_x_copy"])
+    return {"raw_x_copy": raw, **spread_summary(raw, "_x_copy")}
+
+
+def first_save_child(args: argparse.Namespace) -> int:
+    """One fresh process: build the state, time a copy, then the first ``asyncckpt.save``."""
+    state = make_state(int(args.size_mib * MIB), args.kind)
+    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    for k, v in state.items():  # fault the baseline's buffers in, as bench_save's floor does
+        buffers[k].copy_(v)
+    t = time.perf_counter()
+    for k, v in state.items():
+        buffers[k].copy_(v)
+    copy_s = time.perf_counter() - t
+    del buffers
+    if args.first_save == "reserve":
+        thread = asyncckpt.api.reserve(state)  # as a training script would, after building
+        if thread is not None:
+            thread.join()  # the background work is done by the time training reaches a save
+    tmp = tempfile.mkdtemp(prefix="bench_first-", dir=args.tmp_dir)
+    try:
+        t = time.perf_counter()
+        handle = asyncckpt.save(state, os.path.join(tmp, "first.ackpt"))
+        blocked = time.perf_counter() - t
+        handle.result()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps({"copy_s": copy_s, "blocked_s": blocked, "blocked_x_copy": blocked / copy_s}))
+    return 0
+
+
+# ----------------------------------------------------------------------------- Python speed
+
+
+def python_speed(
+    state: dict[str, torch.Tensor],
+    tmp: str,
+    save_torch: Callable[[str], tuple[float, float]],
+    repeats: int,
+) -> dict[str, Any]:
+    """How fast the calling thread runs pure Python while a save finishes in the background.
+
+    In GPU training, kernel launches are Python on the main thread: GIL time the writer
+    holds is stall. The main thread counts loop iterations from the moment the save call
+    returns until the file is durable; the rate is divided by the rate of the same loop on
+    an idle process, measured just before (idle, method, idle, method, ...).
+    """
+    import threading
+
+    from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+
+    def count_while(busy: Callable[[], bool]) -> float:
+        n, t = 0, time.perf_counter()
+        while busy():
+            for _ in range(1000):
+                n += 1
+        return n / (time.perf_counter() - t)
+
+    def idle_rate() -> float:
+        end = time.perf_counter() + 0.5
+        return count_while(lambda: time.perf_counter() < end)
+
+    def asyncckpt_save(compression: str) -> Callable[[str], Callable[[], bool]]:
+        def start(path: str) -> Callable[[], bool]:
+            handle = asyncckpt.save(state, path, compression=compression)
+            return lambda: not handle.done()
+
+        return start
+
+    def torch_save_thread(path: str) -> Callable[[], bool]:
+        thread = threading.Thread(target=save_torch, args=(path,))
+        thread.start()
+        return thread.is_alive
+
+    def dcp_async(path: str) -> Callable[[], bool]:
+        fut: Any = dcp_async_save(state, checkpoint_id=path)
+        upload = getattr(fut, "upload_completion", fut)
+        return lambda: not upload.done()
+
+    methods = {
+        "asyncckpt_zstd": asyncckpt_save("zstd"),
+        "asyncckpt_none": asyncckpt_save("none"),
+        "torch_save_thread": torch_save_thread,
+        "dcp_async_save": dcp_async,
+    }
+    raw: dict[str, list[float]] = {m: [] for m in methods}
+    for _ in range(repeats):
+        for name, start in methods.items():
+            path = os.path.join(tmp, f"speed_{name}")
+            settle(path)
+            idle = idle_rate()
+            busy = start(path)
+            raw[name].append(count_while(busy) / idle)
+            settle(path)
+    return {"raw_x_idle": raw, **spread_summary(raw, "_x_idle")}
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -726,6 +955,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tmp-dir", default=None, help="where to write (default: system temp)")
+    ap.add_argument(
+        "--first-save",
+        choices=["plain", "reserve"],
+        default=None,
+        help="internal: time only the first save of this process and print it as JSON",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mib, args.repeats = 64.0, 1
@@ -736,6 +971,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.first_save:
+        return first_save_child(args)
     res = run(args)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "bench_save.json")

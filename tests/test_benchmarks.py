@@ -80,5 +80,19 @@ def test_bench_save_quick(tmp_path: Path) -> None:
     for name in LOADS:
         assert res["load"][name].get("verified_equal") is True, name
 
+    # issue 12: durable paired with torch.save by two methods, first save, Python speed
+    paired = res["durable_paired"]
+    for c in ("none", "zstd"):
+        for m in (f"save_{c}", f"checkpointer_{c}"):
+            assert positive(paired[f"{m}_x_torch_save"]), (m, paired)
+            lo, hi = paired[f"{m}_x_torch_save_spread"]
+            assert lo <= paired[f"{m}_x_torch_save"] <= hi
+        assert 0 <= paired[f"agreement_{c}"] < 1
+    assert len(paired["raw_s"]["torch_save"]) == paired["rounds"] >= 2
+    for mode in ("plain", "reserve"):
+        assert positive(res["first_save"][f"{mode}_x_copy"]), res["first_save"]
+    for m in ("asyncckpt_zstd", "asyncckpt_none", "torch_save_thread", "dcp_async_save"):
+        assert positive(res["python_speed"][f"{m}_x_idle"]), res["python_speed"]
+
     # the benchmark's temp directory (checkpoints of every method) is removed
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("bench_save-")]

@@ -39,7 +39,18 @@ FIGURES = {
     "memory_extra_peak",
     "train_mean",
     "train_median",
+    # issue 12
+    "durable_paired_none",
+    "durable_paired_zstd",
+    "durable_real_state",
+    "stall_first_save_reserve",
+    "stall_first_save_plain",
+    "python_speed",
+    "s3_save_seaweedfs",
+    "s3_load_seaweedfs",
 }
+#: Rows with no value in the quick run: not measured yet, or from the skipped storage run.
+UNMEASURED = {"durable_real_state", "s3_save_seaweedfs", "s3_load_seaweedfs"}
 #: Figures that the quick run (without bench_save) measures itself.
 MEASURED = {
     "stored_fp32",
@@ -86,6 +97,16 @@ def fake_bench_save(out: Path) -> dict[str, Any]:
     state = {"w": torch.zeros(256)}
     args = argparse.Namespace(size_mib=0.001, kind="normal", repeats=1, quick=True)
     res: dict[str, Any] = bench_save.summarize(args, rec, state, 1024, str(out))
+    methods = ("torch_save", "save_none", "save_zstd", "checkpointer_none", "checkpointer_zstd")
+    res["durable_paired"] = bench_save.paired_summary(
+        {m: [1.0 + 0.1 * i, 1.1 + 0.1 * i] for i, m in enumerate(methods)}
+    )
+    res["first_save"] = bench_save.spread_summary({"plain": [3.0], "reserve": [1.2]}, "_x_copy")
+    res["python_speed"] = bench_save.spread_summary(
+        {m: [0.9] for m in ("asyncckpt_zstd", "asyncckpt_none", "torch_save_thread")}
+        | {"dcp_async_save": [0.8]},
+        "_x_idle",
+    )
     (out / "bench_save.json").write_text(json.dumps(res))
     return res
 
@@ -132,6 +153,9 @@ def test_run_all_quick(tmp_path: Path) -> None:
     rows = {r["id"]: r for r in summary["figures"]}
     assert set(rows) >= FIGURES, FIGURES - set(rows)
     for rid, row in rows.items():
+        if rid in UNMEASURED:
+            assert row["value"] is None and row["met"] is None, (rid, row)
+            continue
         assert number(row["value"]), (rid, row)  # the fake bench_save fills the rest
         if row["target"] is not None:
             assert isinstance(row["met"], bool), row
@@ -178,7 +202,7 @@ def test_run_all_quick(tmp_path: Path) -> None:
     for name in ("bench_codec", "bench_memory", "bench_train"):
         assert f"(./{name}.png)" in page, name
     assert page.count("**yes**") + page.count("**no**") == sum(
-        1 for r in rows.values() if r["target"] is not None
+        1 for r in rows.values() if r["target"] is not None and r["value"] is not None
     )
 
 

@@ -53,7 +53,7 @@ def test_release_is_idempotent() -> None:
 @pytest.mark.timeout(60)
 def test_save_waits_for_a_free_arena(tmp_path: Path, monkeypatch: Any) -> None:
     gate = threading.Event()
-    real = api.write_snapshot
+    real = api.write_snapshot  # type: ignore[attr-defined]
 
     def held(*args: Any, **kwargs: Any) -> int:
         gate.wait()
@@ -121,3 +121,167 @@ def test_overlap_on_cpu_copies_before_returning(tmp_path: Path) -> None:
         loaded = ckpt.load(1)
     for key, value in expected.items():
         assert torch.equal(loaded[key], value)
+
+
+# --------------------------------------------------------------------------- pipelined copy
+
+
+def _many_tensors() -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    return {f"w{i}": torch.randn(64, 1024) for i in range(12)}  # 12 x 256 KiB
+
+
+def test_write_starts_before_the_copy_ends_and_save_returns_a_full_snapshot(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(staging, "_COPY_STEP", 64 << 10)  # many announced pieces
+    monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(64 << 10))
+    state = _many_tensors()
+    expected = {k: v.clone() for k, v in state.items()}
+    writer_started = threading.Event()
+    copies_when_writer_started: list[int] = []
+    copies_done = [0]
+    real_copy = staging.DeviceCopies.copy
+    real_write = api.write_snapshot  # type: ignore[attr-defined]
+
+    def counting_copy(self: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if copies_done[0] == 2:  # let the writer in while most of the state is uncopied
+            assert writer_started.wait(30), "the writer did not start during the copy"
+        real_copy(self, dst, src)
+        copies_done[0] += 1
+
+    def watching_write(*args: Any, **kwargs: Any) -> int:
+        copies_when_writer_started.append(copies_done[0])
+        writer_started.set()
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(staging.DeviceCopies, "copy", counting_copy)
+    monkeypatch.setattr(api, "write_snapshot", watching_write)
+    handle = asyncckpt.save(state, tmp_path / "x.ackpt")
+    total_copies = copies_done[0]
+    for value in state.values():  # save has returned: the caller may change everything
+        value.fill_(-1.0)
+    handle.result()
+    assert copies_when_writer_started[0] < total_copies
+    assert 0 < handle.stats.blocking_s <= handle.stats.total_s  # type: ignore[operator]
+    loaded = asyncckpt.load(tmp_path / "x.ackpt")
+    for key, value in expected.items():
+        assert torch.equal(loaded[key], value)
+
+
+def test_a_copy_failing_midway_leaves_no_file_and_raises_once(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(staging, "_COPY_STEP", 64 << 10)
+    monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(64 << 10))
+    real_copy = staging.DeviceCopies.copy
+    calls = [0]
+    wrote = threading.Event()
+    real_write = api.write_snapshot  # type: ignore[attr-defined]
+
+    def watching_write(*args: Any, **kwargs: Any) -> int:
+        wrote.set()
+        return real_write(*args, **kwargs)
+
+    def failing_copy(self: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        calls[0] += 1
+        if calls[0] == 10:  # after the writer has had chunks to write
+            assert wrote.wait(30)
+            raise RuntimeError("copy failed midway")
+        real_copy(self, dst, src)
+
+    monkeypatch.setattr(staging.DeviceCopies, "copy", failing_copy)
+    monkeypatch.setattr(api, "write_snapshot", watching_write)
+    with pytest.raises(RuntimeError, match="copy failed midway"):
+        asyncckpt.save(_many_tensors(), tmp_path / "x.ackpt")
+    assert list(tmp_path.iterdir()) == []  # neither the target nor a temp file
+    asyncckpt.wait()  # the aborted write is not reported a second time
+    monkeypatch.undo()
+    # Would block for ever if the failed snapshot had kept the only arena.
+    asyncckpt.save({"w": torch.ones(4)}, tmp_path / "x.ackpt").result()
+    assert torch.equal(asyncckpt.load(tmp_path / "x.ackpt")["w"], torch.ones(4))
+
+
+def test_writer_waits_for_each_chunk_to_land() -> None:
+    progress = staging.CopyProgress([0, 128], 256)
+    seen: list[int] = []
+
+    def writer() -> None:
+        progress.wait_until(1, 64)  # byte 192 of the arena
+        seen.append(progress.position)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    progress.advance(100)
+    progress.advance(150)
+    assert not seen
+    progress.advance(192)
+    thread.join(30)
+    assert seen == [192]
+    progress.fail(RuntimeError("boom"))
+    with pytest.raises(staging.SnapshotFailedError, match="boom"):
+        progress.wait_until(1, 128)
+
+
+# --------------------------------------------------------------------------- reserve
+
+
+def test_reserved_arena_is_the_one_the_first_save_gets() -> None:
+    pool = ArenaPool(max_inflight=1)
+    thread = pool.reserve(3 << 20)
+    assert thread is not None
+    thread.join(30)
+    assert pool.reserve(1 << 20) is None  # large enough already: nothing to do
+    lease = pool.acquire(3 << 20)
+    assert lease.buffer.numel() >= 3 << 20
+    ptr = lease.buffer.data_ptr()
+    lease.release()
+    again = pool.acquire(2 << 20)
+    assert again.buffer.data_ptr() == ptr
+    again.release()
+
+
+def test_acquire_waits_for_a_reservation_in_progress(monkeypatch: Any) -> None:
+    gate = threading.Event()
+    real = staging._allocate
+    calls: list[int] = []
+
+    def slow(nbytes: int) -> torch.Tensor:
+        calls.append(nbytes)
+        assert gate.wait(30)
+        return real(nbytes)
+
+    monkeypatch.setattr(staging, "_allocate", slow)
+    pool = ArenaPool(max_inflight=1)
+    thread = pool.reserve(2 << 20)
+    assert thread is not None
+    got: list[Any] = []
+    acquirer = threading.Thread(target=lambda: got.append(pool.acquire(1 << 20)))
+    acquirer.start()
+    acquirer.join(0.2)
+    assert not got  # waiting for the reservation, not allocating a second arena
+    gate.set()
+    acquirer.join(30)
+    assert calls == [2 << 20]
+    got[0].release()
+
+
+def test_api_reserve_sizes_the_arena_from_the_state() -> None:
+    state = {"a": torch.zeros(1000), "b": torch.zeros(3)}
+    assert (
+        staging.arena_bytes(asyncckpt.tree.flatten(state)) == 4032 + 64
+    )  # each storage cache-line aligned
+    thread = api.reserve(state)
+    if thread is not None:
+        thread.join(30)
+    snap = api.stage(state)
+    assert snap.lease.buffer.numel() >= 4096
+    snap.lease.release()
+
+
+def test_host_arena_is_writable_and_zeroed() -> None:
+    buffer = staging._host_arena(3 << 20)
+    assert buffer.numel() == 3 << 20 and buffer.dtype == torch.uint8
+    assert int(buffer.sum()) == 0
+    buffer[-1] = 7
+    assert int(buffer[-1]) == 7

@@ -1,0 +1,279 @@
+"""Loading a sharded version (written by :mod:`asyncckpt.sharded`).
+
+Two ways, chosen by ``Checkpointer.load``:
+
+* **into DTensors** (``into`` holds DTensors, e.g. from ``get_state_dict`` of the current
+  model, any sharding or world size): ``torch.distributed.checkpoint.load`` with
+  :class:`asyncckpt.dcp.Reader` on the step directory loads every DTensor in place (DCP
+  plans the resharding from the version's ``.metadata``), then this rank's plain values
+  come from its own file: rank ``r``'s file if the version has one, else rank 0's.
+* **consolidated** (no DTensor in ``into``, e.g. one process without a group): every
+  tensor of the metadata is built whole, read from the chunks of every rank's file
+  (``dcp.load`` with ``no_dist=True``), and put into rank 0's plain values (or this rank's
+  own, in a group) where the DTensor was.
+
+Every chunk read is verified against its checksum; DCP's ``CheckpointException`` is
+unwrapped, so a damaged file raises :class:`~asyncckpt.errors.ChecksumError`.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from . import config
+from .dcp.reader import Reader, read_storage_ids
+from .errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    FormatError,
+    IncompleteCheckpointError,
+    TruncatedFileError,
+)
+from .format import MAX_DEPTH, TensorEntry
+from .placement import Placement
+from .protocol import CommitRecord, step_dir
+from .reader import OpenedFile, check_devices, open_file
+from .sharded import Path, dtensor_leaves, fqn_of
+from .tree import ROOT_NAME, child_path, tensor_paths, torch_dtype, unflatten
+
+if TYPE_CHECKING:
+    from .checkpointer import Checkpointer
+
+_RANK_FILE = re.compile(r"r(\d{5,9})-[0-9a-f]{32}\.ackpt")
+
+
+def load(
+    ckpt: Checkpointer,
+    commit: CommitRecord,
+    placement: Placement,
+    into: Any,
+    use_group: bool,
+) -> Any:
+    """Load sharded version ``commit.step`` on this rank.
+
+    Args:
+        ckpt: the Checkpointer (its storage, root, group and rank).
+        commit: the version's commit marker.
+        placement: where plain tensors (and consolidated ones) go.
+        into: a state to load into: DTensors are loaded in place (collectively); other
+            tensors at matching key paths receive this rank's plain values in place.
+        use_group: whether this is a collective load (needed for DTensors in ``into``).
+
+    Returns:
+        The state as saved by the rank whose plain values are used, each DTensor replaced
+        by the one in ``into`` (loaded) or by the full tensor (consolidated). A DTensor
+        that was saved but is not in ``into`` (when ``into`` holds DTensors) is not
+        loaded: it is None there.
+
+    Raises:
+        ValueError: ``into`` holds DTensors but the load is not collective.
+        ChecksumError, FormatError, IncompleteCheckpointError: a damaged, truncated or
+            deleted file.
+    """
+    storage = ckpt._storage
+    directory = step_dir(storage, ckpt._root, commit.step)
+    reader = Reader.at(storage, directory)
+    metadata = _read(reader.read_metadata)
+    dtensors = {path: dt for path, _key, dt in dtensor_leaves(into)}
+    if dtensors and not use_group:
+        raise ValueError(
+            "loading into DTensors is collective: call load() on every rank of the group "
+            "(not with collective=False)"
+        )
+    if dtensors:
+        flat = {fqn_of(path): dt for path, dt in dtensors.items()}
+        _dcp_load(flat, Reader.at(storage, directory), ckpt._group, no_dist=False)
+        loaded: dict[Path, Any] = dict(dtensors)
+    else:
+        loaded = _consolidated(metadata, Reader.at(storage, directory), placement, into)
+    opened, name = _rank_file(ckpt, commit, directory)
+    skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
+    plain = read_plain(opened, skip, placement, into, set(loaded))
+    return _substituted(plain, loaded, opened.name)
+
+
+def _read(fn: Any) -> Metadata:
+    try:
+        metadata: Metadata = fn()
+    except CheckpointNotFoundError as exc:  # the version was deleted meanwhile
+        raise IncompleteCheckpointError(f"{exc}; was it deleted by retention?") from exc
+    return metadata
+
+
+def _dcp_load(state: dict[str, Any], reader: Reader, group: Any, no_dist: bool) -> None:
+    """``dcp.load``, with the asyncckpt error of any rank raised as it is."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavail)")
+            dcp_load(state, storage_reader=reader, process_group=group, no_dist=no_dist)
+    except CheckpointException as exc:
+        for error, _trace in exc.failures.values():
+            if isinstance(error, AsyncCkptError):
+                raise error from exc
+        raise
+
+
+def _consolidated(
+    metadata: Metadata, reader: Reader, placement: Placement, into: Any
+) -> dict[Path, torch.Tensor]:
+    """Every tensor of the version, whole, by its path in the saved state."""
+    targets = tensor_paths(into) if into is not None else {}
+    device = torch.device("cpu") if callable(placement.map_location) else None
+    full: dict[str, torch.Tensor] = {}
+    paths: dict[Path, torch.Tensor] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        path = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
+        target = targets.get(_key_path(path))
+        if target is None:
+            where = device or placement.device_for("cpu")
+            target = torch.empty(md.size, dtype=md.properties.dtype, device=where)
+        elif (target.shape, target.dtype) != (md.size, md.properties.dtype):
+            raise ValueError(
+                f"cannot load {fqn} into the given tensor: saved {md.properties.dtype} "
+                f"{tuple(md.size)}, target {target.dtype} {tuple(target.shape)}"
+            )
+        full[fqn] = paths[path] = target
+    _dcp_load(full, reader, None, no_dist=True)
+    return paths
+
+
+def _key_path(path: Path) -> str:
+    """The key path ``flatten`` gives the leaf at ``path`` (an int key prints as an index)."""
+    key = ROOT_NAME
+    for k in path:
+        key = child_path(key, k)
+    return key
+
+
+def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tuple[OpenedFile, str]:
+    """This rank's file of the version, or rank 0's if the version has no file of this rank
+    (it was saved by fewer ranks); opened and checked against its committed size."""
+    by_rank = {}
+    for name, size in zip(commit.files, commit.sizes or [None] * len(commit.files)):
+        match = _RANK_FILE.fullmatch(name)
+        if match:
+            by_rank[int(match.group(1))] = (name, size)
+    if not by_rank:
+        raise FormatError(f"{ckpt.root}: step {commit.step} names no rank file")
+    rank = ckpt.rank if ckpt.rank in by_rank else min(by_rank)
+    name, size = by_rank[rank]
+    path = ckpt._storage.join(directory, name)
+    try:
+        opened = open_file(ckpt._storage, path)
+    except CheckpointNotFoundError as exc:
+        raise IncompleteCheckpointError(
+            f"{ckpt._storage.describe(path)}: named by step {commit.step}'s COMMIT but missing; "
+            "was the version deleted by retention?"
+        ) from exc
+    if size is not None and opened.size != size:
+        kind = TruncatedFileError if opened.size < size else FormatError
+        raise kind(f"{opened.name}: {opened.size} bytes, but {size} were committed")
+    return opened, name
+
+
+def read_plain(
+    opened: OpenedFile,
+    skip: set[int],
+    placement: Placement,
+    into: Any,
+    replaced: set[Path],
+) -> Any:
+    """Rebuild a rank file's state without reading the tensors ``skip`` (DTensor chunks).
+
+    Args:
+        opened: the rank's file.
+        skip: entries of its tensor table not to read; they come back as None.
+        placement: where the tensors read go.
+        into: tensors at matching key paths are loaded in place (and returned).
+        replaced: paths whose values come from elsewhere: never loaded into ``into``.
+
+    Raises:
+        ChecksumError: a chunk read is damaged (nothing in ``into`` has changed then).
+        ValueError: a tensor of ``into`` differs in shape or dtype from the saved one.
+    """
+    manifest = opened.manifest
+    check_devices(opened)
+    wanted = [i for i in range(len(manifest.tensors)) if i not in skip]
+    sids = {manifest.tensors[i].storage for i in wanted} | {a.storage for a in manifest.arrays}
+    raw = read_storage_ids(opened, sids, config.tunable("threads", None))
+    skipped_keys = {_key_path(p) for p in replaced}
+    targets = {k: t for k, t in tensor_paths(into).items() if k not in skipped_keys}
+    tensors: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+    copies = []
+    for i in wanted:
+        entry = manifest.tensors[i]
+        storage = manifest.storages[entry.storage]
+        view = _view(placement.place(raw[entry.storage], storage.device), entry)
+        target = targets.get(entry.key)
+        if target is not None:
+            if (target.shape, target.dtype) != (view.shape, view.dtype):
+                raise ValueError(
+                    f"{opened.name}: cannot load {entry.key} into the given tensor: saved "
+                    f"{view.dtype} {tuple(view.shape)}, target {target.dtype} {tuple(target.shape)}"
+                )
+            copies.append((target, view))
+            view = target
+        tensors[i] = view
+    with torch.no_grad():
+        for target, view in copies:
+            target.copy_(view)
+    placement.synchronize()
+    arrays = [_array(raw[a.storage], a.dtype, a.shape, a.scalar) for a in manifest.arrays]
+    # Skipped entries are None: the caller puts the DTensors' values there.
+    return unflatten(manifest.root, tensors, arrays, opened.name)  # type: ignore[arg-type]
+
+
+def _view(buf: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    t = torch.empty(0, dtype=torch_dtype(entry.dtype), device=buf.device)
+    t.set_(buf.untyped_storage(), entry.offset, entry.shape, entry.stride)
+    if entry.parameter:
+        return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+    return t.requires_grad_(entry.requires_grad) if entry.requires_grad else t
+
+
+def _array(buf: torch.Tensor, dtype: str, shape: tuple[int, ...], scalar: bool) -> Any:
+    array = buf.numpy().view(np.dtype(dtype)).reshape(shape)
+    return array[()] if scalar else array
+
+
+def _substituted(tree: Any, values: dict[Path, Any], name: str) -> Any:
+    """``tree`` with the value at each path of ``values`` replaced (dict levels created)."""
+    placed: set[Path] = set()
+    above = {path[:i] for path in values for i in range(len(path))}
+
+    def walk(node: Any, path: Path) -> Any:
+        if path in values:
+            placed.add(path)
+            return values[path]
+        if path not in above or len(path) >= MAX_DEPTH:
+            return node
+        if isinstance(node, dict):
+            for k in list(node):
+                node[k] = walk(node[k], (*path, k))
+            return node
+        if isinstance(node, (list, tuple)):
+            items = [walk(v, (*path, i)) for i, v in enumerate(node)]
+            return items if isinstance(node, list) else tuple(items)
+        return node
+
+    tree = walk(tree, ())
+    for path in values.keys() - placed:  # saved by other ranks only: add the levels
+        node = tree
+        for k in path[:-1]:
+            if not isinstance(node, dict):
+                raise FormatError(f"{name}: no place for {fqn_of(path)} in the saved state")
+            node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise FormatError(f"{name}: no place for {fqn_of(path)} in the saved state")
+        node[path[-1]] = values[path]
+    return tree

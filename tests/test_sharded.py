@@ -1,0 +1,490 @@
+"""Sharded versions: ``Checkpointer.save``/``load`` of DTensor states (FSDP2, replicated).
+
+* 4 ranks save an FSDP2 model + Adam state, a replicated DTensor, a DTensor replicated on
+  one dimension of a 2-D mesh, and per-rank plain values (an RNG state, an int, a tensor);
+  they load it back on 4 ranks, bit for bit, each rank getting its own plain values;
+* the version's layout: a file per rank, a completion marker per rank, the metadata, a
+  ``COMMIT`` of kind ``sharded`` naming them; replicated pieces stored once;
+* resharding: the 4-rank version loaded on 2 ranks; a 2-rank version on 3 ranks (the third
+  rank gets rank 0's plain values); in one process without a group, as the full state;
+* damage: a flipped byte in one rank's file raises ``ChecksumError``;
+* a rank SIGKILLed mid-save: no ``COMMIT``, the previous version stays the latest on every
+  surviving rank, and the writer's save fails instead of hanging.
+
+Rank processes are spawned with ``torch.multiprocessing`` and meet through a ``TCPStore`` on
+127.0.0.1 (port chosen by the OS); the process group and every wait have timeouts, and the
+parent kills every rank as soon as one fails or the deadline passes, then shows every
+rank's traceback (the harness of ``test_distributed.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from asyncckpt import Checkpointer
+from asyncckpt.errors import (
+    CheckpointTimeoutError,
+    ChecksumError,
+    FormatError,
+    IncompleteCheckpointError,
+)
+from asyncckpt.format import HEADER_SIZE
+from asyncckpt.protocol import (
+    SHARDED,
+    SINGLE,
+    CommitRecord,
+    UnreadableRecordError,
+    commit_from,
+    read_commit,
+)
+from asyncckpt.sharded import Piece, RankMarker, holds_dtensor, metadata_bytes
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is unavailable"),
+]
+
+_WAIT = timedelta(seconds=120)  # every store wait and collective in a rank
+_ATTEMPT = "0123456789abcdef" * 2
+
+# --------------------------------------------------------------------------- harness
+
+
+def _rank_main(name: str, rank: int, world: int, port: int, workdir: str, args: tuple) -> None:
+    """Entry point of one spawned rank: join the group, run ``name``, report failures."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_WAIT)
+        try:
+            globals()[name](rank, world, Path(workdir), *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        text = traceback.format_exc()
+        Path(workdir, f"rank{rank}.traceback").write_text(text)
+        print(f"rank {rank} failed:\n{text}", flush=True)
+        raise SystemExit(1) from None
+
+
+def run_ranks(
+    name: str, world: int, workdir: Path, *args: Any, timeout: float = 200, killed: tuple = ()
+) -> None:
+    """Run ``name(rank, world, workdir, *args)`` on ``world`` ranks; fail on any error.
+
+    Ranks in ``killed`` must end by SIGKILL (they kill themselves on purpose).
+    """
+    expected = [-signal.SIGKILL if r in killed else 0 for r in range(world)]
+    for old in workdir.glob("rank*.traceback"):
+        old.unlink()
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, _WAIT, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_rank_main, args=(name, r, world, store.port, str(workdir), args))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcome = "ok"
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            if codes == expected:
+                break
+            if any(c not in (None, e) for c, e in zip(codes, expected)):
+                outcome = "a rank failed"
+                break
+            if time.monotonic() > deadline:
+                outcome = f"ranks still running after {timeout} s (hang?)"
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(30)
+        del store
+    if outcome != "ok":
+        report = [f"{name}: {outcome}; exit codes {[p.exitcode for p in procs]}"]
+        for r in range(world):
+            tb = workdir / f"rank{r}.traceback"
+            if tb.exists():
+                report.append(f"--- rank {r} ---\n{tb.read_text()}")
+        pytest.fail("\n".join(report), pytrace=False)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    """A tensor's exact bytes (NaN payloads and -0.0 included)."""
+    t = t.detach().cpu().contiguous()
+    return bytes(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
+
+
+def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """``{path: leaf}`` of nested dicts, lists and tuples; DTensors become their local shard."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, (list, tuple)):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flat(v, f"{prefix}.{i}"))
+        return out
+    if isinstance(obj, DTensor):
+        return {prefix: obj.to_local()}
+    return {prefix: obj}
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    """Same keys, tensors equal bit for bit (same dtype and shape), other leaves equal."""
+    g, w = _flat(got), _flat(want)
+    assert g.keys() == w.keys(), sorted(g.keys() ^ w.keys())
+    for key, expected in w.items():
+        value = g[key]
+        if isinstance(expected, torch.Tensor):
+            assert isinstance(value, torch.Tensor), key
+            assert (value.dtype, value.shape) == (expected.dtype, expected.shape), key
+            assert _bits(value) == _bits(expected), key
+        else:
+            assert value == expected, key
+
+
+def _cloned(obj: Any) -> Any:
+    """A deep copy whose tensors (DTensors: local shards) own their memory."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    return obj
+
+
+def _fsdp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    # 5 output features: the last layer's weight and bias shard unevenly over 2, 3, 4 ranks.
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 5))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _replicated(fill: float) -> dict[str, Any]:
+    """A DTensor replicated on every rank, and (4 ranks) one replicated on one mesh dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(7)
+    out = {
+        "rep": distribute_tensor(
+            fill * torch.randn(6, 3, generator=g), init_device_mesh("cpu", (world,)), [Replicate()]
+        )
+    }
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2))
+        out["rep2d"] = distribute_tensor(
+            fill * torch.randn(4, 5, generator=g), mesh, [Replicate(), Shard(0)]
+        )
+    return out
+
+
+def _plain(rank: int) -> dict[str, Any]:
+    """Per-rank plain values: an RNG state, an int, a tensor."""
+    torch.manual_seed(100 + rank)
+    return {"rng": torch.get_rng_state(), "value": 10 * rank + 7, "local": torch.full((3,), rank)}
+
+
+def _state(model: nn.Module, optim: torch.optim.Optimizer, fill: float, rank: int) -> Any:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    return {"model": msd, "optim": osd, "dist": _replicated(fill), "plain": _plain(rank)}
+
+
+def _full(model: nn.Module, optim: torch.optim.Optimizer, state: Any) -> dict[str, Any]:
+    """The full state (every tensor whole), as one process loads it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True)  # on every rank (no cpu_offload)
+    msd, osd = get_state_dict(model, optim, options=options)
+    # A DTensor saved but not asked for (rep2d, on 2 ranks) is not loaded: None.
+    whole = {k: v.full_tensor() for k, v in state["dist"].items() if v is not None}
+    return {"model": msd, "optim": osd, "dist": whole}
+
+
+def _load_into_fresh(ckpt: Checkpointer, rank: int, step: int | None = None) -> Any:
+    """Load into a fresh FSDP model (another seed) and return (loaded state, model, optim)."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    model, optim = _fsdp(seed=1)
+    into = _state(model, optim, 0.0, rank + 50)
+    loaded = ckpt.load(step, into=into)
+    set_state_dict(model, optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    return loaded, model, optim
+
+
+# --------------------------------------------------------------------------- 4 ranks
+
+
+def _save_then_load(rank: int, world: int, workdir: Path, root: str) -> None:
+    """Save steps 1 and 2 (training in between and after), then load step 2 back."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    ckpt = Checkpointer(root)
+    model, optim = _fsdp(seed=0)
+    _train(model, optim, 2)
+    ckpt.save(1, _state(model, optim, 1.0, rank)).result(timeout=120)
+    _train(model, optim, 1)
+    state = _state(model, optim, 2.0, rank)
+    want = _cloned(state)
+    full = _full(model, optim, state)  # collective: before the save, like the training step
+    if rank == 0:  # the reference for loads on other world sizes and in one process
+        torch.save({**full, "plain": want["plain"]}, workdir / "full.pt")
+    torch.save(want["plain"], workdir / f"plain{rank}.pt")
+    handle = ckpt.save(2, state)
+    _train(model, optim, 1)  # the snapshot, not the live parameters, is saved
+    handle.result(timeout=120)
+
+    loaded, model2, optim2 = _load_into_fresh(ckpt, rank)
+    msd, osd = get_state_dict(model2, optim2)
+    got = {"model": msd, "optim": osd, "dist": loaded["dist"], "plain": loaded["plain"]}
+    _assert_same(got, want)
+    assert loaded["plain"]["value"] == 10 * rank + 7
+    ckpt.close()
+    dist.barrier()
+
+
+def _load_resharded(rank: int, world: int, workdir: Path, root: str) -> None:
+    """Load the newest version on this world size; compare the full state and plain values."""
+    ckpt = Checkpointer(root, read_only=True)
+    loaded, model, optim = _load_into_fresh(ckpt, rank)
+    want = torch.load(workdir / "full.pt", weights_only=True)
+    got = _full(model, optim, loaded)
+    if world != 4:
+        assert loaded["dist"].get("rep2d", None) is None
+        want["dist"].pop("rep2d", None)
+    _assert_same(got, {k: want[k] for k in ("model", "optim", "dist")})
+    saved_by = rank if (workdir / f"plain{rank}.pt").exists() else 0
+    _assert_same(loaded["plain"], torch.load(workdir / f"plain{saved_by}.pt", weights_only=True))
+    ckpt.close()
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A root holding steps 1 and 2, saved by 4 FSDP2 ranks (and loaded back by them)."""
+    workdir = tmp_path_factory.mktemp("four")
+    run_ranks("_save_then_load", 4, workdir, str(workdir / "ckpt"))
+    return workdir
+
+
+def _rank_files(directory: Path, suffix: str = ".ackpt") -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.name.endswith(suffix))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_four_ranks_round_trip_bit_exact_with_per_rank_plain_values(four: Path) -> None:
+    # The ranks compared everything themselves; here the layout of what they wrote.
+    step = four / "ckpt" / "2"
+    commit = read_commit(*_root(four), 2)
+    assert commit is not None and commit.kind == SHARDED
+    files = [p.name for p in _rank_files(step)]
+    assert list(commit.files) == [*files, ".metadata"] and len(files) == 4
+    assert [f[:6] for f in files] == ["r00000", "r00001", "r00002", "r00003"]
+    assert list(commit.sizes) == [(step / f).stat().st_size for f in commit.files]
+    assert len(_rank_files(step, ".done")) == 4  # the completion markers stay
+    assert not _rank_files(step, ".beat") and not (step / "FAILED").exists()
+    assert json.loads((four / "ckpt" / "VERSION").read_text())["step"] == 2
+
+
+def _root(workdir: Path) -> tuple[Any, str]:
+    from asyncckpt.storage import resolve
+
+    return resolve(str(workdir / "ckpt"), None)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_replicated_dtensor_is_written_once(four: Path) -> None:
+    step = four / "ckpt" / "2"
+    stored: dict[str, list[int]] = {}
+    for marker in _rank_files(step, ".done"):
+        doc = json.loads(marker.read_text())
+        for piece in doc["pieces"]:
+            stored.setdefault(piece["fqn"], []).append(doc["rank"])
+    assert stored["dist.rep"] == [0]  # replicated on the 1-D mesh: rank 0 only
+    assert stored["dist.rep2d"] == [0, 1]  # mesh (2, 2), [Replicate(), Shard(0)]: row 0
+    assert stored["model.0.weight"] == [0, 1, 2, 3]  # FSDP: every rank its own shard
+    assert stored["model.2.bias"] == [0, 1, 2]  # 5 rows on 4 ranks: the last shard is empty
+    meta = json.loads((step / ".metadata").read_text())
+    items = [i for i in meta["items"] if i[0] == "dist.rep2d"]
+    assert sorted(i[1] for i in items) == [[0, 0], [2, 0]]  # two chunks, each stored once
+    # A rank that stores nothing of a replicated tensor keeps None in its own file's tree.
+    import asyncckpt
+
+    rank3 = asyncckpt.load(str(_rank_files(step)[3]))
+    assert rank3["dist"]["rep"] is None and rank3["plain"]["value"] == 37
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_four_ranks_to_two(four: Path) -> None:
+    run_ranks("_load_resharded", 2, four, str(four / "ckpt"))
+
+
+@pytest.mark.timeout(300)
+def test_one_process_without_a_group_loads_the_full_state(four: Path) -> None:
+    loaded = Checkpointer(four / "ckpt").load()
+    want = torch.load(four / "full.pt", weights_only=True)
+    _assert_same(loaded, want)  # every tensor whole, and rank 0's plain values
+    assert not holds_dtensor(loaded)
+    # Into an existing plain state (a model's full state dict): in place.
+    into = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
+    again = Checkpointer(four / "ckpt").load(1, into=into)
+    assert again["model"]["0.weight"] is into["model"]["0.weight"]
+    assert not torch.equal(into["model"]["0.weight"], want["model"]["0.weight"])  # step 1
+
+
+@pytest.mark.timeout(300)
+def test_a_flipped_byte_in_one_rank_file_is_reported(four: Path, tmp_path: Path) -> None:
+    shutil.copytree(four / "ckpt", tmp_path / "ckpt")
+    rank1 = _rank_files(tmp_path / "ckpt" / "2")[1]
+    with open(rank1, "r+b") as f:
+        f.seek(HEADER_SIZE + 3)
+        byte = f.read(1)
+        f.seek(HEADER_SIZE + 3)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ChecksumError) as info:
+        Checkpointer(tmp_path / "ckpt").load()
+    assert info.value.path == str(rank1)
+
+
+# --------------------------------------------------------------------------- 2 -> 3 ranks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_ranks_round_trip_then_three(tmp_path: Path) -> None:
+    run_ranks("_save_then_load", 2, tmp_path, str(tmp_path / "ckpt"))
+    run_ranks("_load_resharded", 3, tmp_path, str(tmp_path / "ckpt"))
+
+
+# --------------------------------------------------------------------------- a rank dies
+
+
+def _rank_killed_mid_save(rank: int, world: int, workdir: Path) -> None:
+    import asyncckpt.sharded
+
+    os.environ["ASYNCCKPT_LEASE_RENEW_MS"] = "100"
+    os.environ["ASYNCCKPT_LEASE_EXPIRY_MS"] = "2000"
+    root = workdir / "ckpt"
+    ckpt = Checkpointer(root)
+    model, optim = _fsdp(seed=0)
+    ckpt.save(1, _state(model, optim, 1.0, rank)).result(timeout=120)
+    dist.barrier()  # step 1 is committed on every rank's view
+    if rank == 1:
+
+        def die(*args: Any, **kwargs: Any) -> int:
+            os.kill(os.getpid(), signal.SIGKILL)  # its progress marker exists; its file not
+            raise AssertionError("unreachable")
+
+        asyncckpt.sharded.write_snapshot = die  # type: ignore[assignment]
+    handle = ckpt.save(2, _state(model, optim, 2.0, rank))
+    if rank == 0:
+        with pytest.raises(CheckpointTimeoutError, match="rank 1 has not recorded progress"):
+            handle.result(timeout=120)
+        assert (root / "2" / "FAILED").exists()
+    else:
+        handle.result(timeout=120)  # this rank's part does not depend on the others
+        with pytest.raises(IncompleteCheckpointError, match="failed"):
+            ckpt.load(2, collective=False, timeout=120)
+    assert read_commit(*_root(workdir), 2) is None
+    assert ckpt.latest() == 1 == Checkpointer(root, read_only=True).latest()
+    assert ckpt.load(collective=False)["dist"]["rep"].shape == (6, 3)  # step 1, whole
+    Path(workdir, f"rank{rank}.done").touch()
+    os._exit(0)  # the group's peer is dead: skip its orderly teardown
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_killed_mid_save_leaves_the_previous_version(tmp_path: Path) -> None:
+    run_ranks("_rank_killed_mid_save", 3, tmp_path, killed=(1,))
+    assert (tmp_path / "rank0.done").exists() and (tmp_path / "rank2.done").exists()
+    assert Checkpointer(tmp_path / "ckpt").latest() == 1
+    assert not (tmp_path / "ckpt" / "2" / "COMMIT").exists()
+
+
+# --------------------------------------------------------------------------- pure parts
+
+
+def test_a_sharded_commit_marker_names_rank_files_and_the_metadata() -> None:
+    doc = {"step": 3, "files": ["r00000-a.ackpt", ".metadata"], "sizes": [9, 2], "writer": "w"}
+    assert commit_from({**doc, "kind": SHARDED}, 3, "x").files[1] == ".metadata"
+    with pytest.raises(UnreadableRecordError):  # only a sharded version has metadata
+        commit_from(doc, 3, "x")
+    with pytest.raises(UnreadableRecordError):  # a kind this asyncckpt does not know
+        commit_from({**doc, "kind": "incremental"}, 3, "x")
+    assert CommitRecord(3, ("r00000-a.ackpt",), "w").kind == SINGLE
+
+
+def test_metadata_refuses_inconsistent_markers() -> None:
+    def piece(offsets: tuple[int, ...], shape: tuple[int, ...] = (4,)) -> Piece:
+        return Piece("w", ("w",), shape, "float32", offsets, (2,), 0, 8)
+
+    file0, file1 = (f"r0000{r}-{_ATTEMPT}.ackpt" for r in (0, 1))
+    whole = {
+        0: RankMarker(0, file0, 99, (piece((0,)),)),
+        1: RankMarker(1, file1, 99, (piece((2,)),)),
+    }
+    assert json.loads(metadata_bytes(whole, _ATTEMPT, "x"))["planner_data"] == {"w": ["w"]}
+    with pytest.raises(FormatError, match="stored twice"):
+        metadata_bytes({0: whole[0], 1: RankMarker(1, file1, 99, (piece((0,)),))}, _ATTEMPT, "x")
+    with pytest.raises(FormatError, match="disagree"):
+        metadata_bytes(
+            {0: whole[0], 1: RankMarker(1, file1, 99, (piece((2,), (6,)),))}, _ATTEMPT, "x"
+        )
+    with pytest.raises(FormatError, match="cover"):  # half of the tensor is stored nowhere
+        metadata_bytes({0: whole[0]}, _ATTEMPT, "x")
