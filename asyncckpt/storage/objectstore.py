@@ -68,6 +68,7 @@ MAX_PARTS = 10_000
 PARTS_PER_SIZE_STEP = 1_000
 _MAX_BACKOFF_S = 10.0
 _DELETE_BATCH = 1000
+_MAX_TAGGED_BYTES = 1 << 20  # the records compared after a 412 (VERSION) are far smaller
 
 # Indirection so tests can drive the retry loop with a fake clock.
 _clock: Callable[[], float] = time.monotonic
@@ -573,7 +574,7 @@ class ObjectStorage(Storage):
         try:
             return str(self.put(path, data, None, **condition)["ETag"])
         except (ConflictError, CheckpointNotFoundError):
-            found = self.read_tagged(path, len(data) + 1)
+            found = self.read_tagged(path, max(len(data), _MAX_TAGGED_BYTES))
             if found is not None and found[0] == data:  # our own write, response lost
                 return found[1]
             raise ConflictError(
