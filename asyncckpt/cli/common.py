@@ -329,7 +329,9 @@ def files_of(root: RootRef, step: int) -> list[FileRef]:
             f"{', '.join(map(str, committed)) or 'none'}"
         )
     directory = step_dir(storage, root.path, step)
-    return [FileRef(storage, storage.join(directory, name), step) for name in commit.files]
+    # A sharded version also names its DCP metadata (JSON), which is not an asyncckpt file.
+    names = [name for name in commit.files if name.endswith(".ackpt")]
+    return [FileRef(storage, storage.join(directory, name), step) for name in names]
 
 
 def chosen_step(root: RootRef) -> int:
@@ -447,7 +449,8 @@ def version_info(storage: Storage, root: str, step: int, latest: int | None) -> 
     directory = step_dir(storage, root, step)
     info["time"] = record_time(storage, storage.join(directory, COMMIT_FILE))
     info["files"] = list(commit.files)
-    _committed_sizes(storage, directory, commit.files, info)
+    info["kind"] = commit.kind
+    _committed_sizes(storage, directory, [n for n in commit.files if n.endswith(".ackpt")], info)
     return info
 
 
