@@ -36,9 +36,10 @@ from ..errors import (
 from ..format import TensorEntry
 from ..reader import OpenedFile, check_sizes, open_file
 from ..staging import byte_view
-from ..storage import Storage, is_temp_name, resolve
+from ..storage import Storage, is_temp_name
 from ..tree import torch_dtype
 from ..workers import pool
+from .location import CheckpointLocation
 from .schema import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
@@ -52,7 +53,7 @@ from .schema import (
 _QUEUED_PER_THREAD = 4
 
 
-class Reader(StorageReader):
+class Reader(CheckpointLocation, StorageReader):
     """Load a checkpoint written by :class:`asyncckpt.dcp.Writer` with ``dcp.load``.
 
     Only a committed checkpoint loads: one whose ``.metadata`` (JSON) exists. Every chunk
@@ -85,9 +86,8 @@ class Reader(StorageReader):
     def __init__(
         self, url: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
     ) -> None:
-        super().__init__()
-        self._storage_options = dict(storage_options or {})
-        self._open(url)
+        StorageReader.__init__(self)
+        CheckpointLocation.__init__(self, url, storage_options)
         self._load_id = uuid.uuid4().hex
         self._locations: dict[MetadataIndex, ItemLocation] = {}
 
@@ -107,43 +107,12 @@ class Reader(StorageReader):
         reader._storage, reader._path = storage, path
         return reader
 
-    def _open(self, url: str | os.PathLike[str]) -> None:
-        self._url = os.fspath(url)
-        self._storage: Storage
-        self._storage, self._path = resolve(self._url, self._storage_options)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # DCP's process-based async_save pickles the storage writer into another process;
-        # a storage backend (an s3fs client, its sessions) is opened again there instead.
-        state = dict(self.__dict__)
-        del state["_storage"], state["_path"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._open(self._url)
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory (URL) this reader loads from."""
-        return self._url
-
-    @property
-    def metadata_path(self) -> str:
-        """The commit object's path within the storage backend."""
-        return self._storage.join(self._path, METADATA_NAME)
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new load, from ``checkpoint_id`` if given (called by ``dcp.load``)."""
         self._locations = {}
         if checkpoint_id:
             self._open(checkpoint_id)
         self._load_id = uuid.uuid4().hex
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Any path or fsspec URL names a checkpoint directory."""
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read and validate the commit object.

@@ -38,12 +38,11 @@ from ..api import write_options
 from ..errors import AsyncCkptError, ConflictError, IncompleteCheckpointError
 from ..format import TensorEntry
 from ..staging import ArenaPool, DeviceCopies, Snapshot, StagedStorage
-from ..storage import Storage, resolve
 from ..tree import dtype_name
 from ..workers import pool
 from ..writer import write_snapshot
+from .location import CheckpointLocation
 from .schema import (
-    METADATA_NAME,
     ItemLocation,
     data_file_name,
     encode_metadata,
@@ -59,7 +58,7 @@ DCP_VERSION = "1.0.0"
 _NO_ARENA = ArenaPool(max_inflight=1 << 20)
 
 
-class Writer(StorageWriter):
+class Writer(CheckpointLocation, StorageWriter):
     """Store a ``torch.distributed.checkpoint`` save as asyncckpt files plus a JSON commit.
 
     Each rank writes one file, ``r<rank>-<attempt>.ackpt``, in asyncckpt's format (chunked,
@@ -99,52 +98,20 @@ class Writer(StorageWriter):
         storage_options: Mapping[str, Any] | None = None,
         compression: str = "zstd",
     ) -> None:
-        super().__init__()
-        self._storage_options = dict(storage_options or {})
+        StorageWriter.__init__(self)
         self._options = write_options(compression)  # validates `compression` now
         self._compression = compression
-        self._open(url)
+        CheckpointLocation.__init__(self, url, storage_options)
         self._save_id = uuid.uuid4().hex
         self._attempt = uuid.uuid4().hex
         self._coordinator = True
         self._rank = 0
-
-    def _open(self, url: str | os.PathLike[str]) -> None:
-        self._url = os.fspath(url)
-        self._storage: Storage
-        self._storage, self._path = resolve(self._url, self._storage_options)
-
-    def __getstate__(self) -> dict[str, Any]:
-        # DCP's process-based async_save pickles the storage writer into another process;
-        # a storage backend (an s3fs client, its sessions) is opened again there instead.
-        state = dict(self.__dict__)
-        del state["_storage"], state["_path"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._open(self._url)
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint directory (URL) this writer saves into."""
-        return self._url
-
-    @property
-    def metadata_path(self) -> str:
-        """The commit object's path within the storage backend."""
-        return self._storage.join(self._path, METADATA_NAME)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, into ``checkpoint_id`` if given (called by ``dcp.save``)."""
         if checkpoint_id:
             self._open(checkpoint_id)
         self._save_id = uuid.uuid4().hex
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Any path or fsspec URL names a checkpoint directory."""
-        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
         """Identifies this save in DCP's metadata (the URL and a save id)."""

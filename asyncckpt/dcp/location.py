@@ -1,0 +1,59 @@
+"""Where a DCP checkpoint lives: the part ``Writer`` and ``Reader`` share.
+
+Both name a checkpoint directory by URL, open its storage backend lazily again after being
+pickled (DCP's process-based ``async_save`` sends its storage writer to another process, and
+an s3fs client with live sessions cannot travel), and accept any path or URL as a
+``checkpoint_id``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..storage import Storage, resolve
+from .schema import METADATA_NAME
+
+
+class CheckpointLocation:
+    """A checkpoint directory (URL), its storage backend, and its commit object's path.
+
+    Example:
+        >>> where = CheckpointLocation("memory://ckpt/3")
+        >>> where.checkpoint_id, where.metadata_path
+        ('memory://ckpt/3', '/ckpt/3/.metadata')
+    """
+
+    def __init__(self, url: str | os.PathLike[str], storage_options: Any = None) -> None:
+        self._storage_options = dict(storage_options or {})
+        self._open(url)
+
+    def _open(self, url: str | os.PathLike[str]) -> None:
+        self._url = os.fspath(url)
+        self._storage: Storage
+        self._storage, self._path = resolve(self._url, self._storage_options)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The storage backend is opened again on the other side instead of pickled.
+        state = dict(self.__dict__)
+        del state["_storage"], state["_path"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open(self._url)
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint directory (URL)."""
+        return self._url
+
+    @property
+    def metadata_path(self) -> str:
+        """The commit object's path within the storage backend."""
+        return self._storage.join(self._path, METADATA_NAME)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Any path or fsspec URL names a checkpoint directory."""
+        return isinstance(checkpoint_id, (str, os.PathLike))
