@@ -25,9 +25,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
-import traceback
-import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +34,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -55,6 +51,7 @@ from asyncckpt.errors import (
 )
 from asyncckpt.format import FOOTER_SIZE, HEADER_SIZE
 from asyncckpt.storage import resolve
+from tests import ranks
 
 REPO = Path(__file__).resolve().parents[1]
 _WAIT = timedelta(seconds=120)  # every store wait and collective in a rank
@@ -438,62 +435,9 @@ def test_round_trip_on_s3(s3_root: str, s3_server: Any) -> None:
 # --------------------------------------------------------------------------- harness
 
 
-def _rank_main(name: str, rank: int, world: int, port: int, workdir: str, args: tuple) -> None:
-    """Entry point of one spawned rank: join the group, run ``name``, report failures."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_WAIT)
-        try:
-            globals()[name](rank, world, Path(workdir), *args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        text = traceback.format_exc()
-        Path(workdir, f"rank{rank}.traceback").write_text(text)
-        print(f"rank {rank} failed:\n{text}", flush=True)
-        raise SystemExit(1) from None
-
-
 def run_ranks(name: str, world: int, workdir: Path, *args: Any, timeout: float = 200) -> None:
-    """Run ``name(rank, world, workdir, *args)`` on ``world`` ranks; fail on any error."""
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, _WAIT, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_rank_main, args=(name, r, world, store.port, str(workdir), args))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    outcome = "ok"
-    try:
-        while True:
-            codes = [p.exitcode for p in procs]
-            if codes == [0] * world:
-                break
-            if any(c not in (None, 0) for c in codes):
-                outcome = "a rank failed"
-                break
-            if time.monotonic() > deadline:
-                outcome = f"ranks still running after {timeout} s (hang?)"
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(30)
-        del store
-    if outcome != "ok":
-        report = [f"{name}: {outcome}; exit codes {[p.exitcode for p in procs]}"]
-        for r in range(world):
-            tb = workdir / f"rank{r}.traceback"
-            if tb.exists():
-                report.append(f"--- rank {r} ---\n{tb.read_text()}")
-        pytest.fail("\n".join(report), pytrace=False)
+    """Run ``name(rank, world, workdir, *args)`` of this module on ``world`` gloo ranks."""
+    ranks.run(__name__, name, world, workdir, *args, timeout=timeout)
 
 
 # --------------------------------------------------------------------------- 2. FSDP2 ranks

@@ -20,7 +20,6 @@ import os
 import signal
 import threading
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -43,30 +41,13 @@ from asyncckpt.errors import (
 )
 from asyncckpt.protocol import read_commit, read_version_file
 from asyncckpt.storage import TEMP_MARK, AtomicWriter, resolve
+from tests import ranks
 
 pytestmark = pytest.mark.slow
 
 _WAIT = timedelta(seconds=120)  # every store wait and collective in a rank
 
 # --------------------------------------------------------------------------- harness
-
-
-def _rank_main(name: str, rank: int, world: int, port: int, workdir: str, args: tuple) -> None:
-    """Entry point of one spawned rank: join the group, run ``name``, report failures."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_WAIT)
-        try:
-            globals()[name](rank, world, store, Path(workdir), *args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        text = traceback.format_exc()
-        Path(workdir, f"rank{rank}.traceback").write_text(text)
-        print(f"rank {rank} failed:\n{text}", flush=True)
-        raise SystemExit(1) from None
 
 
 def run_ranks(
@@ -77,46 +58,13 @@ def run_ranks(
     timeout: float = 150,
     killed: tuple[int, ...] = (),
 ) -> None:
-    """Run ``name(rank, world, store, workdir, *args)`` on ``world`` ranks; fail on any error.
+    """Run ``name(rank, world, store, workdir, *args)`` of this module on ``world`` ranks.
 
     Ranks in ``killed`` must end by SIGKILL (they kill themselves on purpose).
     """
-    expected = [-signal.SIGKILL if r in killed else 0 for r in range(world)]
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, _WAIT, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_rank_main, args=(name, r, world, store.port, str(workdir), args))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    outcome = "ok"
-    try:
-        while True:
-            codes = [p.exitcode for p in procs]
-            if codes == expected:
-                break
-            if any(c not in (None, e) for c, e in zip(codes, expected)):
-                outcome = "a rank failed"
-                break
-            if time.monotonic() > deadline:
-                outcome = f"ranks still running after {timeout} s (hang?)"
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(30)
-        del store
-    if outcome != "ok":
-        report = [f"{name}: {outcome}; exit codes {[p.exitcode for p in procs]}"]
-        for r in range(world):
-            tb = workdir / f"rank{r}.traceback"
-            if tb.exists():
-                report.append(f"--- rank {r} ---\n{tb.read_text()}")
-        pytest.fail("\n".join(report), pytrace=False)
+    ranks.run(
+        __name__, name, world, workdir, *args, timeout=timeout, killed=killed, with_store=True
+    )
 
 
 def _store_wait(store: Any, key: str) -> None:

@@ -23,9 +23,6 @@ import json
 import os
 import shutil
 import signal
-import time
-import traceback
-import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,7 +30,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from asyncckpt import Checkpointer
@@ -53,6 +49,7 @@ from asyncckpt.protocol import (
     read_commit,
 )
 from asyncckpt.sharded import Piece, RankMarker, holds_dtensor, metadata_bytes
+from tests import ranks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -65,70 +62,11 @@ _ATTEMPT = "0123456789abcdef" * 2
 # --------------------------------------------------------------------------- harness
 
 
-def _rank_main(name: str, rank: int, world: int, port: int, workdir: str, args: tuple) -> None:
-    """Entry point of one spawned rank: join the group, run ``name``, report failures."""
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    try:
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_WAIT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=_WAIT)
-        try:
-            globals()[name](rank, world, Path(workdir), *args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        text = traceback.format_exc()
-        Path(workdir, f"rank{rank}.traceback").write_text(text)
-        print(f"rank {rank} failed:\n{text}", flush=True)
-        raise SystemExit(1) from None
-
-
 def run_ranks(
     name: str, world: int, workdir: Path, *args: Any, timeout: float = 200, killed: tuple = ()
 ) -> None:
-    """Run ``name(rank, world, workdir, *args)`` on ``world`` ranks; fail on any error.
-
-    Ranks in ``killed`` must end by SIGKILL (they kill themselves on purpose).
-    """
-    expected = [-signal.SIGKILL if r in killed else 0 for r in range(world)]
-    for old in workdir.glob("rank*.traceback"):
-        old.unlink()
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, _WAIT, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_rank_main, args=(name, r, world, store.port, str(workdir), args))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    outcome = "ok"
-    try:
-        while True:
-            codes = [p.exitcode for p in procs]
-            if codes == expected:
-                break
-            if any(c not in (None, e) for c, e in zip(codes, expected)):
-                outcome = "a rank failed"
-                break
-            if time.monotonic() > deadline:
-                outcome = f"ranks still running after {timeout} s (hang?)"
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(30)
-        del store
-    if outcome != "ok":
-        report = [f"{name}: {outcome}; exit codes {[p.exitcode for p in procs]}"]
-        for r in range(world):
-            tb = workdir / f"rank{r}.traceback"
-            if tb.exists():
-                report.append(f"--- rank {r} ---\n{tb.read_text()}")
-        pytest.fail("\n".join(report), pytrace=False)
+    """Run ``name(rank, world, workdir, *args)`` of this module on ``world`` gloo ranks."""
+    ranks.run(__name__, name, world, workdir, *args, timeout=timeout, killed=killed)
 
 
 # --------------------------------------------------------------------------- helpers

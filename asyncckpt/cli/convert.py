@@ -7,8 +7,17 @@ from typing import Any
 
 import torch
 
+from ..api import write_options
+from ..consolidate import (
+    ShardedSource,
+    materialize_all,
+    write_ackpt_stream,
+    write_safetensors_stream,
+)
+from ..dcp.schema import METADATA_NAME
 from ..progress import format_bytes
-from ..storage import resolve
+from ..protocol import SHARDED, latest_step, read_commit, step_dir
+from ..storage import Storage, resolve
 from ..tree import child_path
 from .common import (
     EXIT_OK,
@@ -26,7 +35,13 @@ from .common import (
     single_file,
 )
 from .formats import FORMATS, format_of, load_ackpt, load_torch, save_ackpt, save_torch, sniff
-from .safetensors_io import flat_tensors, read_safetensors, write_safetensors
+from .safetensors_io import (
+    SafetensorsError,
+    _metadata,
+    flat_tensors,
+    read_safetensors,
+    write_safetensors,
+)
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -38,7 +53,10 @@ def add_parser(sub: Subparsers) -> None:
         "Convert a checkpoint between torch.save (.pt/.pth/.bin; read with "
         "weights_only=True), asyncckpt (.ackpt, or ROOT[@STEP]) and safetensors "
         "(.safetensors; a flat dict of tensors; tied weights are written once and tied "
-        "again on the way back). The same tensors come out.",
+        "again on the way back). The same tensors come out. A sharded version (ROOT@STEP "
+        "of a sharded Checkpointer) or an asyncckpt.dcp directory is consolidated into "
+        "one file tensor by tensor: to .ackpt and .safetensors with memory bounded by the "
+        "largest tensor; torch.save output holds the whole state.",
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
@@ -155,10 +173,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
         UsageError: DST exists (without ``--force``), or a format cannot be told.
     """
     dst_format = format_of(args.dst, args.dst_format, "DST")
-    src, src_format = _source(args)
     dst_storage, dst_path = resolve(args.dst, args.options)
+    sharded = _sharded_source(args)
     if not args.force and kind_of(dst_storage, dst_path) != "missing":
         raise UsageError(f"asyncckpt convert: {args.dst} exists; pass --force to replace it")
+    if sharded is not None:
+        assert dst_format is not None
+        return _convert_sharded(args, sharded, dst_format, dst_storage, dst_path)
+    src, src_format = _source(args)
     size = src.storage.size(src.path)
     obj, metadata = _read(args, src, src_format)
     obj = select(obj, args.key, src.name)
@@ -189,6 +211,78 @@ def cmd_convert(args: argparse.Namespace) -> int:
         doc,
         f"converted {src.name} ({src_format}, {format_bytes(size)}) -> {dst_name} "
         f"({dst_format}, {format_bytes(written)}): {plural(count, 'tensor')}, "
+        f"{format_bytes(nbytes)}",
+    )
+    return EXIT_OK
+
+
+def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:
+    """The sharded checkpoint SRC names, opened; None for a single file or version.
+
+    A sharded ``Checkpointer`` version (``ROOT@STEP`` or the latest of ``ROOT``, when its
+    COMMIT's kind is ``sharded``), or a directory holding an ``asyncckpt.dcp`` checkpoint
+    (its ``.metadata``, no COMMIT).
+    """
+    if args.src_format not in (None, "ackpt"):
+        return None
+    ref = locate(args.src, args.options)
+    if not isinstance(ref, RootRef):
+        return None
+    storage = ref.storage
+    if ref.step is None and storage.exists(storage.join(ref.path, METADATA_NAME)):
+        return ShardedSource.open(storage, ref.path)
+    step = ref.step if ref.step is not None else latest_step(storage, ref.path)
+    if step is None:
+        return None  # nothing committed: single_file says so
+    commit = read_commit(storage, ref.path, step)
+    if commit is None or commit.kind != SHARDED:
+        return None
+    return ShardedSource.open(storage, step_dir(storage, ref.path, step), commit)
+
+
+def _convert_sharded(
+    args: argparse.Namespace, src: ShardedSource, dst_format: str, storage: Storage, path: str
+) -> int:
+    """Consolidate a sharded checkpoint into one file, tensor by tensor (see
+    :mod:`asyncckpt.consolidate`)."""
+    tree = select(src.skeleton, args.key, src.name)
+    count, nbytes, largest = src.raw_bytes(tree)
+    sizes = {loc.file: loc.file_size for loc in src.metadata.storage_data.values()}
+    with progress(args, nbytes, f"write {dst_format}") as bar:
+        if dst_format == "safetensors":
+            flat = flat_tensors(tree, f"{src.name} --key {args.key}" if args.key else src.name)
+            try:
+                written = write_safetensors_stream(
+                    src, flat, storage, path, _metadata(flat, {}, None), bar.update
+                )
+            except ValueError as exc:
+                raise SafetensorsError(f"cannot write {storage.describe(path)}: {exc}") from None
+        elif dst_format == "torch":
+            # torch.save pickles one object: the whole state is built in memory first.
+            written = save_torch(materialize_all(src, tree), storage, path, bar.update)
+        else:
+            options = write_options(args.compression)
+            written = write_ackpt_stream(src, tree, storage, path, options, bar.update)
+    dst_name = display(storage, path)
+    doc = {
+        "src": src.name,
+        "src_format": "sharded",
+        "dst": dst_name,
+        "dst_format": dst_format,
+        "key": args.key,
+        "tensors": count,
+        "raw_bytes": nbytes,
+        "largest_tensor_bytes": largest,
+        "src_files": len(sizes),
+        "src_bytes": sum(sizes.values()),
+        "dst_bytes": written,
+        "streamed": dst_format != "torch",
+    }
+    emit(
+        args,
+        doc,
+        f"consolidated {src.name} ({len(sizes)} rank files, {format_bytes(sum(sizes.values()))}) "
+        f"-> {dst_name} ({dst_format}, {format_bytes(written)}): {plural(count, 'tensor')}, "
         f"{format_bytes(nbytes)}",
     )
     return EXIT_OK

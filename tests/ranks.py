@@ -1,0 +1,111 @@
+"""Run a test function on several gloo ranks on loopback, failing loudly instead of hanging.
+
+Each rank is a spawned process that joins a ``gloo`` group through a ``TCPStore`` the parent
+owns (127.0.0.1, port chosen by the OS); the group and every wait have timeouts, and the
+parent kills all ranks as soon as one fails or the deadline passes, then shows every rank's
+traceback. Test modules wrap :func:`run` as their own ``run_ranks``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WAIT = timedelta(seconds=120)  # every store wait and collective in a rank
+
+
+def _rank_main(
+    target: tuple[str, str, bool], rank: int, world: int, port: int, workdir: str, args: Any
+) -> None:
+    """Entry point of one spawned rank: join the group, run ``module.name``, report failures."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=WAIT)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=WAIT)
+        try:
+            module, name, with_store = target
+            fn = getattr(importlib.import_module(module), name)
+            if with_store:
+                fn(rank, world, store, Path(workdir), *args)
+            else:
+                fn(rank, world, Path(workdir), *args)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        text = traceback.format_exc()
+        Path(workdir, f"rank{rank}.traceback").write_text(text)
+        print(f"rank {rank} failed:\n{text}", flush=True)
+        raise SystemExit(1) from None
+
+
+def run(
+    module: str,
+    name: str,
+    world: int,
+    workdir: Path,
+    *args: Any,
+    timeout: float = 200,
+    killed: tuple[int, ...] = (),
+    with_store: bool = False,
+) -> None:
+    """Run ``module.name(rank, world, workdir, *args)`` on ``world`` ranks; fail on any error.
+
+    With ``with_store`` the function also gets the ``TCPStore`` after ``world``. Ranks in
+    ``killed`` must end by SIGKILL (they kill themselves on purpose).
+    """
+    expected = [-signal.SIGKILL if r in killed else 0 for r in range(world)]
+    for old in workdir.glob("rank*.traceback"):
+        old.unlink()
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, WAIT, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=((module, name, with_store), r, world, store.port, str(workdir), args),
+        )
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    outcome = _watch(procs, expected, timeout)
+    if outcome != "ok":
+        report = [f"{name}: {outcome}; exit codes {[p.exitcode for p in procs]}"]
+        for r in range(world):
+            tb = workdir / f"rank{r}.traceback"
+            if tb.exists():
+                report.append(f"--- rank {r} ---\n{tb.read_text()}")
+        pytest.fail("\n".join(report), pytrace=False)
+    del store
+
+
+def _watch(procs: list[Any], expected: list[int], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            if codes == expected:
+                return "ok"
+            if any(c not in (None, e) for c, e in zip(codes, expected)):
+                return "a rank failed"
+            if time.monotonic() > deadline:
+                return f"ranks still running after {timeout} s (hang?)"
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(30)
