@@ -292,6 +292,17 @@ class Checkpointer:
             writer.commit(step, (name,), (size,))
         except FencedError:
             raise  # the root is another writer's now: leave no marker in it
+        except AsyncCkptError as exc:
+            winner = read_commit(self._storage, self._root, step)
+            if winner is not None and winner.writer != self._token:
+                # Another writer committed this step while we wrote (its commit swept our
+                # partial file): that is a lost race, not a storage failure.
+                raise ConflictError(
+                    f"step {step} was committed under {self.root} by another writer (id "
+                    f"{winner.writer}) while this one was writing it"
+                ) from exc
+            mark_failed(self._storage, self._root, step, exc)
+            raise
         except BaseException as exc:
             mark_failed(self._storage, self._root, step, exc)  # only if there is no COMMIT
             raise

@@ -233,7 +233,7 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(
     bound = (threads + 1) * (largest + stored) + (64 << 10)  # + plain values (RNG state)
     assert counter.peak <= bound, (counter.peak, bound, largest, total)
     assert counter.peak * 4 < total, (counter.peak, total)  # not the checkpoint
-    assert doc["raw_bytes"] <= total and doc["largest_tensor_bytes"] <= largest
+    assert doc["largest_tensor_bytes"] <= largest
 
 
 # --------------------------------------------------------------------------- asyncckpt.dcp
