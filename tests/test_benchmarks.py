@@ -88,7 +88,9 @@ def test_bench_save_quick(tmp_path: Path) -> None:
             lo, hi = paired[f"{m}_x_torch_save_spread"]
             assert lo <= paired[f"{m}_x_torch_save"] <= hi
         assert 0 <= paired[f"agreement_{c}"] < 1
-    assert len(paired["raw_s"]["torch_save"]) == paired["rounds"] >= 2
+    rounds = paired["rounds"]
+    assert rounds >= 2  # a count of rounds, not a duration
+    assert len(paired["raw_s"]["torch_save"]) == rounds
     for mode in ("plain", "reserve"):
         assert positive(res["first_save"][f"{mode}_x_copy"]), res["first_save"]
     for m in ("asyncckpt_zstd", "asyncckpt_none", "torch_save_thread", "dcp_async_save"):
