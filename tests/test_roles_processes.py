@@ -119,8 +119,11 @@ for step in (1, 2):
     ckpt.save(step, state(step)).result()
 real_create, real_publish = root_writer.create_commit, root_writer.publish_version
 def freeze():
+    # Park this thread here, then tell the test, which SIGSTOPs the whole process: a
+    # self-sent SIGSTOP lets this thread run on for a moment (into the commit) first.
     open(signal_file, "w").close()
-    os.kill(os.getpid(), signal.SIGSTOP)  # frozen for as long as the test wants
+    while not os.path.exists(signal_file + ".go"):
+        time.sleep(0.005)
 def create_commit(storage, r, record):
     if where == "before-commit" and record.step == 3:
         freeze()
@@ -154,6 +157,8 @@ def test_a_frozen_writer_that_wakes_up_cannot_move_the_version_backwards(
             assert zombie.poll() is None, zombie.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the zombie never reached its freeze point"
             time.sleep(0.02)
+        os.kill(zombie.pid, signal.SIGSTOP)  # frozen at the chosen point of its commit
+        Path(signal_file + ".go").touch()  # it goes on from there once continued
         with Checkpointer(root) as restarted:  # takes the root over while A is frozen
             for step in (10, 20):
                 restarted.save(step, {"step": step, "who": 1, "w": torch.full((50_000,), 1.0)})
