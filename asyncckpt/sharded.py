@@ -77,6 +77,7 @@ from .root_writer import FencedError
 from .staging import Snapshot
 from .storage import Storage
 from .tree import ROOT_NAME, child_path, dtype_name, flatten, torch_dtype
+from .workers import pool
 from .writer import WriteOptions, write_snapshot
 
 if TYPE_CHECKING:
@@ -87,6 +88,8 @@ log = logging.getLogger(__name__)
 DONE: Final = ".done"
 FAILED: Final = ".failed"
 BEAT: Final = ".beat"
+#: Threads that read rank markers in parallel on the writer rank.
+_MARKER_READERS: Final = 16
 #: The DCP metadata version recorded (the one DCP's FileSystemWriter writes).
 _DCP_VERSION: Final = "1.0.0"
 _MAX_POLL_S: Final = 1.0
@@ -656,8 +659,14 @@ class _ProgressWatch:
         self.beats: dict[int, tuple[bytes, float]] = {}
 
     def check(self, names: set[str]) -> list[int]:
-        """Take in what a listing shows; return the ranks still missing."""
+        """Take in what a listing shows; return the ranks still missing.
+
+        The markers a listing reveals are read in parallel: with many ranks finishing at
+        once, reading them one request at a time would put world x latency between the
+        last rank's write and the commit.
+        """
         job = self.job
+        done, writing = [], []
         for rank in range(job.world):
             if rank in self.found:
                 continue
@@ -667,18 +676,32 @@ class _ProgressWatch:
                     f"failed to write its part: {self._error(rank)}"
                 )
             if marker_name(rank, job.attempt, DONE) in names:
-                path = job.path(DONE, rank)
-                raw = job.storage.read_bytes(path, MAX_METADATA_BYTES)
-                where = job.storage.describe(path)
-                self.found[rank] = RankMarker.decode(raw, where, job.step, job.attempt, rank)
+                done.append(rank)
             elif marker_name(rank, job.attempt, BEAT) in names:
-                self._check_beat(rank)
+                writing.append(rank)
+        readers = pool("markers", _MARKER_READERS)
+        markers = [readers.submit(self._read_done, rank) for rank in done]
+        beats = [readers.submit(self._read_beat, rank) for rank in writing]
+        for rank, marker in zip(done, markers):
+            self.found[rank] = marker.result()
+        for future in beats:
+            self._check_beat(*future.result())
         return [r for r in range(job.world) if r not in self.found]
 
-    def _check_beat(self, rank: int) -> None:
+    def _read_done(self, rank: int) -> RankMarker:
+        job = self.job
+        path = job.path(DONE, rank)
+        raw = job.storage.read_bytes(path, MAX_METADATA_BYTES)
+        return RankMarker.decode(raw, job.storage.describe(path), job.step, job.attempt, rank)
+
+    def _read_beat(self, rank: int) -> tuple[int, bytes | None]:
         try:
-            beat = self.job.storage.read_bytes(self.job.path(BEAT, rank), MAX_METADATA_BYTES)
+            return rank, self.job.storage.read_bytes(self.job.path(BEAT, rank), MAX_METADATA_BYTES)
         except CheckpointNotFoundError:
+            return rank, None
+
+    def _check_beat(self, rank: int, beat: bytes | None) -> None:
+        if beat is None:
             return
         now = time.monotonic()
         seen = self.beats.get(rank)

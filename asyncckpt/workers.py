@@ -48,6 +48,9 @@ class DaemonPool:
                 future.set_result(fn(*args))
             except BaseException as exc:
                 future.set_exception(exc)
+            # Drop the task before waiting for the next one: an idle thread must not keep
+            # its last task's arguments (a whole tensor, a chunk buffer) alive.
+            del future, fn, args
 
 
 _lock = threading.Lock()
