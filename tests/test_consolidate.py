@@ -34,7 +34,7 @@ from asyncckpt import Checkpointer, cli, config
 from asyncckpt.consolidate import ShardedSource, safetensors_header
 from asyncckpt.reader import open_file
 from asyncckpt.storage import resolve
-from tests import ranks
+from tests import ranks, state_checks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -43,38 +43,6 @@ pytestmark = [
 
 _LAYERS = 12
 _WIDTH = 96  # 96 x 96 float32 = 36 KiB per weight; 7 Linear layers; Adam doubles it
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
-    return bytes(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-
-
-def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(obj, (list, tuple)):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(_flat(v, f"{prefix}.{i}"))
-        return out
-    return {prefix: obj}
-
-
-def _assert_same(got: Any, want: Any) -> None:
-    g, w = _flat(got), _flat(want)
-    assert g.keys() == w.keys(), sorted(g.keys() ^ w.keys())
-    for key, expected in w.items():
-        value = g[key]
-        if isinstance(expected, torch.Tensor):
-            assert isinstance(value, torch.Tensor), key
-            assert (value.dtype, value.shape) == (expected.dtype, expected.shape), key
-            assert _bits(value) == _bits(expected), key
-        else:
-            assert value == expected, key
 
 
 # --------------------------------------------------------------------------- 2 ranks
@@ -143,9 +111,9 @@ def test_sharded_version_to_ackpt_bit_exact(
     doc = run(capsys, "convert", f"{sharded / 'ckpt'}@3", out)
     assert doc["src_format"] == "sharded" and doc["streamed"] and doc["src_files"] == 2
     loaded = asyncckpt.load(out)
-    _assert_same(loaded, _reference(sharded))  # whole tensors, rank 0's plain values
+    state_checks.assert_same(loaded, _reference(sharded))  # whole tensors, rank 0's plain values
     # The same as the in-process consolidation of Checkpointer.load().
-    _assert_same(loaded, Checkpointer(sharded / "ckpt", read_only=True).load(3))
+    state_checks.assert_same(loaded, Checkpointer(sharded / "ckpt", read_only=True).load(3))
 
 
 def test_sharded_version_to_safetensors_bit_exact(
@@ -158,7 +126,7 @@ def test_sharded_version_to_safetensors_bit_exact(
     with safe_open(str(out), framework="pt") as f:  # the library reads what we wrote
         got = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (not a dict)
         assert f.metadata()["format"] == "pt"
-    _assert_same(got, want)
+    state_checks.assert_same(got, want)
     # asyncckpt's own reader restores the key order.
     back = run(capsys, "convert", out, tmp_path / "back.pt")
     assert back["tensors"] == len(want)
@@ -171,7 +139,7 @@ def test_sharded_version_to_torch_save_bit_exact(
     out = tmp_path / "full.pt"
     doc = run(capsys, "convert", f"{sharded / 'ckpt'}@3", out)
     assert not doc["streamed"]  # torch.save pickles one object: the state is held whole
-    _assert_same(torch.load(out, weights_only=True), _reference(sharded))
+    state_checks.assert_same(torch.load(out, weights_only=True), _reference(sharded))
 
 
 def test_safetensors_needs_a_flat_part(
@@ -255,12 +223,12 @@ def test_dcp_writer_directory_converts(tmp_path: Path, capsys: pytest.CaptureFix
         dcp.save(state, storage_writer=asyncckpt.dcp.Writer(str(url)), no_dist=True)
     doc = run(capsys, "convert", url, tmp_path / "x.ackpt")
     assert doc["src_format"] == "sharded"
-    _assert_same(asyncckpt.load(tmp_path / "x.ackpt"), state)
+    state_checks.assert_same(asyncckpt.load(tmp_path / "x.ackpt"), state)
     run(capsys, "convert", url, tmp_path / "x.safetensors", "--key", "model")
     with safe_open(str(tmp_path / "x.safetensors"), framework="pt") as f:
-        _assert_same({k: f.get_tensor(k) for k in f.keys()}, state["model"])  # noqa: SIM118
+        state_checks.assert_same({k: f.get_tensor(k) for k in f.keys()}, state["model"])  # noqa: SIM118
     run(capsys, "convert", url, tmp_path / "x.pt")
-    _assert_same(torch.load(tmp_path / "x.pt", weights_only=True), state)
+    state_checks.assert_same(torch.load(tmp_path / "x.pt", weights_only=True), state)
 
 
 def test_an_uncommitted_dcp_directory_is_refused(

@@ -51,7 +51,7 @@ from asyncckpt.errors import (
 )
 from asyncckpt.format import FOOTER_SIZE, HEADER_SIZE
 from asyncckpt.storage import resolve
-from tests import ranks
+from tests import ranks, state_checks
 
 REPO = Path(__file__).resolve().parents[1]
 _WAIT = timedelta(seconds=120)  # every store wait and collective in a rank
@@ -65,60 +65,6 @@ pytestmark = [
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    """A tensor's exact bytes (NaN payloads and -0.0 included)."""
-    t = t.detach().cpu().contiguous()
-    return bytes(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-
-
-def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """``{path: leaf}`` of nested dicts and lists; DTensors become their local shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(obj, (list, tuple)):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(_flat(v, f"{prefix}.{i}"))
-        return out
-    if isinstance(obj, DTensor):
-        return {prefix: obj.to_local()}
-    return {prefix: obj}
-
-
-def _assert_same(got: Any, want: Any) -> None:
-    """Same keys, tensors equal bit for bit (same dtype and shape), other leaves equal."""
-    g, w = _flat(got), _flat(want)
-    assert g.keys() == w.keys()
-    for key, expected in w.items():
-        value = g[key]
-        if isinstance(expected, torch.Tensor):
-            assert isinstance(value, torch.Tensor), key
-            assert (value.dtype, value.shape) == (expected.dtype, expected.shape), key
-            assert _bits(value) == _bits(expected), key
-        else:
-            assert value == expected, key
-
-
-def _cloned(obj: Any) -> Any:
-    """A deep copy whose tensors (DTensors: local shards) own their memory."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, dict):
-        return {k: _cloned(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_cloned(v) for v in obj]
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().clone()
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    return obj
 
 
 def _zeros_like(obj: Any) -> Any:
@@ -177,7 +123,7 @@ def _round_trip(url: str, **kw: Any) -> None:
     state = _state()
     _save(state, url, **kw)
     fresh = _zeros_like(_state())
-    _assert_same(_load(fresh, url, **kw), state)
+    state_checks.assert_same(_load(fresh, url, **kw), state)
 
 
 def _local_dir(tmp_path: Path) -> Path:
@@ -224,8 +170,8 @@ def test_data_file_is_an_ordinary_asyncckpt_file(tmp_path: Path) -> None:
     (data,) = _data_files(url)
     loaded = asyncckpt.load(str(data))
     # Its keys are DCP's: the flattened name, and the chunk's offsets for tensors.
-    assert _bits(loaded["model.w32@0,0"]) == _bits(_state()["model"]["w32"])
-    assert _bits(loaded["model.wT@0,0"]) == _bits(_state()["model"]["wT"])
+    assert state_checks.bits(loaded["model.w32@0,0"]) == state_checks.bits(_state()["model"]["w32"])
+    assert state_checks.bits(loaded["model.wT@0,0"]) == state_checks.bits(_state()["model"]["wT"])
     assert loaded["step"].dtype == torch.uint8  # a bytes item: what DCP's planner wrote
 
 
@@ -234,7 +180,7 @@ def test_uncompressed_round_trip(tmp_path: Path) -> None:
     url = str(tmp_path / "raw")
     state = _state()
     _save(state, url, compression="none")
-    _assert_same(_load(_zeros_like(_state()), url), state)
+    state_checks.assert_same(_load(_zeros_like(_state()), url), state)
     (data,) = _data_files(Path(url))
     codecs = {
         c.codec for c in asyncckpt.reader.open_file(*resolve(str(data), None)).manifest.chunks
@@ -249,7 +195,7 @@ def test_checkpoint_id_replaces_the_url(tmp_path: Path) -> None:
     assert not (tmp_path / "a").exists()
     fresh = _zeros_like(_state())
     dcp.load(fresh, checkpoint_id=str(tmp_path / "b"), storage_reader=Reader(tmp_path / "a"))
-    _assert_same(fresh, state)
+    state_checks.assert_same(fresh, state)
 
 
 def test_unknown_compression_is_refused(tmp_path: Path) -> None:
@@ -267,7 +213,7 @@ def test_saving_into_a_committed_directory_is_refused(tmp_path: Path) -> None:
         _save(other, url)
     assert isinstance(_failure(info.value), ConflictError)
     assert sorted(os.listdir(url)) == before  # refused before anything was written
-    _assert_same(_load(_zeros_like(_state()), url), _state())
+    state_checks.assert_same(_load(_zeros_like(_state()), url), _state())
 
 
 @pytest.mark.timeout(120)
@@ -330,7 +276,9 @@ def test_every_flipped_byte_of_a_data_file_fails_the_load(tmp_path: Path) -> Non
         assert isinstance(error, expected), (offset, error)
         assert str(data) in str(error), (offset, error)
         _flip(data, offset)  # back
-    _assert_same(_load({"a": torch.zeros(6), "b": torch.zeros(3, dtype=torch.int16)}, url), state)
+    state_checks.assert_same(
+        _load({"a": torch.zeros(6), "b": torch.zeros(3, dtype=torch.int16)}, url), state
+    )
 
 
 @pytest.mark.timeout(120)
@@ -476,7 +424,7 @@ def _fsdp_save_load(rank: int, world: int, workdir: Path, url: str, options: Any
     _train(model, optim, 3)
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd, "extra": {"step": 3, "tag": f"run-{world}"}}
-    want = _cloned(state)
+    want = state_checks.cloned(state)
     full = get_state_dict(
         model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
@@ -500,11 +448,11 @@ def _fsdp_save_load(rank: int, world: int, workdir: Path, url: str, options: Any
         msd2, osd2 = get_state_dict(model2, optim2)
         state2 = {"model": msd2, "optim": osd2, "extra": {"step": 0, "tag": ""}}
         with pytest.raises(AssertionError):  # so the comparison below is not vacuous
-            _assert_same(_cloned(state2), want)
+            state_checks.assert_same(state_checks.cloned(state2), want)
         dcp.load(state2, storage_reader=Reader(f"{url}/{sub}", storage_options=options))
         set_state_dict(model2, optim2, model_state_dict=state2["model"], optim_state_dict=osd2)
         got = get_state_dict(model2, optim2)
-        _assert_same({"model": got[0], "optim": got[1], "extra": state2["extra"]}, want)
+        state_checks.assert_same({"model": got[0], "optim": got[1], "extra": state2["extra"]}, want)
 
         if rank == 0:  # one file per rank, of one attempt, and the commit object
             storage, path = resolve(f"{url}/{sub}", options)
@@ -525,10 +473,10 @@ def _reshard_to_one_process(workdir: Path, url: str, options: Any = None) -> Non
     # A plain state of full-size tensors: DCP reads each from the shards that hold it.
     state = _zeros_like(full)
     dcp.load(state, storage_reader=Reader(url, storage_options=options), no_dist=True)
-    _assert_same(state, full)
+    state_checks.assert_same(state, full)
     # DCP's "load everything" path, which builds the state from the metadata alone.
     everything = _load_state_dict_from_keys(storage_reader=Reader(url, storage_options=options))
-    _assert_same(everything, full)
+    state_checks.assert_same(everything, full)
 
 
 @pytest.mark.slow
@@ -595,7 +543,7 @@ def test_stored_bytes_against_filesystem_writer(tmp_path: Path) -> None:
             dcp.save(state, storage_writer=writer)
             sizes[name] = _tree_bytes(Path(str(writer.checkpoint_id)))
         fresh = {k: torch.zeros_like(v) for k, v in state.items()}
-        _assert_same(_load(fresh, str(tmp_path / f"ack-{dtype}")), state)
+        state_checks.assert_same(_load(fresh, str(tmp_path / f"ack-{dtype}")), state)
         lines.append(
             f"  {dtype!s:15} raw {raw:>11,}  "
             + "  ".join(f"{n} {s:>11,} ({s / raw:.1%})" for n, s in sizes.items())
@@ -638,7 +586,7 @@ def test_writer_and_reader_survive_pickling(memory_root: str) -> None:
     state = _state()
     dcp.save(state, storage_writer=writer)
     reader = pickle.loads(pickle.dumps(Reader(url)))
-    _assert_same(_load(_zeros_like(_state()), url), state)
+    state_checks.assert_same(_load(_zeros_like(_state()), url), state)
     assert (
         reader.read_metadata().state_dict_metadata.keys()
         == Reader(url).read_metadata().state_dict_metadata.keys()

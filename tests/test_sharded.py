@@ -49,7 +49,7 @@ from asyncckpt.protocol import (
     read_commit,
 )
 from asyncckpt.sharded import Piece, RankMarker, holds_dtensor, metadata_bytes
-from tests import ranks
+from tests import ranks, state_checks
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -70,60 +70,6 @@ def run_ranks(
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    """A tensor's exact bytes (NaN payloads and -0.0 included)."""
-    t = t.detach().cpu().contiguous()
-    return bytes(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b""
-
-
-def _flat(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """``{path: leaf}`` of nested dicts, lists and tuples; DTensors become their local shard."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(obj, (list, tuple)):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(_flat(v, f"{prefix}.{i}"))
-        return out
-    if isinstance(obj, DTensor):
-        return {prefix: obj.to_local()}
-    return {prefix: obj}
-
-
-def _assert_same(got: Any, want: Any) -> None:
-    """Same keys, tensors equal bit for bit (same dtype and shape), other leaves equal."""
-    g, w = _flat(got), _flat(want)
-    assert g.keys() == w.keys(), sorted(g.keys() ^ w.keys())
-    for key, expected in w.items():
-        value = g[key]
-        if isinstance(expected, torch.Tensor):
-            assert isinstance(value, torch.Tensor), key
-            assert (value.dtype, value.shape) == (expected.dtype, expected.shape), key
-            assert _bits(value) == _bits(expected), key
-        else:
-            assert value == expected, key
-
-
-def _cloned(obj: Any) -> Any:
-    """A deep copy whose tensors (DTensors: local shards) own their memory."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(obj, dict):
-        return {k: _cloned(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cloned(v) for v in obj)
-    if isinstance(obj, DTensor):
-        return obj.to_local().detach().clone()
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    return obj
 
 
 def _fsdp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -216,7 +162,7 @@ def _save_then_load(rank: int, world: int, workdir: Path, root: str) -> None:
     ckpt.save(1, _state(model, optim, 1.0, rank)).result(timeout=120)
     _train(model, optim, 1)
     state = _state(model, optim, 2.0, rank)
-    want = _cloned(state)
+    want = state_checks.cloned(state)
     full = _full(model, optim, state)  # collective: before the save, like the training step
     if rank == 0:  # the reference for loads on other world sizes and in one process
         torch.save({**full, "plain": want["plain"]}, workdir / "full.pt")
@@ -228,7 +174,7 @@ def _save_then_load(rank: int, world: int, workdir: Path, root: str) -> None:
     loaded, model2, optim2 = _load_into_fresh(ckpt, rank)
     msd, osd = get_state_dict(model2, optim2)
     got = {"model": msd, "optim": osd, "dist": loaded["dist"], "plain": loaded["plain"]}
-    _assert_same(got, want)
+    state_checks.assert_same(got, want)
     assert loaded["plain"]["value"] == 10 * rank + 7
     ckpt.close()
     dist.barrier()
@@ -243,9 +189,11 @@ def _load_resharded(rank: int, world: int, workdir: Path, root: str) -> None:
     if world != 4:
         assert loaded["dist"].get("rep2d", None) is None
         want["dist"].pop("rep2d", None)
-    _assert_same(got, {k: want[k] for k in ("model", "optim", "dist")})
+    state_checks.assert_same(got, {k: want[k] for k in ("model", "optim", "dist")})
     saved_by = rank if (workdir / f"plain{rank}.pt").exists() else 0
-    _assert_same(loaded["plain"], torch.load(workdir / f"plain{saved_by}.pt", weights_only=True))
+    state_checks.assert_same(
+        loaded["plain"], torch.load(workdir / f"plain{saved_by}.pt", weights_only=True)
+    )
     ckpt.close()
     dist.barrier()
 
@@ -317,7 +265,7 @@ def test_four_ranks_to_two(four: Path) -> None:
 def test_one_process_without_a_group_loads_the_full_state(four: Path) -> None:
     loaded = Checkpointer(four / "ckpt").load()
     want = torch.load(four / "full.pt", weights_only=True)
-    _assert_same(loaded, want)  # every tensor whole, and rank 0's plain values
+    state_checks.assert_same(loaded, want)  # every tensor whole, and rank 0's plain values
     assert not holds_dtensor(loaded)
     # Into an existing plain state (a model's full state dict): in place.
     into = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
