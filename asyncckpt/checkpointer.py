@@ -500,12 +500,19 @@ class Checkpointer:
             raise AsyncCkptError(f"this Checkpointer for {self.root} is closed")
 
     def close(self) -> None:
-        """Wait for pending saves (raising a failure nobody observed) and stop."""
+        """Wait for pending saves (raising a failure nobody observed) and stop.
+
+        A writer applies ``keep_last`` once more: the last save's retention may have spared
+        the step of the collective load before it, which no rank can still be reading now.
+        """
         if self._closed:
             return
         self._closed = True
         try:
             self.wait()
+            writer = self._writer
+            if writer.epoch is not None and writer.published is not None:
+                writer.apply_retention(self.keep_last, writer.published, self._agreed_step)
         finally:
             self._writer.release()
 
