@@ -140,6 +140,9 @@ def _warn_once(fs: fsspec.AbstractFileSystem, why: str) -> None:
     )
 
 
+_LIST_ATTEMPTS = 5
+
+
 class FsspecStorage(Storage):
     """Any fsspec filesystem that is neither local disk nor an S3-API object store.
 
@@ -234,13 +237,24 @@ class FsspecStorage(Storage):
 
     def list_dir(self, path: str) -> list[str]:
         with errors_as(self, path, "list"):
-            try:
-                entries = self.fs.ls(path, detail=False)
-            except FileNotFoundError:
-                return []
+            entries = self._ls(path)
         prefix = path.rstrip("/") + "/"
         names = {e.rstrip("/").split("/")[-1] for e in entries if e.rstrip("/") != path}
         return sorted(n for n in names if n and f"{prefix}{n}" != prefix)
+
+    def _ls(self, path: str) -> list[str]:
+        # fsspec's in-memory filesystem lists by walking a dict that other threads change
+        # (a temp file renamed away mid-listing): a KeyError or RuntimeError there means
+        # "list again", not a failure.
+        for attempt in range(_LIST_ATTEMPTS):
+            try:
+                return list(self.fs.ls(path, detail=False))
+            except FileNotFoundError:
+                return []
+            except (KeyError, RuntimeError):
+                if attempt == _LIST_ATTEMPTS - 1:
+                    raise
+        return []
 
     def delete_tree(self, path: str) -> None:
         with errors_as(self, path, "delete"), contextlib.suppress(FileNotFoundError):
