@@ -6,6 +6,7 @@ children are killed at the end, so a hang fails the test instead of stalling CI.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -73,6 +74,20 @@ def _finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, str
         out, err = proc.communicate()
         pytest.fail(f"child hung:\n{err[-3000:]}")
     return proc.returncode, out, err
+
+
+def _wait_stopped(pid: int) -> None:
+    """Until every thread of ``pid`` is stopped (state T in /proc), at most 60 s."""
+    deadline = time.monotonic() + 60
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(s in ("T", "t") for s in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} never stopped: {states}"
+        time.sleep(0.005)
 
 
 def _wait_for_file(path: str, proc: subprocess.Popen[str]) -> None:
@@ -158,6 +173,7 @@ def test_a_frozen_writer_that_wakes_up_cannot_move_the_version_backwards(
             assert time.monotonic() < deadline, "the zombie never reached its freeze point"
             time.sleep(0.02)
         os.kill(zombie.pid, signal.SIGSTOP)  # frozen at the chosen point of its commit
+        _wait_stopped(zombie.pid)  # SIGSTOP lands asynchronously: only then may it go on
         Path(signal_file + ".go").touch()  # it goes on from there once continued
         with Checkpointer(root) as restarted:  # takes the root over while A is frozen
             for step in (10, 20):
