@@ -21,6 +21,7 @@ TEMP_MARK = ".acktmp-"
 #: The storage option that lets an object store without conditional writes be used anyway.
 UNSAFE_UNCONDITIONAL_WRITES = "unsafe_unconditional_writes"
 _MAX_TAGGED_BYTES = 1 << 20
+_WRITE_ATTEMPTS = 3
 
 
 def temp_name(path: str) -> str:
@@ -169,8 +170,20 @@ class Storage(ABC):
         """
         with _create_lock:
             self._check_tag(path, tag)
-            self.write_bytes(path, data)
+            self._write_under_lock(path, data)
         return content_tag(data)
+
+    def _write_under_lock(self, path: str, data: bytes) -> None:
+        """``write_bytes`` for a compare-and-swap, whose temp file another writer's clean-up
+        of leftovers (``remove_temp_files``) may delete mid-write: then write it again.
+        The caller holds the lock, so no other compare-and-swap runs meanwhile."""
+        for attempt in range(_WRITE_ATTEMPTS):
+            try:
+                self.write_bytes(path, data)
+                return
+            except CheckpointNotFoundError:
+                if attempt == _WRITE_ATTEMPTS - 1:
+                    raise
 
     def _check_tag(self, path: str, tag: str | None) -> None:
         found = self.read_tagged(path, _MAX_TAGGED_BYTES)

@@ -100,7 +100,7 @@ class LocalStorage(Storage):
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with _flocked(self, f"{path}.lock"):
             self._check_tag(path, tag)
-            self.write_bytes(path, data)
+            self._write_under_lock(path, data)
         return content_tag(data)
 
 
