@@ -116,3 +116,29 @@ def _watch(procs: list[Any], expected: list[int], timeout: float) -> str:
             if p.is_alive():
                 p.kill()
             p.join(30)
+
+
+def fsdp_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small FSDP2 model over all ranks, and its Adam optimizer (call inside a rank).
+
+    5 output features: the last layer's weight and bias shard unevenly over 2, 3, 4 ranks.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train(model: torch.nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
+    """``steps`` optimizer steps on random data."""
+    for _ in range(steps):
+        model(torch.randn(4, 8)).square().sum().backward()
+        optim.step()
+        optim.zero_grad()

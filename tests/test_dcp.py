@@ -34,7 +34,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncckpt
@@ -391,28 +390,6 @@ def run_ranks(name: str, world: int, workdir: Path, *args: Any, timeout: float =
 # --------------------------------------------------------------------------- 2. FSDP2 ranks
 
 
-def _fsdp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    # 5 output features: the last layer's weight and bias shard unevenly (3 + 2 rows).
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 5))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
-    for _ in range(steps):
-        model(torch.randn(4, 8)).square().sum().backward()
-        optim.step()
-        optim.zero_grad()
-
-
 def _fsdp_save_load(rank: int, world: int, workdir: Path, url: str, options: Any) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -420,8 +397,8 @@ def _fsdp_save_load(rank: int, world: int, workdir: Path, url: str, options: Any
         set_state_dict,
     )
 
-    model, optim = _fsdp(seed=0)
-    _train(model, optim, 3)
+    model, optim = ranks.fsdp_model(seed=0)
+    ranks.train(model, optim, 3)
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd, "extra": {"step": 3, "tag": f"run-{world}"}}
     want = state_checks.cloned(state)
@@ -440,11 +417,11 @@ def _fsdp_save_load(rank: int, world: int, workdir: Path, url: str, options: Any
         storage_writer=Writer(f"{url}/async", storage_options=options),
         process_group=group,
     )
-    _train(model, optim, 1)  # the staged copy, not the live parameters, is saved
+    ranks.train(model, optim, 1)  # the staged copy, not the live parameters, is saved
     future.result(timeout=_WAIT.total_seconds())
 
     for sub in ("sync", "async"):
-        model2, optim2 = _fsdp(seed=1)
+        model2, optim2 = ranks.fsdp_model(seed=1)
         msd2, osd2 = get_state_dict(model2, optim2)
         state2 = {"model": msd2, "optim": osd2, "extra": {"step": 0, "tag": ""}}
         with pytest.raises(AssertionError):  # so the comparison below is not vacuous

@@ -72,28 +72,6 @@ def run_ranks(
 # --------------------------------------------------------------------------- helpers
 
 
-def _fsdp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    # 5 output features: the last layer's weight and bias shard unevenly over 2, 3, 4 ranks.
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 5))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
-    for _ in range(steps):
-        model(torch.randn(4, 8)).square().sum().backward()
-        optim.step()
-        optim.zero_grad()
-
-
 def _replicated(fill: float) -> dict[str, Any]:
     """A DTensor replicated on every rank, and (4 ranks) one replicated on one mesh dim."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -142,7 +120,7 @@ def _load_into_fresh(ckpt: Checkpointer, rank: int, step: int | None = None) -> 
     """Load into a fresh FSDP model (another seed) and return (loaded state, model, optim)."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    model, optim = _fsdp(seed=1)
+    model, optim = ranks.fsdp_model(seed=1)
     into = _state(model, optim, 0.0, rank + 50)
     loaded = ckpt.load(step, into=into)
     set_state_dict(model, optim, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
@@ -157,10 +135,10 @@ def _save_then_load(rank: int, world: int, workdir: Path, root: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     ckpt = Checkpointer(root)
-    model, optim = _fsdp(seed=0)
-    _train(model, optim, 2)
+    model, optim = ranks.fsdp_model(seed=0)
+    ranks.train(model, optim, 2)
     ckpt.save(1, _state(model, optim, 1.0, rank)).result(timeout=120)
-    _train(model, optim, 1)
+    ranks.train(model, optim, 1)
     state = _state(model, optim, 2.0, rank)
     want = state_checks.cloned(state)
     full = _full(model, optim, state)  # collective: before the save, like the training step
@@ -168,7 +146,7 @@ def _save_then_load(rank: int, world: int, workdir: Path, root: str) -> None:
         torch.save({**full, "plain": want["plain"]}, workdir / "full.pt")
     torch.save(want["plain"], workdir / f"plain{rank}.pt")
     handle = ckpt.save(2, state)
-    _train(model, optim, 1)  # the snapshot, not the live parameters, is saved
+    ranks.train(model, optim, 1)  # the snapshot, not the live parameters, is saved
     handle.result(timeout=120)
 
     loaded, model2, optim2 = _load_into_fresh(ckpt, rank)
@@ -308,7 +286,7 @@ def _rank_killed_mid_save(rank: int, world: int, workdir: Path) -> None:
     os.environ["ASYNCCKPT_LEASE_EXPIRY_MS"] = "2000"
     root = workdir / "ckpt"
     ckpt = Checkpointer(root)
-    model, optim = _fsdp(seed=0)
+    model, optim = ranks.fsdp_model(seed=0)
     ckpt.save(1, _state(model, optim, 1.0, rank)).result(timeout=120)
     dist.barrier()  # step 1 is committed on every rank's view
     if rank == 1:
