@@ -33,6 +33,7 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
@@ -387,9 +388,29 @@ def split_state(state: Any) -> RankState:
     return RankState(_rebuilt(state, (), replaced, above), stored)
 
 
+#: Local chunk lists by (mesh, placements, global shape), which determine them on a rank.
+#: Computing one costs tens of microseconds per DTensor (hundreds of DTensors in a model and
+#: its optimizer state: milliseconds of every save's stall), and a training state has the
+#: same few keys at every save.
+_chunk_cache: dict[tuple[Any, ...], list[Any]] = {}
+_CHUNK_CACHE_MAX: Final = 4096
+
+
+def _chunks(dt: Any) -> list[Any]:
+    """``dt.__create_chunk_list__()``, from :data:`_chunk_cache` when it was seen before."""
+    key = (dt.device_mesh, tuple(dt.placements), dt.shape)
+    chunks = _chunk_cache.get(key)
+    if chunks is None:
+        chunks = dt.__create_chunk_list__()
+        if len(_chunk_cache) >= _CHUNK_CACHE_MAX:
+            _chunk_cache.clear()
+        _chunk_cache[key] = chunks
+    return chunks
+
+
 def _stores(dt: Any, key: str) -> bool:
     try:
-        chunks = dt.__create_chunk_list__()
+        chunks = _chunks(dt)
     except (RuntimeError, ValueError, NotImplementedError) as exc:
         raise UnsupportedObjectError(key, f"DTensor {dt.placements}: {exc}") from None
     if len(chunks) != 1:
@@ -429,7 +450,7 @@ def pieces_of(rank_state: RankState) -> list[Piece]:
     table = {id(t): i for i, (t, _) in enumerate(flatten(rank_state.plain).tensors)}
     pieces = []
     for path, _key, dt, shard in rank_state.stored:
-        (chunk,) = dt.__create_chunk_list__()
+        (chunk,) = _chunks(dt)
         pieces.append(
             Piece(
                 fqn=fqn_of(path),
@@ -475,10 +496,19 @@ def save(ckpt: Checkpointer, step: int, state: Any) -> SaveHandle:
     pieces = pieces_of(part)
     with ckpt._lock:
         ckpt._check_new_step(step)
-        snap = stage(part.plain, ckpt.overlap)
+        job = RankJob(ckpt._storage, ckpt._root, step, attempt, rank, world, None, pieces, options)
+        job.beat = _Heartbeat(job.storage, job.path(BEAT), rank)
+        # From here this rank is alive to the writer, whatever delays its write (a long
+        # copy, an arena still held by its previous save): see _ProgressWatch.
+        job.beat.start()
+        try:
+            snap = job.snap = stage(part.plain, ckpt.overlap)
+        except BaseException as exc:
+            job.beat.stop()
+            job._mark_failed(exc)  # so the writer stops waiting for this rank at once
+            raise
         ckpt._last_snapshot = snap
         ckpt._last_step = step
-        job = RankJob(ckpt._storage, ckpt._root, step, attempt, rank, world, snap, pieces, options)
         if rank == ckpt.writer_rank:
             timeout = _group_timeout(group)
             work = lambda: _write_and_commit(ckpt, job, timeout)  # noqa: E731
@@ -507,9 +537,11 @@ class RankJob:
     attempt: str
     rank: int
     world: int
-    snap: Snapshot
+    snap: Snapshot | None
     pieces: list[Piece]
     options: WriteOptions
+    #: The rank's progress marker, started by ``save`` before the copy (or by :meth:`write`).
+    beat: _Heartbeat | None = None
 
     @property
     def directory(self) -> str:
@@ -527,14 +559,18 @@ class RankJob:
         A failure leaves a ``.failed`` marker (best effort), so the writer rank stops
         waiting for this rank at once.
         """
-        beat = _Heartbeat(self.storage, self.path(BEAT), self.rank)
+        if self.beat is None:
+            self.beat = _Heartbeat(self.storage, self.path(BEAT), self.rank)
+            self.beat.start()
+        snap = self.snap
+        assert snap is not None, "a job is written once its state is staged"
         try:
             try:
-                beat.start()
-                size = write_snapshot(self.snap, self.storage, self.path(".ackpt"), self.options)
+                self.beat.wait_first()  # so the marker is there before any data
+                size = write_snapshot(snap, self.storage, self.path(".ackpt"), self.options)
             finally:
-                beat.stop()
-                self.snap.lease.release()
+                self.beat.stop()
+                snap.lease.release()
             name = data_file_name(self.rank, self.attempt)
             marker = RankMarker(self.rank, name, size, tuple(self.pieces))
             self.storage.write_bytes(self.path(DONE), marker.encode(self.step, self.attempt))
@@ -557,13 +593,15 @@ class RankJob:
 
 
 class _Heartbeat:
-    """Rewrites a rank's ``.beat`` marker every ``lease_renew_ms`` while its file is written,
-    so the writer rank can tell a slow rank from a dead one."""
+    """Rewrites a rank's ``.beat`` marker every ``lease_renew_ms`` from its ``save`` call
+    until its file is written, so the writer rank can tell a slow rank from a dead one."""
 
     def __init__(self, storage: Storage, path: str, rank: int) -> None:
         self.storage, self.path, self.rank = storage, path, rank
         self._stop = threading.Event()
+        self._first = threading.Event()
         self._thread: threading.Thread | None = None
+        self._launched: Future[None] | None = None
 
     def _write(self, beat: int) -> None:
         try:
@@ -573,22 +611,47 @@ class _Heartbeat:
             log.warning("rank %d could not record its progress: %s", self.rank, exc)
 
     def start(self) -> None:
-        self._write(0)
+        """Write the first beat and renew it, on a thread of its own.
+
+        The thread is started by the ``beats`` pool: ``Thread.start`` waits until the new
+        thread runs, milliseconds on a loaded machine, which ``save`` would pay.
+        """
         interval = config.tunable("lease_renew_ms", None) / 1000
 
         def run() -> None:
             beat = 0
+            try:
+                if self._stop.is_set():  # stopped before it ran: no beat after the stop
+                    return
+                self._write(beat)
+            finally:
+                self._first.set()
             while not self._stop.wait(interval):
                 beat += 1
                 self._write(beat)
 
         self._thread = threading.Thread(target=run, name="asyncckpt-beat", daemon=True)
-        self._thread.start()
+        self._launched = pool("beats", 1).submit(self._thread.start)
+
+    def wait_first(self) -> None:
+        """Block until the first beat was written (or failed to be)."""
+        if self._launched is not None:
+            self._launched.result()  # a thread that could not start: the write fails
+            self._first.wait()
 
     def stop(self) -> None:
+        """Stop renewing (after the beat being written, if any); idempotent."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        launched, thread = self._launched, self._thread
+        # The pool only starts threads, so waiting for it is short.
+        if launched is not None and thread is not None and launched.exception() is None:
+            thread.join()
+
+    def remove(self) -> None:
+        """Stop, and delete the marker (best effort)."""
+        self.stop()
+        with contextlib.suppress(AsyncCkptError):
+            self.storage.delete(self.path)
 
 
 # ------------------------------------------------------------------ the writer's commit
@@ -596,15 +659,19 @@ class _Heartbeat:
 
 def _write_and_commit(ckpt: Checkpointer, job: RankJob, timeout: float) -> int:
     """The writer rank's job: its own file, every rank's marker, metadata, ``COMMIT``."""
+    started = time.monotonic()  # the other ranks' markers are awaited from here
     writer = ckpt._writer
     try:
         writer.acquire()  # first save only; before writing, since it cleans up
     except BaseException:
-        job.snap.lease.release()
+        if job.beat is not None:
+            job.beat.remove()
+        if job.snap is not None:
+            job.snap.lease.release()
         raise  # not this root's writer: no marker
     try:
         size = job.write()
-        markers = await_markers(job, timeout)
+        markers = await_markers(job, timeout, started)
         body = metadata_bytes(markers, job.attempt, ckpt._storage.describe(job.directory))
         job.storage.write_bytes(job.storage.join(job.directory, METADATA_FILE), body)
         ordered = [markers[r] for r in sorted(markers)]
@@ -621,20 +688,29 @@ def _write_and_commit(ckpt: Checkpointer, job: RankJob, timeout: float) -> int:
     return size
 
 
-def await_markers(job: RankJob, timeout: float) -> dict[int, RankMarker]:
+def await_markers(
+    job: RankJob, timeout: float, started: float | None = None
+) -> dict[int, RankMarker]:
     """Poll the step directory until every rank's completion marker is there.
+
+    Args:
+        job: the writer rank's job of the save.
+        timeout: seconds to wait at most for every completion marker (the group's timeout).
+        started: ``time.monotonic()`` when the writer started this save's job (default:
+            now); a rank without any marker ``lease_expiry_ms`` after it is given up.
 
     Returns:
         ``{rank: marker}`` for every rank of the group.
 
     Raises:
         IncompleteCheckpointError: a rank recorded that its write failed.
-        CheckpointTimeoutError: a rank's progress marker stopped changing for
-            ``lease_expiry_ms`` (it died or froze), or some rank wrote no completion
-            marker within ``timeout`` seconds (the group's timeout).
+        CheckpointTimeoutError: a rank wrote no marker at all within ``lease_expiry_ms``
+            of ``started`` (it died before its save, or never called it), a rank's
+            progress marker stopped changing for ``lease_expiry_ms`` (it died or froze),
+            or some rank wrote no completion marker within ``timeout`` seconds.
         FormatError: a marker cannot be understood.
     """
-    watch = _ProgressWatch(job)
+    watch = _ProgressWatch(job, time.monotonic() if started is None else started)
     deadline = time.monotonic() + timeout
     delay = 0.02
     while True:
@@ -656,8 +732,9 @@ def await_markers(job: RankJob, timeout: float) -> dict[int, RankMarker]:
 class _ProgressWatch:
     """Every rank's markers of one attempt, as seen by the writer's polls."""
 
-    def __init__(self, job: RankJob) -> None:
+    def __init__(self, job: RankJob, started: float) -> None:
         self.job = job
+        self.started = started
         self.expiry_s = config.tunable("lease_expiry_ms", None) / 1000
         self.found: dict[int, RankMarker] = {}
         self.beats: dict[int, tuple[bytes, float]] = {}
@@ -674,7 +751,7 @@ class _ProgressWatch:
         last rank's write and the commit.
         """
         job = self.job
-        done, writing = [], []
+        done, writing, silent = [], [], []
         for rank in range(job.world):
             if rank in self.found:
                 continue
@@ -687,6 +764,9 @@ class _ProgressWatch:
                 done.append(rank)
             elif marker_name(rank, job.attempt, BEAT) in names:
                 writing.append(rank)
+            elif rank not in self.beats:
+                silent.append(rank)
+        self._check_silent(silent)
         readers = pool("markers", _MARKER_READERS)
         markers = [readers.submit(self._read_done, rank) for rank in done]
         now = time.monotonic()
@@ -700,6 +780,28 @@ class _ProgressWatch:
         for future in beats:
             self._check_beat(*future.result())
         return [r for r in range(job.world) if r not in self.found]
+
+    def _check_silent(self, silent: list[int]) -> None:
+        """Give up on ranks that wrote no marker at all within ``lease_expiry_ms``.
+
+        Every rank starts its progress marker in ``save``, before its copy, so a rank
+        that has called ``save`` shows one within a request's latency; the ranks call
+        ``save`` at about the same time (training keeps them in step), and the clock
+        starts only when the writer's job for this save starts (after its own copy, and
+        after its previous save's commit, for which every rank's previous write ended).
+        """
+        waited = time.monotonic() - self.started
+        if not silent or waited < self.expiry_s:
+            return
+        job = self.job
+        shown = ", ".join(str(r) for r in silent[:10]) + (", ..." if len(silent) > 10 else "")
+        raise CheckpointTimeoutError(
+            f"step {job.step} under {job.storage.describe(job.root)}: "
+            f"{'rank' if len(silent) == 1 else 'ranks'} {shown} recorded no progress "
+            f"{waited:.1f} s after the writer rank started the save (lease_expiry_ms is "
+            f"{self.expiry_s * 1000:.0f}): dead before saving, or never called save(); "
+            "not committing the step"
+        )
 
     def _read_done(self, rank: int) -> RankMarker:
         job = self.job

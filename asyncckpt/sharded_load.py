@@ -18,9 +18,10 @@ unwrapped, so a damaged file raises :class:`~asyncckpt.errors.ChecksumError`.
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 import torch
@@ -39,45 +40,135 @@ from .errors import (
 )
 from .format import MAX_DEPTH, TensorEntry
 from .placement import Placement
-from .protocol import CommitRecord, step_dir
+from .protocol import SHARDED, CommitRecord, step_dir
 from .reader import OpenedFile, check_devices, open_file
-from .sharded import Path, dtensor_leaves, fqn_of
+from .sharded import Path, dtensor_leaves, fqn_of, holds_dtensor
 from .tree import ROOT_NAME, child_path, tensor_paths, torch_dtype, unflatten
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
 
+log = logging.getLogger(__name__)
+
 _RANK_FILE = re.compile(r"r(\d{5,9})-[0-9a-f]{32}\.ackpt")
+#: How many versions a load of the newest version tries, when retention deletes each one
+#: while it is read, before it gives up (a trainer whose ``keep_last`` versions are all
+#: written faster than this process reads one).
+FOLLOW_ATTEMPTS: Final = 5
 
 
 def load(
     ckpt: Checkpointer,
-    commit: CommitRecord,
+    step: int,
+    commit: CommitRecord | None,
     placement: Placement,
     into: Any,
     use_group: bool,
+    *,
+    follow_latest: bool = False,
 ) -> Any:
-    """Load sharded version ``commit.step`` on this rank.
+    """Load version ``step`` on this rank: sharded, or single-file when following the newest.
+
+    If retention deletes the version while it is read (its ``COMMIT`` is gone: an evaluator
+    loading the newest version while the trainer saves with ``keep_last``), a load that
+    asked for the newest version moves on to the newest one, at most
+    :data:`FOLLOW_ATTEMPTS` times in all, as a single-file load does; a load of a given
+    step raises.
 
     Args:
         ckpt: the Checkpointer (its storage, root, group and rank).
-        commit: the version's commit marker.
+        step: the version to load.
+        commit: its commit marker, or None if it was retired since it was chosen.
         placement: where plain tensors (and consolidated ones) go.
         into: a state to load into: DTensors are loaded in place (collectively); other
             tensors at matching key paths receive this rank's plain values in place.
         use_group: whether this is a collective load (needed for DTensors in ``into``).
+        follow_latest: the caller asked for the newest version (no step, not collective).
 
     Returns:
         The state as saved by the rank whose plain values are used, each DTensor replaced
         by the one in ``into`` (loaded) or by the full tensor (consolidated). A DTensor
         that was saved but is not in ``into`` (when ``into`` holds DTensors) is not
-        loaded: it is None there.
+        loaded: it is None there. After a move, the newer version, as
+        ``Checkpointer.load`` returns it (sharded or not).
 
     Raises:
         ValueError: ``into`` holds DTensors but the load is not collective.
-        ChecksumError, FormatError, IncompleteCheckpointError: a damaged, truncated or
-            deleted file.
+        IncompleteCheckpointError: the version was deleted while it was read and
+            ``follow_latest`` is false (or nothing newer is committed, or the newest was
+            deleted too, :data:`FOLLOW_ATTEMPTS` times); or a file its ``COMMIT`` names
+            is missing.
+        ChecksumError, FormatError: a damaged or truncated file.
+
+    Example:
+        >>> import tempfile
+        >>> from asyncckpt import Checkpointer
+        >>> ckpt = Checkpointer(tempfile.mkdtemp())
+        >>> ckpt.latest() is None  # a sharded root is loaded through ckpt.load()
+        True
     """
+    current = commit
+    for _ in range(FOLLOW_ATTEMPTS):
+        try:
+            return _load_step(ckpt, step, current, placement, into, use_group)
+        except (AsyncCkptError, CheckpointException) as exc:
+            step = _after_deletion(ckpt, step, follow_latest, exc)
+        current = ckpt._reader.commit_of(step)
+    raise IncompleteCheckpointError(
+        f"{ckpt.root}: retention deleted {FOLLOW_ATTEMPTS} versions in a row while this "
+        f"process loaded them (the last was step {step}); keep more versions (keep_last) "
+        "or give load() a step that is kept"
+    )
+
+
+def _load_step(
+    ckpt: Checkpointer,
+    step: int,
+    commit: CommitRecord | None,
+    placement: Placement,
+    into: Any,
+    use_group: bool,
+) -> Any:
+    """One attempt at loading ``step`` (``commit``), sharded or (after a move) not."""
+    if commit is None:  # deleted again before it could be read
+        raise CheckpointNotFoundError(f"step {step} under {ckpt.root} is not committed")
+    if commit.kind != SHARDED:
+        refuse_dtensors(step, ckpt.root, into)
+        return ckpt._reader.read(step, placement, False, into)
+    return _load_sharded(ckpt, commit, placement, into, use_group)
+
+
+def refuse_dtensors(step: int, root: str, into: Any) -> None:
+    """Raise ValueError if ``into`` holds DTensors: version ``step`` is not sharded."""
+    if holds_dtensor(into):
+        raise ValueError(
+            f"step {step} under {root} was not saved from DTensors; load it without DTensors "
+            "in `into`"
+        )
+
+
+def _after_deletion(ckpt: Checkpointer, step: int, follow_latest: bool, exc: BaseException) -> int:
+    """The step to load after ``exc`` interrupted the load of ``step``; else raise.
+
+    Retention removes a version's ``COMMIT`` before its files, so a version whose files
+    went missing under a reader but whose ``COMMIT`` is still there was damaged, not
+    retired: its error is raised as it is.
+    """
+    if ckpt._reader.commit_of(step) is not None:
+        raise exc
+    newest = ckpt._reader.latest()
+    if not follow_latest or newest is None or newest == step:
+        raise IncompleteCheckpointError(
+            f"step {step} under {ckpt.root} was deleted while loading it (by retention?); "
+            "load again to get the newest version"
+        ) from exc
+    log.info("step %d was deleted while loading; moving to step %d", step, newest)
+    return newest
+
+
+def _load_sharded(
+    ckpt: Checkpointer, commit: CommitRecord, placement: Placement, into: Any, use_group: bool
+) -> Any:
     storage = ckpt._storage
     directory = step_dir(storage, ckpt._root, commit.step)
     reader = Reader.at(storage, directory)
@@ -103,8 +194,8 @@ def load(
 def _read(fn: Any) -> Metadata:
     try:
         metadata: Metadata = fn()
-    except CheckpointNotFoundError as exc:  # the version was deleted meanwhile
-        raise IncompleteCheckpointError(f"{exc}; was it deleted by retention?") from exc
+    except CheckpointNotFoundError as exc:  # deleted meanwhile (load() tells how)
+        raise IncompleteCheckpointError(f"{exc}; the version was deleted") from exc
     return metadata
 
 
@@ -172,8 +263,7 @@ def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tupl
         opened = open_file(ckpt._storage, path)
     except CheckpointNotFoundError as exc:
         raise IncompleteCheckpointError(
-            f"{ckpt._storage.describe(path)}: named by step {commit.step}'s COMMIT but missing; "
-            "was the version deleted by retention?"
+            f"{ckpt._storage.describe(path)}: named by step {commit.step}'s COMMIT but missing"
         ) from exc
     if size is not None and opened.size != size:
         kind = TruncatedFileError if opened.size < size else FormatError

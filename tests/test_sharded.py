@@ -9,7 +9,12 @@
   rank gets rank 0's plain values); in one process without a group, as the full state;
 * damage: a flipped byte in one rank's file raises ``ChecksumError``;
 * a rank SIGKILLed mid-save: no ``COMMIT``, the previous version stays the latest on every
-  surviving rank, and the writer's save fails instead of hanging.
+  surviving rank, and the writer's save fails instead of hanging; the same for a rank that
+  dies before it wrote any marker (given up ``lease_expiry_ms`` after the writer started,
+  not after the group's timeout), while a rank slow to start is not given up;
+* retention deleting the version a reader loads: a load of the newest version moves on, a
+  load of that step raises, a damaged version is not taken for a retired one;
+* a sharded round trip on S3 (moto and SeaweedFS).
 
 Rank processes are spawned with ``torch.multiprocessing`` and meet through a ``TCPStore`` on
 127.0.0.1 (port chosen by the OS); the process group and every wait have timeouts, and the
@@ -352,3 +357,269 @@ def test_metadata_refuses_inconsistent_markers() -> None:
         )
     with pytest.raises(FormatError, match="cover"):  # half of the tensor is stored nowhere
         metadata_bytes({0: whole[0]}, _ATTEMPT, "x")
+
+
+# --------------------------------------------------------------------------- retention vs loads
+
+
+def _retire_on_first_call(root: Path, stash: Path, real: Any) -> Any:
+    """Wrap ``real``: its first call first does what a trainer with ``keep_last=1`` does to
+    ``root`` while a reader loads step 1: commit step 2 (put back from ``stash``), then
+    retire step 1 (``COMMIT`` first, as retention does)."""
+    from asyncckpt.protocol import delete_version
+    from asyncckpt.storage import resolve
+
+    calls: list[int] = []
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if not calls:
+            calls.append(1)
+            stash.rename(root / "2")
+            delete_version(*resolve(str(root), None), 1)
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
+#: Where in a sharded load the version disappears: before anything is read, while DCP
+#: reads the chunks, while this rank's plain values are read.
+_RETIRE_AT = ["step_dir", "_dcp_load", "open_file"]
+
+
+def _root_at_step_1(four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str) -> Path:
+    """A copy of the 4-rank root whose step 2 is not there yet, and a hook in the sharded
+    load at ``at`` that commits step 2 and retires step 1 when it is first reached."""
+    import asyncckpt.sharded_load
+
+    root, stash = tmp_path / "ckpt", tmp_path / "stash"
+    shutil.copytree(four / "ckpt", root)
+    (root / "2").rename(stash)  # VERSION names 2, not committed: latest() falls back to 1
+    assert Checkpointer(root).latest() == 1
+    real = getattr(asyncckpt.sharded_load, at)
+    monkeypatch.setattr(asyncckpt.sharded_load, at, _retire_on_first_call(root, stash, real))
+    return root
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("at", _RETIRE_AT)
+def test_a_newest_sharded_load_follows_when_retention_deletes_its_version(
+    four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str
+) -> None:
+    from asyncckpt import sharded_load
+    from asyncckpt.placement import Placement
+
+    root = _root_at_step_1(four, tmp_path, monkeypatch, at)
+    ckpt = Checkpointer(root)
+    commit = read_commit(*_root(tmp_path), 1)
+    assert commit is not None
+    loaded = sharded_load.load(ckpt, 1, commit, Placement(None), None, False, follow_latest=True)
+    assert ckpt.versions() == [2]  # step 1 really was deleted under the loader
+    state_checks.assert_same(loaded, torch.load(four / "full.pt", weights_only=True))
+
+
+@pytest.mark.timeout(300)
+def test_an_evaluator_loading_the_newest_follows_retention(
+    four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _root_at_step_1(four, tmp_path, monkeypatch, "_dcp_load")
+    loaded = Checkpointer(root).load()  # an evaluator: no group, no step
+    state_checks.assert_same(loaded, torch.load(four / "full.pt", weights_only=True))
+
+
+@pytest.mark.timeout(300)
+def test_a_version_retired_before_its_commit_is_read_is_followed(
+    four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The evaluator picks step 1; retention retires it before its COMMIT is read: the load
+    # moves to the newest version, which is sharded (a single-file read would refuse it).
+    from asyncckpt.root_reader import RootReader
+
+    root, stash = tmp_path / "ckpt", tmp_path / "stash"
+    shutil.copytree(four / "ckpt", root)
+    (root / "2").rename(stash)
+    hook = _retire_on_first_call(root, stash, RootReader.commit_of)
+    monkeypatch.setattr(RootReader, "commit_of", hook)
+    loaded = Checkpointer(root).load()
+    assert Checkpointer(root).versions() == [2]
+    state_checks.assert_same(loaded, torch.load(four / "full.pt", weights_only=True))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("at", _RETIRE_AT)
+def test_an_explicit_sharded_step_deleted_while_loading_is_an_error(
+    four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str
+) -> None:
+    root = _root_at_step_1(four, tmp_path, monkeypatch, at)
+    with pytest.raises(IncompleteCheckpointError, match=f"step 1 under {root} was deleted"):
+        Checkpointer(root).load(1)
+    assert Checkpointer(root).versions() == [2]
+
+
+@pytest.mark.timeout(300)
+def test_a_damaged_version_is_not_mistaken_for_a_retired_one(four: Path, tmp_path: Path) -> None:
+    from asyncckpt import sharded_load
+    from asyncckpt.placement import Placement
+
+    shutil.copytree(four / "ckpt", tmp_path / "ckpt")
+    _rank_files(tmp_path / "ckpt" / "1")[2].unlink()  # COMMIT stays: not retention's work
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    commit = read_commit(*_root(tmp_path), 1)
+    assert commit is not None
+    with pytest.raises(IncompleteCheckpointError, match="missing"):
+        sharded_load.load(ckpt, 1, commit, Placement(None), None, False, follow_latest=True)
+
+
+# --------------------------------------------------------------------------- a rank never starts
+
+
+def _rank_dies_before_its_first_beat(rank: int, world: int, workdir: Path, how: str) -> None:
+    import asyncckpt.sharded
+
+    os.environ["ASYNCCKPT_LEASE_RENEW_MS"] = "100"
+    os.environ["ASYNCCKPT_LEASE_EXPIRY_MS"] = "2000"
+    root = workdir / "ckpt"
+    ckpt = Checkpointer(root)
+    model, optim = ranks.fsdp_model(seed=0)
+    ckpt.save(1, _state(model, optim, 1.0, rank)).result(timeout=120)
+    dist.barrier()  # step 1 is committed on every rank's view
+    state = _state(model, optim, 2.0, rank)  # collective (the replicated DTensors)
+    if rank == 1 and how == "before-save":
+        os.kill(os.getpid(), signal.SIGKILL)  # dies in training: never calls save(2)
+    if rank == 1 and how == "before-beat":
+
+        def die(*args: Any, **kwargs: Any) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)  # in save(), before any marker
+
+        asyncckpt.sharded._Heartbeat.start = die  # type: ignore[method-assign]
+    handle = ckpt.save(2, state)
+    if rank == 0:
+        # Well before the group's timeout (120 s): lease_expiry_ms after the writer started.
+        with pytest.raises(CheckpointTimeoutError, match=r"step 2 .*: rank 1 "):
+            handle.result(timeout=60)
+        assert (root / "2" / "FAILED").exists()
+    else:
+        handle.result(timeout=120)
+        with pytest.raises(IncompleteCheckpointError, match="failed"):
+            ckpt.load(2, collective=False, timeout=120)
+    assert read_commit(*_root(workdir), 2) is None
+    assert ckpt.latest() == 1 == Checkpointer(root, read_only=True).latest()
+    Path(workdir, f"rank{rank}.done").touch()
+    os._exit(0)  # the group's peer is dead: skip its orderly teardown
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["before-save", "before-beat"])
+def test_a_rank_dead_before_its_first_marker_fails_the_save_after_lease_expiry(
+    tmp_path: Path, how: str
+) -> None:
+    run_ranks("_rank_dies_before_its_first_beat", 3, tmp_path, how, killed=(1,))
+    assert (tmp_path / "rank0.done").exists() and (tmp_path / "rank2.done").exists()
+    assert Checkpointer(tmp_path / "ckpt").latest() == 1
+
+
+def _writer_job(tmp_path: Path, world: int) -> Any:
+    """The writer rank's (rank 0's) job of step 5, its own completion marker written."""
+    from asyncckpt.sharded import DONE, RankJob
+    from asyncckpt.storage import resolve
+
+    storage, root = resolve(str(tmp_path), None)
+    job = RankJob(storage, root, 5, _ATTEMPT, 0, world, None, [], None)  # type: ignore[arg-type]
+    _write_done(job, 0)
+    assert job.path(DONE).endswith("r00000-" + _ATTEMPT + DONE)
+    return job
+
+
+def _write_done(job: Any, rank: int) -> None:
+    from asyncckpt.protocol import data_file_name
+    from asyncckpt.sharded import DONE
+
+    marker = RankMarker(rank, data_file_name(rank, _ATTEMPT), 0, ())
+    job.storage.write_bytes(job.path(DONE, rank), marker.encode(job.step, _ATTEMPT))
+
+
+def test_the_writer_gives_up_on_a_rank_that_never_writes_a_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt.sharded import await_markers
+
+    monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
+    monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "500")
+    job = _writer_job(tmp_path, 2)
+    with pytest.raises(CheckpointTimeoutError, match=r"step 5 .*: rank 1 ") as info:
+        await_markers(job, timeout=120)
+    assert "group" not in str(info.value)  # not the process group's timeout
+
+
+def test_a_rank_slow_to_start_is_not_declared_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    from asyncckpt.sharded import _Heartbeat, await_markers
+
+    monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
+    monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "1500")
+    job = _writer_job(tmp_path, 2)
+
+    def rank1() -> None:  # starts late, then writes for longer than lease_expiry_ms
+        time.sleep(0.3)
+        beat = _Heartbeat(job.storage, job.path(".beat", 1), 1)
+        beat.start()
+        time.sleep(3.5)
+        beat.stop()
+        _write_done(job, 1)
+
+    thread = threading.Thread(target=rank1)
+    thread.start()
+    try:
+        assert sorted(await_markers(job, timeout=120)) == [0, 1]
+    finally:
+        thread.join()
+
+
+# --------------------------------------------------------------------------- S3
+
+
+def _save_then_load_on(rank: int, world: int, workdir: Path, root: str, options: Any) -> None:
+    """Save steps 1 and 2 under ``root`` (with ``storage_options``), load step 2 back."""
+    ckpt = Checkpointer(root, storage_options=options, keep_last=1)
+    model, optim = ranks.fsdp_model(seed=0)
+    ranks.train(model, optim, 2)
+    ckpt.save(1, _state(model, optim, 1.0, rank)).result(timeout=120)
+    ranks.train(model, optim, 1)
+    state = _state(model, optim, 2.0, rank)
+    want = state_checks.cloned(state)
+    full = _full(model, optim, state)
+    if rank == 0:
+        torch.save({**full, "plain": want["plain"]}, workdir / "full.pt")
+    ckpt.save(2, state).result(timeout=120)
+    ranks.train(model, optim, 1)
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    loaded, model2, optim2 = _load_into_fresh(ckpt, rank)
+    msd, osd = get_state_dict(model2, optim2)
+    got = {"model": msd, "optim": osd, "dist": loaded["dist"], "plain": loaded["plain"]}
+    state_checks.assert_same(got, want)
+    ckpt.close()  # the writer applies keep_last=1 again: step 1 goes
+    dist.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_ranks_round_trip_on_s3(tmp_path: Path, s3_root: str, s3_server: Any) -> None:
+    options = s3_server.storage_options
+    run_ranks("_save_then_load_on", 2, tmp_path, s3_root, options)
+    ckpt = Checkpointer(s3_root, storage_options=options, read_only=True)
+    assert ckpt.versions() == [2]
+    commit = ckpt._reader.commit_of(2)
+    assert commit is not None and commit.kind == SHARDED and len(commit.files) == 3
+    loaded = ckpt.load()  # one process, no group: the consolidated state
+    state_checks.assert_same(loaded, torch.load(tmp_path / "full.pt", weights_only=True))
+    from asyncckpt.storage import resolve
+
+    storage, path = resolve(f"{s3_root}/2", options)
+    names = storage.list_dir(path)
+    assert not [n for n in names if n.endswith((".beat", ".failed"))], names
+    assert len([n for n in names if n.endswith(".done")]) == 2, names
