@@ -16,7 +16,7 @@ Example:
 import logging
 
 from ._version import __version__
-from .api import SaveHandle, SaveInfo, SaveStats, load, save, wait
+from .api import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
 from .checkpointer import Checkpointer
 from .errors import AsyncCkptError
 
@@ -31,6 +31,7 @@ __all__ = [
     "SaveStats",
     "__version__",
     "load",
+    "reserve",
     "save",
     "wait",
 ]

@@ -92,7 +92,8 @@ def reserve(state_or_nbytes: Any) -> threading.Thread | None:
     while the caller waits (several times the copy itself). Call this once the state
     exists (after building the model and optimizer); saves reuse the arena afterwards. A
     save that starts before the reservation is done waits for it instead of allocating a
-    second arena.
+    second arena. ``Checkpointer.reserve`` does the same for a Checkpointer's saves, on the
+    ranks that save.
 
     Args:
         state_or_nbytes: the state to be saved (its exact arena size is computed; nothing
@@ -101,9 +102,12 @@ def reserve(state_or_nbytes: Any) -> threading.Thread | None:
     Returns:
         The background thread (``join`` it to wait), or None if nothing had to be done.
 
+    Raises:
+        UnsupportedObjectError: the state holds something that cannot be stored.
+
     Example:
-        >>> import torch
-        >>> thread = reserve({"w": torch.zeros(1024)})
+        >>> import torch, asyncckpt
+        >>> thread = asyncckpt.reserve({"w": torch.zeros(1024)})
         >>> thread is None or thread.join() is None
         True
     """
@@ -315,7 +319,9 @@ def save(
         pickle_protocol: accepted and ignored, likewise.
         _use_new_zipfile_serialization: accepted and ignored (the format is asyncckpt's own).
         _disable_byteorder_record: accepted and ignored (the byte order is always recorded).
-        compression: ``"zstd"`` (default; byte-grouped for floats) or ``"none"``.
+        compression: ``"zstd"`` (default; byte-grouped for floats), ``"none"``, or
+            ``"auto"`` (compress a byte plane only when the write time it saves exceeds its
+            encode time, as measured; see the user guide).
         storage_options: keyword arguments for the fsspec filesystem of a URL.
 
     Returns:
@@ -349,34 +355,94 @@ def save(
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options)
-    # The write starts as soon as the arena is leased and follows the copy chunk by chunk,
-    # so the time until durable is the longer of copy and write, not their sum.
+    _, handle = stage_and_submit(
+        lambda on_layout: stage(obj, on_layout=on_layout),
+        lambda snap: write_snapshot(snap, storage, path, options),
+        storage.describe(path),
+        started,
+        _target(storage, path),
+    )
+    return handle
+
+
+def stage_and_submit(
+    copy: Callable[[Callable[[Snapshot], None]], Snapshot],
+    job: Callable[[Snapshot], int],
+    label: str,
+    started: float,
+    target: Any = None,
+) -> tuple[Snapshot, SaveHandle]:
+    """Snapshot a state while its background job already runs: the pipelined save.
+
+    ``copy(on_layout)`` stages the state (``lambda on_layout: stage(obj, overlap,
+    on_layout)``); ``on_layout`` submits ``job`` as soon as the arena is leased, so the job
+    (a writer reading through ``Snapshot.wait_staged``, as ``write_snapshot`` does) follows
+    the copy chunk by chunk where there are cores for it (``pipeline_min_cpus``), and the
+    time until durable is the longer of copy and write, not their sum. This returns only
+    once the copy is complete, as ``stage`` does.
+
+    The arena is released after the job, and never before the copy has ended: a job that
+    fails early (a refused lease, a full disk) must not lend the arena to another save while
+    the copy still writes into it. The job may release it sooner once it has read every byte.
+    The handle settles only once the caller's blocking time is recorded.
+
+    Args:
+        copy: stages the state, calling its argument once the layout is known.
+        job: the background part of the save; returns the bytes written.
+        label: what the handle reports as its path.
+        started: ``time.perf_counter()`` when the caller entered its ``save``.
+        target: an identifier of the file written, so loads of it wait for the save.
+
+    Returns:
+        The snapshot (complete) and the save's handle.
+
+    Raises:
+        Exception: whatever ``copy`` raised. If the copy failed after the job started, the
+            job's own failure (the aborted write) is swallowed: the copy's error is the one
+            the caller sees, here, once; a job that writes into a versioned root must leave
+            no trace of the step (see ``Snapshot.copy_error``).
+
+    Example:
+        >>> import torch, tempfile, os, time
+        >>> from asyncckpt.storage import resolve
+        >>> storage, path = resolve(os.path.join(tempfile.mkdtemp(), "x.ackpt"), None)
+        >>> options = write_options("none")
+        >>> snap, handle = stage_and_submit(
+        ...     lambda on_layout: stage({"w": torch.ones(2)}, on_layout=on_layout),
+        ...     lambda snap: write_snapshot(snap, storage, path, options),
+        ...     path,
+        ...     time.perf_counter(),
+        ... )
+        >>> handle.result().stats.raw_bytes
+        8
+    """
     handles: list[SaveHandle] = []
     copied = threading.Event()
 
-    def job(snap: Snapshot) -> int:
+    def run(snap: Snapshot) -> int:
         try:
-            return write_snapshot(snap, storage, path, options)
+            return job(snap)
         finally:
+            copied.wait()  # the copy has ended, and the caller has recorded its stall
+            with contextlib.suppress(Exception):  # a failed device copy is reported elsewhere
+                snap.wait_copied()  # overlap: device copies may still land in the arena
             snap.lease.release()
-            copied.wait()  # let the caller record its blocking time before the handle settles
 
     def start(snap: Snapshot) -> None:
-        label, target = storage.describe(path), _target(storage, path)
-        handles.append(submit(lambda: job(snap), label, snap.raw_bytes, started, target))
+        handles.append(submit(lambda: run(snap), label, snap.raw_bytes, started, target))
 
     try:
-        snap = stage(obj, on_layout=start)
+        snap = copy(start)
     except BaseException:
         copied.set()
         for handle in handles:  # the copy failed: its error is raised here, not later
             handle._observed = True
-            handle._future.exception()  # the writer aborts its file and frees the arena
+            handle._future.exception()  # the job aborts its file and frees the arena
         raise
     handle = handles[0]
     handle._stats = SaveStats(time.perf_counter() - started, snap.raw_bytes)
     copied.set()
-    return handle
+    return snap, handle
 
 
 def is_file_object(f: object, method: str) -> bool:
@@ -635,6 +701,10 @@ def load(
     return materialize(opened, placement, config.tunable("threads", None), into)
 
 
+#: How long the exit hook waits for worker threads to drop their last task's tensors.
+_EXIT_IDLE_WAIT_S = 10.0
+
+
 @atexit.register
 def _finish_at_exit() -> None:
     """Wait for pending saves; report every failure nobody observed, and fail the exit.
@@ -649,6 +719,7 @@ def _finish_at_exit() -> None:
         log.warning("interpreter exiting: waiting for %d pending checkpoint save(s)", len(waiting))
     for handle in waiting:
         handle._future.exception()  # wait, without marking it observed
+    workers.wait_idle(_EXIT_IDLE_WAIT_S)
     with _unobserved_lock:
         failed = [h for h in _unobserved if not h.observed]
     failed += [h for h in waiting if h.failed() and not h.observed and h not in failed]

@@ -25,8 +25,9 @@ from .api import (
     SaveHandle,
     completed_handle,
     raise_unobserved_failure,
+    reserve,
     stage,
-    submit,
+    stage_and_submit,
     write_options,
 )
 from .codec import check_compression
@@ -75,7 +76,8 @@ class Checkpointer:
         root: local directory or fsspec URL holding one directory per step.
         keep_last: keep only the newest N committed versions (None keeps all). Older ones
             are deleted only after a newer one is committed; the version file's is never.
-        compression: ``"zstd"`` (default) or ``"none"``.
+        compression: ``"zstd"`` (default), ``"none"`` or ``"auto"``, as for
+            :func:`asyncckpt.save`.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
         process_group: the group whose ranks share this root (default: the default group,
             when ``torch.distributed`` is initialized).
@@ -158,8 +160,13 @@ class Checkpointer:
         """Snapshot ``state`` and write it as version ``step`` in the background.
 
         On ranks other than ``writer_rank`` this copies nothing and returns a completed
-        handle, so every rank can run the same code. The first save of a Checkpointer takes
-        the root's writer lease (in the background, before writing).
+        handle, so every rank can run the same code. On the writer rank, the background job
+        starts as soon as the host arena is leased, while the copy goes on: the first save of
+        a Checkpointer takes the root's writer lease, then each chunk of the data file is
+        written once its bytes have landed (on machines with ``pipeline_min_cpus`` CPUs; on
+        fewer, once the whole copy has). ``save`` itself returns once the copy is complete.
+        A copy that fails midway is raised here and leaves nothing under the root for
+        ``step``.
 
         A state holding ``DTensor``s (FSDP2, TP) is saved *sharded* instead, and ``save``
         must then be called on every rank: each rank snapshots and writes its own shards and
@@ -181,11 +188,10 @@ class Checkpointer:
             UnsupportedObjectError: ``state`` holds something that cannot be stored.
             AsyncCkptError: the Checkpointer is read-only or closed, or WORLD_SIZE says this
                 is one of several ranks but no process group is initialized.
-            Exception: an earlier save of this process failed and nobody observed it.
+            Exception: an earlier save of this process failed and nobody observed it; or
+                the copy into host memory failed (``step`` may be saved again).
         """
-        self._check_open()
-        if self.read_only:
-            raise AsyncCkptError(f"this Checkpointer for {self.root} is read-only (read_only=True)")
+        self._check_writable()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._check_world()
@@ -199,20 +205,64 @@ class Checkpointer:
         options = write_options(self.compression)
         with self._lock:
             self._check_new_step(step)
-            snap = stage(state, self.overlap)
-            self._last_snapshot = snap
-            self._last_step = step
             name = data_file_name(self.rank, self._token)
             path = self._storage.join(step_dir(self._storage, self._root, step), name)
-            handle = submit(
-                lambda: self._write_and_commit(step, snap, path, options),
+            # The job starts once the arena is leased: the first save's lease and recovery,
+            # then the write, overlap the copy. With overlap=True too: the writer then waits
+            # until every device copy is queued and, per chunk, for the copies' events.
+            snap, handle = stage_and_submit(
+                lambda on_layout: stage(state, self.overlap, on_layout),
+                lambda snap: self._write_and_commit(step, snap, path, options),
                 self._storage.describe(path),
-                snap.raw_bytes,
                 started,
             )
+            self._last_snapshot = snap
+            self._last_step = step
             self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
             self._pending.append((step, handle))
         return handle
+
+    def reserve(self, state_or_nbytes: Any) -> threading.Thread | None:
+        """Prepare the host memory of this process's saves, in a background thread.
+
+        The first save of a process otherwise allocates and faults in its host arena while
+        the caller waits, several times as long as the copy itself. Call this once the state
+        exists in full (after the first optimizer step: Adam creates its moments then); saves
+        reuse the arena. A save that starts before the reservation is done waits for it
+        instead of allocating a second arena. Nothing under the root changes.
+
+        Where ``save`` copies nothing, neither does this: a plain state (or a size) is
+        reserved on the writer rank only; a state holding DTensors reserves this rank's own
+        shards, on every rank.
+
+        Args:
+            state_or_nbytes: the state to be saved (its exact arena size is computed;
+                nothing is copied), or a size in bytes of tensor data.
+
+        Returns:
+            The background thread (``join`` it to wait), or None if there is nothing to do
+            (this rank does not save, a large enough arena exists, or all are in use).
+
+        Raises:
+            AsyncCkptError: the Checkpointer is read-only or closed.
+            UnsupportedObjectError: the state holds something that cannot be stored.
+
+        Example:
+            >>> import torch, asyncckpt, tempfile
+            >>> model = torch.nn.Linear(4, 4)
+            >>> with asyncckpt.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     _ = ckpt.reserve(model.state_dict())  # while training starts
+            ...     _ = ckpt.save(1, model.state_dict())  # its copy lands in reserved memory
+        """
+        self._check_writable()
+        if sharded.holds_dtensor(state_or_nbytes):
+            return reserve(sharded.split_state(state_or_nbytes).plain)
+        return reserve(state_or_nbytes) if self.is_writer else None
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise AsyncCkptError(f"this Checkpointer for {self.root} is read-only (read_only=True)")
 
     def _check_world(self) -> None:
         world = os.environ.get("WORLD_SIZE", "1")
@@ -277,37 +327,58 @@ class Checkpointer:
             )
 
     def _write_and_commit(self, step: int, snap: Snapshot, path: str, options: WriteOptions) -> int:
+        """The background job of a save: lease (first save only), write, commit, retention.
+
+        Runs while ``snap`` is still being copied; ``stage_and_submit`` frees the arena if
+        this fails.
+        """
         writer = self._writer
         name = path.replace("\\", "/").rsplit("/", 1)[-1]
+        # First save only; before writing, since it cleans up. If it fails, this is not the
+        # root's writer (refused, or lost a takeover race): no marker.
+        writer.acquire()
         try:
-            writer.acquire()  # first save only; before writing, since it cleans up
-        except BaseException:
-            snap.lease.release()
-            raise  # not this root's writer (refused, or lost a takeover race): no marker
-        try:
-            try:
-                size = write_snapshot(snap, self._storage, path, options)
-            finally:
-                snap.lease.release()
+            size = write_snapshot(snap, self._storage, path, options)
+            snap.lease.release()  # every byte was read: the next save may copy during the commit
             writer.commit(step, (name,), (size,))
         except FencedError:
             raise  # the root is another writer's now: leave no marker in it
-        except AsyncCkptError as exc:
+        except BaseException as exc:
+            if snap.copy_error() is not None:
+                self._forget_step(step)
+                raise  # save raises the copy's error, and returns no handle for this step
+            self._report_failure(step, exc)
+            raise
+        writer.apply_retention(self.keep_last, step, self._agreed_step)
+        return size
+
+    def _report_failure(self, step: int, exc: BaseException) -> None:
+        """Mark ``step`` failed for pollers (only if it has no COMMIT).
+
+        Raises:
+            ConflictError: another writer committed ``step`` while this one wrote it (its
+                commit swept our partial file): a lost race, not a storage failure.
+        """
+        if isinstance(exc, AsyncCkptError):
             winner = read_commit(self._storage, self._root, step)
             if winner is not None and winner.writer != self._token:
-                # Another writer committed this step while we wrote (its commit swept our
-                # partial file): that is a lost race, not a storage failure.
                 raise ConflictError(
                     f"step {step} was committed under {self.root} by another writer (id "
                     f"{winner.writer}) while this one was writing it"
                 ) from exc
-            mark_failed(self._storage, self._root, step, exc)
-            raise
-        except BaseException as exc:
-            mark_failed(self._storage, self._root, step, exc)  # only if there is no COMMIT
-            raise
-        writer.apply_retention(self.keep_last, step, self._agreed_step)
-        return size
+        mark_failed(self._storage, self._root, step, exc)
+
+    def _forget_step(self, step: int) -> None:
+        """Remove the directory an aborted write created for ``step``, if it holds nothing.
+
+        Only if empty: a fenced writer of the same step may still have a file in it.
+        """
+        where = step_dir(self._storage, self._root, step)
+        try:
+            if not self._storage.list_dir(where):
+                self._storage.delete_tree(where)
+        except AsyncCkptError as exc:  # an empty directory is harmless; recovery removes it
+            log.warning("could not remove %s: %s", self._storage.describe(where), exc)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until this process's pending saves are committed.
@@ -420,13 +491,12 @@ class Checkpointer:
         follow_latest = step is None and not use_group
         self._wait_committed(target, timeout, poll=not follow_latest)
         commit = self._reader.commit_of(target)
-        if commit is not None and commit.kind == SHARDED:
-            return sharded_load.load(self, commit, placement, into, use_group)
-        if sharded.holds_dtensor(into):
-            raise ValueError(
-                f"step {target} under {self.root} was not saved from DTensors; load it "
-                "without DTensors in `into`"
+        if follow_latest or (commit is not None and commit.kind == SHARDED):
+            # Either kind, and a version retired between choosing and reading it.
+            return sharded_load.load(
+                self, target, commit, placement, into, use_group, follow_latest=follow_latest
             )
+        sharded_load.refuse_dtensors(target, self.root, into)
         return self._reader.read(target, placement, follow_latest, into)
 
     def _newest_expected(self) -> int | None:

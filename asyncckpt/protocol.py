@@ -38,7 +38,7 @@ from .errors import (
     IncompleteCheckpointError,
 )
 from .format import FOOTER_SIZE, decode_footer
-from .storage import Storage, is_temp_name
+from .storage import TEMP_MARK, Storage, is_temp_name
 
 log = logging.getLogger(__name__)
 
@@ -381,6 +381,18 @@ def lease_epochs(storage: Storage, root: str) -> list[int]:
     """Every epoch that has a lease record, ascending."""
     names = storage.list_dir(storage.join(root, LEASE_DIR))
     return sorted(int(n) for n in names if len(n) == 12 and n.isascii() and n.isdigit())
+
+
+def lease_epoch_of(name: str) -> int | None:
+    """The epoch a name under ``_lease/`` belongs to: a lease record's, or the record that a
+    temp file was being written for; None for anything else.
+
+    Example:
+        >>> [lease_epoch_of(n) for n in ("000000000007", "000000000007.acktmp-1f", "x")]
+        [7, 7, None]
+    """
+    record = name.split(TEMP_MARK, 1)[0]
+    return int(record) if len(record) == 12 and record.isascii() and record.isdigit() else None
 
 
 def create_lease(storage: Storage, root: str, epoch: int, writer: str) -> None:

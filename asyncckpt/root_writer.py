@@ -19,6 +19,7 @@ from . import config
 from .errors import AsyncCkptError, ConflictError, FormatError
 from .protocol import (
     COMMIT_FILE,
+    LEASE_DIR,
     SINGLE,
     CommitRecord,
     LeaseRecord,
@@ -27,8 +28,8 @@ from .protocol import (
     create_commit,
     create_lease,
     delete_version,
+    lease_epoch_of,
     lease_epochs,
-    lease_path,
     publish_version,
     read_commit_strict,
     read_version_tagged,
@@ -200,9 +201,15 @@ class RootWriter:
             log.warning("recovery under %s was incomplete: %s", self.where, exc)
 
     def _prune_leases(self) -> None:
-        for epoch in lease_epochs(self.storage, self.root):
-            if self.epoch is not None and epoch < self.epoch:
-                self.storage.delete(lease_path(self.storage, self.root, epoch))
+        """Delete older epochs' lease records and the temp files of their writes (a writer
+        killed mid-write leaves one); this epoch's temp files are its own heartbeat's."""
+        if self.epoch is None:
+            return
+        directory = self.storage.join(self.root, LEASE_DIR)
+        for name in self.storage.list_dir(directory):
+            epoch = lease_epoch_of(name)
+            if epoch is not None and epoch < self.epoch:
+                self.storage.delete(self.storage.join(directory, name))
 
     def apply_retention(self, keep_last: int | None, pinned: int, spare: int | None) -> None:
         """Delete versions beyond the newest ``keep_last`` and leftovers older than ``pinned``.

@@ -12,13 +12,17 @@ code is confined to :class:`DeviceCopies` and :func:`_allocate`.
 The copy and the write can run as a pipeline: :func:`snapshot` may hand the snapshot to a
 writer (``on_layout``) before copying, and the writer waits on :class:`CopyProgress` for each
 byte range it reads, so the first chunks go to storage while later tensors are still being
-copied. ``snapshot`` itself still returns only once every byte is in the arena.
+copied. ``snapshot`` itself still returns only once every byte is in the arena. Chunks are
+announced one by one only for host copies on machines with ``pipeline_min_cpus`` CPUs; on
+fewer, the writer waits for the whole copy (encoders running beside it slow the copy down,
+which is what the caller waits for).
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import config
 from .format import ArrayEntry, TensorEntry
 from .tree import Flattened, dtype_name
 
@@ -66,14 +71,23 @@ class CopyProgress:
 
     def finish(self) -> None:
         """Announce the whole snapshot."""
-        self.done_at = time.perf_counter()
-        self.advance(self.total)
+        with self._cond:
+            self.done_at = time.perf_counter()
+            self.position = max(self.position, self.total)
+            self._cond.notify_all()
 
     def fail(self, exc: BaseException) -> None:
         """The copy failed: wake the writer so that it aborts its file."""
         with self._cond:
             self._error = exc
             self._cond.notify_all()
+
+    def outcome(self) -> BaseException | None:
+        """Block until the copy has finished or failed; return its error (None: finished)."""
+        with self._cond:
+            while self.done_at is None and self._error is None:
+                self._cond.wait()
+            return self._error
 
     def wait_until(self, index: int, end: int) -> None:
         """Block until byte ``end`` of staged storage ``index`` has landed.
@@ -125,6 +139,14 @@ class Snapshot:
         if self.progress is not None:
             self.progress.wait_until(index, end)
         self.copies.wait()  # device copies: progress only covers their queueing
+
+    def copy_error(self) -> BaseException | None:
+        """Block until the copy into the arena has ended; return its error, or None.
+
+        For a writer that failed while the copy went on: if the copy failed too, the caller
+        of ``save`` gets the copy's error and no handle, so the writer must leave no trace.
+        """
+        return None if self.progress is None else self.progress.outcome()
 
     @property
     def raw_bytes(self) -> int:
@@ -501,8 +523,14 @@ def _stage(
     progress = CopyProgress(offsets, end) if on_layout is not None else None
     snap = Snapshot(root, tensors, arrays, staged, lease, copies, progress)
     # Only host copies are announced piece by piece; device copies are merely queued here,
-    # so a writer is let in once all of them are recorded (and waits on their events).
-    stream = progress is not None and all(src.device == "cpu" for src in sources)
+    # so a writer is let in once all of them are recorded (and waits on their events). On a
+    # machine with few cores the writer waits for the whole copy too: encoding beside it
+    # slows the copy down, which is the part the caller waits for.
+    stream = (
+        progress is not None
+        and all(src.device == "cpu" for src in sources)
+        and (os.cpu_count() or 1) >= config.tunable("pipeline_min_cpus", None)
+    )
     handed_out = False
     try:
         if on_layout is not None:

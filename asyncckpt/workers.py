@@ -4,21 +4,89 @@ The threads are daemons on purpose: pending saves are awaited by an ``atexit`` h
 :mod:`asyncckpt.api`), and daemon threads keep running while ``atexit`` hooks do. The
 stdlib ``ThreadPoolExecutor`` refuses new work once interpreter shutdown begins, which would
 break a save that is still compressing when the main thread ends.
+
+The threads of a background write (the save thread and the encoders) lower their own
+scheduling priority by the ``writer_nice`` tunable when they start: on a CPU shared with
+training, the caller's threads then win the cores and the write fills the gaps.
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from . import config
+
 T = TypeVar("T")
+
+#: Pools that only ever run background writes; their threads take ``writer_nice``.
+#: Readers ("read", "markers") serve a caller that is waiting, and heartbeats ("beats") must
+#: keep their lease alive, so they keep the caller's priority.
+WRITER_POOLS: frozenset[str] = frozenset({"save", "encode"})
+
+
+def lower_priority(nice: int) -> bool:
+    """Run the calling thread ``nice`` steps below the main thread (Linux only; one thread).
+
+    Linux schedules threads apart, and ``setpriority(PRIO_PROCESS, tid)`` sets one thread's
+    niceness; elsewhere the same call would renice the whole process, so it is not made.
+    The level is relative to the main thread (whose id is the process id), not to the
+    calling thread: a thread inherits its creator's niceness, and the encoders are created
+    by the already lowered save thread. For the same reason, threads that a writer thread
+    starts (a storage backend's I/O loop opened by the first save, say) run lowered too;
+    this module's other pools raise theirs back where the OS allows (see
+    ``_restore_priority``).
+
+    Args:
+        nice: how far below the main thread to run, 0-19 (0: leave the thread as it is).
+
+    Returns:
+        True if the thread now runs at that level.
+
+    Example:
+        >>> threading.Thread(target=lower_priority, args=(5,)).start()
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+    except OSError:  # a sandbox may forbid it; the write still runs, at full priority
+        return False
+    return True
+
+
+def _restore_priority() -> None:
+    """Undo the niceness a thread inherited from a lowered writer thread, where allowed.
+
+    A pool first asked for by a writer thread (a heartbeat, a reader) is started by it and
+    inherits its niceness. Raising a thread's priority needs privileges (``CAP_SYS_NICE`` or
+    ``RLIMIT_NICE``); without them the thread stays lowered.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        if os.getpriority(os.PRIO_PROCESS, tid) > base:
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+    except OSError:
+        pass
 
 
 class DaemonPool:
     """A fixed set of daemon threads running submitted callables in FIFO order.
+
+    ``nice`` > 0: the threads run that much below the main thread (:func:`lower_priority`);
+    0: at the main thread's priority, where the OS lets a thread raise its inherited one.
 
     Example:
         >>> pool = DaemonPool(2, "demo")
@@ -26,31 +94,54 @@ class DaemonPool:
         3
     """
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, nice: int = 0) -> None:
         self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
         self._tasks = queue.SimpleQueue()
         self.threads = threads
+        self.nice = nice
+        self._unfinished = 0  # tasks queued or running, references not yet dropped
+        self._idle = threading.Condition()
         for i in range(threads):
             threading.Thread(target=self._run, name=f"asyncckpt-{name}-{i}", daemon=True).start()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Queue ``fn(*args)``; the returned future holds its result or exception."""
         future: Future[T] = Future()
+        with self._idle:
+            self._unfinished += 1
         self._tasks.put((future, fn, args))
         return future
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every task has finished and its thread has dropped its references.
+
+        Returns:
+            True if the pool is idle, False if ``timeout`` seconds passed first.
+        """
+        with self._idle:
+            return self._idle.wait_for(lambda: self._unfinished == 0, timeout)
+
     def _run(self) -> None:
+        if self.nice > 0:
+            lower_priority(self.nice)
+        else:
+            _restore_priority()
         while True:
             future, fn, args = self._tasks.get()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:
-                future.set_exception(exc)
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
             # Drop the task before waiting for the next one: an idle thread must not keep
-            # its last task's arguments (a whole tensor, a chunk buffer) alive.
+            # its last task's arguments (a whole tensor, a chunk buffer) alive; and the last
+            # reference to a tensor must not be dropped here while the interpreter shuts
+            # down (see wait_idle: freeing a tensor takes the GIL inside C++, and a daemon
+            # thread that takes the GIL during finalization is unwound, which aborts).
             del future, fn, args
+            with self._idle:
+                self._unfinished -= 1
+                self._idle.notify_all()
 
 
 _lock = threading.Lock()
@@ -58,12 +149,56 @@ _pools: dict[tuple[str, int], DaemonPool] = {}
 
 
 def pool(name: str, threads: int) -> DaemonPool:
-    """The process-wide pool called ``name`` with ``threads`` threads (created on first use)."""
+    """The process-wide pool called ``name`` with ``threads`` threads (created on first use).
+
+    The threads of a pool in :data:`WRITER_POOLS` run at the ``writer_nice`` tunable's
+    niceness, resolved when the pool is created (a process's first save).
+
+    Args:
+        name: the pool's name, also in its threads' names (``asyncckpt-<name>-<i>``).
+        threads: how many threads it has.
+
+    Returns:
+        The pool, shared by every caller that asks for the same name and size.
+
+    Raises:
+        ValueError: ``ASYNCCKPT_WRITER_NICE`` is set and is not a non-negative integer.
+
+    Example:
+        >>> pool("demo", 1).submit(len, "abc").result()
+        3
+    """
     with _lock:
         key = (name, threads)
         if key not in _pools:
-            _pools[key] = DaemonPool(threads, name)
+            nice = config.tunable("writer_nice", None) if name in WRITER_POOLS else 0
+            _pools[key] = DaemonPool(threads, name, nice)
         return _pools[key]
+
+
+def wait_idle(timeout: float) -> bool:
+    """Wait until every pool of the process is idle (for the exit hook).
+
+    A pool thread drops its task's references (tensors, arena views) only after publishing
+    the result. If the interpreter began shutting down in between, the thread would free a
+    tensor during finalization, and a thread that takes the GIL then is unwound through
+    torch's C++ destructors: the process aborts (``terminate called without an active
+    exception``). The exit hook waits here first.
+
+    Args:
+        timeout: seconds to wait at most, for all pools together.
+
+    Returns:
+        True if every pool is idle.
+
+    Example:
+        >>> wait_idle(1.0)
+        True
+    """
+    deadline = time.monotonic() + timeout
+    with _lock:
+        pools = list(_pools.values())
+    return all(p.wait_idle(max(0.0, deadline - time.monotonic())) for p in pools)
 
 
 def save_queue() -> DaemonPool:

@@ -915,3 +915,28 @@ def test_save_into_a_file_object_is_synchronous() -> None:
     assert handle.done() and handle.result().stats.stored_bytes == len(buffer.getvalue())
     buffer.seek(0)
     assert asyncckpt.load(buffer)["w"].tolist() == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------- reserve
+
+
+def test_reserve_is_public_and_the_first_save_reuses_its_arena(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(asyncckpt.api, "_arenas", None)  # a fresh pool, as in a new process
+    allocated: list[int] = []
+    real_allocate = staging._allocate
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        allocated.append(nbytes)
+        return real_allocate(nbytes)
+
+    monkeypatch.setattr(staging, "_allocate", allocate)
+    state = {"w": torch.randn(256, 256), "b": torch.randn(256)}
+    thread = asyncckpt.reserve(state)
+    assert thread is not None
+    thread.join(30)
+    asyncckpt.save(state, tmp_path / "a.ackpt").result()
+    asyncckpt.save(state, tmp_path / "b.ackpt").result()
+    assert len(allocated) == 1
+    assert torch.equal(asyncckpt.load(tmp_path / "b.ackpt")["w"], state["w"])

@@ -25,7 +25,7 @@ import torch
 import asyncckpt
 import asyncckpt.checkpointer
 import asyncckpt.root_reader
-from asyncckpt import Checkpointer, workers
+from asyncckpt import Checkpointer, api, staging, workers
 from asyncckpt.api import raise_unobserved_failure
 from asyncckpt.errors import (
     AsyncCkptError,
@@ -1000,3 +1000,192 @@ def test_non_writer_on_empty_root_creates_nothing(any_root: str) -> None:
         assert ckpt.save(0, make_state(0)).done()
         assert ckpt.versions() == []
     assert files(any_root) == set()
+
+
+# --------------------------------------------------------------------------- pipeline, reserve
+
+
+def _pieces(step: int) -> dict[str, torch.Tensor]:
+    """12 x 256 KiB: many announced copy pieces once ``_COPY_STEP`` is 64 KiB."""
+    g = torch.Generator().manual_seed(2000 + step)
+    return {f"w{i}": torch.randn(64, 1024, generator=g) for i in range(12)}
+
+
+def _small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(staging, "_COPY_STEP", 64 << 10)
+    monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(64 << 10))
+    # No heartbeat rewrites the lease record while a test compares listings.
+    monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", str(3_600_000))
+
+
+def _on_data_file_open(ckpt: Checkpointer, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """An event set when ``ckpt`` opens a data file for writing."""
+    opened = threading.Event()
+    real = ckpt._storage.open_atomic
+
+    def open_atomic(path: str) -> AtomicWriter:
+        if path.endswith(".ackpt"):
+            opened.set()
+        return real(path)
+
+    monkeypatch.setattr(ckpt._storage, "open_atomic", open_atomic)
+    return opened
+
+
+@pytest.mark.timeout(120)
+def test_lease_and_write_start_before_the_copy_ends(
+    any_root: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _small_pieces(monkeypatch)
+    state = _pieces(1)
+    expected = {k: v.clone() for k, v in state.items()}
+    ckpt = Checkpointer(any_root)
+    events: list[str] = []
+    real_acquire = ckpt._writer.acquire
+
+    def acquire() -> None:
+        events.append("lease")
+        real_acquire()
+
+    monkeypatch.setattr(ckpt._writer, "acquire", acquire)
+    opened = _on_data_file_open(ckpt, monkeypatch)
+    real_copy = staging.DeviceCopies.copy
+    copies = [0]
+
+    def copy(self: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        copies[0] += 1
+        if copies[0] == 3 and opened.wait(30):  # hold the copy until the writer is in
+            events.append("data file open")
+        real_copy(self, dst, src)
+
+    real_stage = asyncckpt.checkpointer.stage
+
+    def stage(*args: Any, **kwargs: Any) -> Any:
+        snap = real_stage(*args, **kwargs)
+        events.append("copied")
+        return snap
+
+    monkeypatch.setattr(staging.DeviceCopies, "copy", copy)
+    monkeypatch.setattr(asyncckpt.checkpointer, "stage", stage)
+    handle = ckpt.save(1, state)
+    for value in state.values():  # save has returned: the snapshot is complete
+        value.fill_(-1.0)
+    handle.result(timeout=60)
+    assert copies[0] > 3
+    assert events == ["lease", "data file open", "copied"]
+    assert 0 < handle.stats.blocking_s <= handle.stats.total_s  # type: ignore[operator]
+    assert_same(ckpt.load(1), expected)
+    ckpt.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("which", ["first", "later"])
+def test_a_copy_failing_midway_leaves_the_root_as_it_was(
+    any_root: str, monkeypatch: pytest.MonkeyPatch, which: str
+) -> None:
+    _small_pieces(monkeypatch)
+    ckpt = Checkpointer(any_root, keep_last=1)
+    if which == "later":
+        ckpt.save(1, make_state(1)).result(timeout=60)
+    before = files(any_root)
+    opened = _on_data_file_open(ckpt, monkeypatch)
+    real_copy = staging.DeviceCopies.copy
+    calls: list[bool] = []
+
+    def failing_copy(self: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if len(calls) == 6:
+            calls.append(opened.wait(30))  # fail once the writer has its temp file open
+            raise RuntimeError("injected: copy failed midway")
+        calls.append(False)
+        real_copy(self, dst, src)
+
+    monkeypatch.setattr(staging.DeviceCopies, "copy", failing_copy)
+    with pytest.raises(RuntimeError, match="copy failed midway"):
+        ckpt.save(2, _pieces(2))
+    assert calls[-1], "the write had not started when the copy failed"
+    ckpt.wait()  # raised by save, once: nothing left to report
+    raise_unobserved_failure()
+    after = files(any_root)
+    if which == "later":
+        assert after == before
+    steps_left = {n.split("/")[0] for n in after if n.split("/")[0].isdigit()}
+    assert steps_left == ({"1"} if which == "later" else set())  # no step 2, no FAILED
+    assert temp_files(any_root) == set()
+    assert reader(any_root).versions() == ([1] if which == "later" else [])
+    monkeypatch.setattr(staging.DeviceCopies, "copy", real_copy)
+    # The step was not used up, and the arena was freed (else this would block for ever).
+    ckpt.save(2, make_state(2)).result(timeout=60)
+    ckpt.close()
+    assert reader(any_root).versions() == [2]
+    assert_state(reader(any_root).load(), 2)
+    assert step_dirs(any_root) == {2}
+
+
+def test_reserve_then_the_first_save_reuses_the_arena(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(api, "_arenas", None)  # a fresh pool, as in a new process
+    allocated: list[int] = []
+    real_allocate = staging._allocate
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        allocated.append(nbytes)
+        return real_allocate(nbytes)
+
+    monkeypatch.setattr(staging, "_allocate", allocate)
+    state = _pieces(1)
+    with Checkpointer(tmp_path) as ckpt:
+        thread = ckpt.reserve(state)
+        assert thread is not None
+        thread.join(30)
+        assert len(allocated) == 1
+        reserved = api._arena_pool()._free[0].data_ptr()
+        assert ckpt.reserve(state) is None  # large enough already
+        ckpt.save(1, state)
+        assert ckpt._last_snapshot is not None
+        assert ckpt._last_snapshot.lease.buffer.data_ptr() == reserved
+        ckpt.save(2, state)
+    assert len(allocated) == 1  # no second arena, for the first save nor the next
+    assert reader(str(tmp_path)).versions() == [1, 2]
+
+
+def test_reserve_only_where_save_copies(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "_arenas", None)
+    state = _pieces(1)
+    assert Checkpointer(tmp_path, writer_rank=1).reserve(state) is None  # copies nothing
+    assert api._arena_pool()._free == []
+    with pytest.raises(AsyncCkptError, match="read-only"):
+        Checkpointer(tmp_path, read_only=True).reserve(state)
+    closed = Checkpointer(tmp_path)
+    closed.close()
+    with pytest.raises(AsyncCkptError, match="closed"):
+        closed.reserve(state)
+    thread = Checkpointer(tmp_path).reserve(3 << 20)  # a size in bytes
+    assert thread is not None
+    thread.join(30)
+    assert api._arena_pool()._free[0].numel() >= 3 << 20
+
+
+@pytest.mark.timeout(120)
+def test_reserve_of_a_dtensor_state_on_a_rank_that_writes_no_plain_state(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    monkeypatch.setattr(api, "_arenas", None)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        state = {"w": distribute_tensor(torch.zeros(1 << 20), mesh, [Shard(0)]), "step": 1}
+        ckpt = Checkpointer(tmp_path, writer_rank=1)  # sharded saves copy on every rank
+        assert not ckpt.is_writer
+        thread = ckpt.reserve(state)
+        assert thread is not None
+        thread.join(30)
+        assert api._arena_pool()._free[0].numel() >= 4 << 20  # this rank's shard
+    finally:
+        dist.destroy_process_group()

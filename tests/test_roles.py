@@ -406,3 +406,18 @@ def test_lost_responses_on_the_wire_to_commit_and_version(s3_root: str, s3_serve
     record = read_version_file(reader._storage, reader._root)
     assert record is not None and record.step == 2
     check(reader.load(), 2)
+
+
+def test_a_new_writer_removes_temp_files_of_older_lease_writes(tmp_path: Path) -> None:
+    # A writer killed while (re)writing its lease record leaves a temp file in _lease/.
+    from asyncckpt.storage import TEMP_MARK
+
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as first:
+        first.save(1, {"w": torch.zeros(2)}).result()
+    (old,) = (root / "_lease").iterdir()
+    (root / "_lease" / f"{old.name}{TEMP_MARK}0123456789ab").write_bytes(b'{"epoch"')
+    with Checkpointer(root) as second:
+        second.save(2, {"w": torch.ones(2)}).result()
+    (record,) = (root / "_lease").iterdir()  # the older record and its temp file are gone
+    assert TEMP_MARK not in record.name and int(record.name) > int(old.name)

@@ -12,6 +12,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import api, staging
+from asyncckpt.errors import StorageError
 from asyncckpt.staging import ArenaPool
 
 
@@ -169,6 +170,42 @@ def test_write_starts_before_the_copy_ends_and_save_returns_a_full_snapshot(
         assert torch.equal(loaded[key], value)
 
 
+@pytest.mark.parametrize("min_cpus, pipelined", [("1", True), ("100000", False)])
+def test_chunks_are_encoded_during_the_copy_only_with_enough_cpus(
+    tmp_path: Path, monkeypatch: Any, min_cpus: str, pipelined: bool
+) -> None:
+    from asyncckpt import writer
+
+    monkeypatch.setenv("ASYNCCKPT_PIPELINE_MIN_CPUS", min_cpus)
+    monkeypatch.setattr(staging, "_COPY_STEP", 64 << 10)
+    monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(64 << 10))
+    copies_done, encoded_at = [0], []
+    first_encode = threading.Event()
+    real_copy, real_encode = staging.DeviceCopies.copy, writer.encode_chunk
+
+    def counting_copy(self: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if copies_done[0] == 2:  # most of the state is not copied yet: does an encoder run?
+            # Without the pipeline no encoder can start before the copy ends, so the short
+            # wait only lets a wrong encoder show; with it, the wait ends at the first encode.
+            first_encode.wait(30 if pipelined else 0.5)
+        real_copy(self, dst, src)
+        copies_done[0] += 1
+
+    def recording_encode(*args: Any, **kwargs: Any) -> Any:
+        encoded_at.append(copies_done[0])
+        first_encode.set()
+        return real_encode(*args, **kwargs)
+
+    monkeypatch.setattr(staging.DeviceCopies, "copy", counting_copy)
+    monkeypatch.setattr(writer, "encode_chunk", recording_encode)
+    state = _many_tensors()
+    handle = asyncckpt.save(state, tmp_path / "x.ackpt")
+    total = copies_done[0]
+    handle.result()
+    assert (min(encoded_at) < total) is pipelined
+    assert torch.equal(asyncckpt.load(tmp_path / "x.ackpt")["w0"], state["w0"])
+
+
 def test_a_copy_failing_midway_leaves_no_file_and_raises_once(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -285,3 +322,40 @@ def test_host_arena_is_writable_and_zeroed() -> None:
     assert int(buffer.sum()) == 0
     buffer[-1] = 7
     assert int(buffer[-1]) == 7
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_write_keeps_the_arena_until_the_copy_ends(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # The copy still writes into the arena: lent to another save, it would tear that one.
+    monkeypatch.setattr(staging, "_COPY_STEP", 64 << 10)
+    failed, released = threading.Event(), threading.Event()
+    copying = [True]
+    seen_during_copy: list[bool] = []
+    real_release = staging.ArenaLease.release
+    real_copy = staging.DeviceCopies.copy
+
+    def failing_write(*args: Any, **kwargs: Any) -> int:
+        failed.set()
+        raise StorageError("injected: disk full")
+
+    def release(self: Any) -> None:
+        if copying[0]:
+            released.set()
+        real_release(self)
+
+    def copy(self: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if not seen_during_copy and failed.wait(30):
+            # Bounded, not timed: a release after the failure shows up at once.
+            seen_during_copy.append(released.wait(2))
+        real_copy(self, dst, src)
+
+    monkeypatch.setattr(api, "write_snapshot", failing_write)
+    monkeypatch.setattr(staging.ArenaLease, "release", release)
+    monkeypatch.setattr(staging.DeviceCopies, "copy", copy)
+    handle = asyncckpt.save(_many_tensors(), tmp_path / "x.ackpt")
+    copying[0] = False
+    with pytest.raises(StorageError, match="disk full"):
+        handle.result(timeout=60)
+    assert seen_during_copy == [False]
