@@ -5,6 +5,11 @@ repeat a lot) are interleaved with mantissa bytes (which look random). Grouping 
 every element together first lets zstd find the repetition. A chunk that does not shrink is
 stored raw, so compression never costs space and incompressible data costs one attempt.
 
+Before a plane is compressed whole, a probe compresses three small samples of it; the
+ratio it finds decides which planes are worth compressing: with ``"zstd"``, every plane that
+shrinks by 2 % or more; with ``"auto"``, the planes for which :func:`choose_planes` finds
+that the write time saved exceeds the encode time spent, given measured :class:`Rates`.
+
 Functions here are pure (bytes in, bytes out) and safe to call from many threads: zstandard
 releases the GIL while it works.
 """
@@ -13,14 +18,24 @@ from __future__ import annotations
 
 import struct
 import threading
-import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from time import perf_counter
 
 import numpy as np
 import zstandard
+from zlib_ng import zlib_ng
 
 from .errors import FormatError
 
-COMPRESSIONS = ("none", "zstd")
+COMPRESSIONS = ("none", "zstd", "auto")
+
+#: A plane whose probe keeps more than this fraction of its bytes is not worth compressing.
+INCOMPRESSIBLE = 0.98
+
+#: ``choose(width, ratios)``: which of a chunk's ``width`` planes to compress, given the
+#: probe's estimate of stored/raw for each (None: the plane is too short to sample).
+PlaneChooser = Callable[[int, tuple[float | None, ...]], Sequence[bool]]
 
 _local = threading.local()
 
@@ -66,16 +81,154 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 def check_compression(compression: str) -> str:
     """Validate a user's ``compression`` argument.
 
+    Args:
+        compression: ``"zstd"``, ``"none"`` or ``"auto"``.
+
+    Returns:
+        ``compression`` itself.
+
     Raises:
         ValueError: not one of :data:`COMPRESSIONS`.
+
+    Example:
+        >>> check_compression("auto")
+        'auto'
     """
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
     return compression
 
 
+@dataclass
+class EncodeReport:
+    """What encoding one chunk cost and found; :func:`encode_chunk` fills it in.
+
+    Times are wall-clock seconds on the encoding thread, so they include waiting for a core
+    that other work holds: what the encoders can really do on a shared machine.
+
+    Attributes:
+        group_s: seconds spent regrouping the chunk's bytes into planes.
+        grouped_bytes: bytes regrouped (0: the chunk was not regrouped).
+        compress_s: seconds spent compressing whole planes (probes not included).
+        compressed_bytes: raw bytes of the planes compressed whole.
+        ratios: per plane, stored/raw: exact for a plane compressed whole, else the probe's
+            estimate, else None.
+
+    Example:
+        >>> report = EncodeReport()
+        >>> _ = encode_chunk(memoryview(bytes(4096)), itemsize=4, is_float=True,
+        ...                  compression="zstd", level=1, report=report)
+        >>> report.grouped_bytes, report.compressed_bytes, report.ratios[0] < 0.1
+        (4096, 4096, True)
+    """
+
+    group_s: float = 0.0
+    grouped_bytes: int = 0
+    compress_s: float = 0.0
+    compressed_bytes: int = 0
+    ratios: tuple[float | None, ...] = ()
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The speeds that :func:`choose_planes` weighs, in seconds per byte.
+
+    Attributes:
+        write_s: storage: seconds to write and commit one stored byte.
+        compress_s: one encoder thread: seconds to compress one byte of a plane.
+        group_s: one encoder thread: seconds to regroup one byte of a chunk into planes.
+        threads: encoder threads working in parallel.
+
+    Example:
+        >>> link = Rates(write_s=5e-9, compress_s=1e-9, group_s=0.25e-9, threads=2)  # 200 MB/s
+        >>> link.break_even(4)  # an fp32 plane must shrink by 20 % to pay
+        0.2
+    """
+
+    write_s: float
+    compress_s: float
+    group_s: float
+    threads: int
+
+    def break_even(self, width: int) -> float:
+        """The fraction of a plane that compressing it must save to pay for itself.
+
+        Compressing a plane of ``n`` bytes that keeps ``r`` of them saves ``(1 - r) * n``
+        bytes of writing and costs ``n * (compress_s + width * group_s) / threads`` seconds
+        of encoding (the whole chunk is regrouped for it, unless ``width`` is 1).
+
+        Example:
+            >>> Rates(write_s=4e-9, compress_s=1e-9, group_s=0.25e-9, threads=2).break_even(4)
+            0.25
+        """
+        group = width * self.group_s if width > 1 else 0.0
+        cost = (self.compress_s + group) / max(1, self.threads)
+        return cost / self.write_s if self.write_s > 0 else float("inf")
+
+
+def choose_planes(
+    ratios: Sequence[float | None],
+    previous: Sequence[bool],
+    rates: Rates,
+    *,
+    margin: float,
+    always: float,
+) -> tuple[bool, ...]:
+    """Which planes of one chunk ``compression="auto"`` compresses (a pure function).
+
+    A plane is compressed when the write time of the bytes it saves exceeds the encode time
+    it costs on the encoder threads, i.e. when it saves more than
+    ``rates.break_even(len(ratios))`` of its bytes. To stay put on noisy rates, a plane's
+    choice flips only when the other side wins by ``margin``. A plane kept whole by the
+    probe (over :data:`INCOMPRESSIBLE`) is never compressed; one that shrinks to ``always``
+    or less always is, whatever the rates (its bytes saved dominate).
+
+    Args:
+        ratios: per plane, the estimated stored/raw fraction (None: unknown).
+        previous: per plane, whether the same plane was compressed last time.
+        rates: the measured speeds.
+        margin: hysteresis, as a fraction (0.25: the other choice must win by 25 %).
+        always: the ratio at or under which a plane is compressed regardless.
+
+    Returns:
+        Per plane, whether to compress it. An unknown ratio keeps the previous choice.
+
+    Example:
+        >>> ratios = [1.0, 0.95, 0.34, 0.1]  # noise, near-noise, exponents, mostly zeros
+        >>> slow_disk = Rates(write_s=10e-9, compress_s=1e-9, group_s=0.25e-9, threads=2)
+        >>> choose_planes(ratios, [True] * 4, slow_disk, margin=0.25, always=0.2)
+        (False, False, True, True)
+        >>> fast_disk = Rates(write_s=0.5e-9, compress_s=1e-9, group_s=0.25e-9, threads=2)
+        >>> choose_planes(ratios, [True] * 4, fast_disk, margin=0.25, always=0.2)
+        (False, False, False, True)
+    """
+    need = rates.break_even(len(ratios))
+    chosen = []
+    for ratio, before in zip(ratios, previous, strict=True):
+        if ratio is None:
+            chosen.append(before)
+        elif ratio > INCOMPRESSIBLE or ratio <= always:
+            chosen.append(ratio <= always)
+        else:
+            bar = need / (1 + margin) if before else need * (1 + margin)
+            chosen.append(1 - ratio > bar)
+    return tuple(chosen)
+
+
+def _shrinks(width: int, ratios: tuple[float | None, ...]) -> tuple[bool, ...]:
+    """``compression="zstd"``: compress every plane the probe does not find incompressible."""
+    return tuple(r is None or r <= INCOMPRESSIBLE for r in ratios)
+
+
 def encode_chunk(
-    raw: memoryview, *, itemsize: int, is_float: bool, compression: str, level: int
+    raw: memoryview,
+    *,
+    itemsize: int,
+    is_float: bool,
+    compression: str,
+    level: int,
+    choose: PlaneChooser | None = None,
+    report: EncodeReport | None = None,
 ) -> tuple[str, bytes | memoryview]:
     """Encode one chunk.
 
@@ -83,58 +236,138 @@ def encode_chunk(
         raw: the chunk's bytes.
         itemsize: bytes per element of the data (the byte-group width).
         is_float: whether the data is floating point (worth byte-grouping).
-        compression: ``"none"`` or ``"zstd"``.
+        compression: ``"none"``, ``"zstd"`` or ``"auto"``.
         level: zstd level.
+        choose: with ``"auto"``, decides from the probe which planes to compress (a chunk
+            that is not byte-grouped is one plane); without it, ``"auto"`` compresses what
+            ``"zstd"`` would. Ignored otherwise.
+        report: filled in with what the encoding cost and found, if given.
 
     Returns:
         ``(codec, stored_bytes)``; ``stored_bytes`` is ``raw`` itself for the raw codec.
+
+    Example:
+        >>> codec, stored = encode_chunk(memoryview(bytes(4096)), itemsize=4, is_float=True,
+        ...                              compression="zstd", level=1)
+        >>> codec, len(stored) < 4096
+        ('zstd-bytegroup', True)
     """
     if compression == "none" or len(raw) == 0:
         return "raw", raw
+    report = EncodeReport() if report is None else report
+    chooser = choose if compression == "auto" and choose is not None else _shrinks
+    stored: bytes | None
     if is_float and itemsize > 1 and len(raw) % itemsize == 0:
-        codec, stored = "zstd-bytegroup", _encode_planes(raw, itemsize, level)
+        codec, stored = "zstd-bytegroup", _encode_planes(raw, itemsize, level, chooser, report)
+    elif compression == "auto":
+        codec, stored = "zstd", _encode_whole(raw, level, chooser, report)
     else:
         codec, stored = "zstd", _compressor(level).compress(raw)
-    if len(stored) >= len(raw):
+    if stored is None or len(stored) >= len(raw):
         return "raw", raw
     return codec, stored
 
 
-def _encode_planes(raw: memoryview, itemsize: int, level: int) -> bytes:
-    """Group bytes by position, then compress each plane alone (raw if it does not shrink).
+def _encode_planes(
+    raw: memoryview, itemsize: int, level: int, choose: PlaneChooser, report: EncodeReport
+) -> bytes | None:
+    """Group bytes by position, then compress the chosen planes, each alone.
 
     Separate frames let each plane (sign/exponent bytes, noisy mantissa bytes) get its own
-    entropy tables, and a noisy plane costs nothing once it is stored raw.
+    entropy tables; a plane that is not chosen, or does not shrink, is stored raw.
+
+    Returns:
+        The payload, or None when no plane was chosen (then nothing was regrouped).
     """
+    ratios = _probe_planes(raw, itemsize, level)
+    wanted = choose(itemsize, ratios)
+    report.ratios = ratios
+    if not any(wanted):
+        return None
+    started = perf_counter()
     grouped = group_bytes(raw, itemsize)
+    report.group_s, report.grouped_bytes = perf_counter() - started, len(raw)
     plane = len(raw) // itemsize
-    parts = []
+    parts, found = [], list(ratios)
     for j in range(itemsize):
         data = grouped[j * plane : (j + 1) * plane]
-        packed = (
-            None if _looks_incompressible(data, level) else _compressor(level, True).compress(data)
-        )
+        packed = _compress_plane(data, level, report) if wanted[j] else None
+        if packed is not None:
+            found[j] = len(packed) / plane
         parts.append(packed if packed is not None and len(packed) < plane else data)
+    report.ratios = tuple(found)
     header = struct.pack(f"<{itemsize}I", *(len(p) for p in parts))
     return b"".join([header, *parts])
+
+
+def _encode_whole(
+    raw: memoryview, level: int, choose: PlaneChooser, report: EncodeReport
+) -> bytes | None:
+    """``"auto"`` for a chunk that is not byte-grouped: probe it, then maybe compress it."""
+    ratio = _probe_ratio(raw, level, plane=False)
+    report.ratios = (ratio,)
+    if not choose(1, (ratio,))[0]:
+        return None
+    started = perf_counter()
+    packed = _compressor(level).compress(raw)
+    report.compress_s += perf_counter() - started
+    report.compressed_bytes += len(raw)
+    report.ratios = (len(packed) / len(raw),)
+    return packed
+
+
+def _compress_plane(data: memoryview, level: int, report: EncodeReport) -> bytes:
+    started = perf_counter()
+    packed = _compressor(level, True).compress(data)
+    report.compress_s += perf_counter() - started
+    report.compressed_bytes += len(data)
+    return packed
 
 
 #: Planes longer than this are probed on a sample before being compressed whole.
 _PROBE_BYTES = 64 << 10
 
 
-def _looks_incompressible(data: memoryview, level: int) -> bool:
-    """Whether samples from the start, middle and end of ``data`` shrink by under 2 %.
+def _probe_ratio(data: memoryview, level: int, plane: bool = True) -> float | None:
+    """stored/raw of samples from the start, middle and end of ``data`` (None: too short).
 
     Low mantissa bytes of floats are close to random; compressing them whole costs as much
     CPU as the useful planes and saves nothing, so a few spread samples decide.
     """
     if len(data) < 8 * _PROBE_BYTES:
-        return False
-    step = (len(data) - _PROBE_BYTES) // 2
-    samples = [data[k * step : k * step + _PROBE_BYTES // 2] for k in range(3)]
-    packed = sum(len(_compressor(level, True).compress(x)) for x in samples)
-    return packed > 0.98 * 3 * (_PROBE_BYTES // 2)
+        return None
+    step, half = (len(data) - _PROBE_BYTES) // 2, _PROBE_BYTES // 2
+    cctx = _compressor(level, plane)
+    packed = sum(len(cctx.compress(data[k * step : k * step + half])) for k in range(3))
+    return packed / (3 * half)
+
+
+def _looks_incompressible(data: memoryview, level: int) -> bool:
+    """Whether samples from the start, middle and end of ``data`` shrink by under 2 %."""
+    ratio = _probe_ratio(data, level)
+    return ratio is not None and ratio > INCOMPRESSIBLE
+
+
+def _probe_planes(raw: memoryview, itemsize: int, level: int) -> tuple[float | None, ...]:
+    """:func:`_probe_ratio` of every byte plane of ``raw``, without regrouping all of it.
+
+    The samples are the ones the probe would take from each grouped plane: element ranges
+    at the start, middle and end, regrouped alone (a few hundred KiB instead of the chunk).
+    """
+    plane = len(raw) // itemsize
+    if plane < 8 * _PROBE_BYTES:
+        return (None,) * itemsize
+    step, half = (plane - _PROBE_BYTES) // 2, _PROBE_BYTES // 2
+    samples = [
+        group_bytes(raw[k * step * itemsize : (k * step + half) * itemsize], itemsize)
+        for k in range(3)
+    ]
+    cctx = _compressor(level, True)
+    packed = [
+        sum(len(cctx.compress(s[j * half : (j + 1) * half])) for s in samples)
+        for j in range(itemsize)
+    ]
+    return tuple(n / (3 * half) for n in packed)
 
 
 def decode_chunk(stored: bytes | memoryview, codec: str, itemsize: int, out: memoryview) -> None:
@@ -224,5 +457,14 @@ def ungroup_bytes(grouped: bytes | memoryview, itemsize: int, out: memoryview) -
 
 
 def checksum(data: bytes | memoryview) -> int:
-    """CRC-32 (zlib's polynomial) of ``data``; releases the GIL on large inputs."""
-    return zlib.crc32(data)
+    """CRC-32 (zlib's polynomial) of ``data``; releases the GIL on large inputs.
+
+    zlib-ng's CRC-32 (carry-less multiplication) gives zlib's values at about 10x the speed
+    of the system zlib that Python links (4 GB/s on this project's machines), which made
+    the checksum a visible share of every save and load.
+
+    Example:
+        >>> checksum(b"asyncckpt") == __import__("zlib").crc32(b"asyncckpt")
+        True
+    """
+    return zlib_ng.crc32(data)

@@ -27,7 +27,50 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         "zstandard level; at 1, float byte planes use settings tuned for them (docs/FORMAT.md)",
     ),
     "inflight_chunks": (8, "chunks compressed ahead of the writer (bounds extra memory)"),
+    # compression="auto": see asyncckpt.codec.choose_planes and asyncckpt.writer.
+    "auto_margin_pct": (
+        25,
+        'compression="auto": a byte plane switches between compressed and raw only when '
+        "the other choice is estimated this many percent better (hysteresis against noise)",
+    ),
+    "auto_always_pct": (
+        20,
+        'compression="auto": a byte plane that its probe shrinks to at most this percent '
+        "of its size is compressed whatever the rates",
+    ),
+    "auto_prior_write_mb_s": (
+        100,
+        'compression="auto": write bandwidth (MB/s) assumed for a storage target not '
+        "measured yet in this process; low, so that a process starts by compressing",
+    ),
+    "auto_prior_encode_mb_s": (
+        1000,
+        'compression="auto": bytes (MB/s) one encoder thread is assumed to regroup, and to '
+        "compress, before it is measured in this process",
+    ),
+    "auto_window_mib": (
+        256,
+        'compression="auto": measured rates average over about this many MiB of recent '
+        "writes and encodes (a prior counts as one window)",
+    ),
+    "auto_explore_mib": (
+        256,
+        'compression="auto": while the rates say raw, one chunk per this many MiB held '
+        "back is compressed anyway, so that what compression costs stays measured",
+    ),
     "max_inflight": (1, "saves whose snapshots may be held at once; each holds one host arena"),
+    "pipeline_min_cpus": (
+        8,
+        "the background write starts encoding chunks while the snapshot is still being "
+        "copied only on machines with at least this many CPUs; on fewer it waits for the "
+        "whole copy, which then has the cores to itself",
+    ),
+    "writer_nice": (
+        10,
+        "Linux: how far below the main thread's priority the background save and encode "
+        "threads run (niceness 0-19; 0: the same priority); the caller's threads then win "
+        "the cores they share with a write, which fills the gaps",
+    ),
     "pin_budget_bytes": (
         1 << 30,
         "bytes of host memory one load may pin for copies to CUDA; storages past it are "
@@ -69,6 +112,10 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
 }
 
 
+#: Tunables for which 0 is meaningful (an offset, not a count); every other one must be >= 1.
+ZERO_ALLOWED: Final[frozenset[str]] = frozenset({"writer_nice"})
+
+
 def tunable(name: str, value: int | None) -> int:
     """Resolve one tunable.
 
@@ -78,10 +125,14 @@ def tunable(name: str, value: int | None) -> int:
             variable ``ASYNCCKPT_<NAME>`` and then the default.
 
     Returns:
-        The resolved positive integer.
+        The resolved integer: positive, or non-negative for names in :data:`ZERO_ALLOWED`.
 
     Raises:
-        ValueError: the name is unknown, or the value is not a positive integer.
+        ValueError: the name is unknown, or the value is not an integer in range.
+
+    Example:
+        >>> tunable("writer_nice", 0)
+        0
     """
     if name not in DEFAULTS:
         raise ValueError(f"unknown tunable {name!r}; known: {sorted(DEFAULTS)}")
@@ -95,6 +146,7 @@ def tunable(name: str, value: int | None) -> int:
             value = int(env)
         except ValueError:
             raise ValueError(f"{source}={env!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"tunable {name} must be a positive integer, got {value} from {source}")
+    if value < (0 if name in ZERO_ALLOWED else 1):
+        kind = "a non-negative" if name in ZERO_ALLOWED else "a positive"
+        raise ValueError(f"tunable {name} must be {kind} integer, got {value} from {source}")
     return value

@@ -438,7 +438,8 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
     end of ``fit``/``validate``/``test``); ``teardown`` also waits for every pending save.
 
     Args:
-        compression: ``"zstd"`` (default) or ``"none"``, as for :func:`asyncckpt.save`.
+        compression: ``"zstd"`` (default), ``"none"`` or ``"auto"``, as for
+            :func:`asyncckpt.save`.
         storage_options: fsspec options for URL paths (e.g. ``{"endpoint_url": ...}``).
         classes: classes to rebuild on load besides the built-in trusted ones (see
             :func:`from_plain`): your hyperparameter enums, dataclasses, dict subclasses.

@@ -7,21 +7,28 @@ I/O; at most ``inflight_chunks`` encoded chunks wait in memory at once.
 The writer may start before the snapshot is complete (see ``staging.snapshot``'s
 ``on_layout``): each chunk is handed to the encoders only once its bytes have landed in the
 arena, and if the copy fails the file is aborted (the target is left untouched).
+
+With ``compression="auto"`` the writer also times its writes and its encoders, and
+:mod:`asyncckpt.autocompress` chooses per byte plane from what was measured.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import sys
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from . import autocompress
 from ._version import __version__
-from .codec import checksum, encode_chunk
+from .autocompress import AutoRun, AutoSettings
+from .codec import EncodeReport, checksum, encode_chunk
 from .format import (
     MAX_CHUNK_BYTES,
     Chunk,
@@ -48,6 +55,7 @@ class WriteOptions:
     chunk_bytes: int
     threads: int
     inflight_chunks: int
+    auto: AutoSettings = field(default_factory=AutoSettings.resolve)
 
 
 @dataclass(frozen=True)
@@ -80,18 +88,43 @@ def write_snapshot(
     Raises:
         StorageError: the backend failed (the target is untouched).
     """
+    auto = _auto_run(storage, path, options)
     with storage.atomic_write(path) as out:
-        header = encode_header()
-        out.write(header)
-        offset = len(header)
-        chunks: list[Chunk] = []
-        for enc in _encode_all(snap.storages, options, snap.wait_staged):
-            out.write(enc.payload)
-            chunks.append(Chunk(offset, len(enc.payload), enc.raw_len, enc.codec, enc.crc32))
-            offset += len(enc.payload)
-            if progress is not None:
-                progress(enc.raw_len)
-        return offset + _write_manifest(out, offset, snap, chunks)
+        size = _write_body(out, snap, options, auto, progress)
+        committing = time.perf_counter()
+    if auto is not None:
+        auto.committed(time.perf_counter() - committing, size)
+    return size
+
+
+def _auto_run(storage: Storage, path: str, options: WriteOptions) -> AutoRun | None:
+    if options.compression != "auto":
+        return None
+    return autocompress.for_write(storage, path, options.auto, options.threads)
+
+
+def _write_body(
+    out: AtomicWriter,
+    snap: Snapshot,
+    options: WriteOptions,
+    auto: AutoRun | None,
+    progress: Callable[[int], None] | None,
+) -> int:
+    """Write the header, the chunks as they are encoded, and the manifest; return the size."""
+    header = encode_header()
+    out.write(header)
+    offset = len(header)
+    chunks: list[Chunk] = []
+    for enc in _encode_all(snap.storages, options, snap.wait_staged, auto):
+        started = time.perf_counter()
+        out.write(enc.payload)
+        if auto is not None:
+            auto.wrote(time.perf_counter() - started, len(enc.payload))
+        chunks.append(Chunk(offset, len(enc.payload), enc.raw_len, enc.codec, enc.crc32))
+        offset += len(enc.payload)
+        if progress is not None:
+            progress(enc.raw_len)
+    return offset + _write_manifest(out, offset, snap, chunks)
 
 
 def _write_manifest(out: AtomicWriter, offset: int, snap: Snapshot, chunks: list[Chunk]) -> int:
@@ -157,10 +190,13 @@ def _encode_all(
     storages: list[StagedStorage],
     options: WriteOptions,
     ready: Callable[[int, int], None] = _no_wait,
+    auto: AutoRun | None = None,
 ) -> Iterator[_Encoded]:
     """Yield encoded chunks in order while up to ``inflight_chunks`` encode in parallel.
 
-    ``ready(storage, end)`` blocks until a chunk's bytes are in host memory.
+    ``ready(storage, end)`` blocks until a chunk's bytes are in host memory. ``auto``
+    chooses planes for ``compression="auto"``; without it, ``"auto"`` compresses as
+    ``"zstd"`` does.
     """
     workers = pool("encode", options.threads)
     window: collections.deque[Future[_Encoded]] = collections.deque()
@@ -168,7 +204,7 @@ def _encode_all(
         for raw, itemsize, is_float in _slices(storages, options.chunk_bytes, ready):
             if len(window) >= options.inflight_chunks:
                 yield window.popleft().result()
-            window.append(workers.submit(_encode_one, raw, itemsize, is_float, options))
+            window.append(workers.submit(_encode_one, raw, itemsize, is_float, options, auto))
         while window:
             yield window.popleft().result()
     finally:
@@ -176,12 +212,23 @@ def _encode_all(
             future.cancel() or future.exception()
 
 
-def _encode_one(raw: memoryview, itemsize: int, is_float: bool, options: WriteOptions) -> _Encoded:
+def _encode_one(
+    raw: memoryview,
+    itemsize: int,
+    is_float: bool,
+    options: WriteOptions,
+    auto: AutoRun | None = None,
+) -> _Encoded:
+    report = EncodeReport()
     codec, payload = encode_chunk(
         raw,
         itemsize=itemsize,
         is_float=is_float,
         compression=options.compression,
         level=options.level,
+        choose=None if auto is None else functools.partial(auto.choose, nbytes=len(raw)),
+        report=report,
     )
+    if auto is not None:
+        auto.encoded(report)
     return _Encoded(codec, payload, checksum(payload), len(raw))

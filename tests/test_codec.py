@@ -103,7 +103,7 @@ def test_length_not_a_multiple_of_itemsize_falls_back_to_zstd(extra: int) -> Non
     assert _roundtrip(raw, itemsize=4, is_float=True) == "zstd"
 
 
-@pytest.mark.parametrize("compression", ["zstd", "none"])
+@pytest.mark.parametrize("compression", ["zstd", "none", "auto"])
 @pytest.mark.parametrize("is_float", [True, False])
 def test_empty_chunk_is_raw(compression: str, is_float: bool) -> None:
     codec, stored = encode_chunk(
@@ -136,7 +136,7 @@ def test_compression_none_is_raw_even_when_compressible() -> None:
     data=st.binary(max_size=2048),
     itemsize=st.sampled_from([1, 2, 4, 8, 16]),
     is_float=st.booleans(),
-    compression=st.sampled_from(["zstd", "none"]),
+    compression=st.sampled_from(["zstd", "none", "auto"]),
 )
 def test_any_bytes_round_trip(data: bytes, itemsize: int, is_float: bool, compression: str) -> None:
     _roundtrip(data, itemsize=itemsize, is_float=is_float, compression=compression)
@@ -281,6 +281,7 @@ def test_checksum_is_zlib_crc32() -> None:
 def test_check_compression() -> None:
     assert check_compression("zstd") == "zstd"
     assert check_compression("none") == "none"
+    assert check_compression("auto") == "auto"
     with pytest.raises(ValueError, match="compression must be one of"):
         check_compression("gzip")
 
@@ -307,3 +308,33 @@ def test_noisy_planes_are_stored_raw_without_compressing_them_whole() -> None:
     out = bytearray(len(raw))
     decode_chunk(stored, codec_name, 4, memoryview(out))
     assert bytes(out) == raw
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [(np.float32, 1.0), (np.float32, 0.02), (np.float64, 1.0), (np.float16, 1.0)],
+)
+def test_planes_are_probed_without_regrouping_the_whole_chunk(dtype: type, scale: float) -> None:
+    """The probe samples element ranges and regroups only those, yet finds what probing
+    each regrouped plane finds."""
+    from asyncckpt import codec
+
+    rng = np.random.default_rng(5)
+    raw = memoryview((rng.standard_normal(1 << 20) * scale).astype(dtype).tobytes())
+    size = np.dtype(dtype).itemsize
+    grouped, plane = group_bytes(raw, size), len(raw) // size
+    whole = [codec._probe_ratio(grouped[j * plane : (j + 1) * plane], 1) for j in range(size)]
+    assert list(codec._probe_planes(raw, size, 1)) == whole
+    assert codec._probe_planes(raw[: 16 * size], size, 1) == (None,) * size  # too short
+
+
+def test_incompressible_chunk_is_not_regrouped() -> None:
+    from asyncckpt.codec import EncodeReport
+
+    raw = memoryview(np.random.default_rng(9).integers(0, 256, 1 << 22, dtype=np.uint8).tobytes())
+    report = EncodeReport()
+    codec, stored = encode_chunk(
+        raw, itemsize=4, is_float=True, compression="zstd", level=1, report=report
+    )
+    assert (codec, stored) == ("raw", raw)
+    assert report.grouped_bytes == report.compressed_bytes == 0
