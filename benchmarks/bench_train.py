@@ -18,12 +18,24 @@ the cost per step amortised), the saving steps alone, and the steps that ran whi
 background write was in flight; ratios to ``none`` from the same run. Modes alternate in
 rounds (the order reversed every other round) so that drift of the machine is shared.
 
+``--writer`` picks how the background write shares the CPU (issue 12, "training
+interference"); the figures of different variants come from separate runs:
+
+* ``default``: the library's defaults (``writer_nice`` and ``threads`` in asyncckpt.config);
+* ``nice0``: writer threads at the caller's priority (the behaviour before issue 12);
+* ``nice``: writer threads niced by ``--nice`` (``ASYNCCKPT_WRITER_NICE``);
+* ``threads1``: one encode thread (``ASYNCCKPT_THREADS=1``), not niced;
+* ``threads1_nice``: both;
+* ``pace``: not niced; each encode thread sleeps ``--pace-ms`` after every chunk.
+
 Usage::
 
     python benchmarks/bench_train.py [--width 2048] [--depth 6] [--batch 32] [--steps 5*every]
-        [--every N] [--rounds 2] [--quick] [--out DIR]
+        [--every N] [--rounds 2] [--writer default] [--quick] [--out DIR]
 
-Writes ``bench_train.json`` and ``bench_train.png`` under ``--out`` and prints a table.
+Writes ``bench_train.json``, ``bench_train.png`` (step-time ratios) and
+``bench_train_trace.png`` (the step times of one run of each mode, saves and background
+writes marked) under ``--out`` and prints a table.
 """
 
 from __future__ import annotations
@@ -49,6 +61,15 @@ import run_all
 import asyncckpt
 
 MIB = 1 << 20
+#: --writer: environment variables set before the first save (None: --nice's value).
+WRITER_VARIANTS: dict[str, dict[str, str | None]] = {
+    "default": {},
+    "nice0": {"ASYNCCKPT_WRITER_NICE": "0"},
+    "nice": {"ASYNCCKPT_WRITER_NICE": None},
+    "threads1": {"ASYNCCKPT_THREADS": "1", "ASYNCCKPT_WRITER_NICE": "0"},
+    "threads1_nice": {"ASYNCCKPT_THREADS": "1", "ASYNCCKPT_WRITER_NICE": None},
+    "pace": {"ASYNCCKPT_WRITER_NICE": "0"},
+}
 MODES = {
     "none": "no checkpointing",
     "asyncckpt": "asyncckpt.Checkpointer (zstd)",
@@ -102,11 +123,19 @@ def _fsync_file_and_dir(path: str) -> None:
 def run_mode(
     mode: str, trainer: Trainer, args: argparse.Namespace, tmp: str, first_step: int
 ) -> dict[str, list[Any]]:
-    """``args.steps`` timed steps; saves where ``step % every == every // 2``."""
+    """``args.steps`` timed steps; saves where ``step % every == every // 2``.
+
+    Besides step times it records, for the trace plot, when each step began and when each
+    background write ran (seconds from the mode's first step), and how many saves were
+    called while the previous write was still in flight (they wait for the arena).
+    """
     steps: list[float] = []
+    began: list[float] = []
     saved: list[bool] = []
     overlapped: list[bool] = []
     blocked: list[float] = []
+    save_at: list[float] = []
+    handles: list[tuple[float, asyncckpt.SaveHandle]] = []
     ckpt = None
     if mode.startswith("asyncckpt"):
         compression = "none" if mode == "asyncckpt_none" else "zstd"
@@ -118,7 +147,9 @@ def run_mode(
         def save_ckpt(step: int) -> None:
             nonlocal handle
             assert ckpt is not None
+            t_call = time.perf_counter() - t0
             handle = ckpt.save(step, trainer.state())
+            handles.append((t_call, handle))
 
         save = save_ckpt
     elif mode == "torch_save":
@@ -132,16 +163,21 @@ def run_mode(
         save = save_torch
 
     tail = 0.0
+    waited = 0  # saves called while the previous write was still in flight
+    t0 = time.perf_counter()
     try:
         for i in range(args.steps):
             step = first_step + i
             overlapped.append(handle is not None and not handle.done())
             do_save = save is not None and (i + 1) % args.every == args.every // 2
             t = time.perf_counter()
+            began.append(t - t0)
             trainer.step()
             if do_save:
                 assert save is not None
+                waited += handle is not None and not handle.done()
                 t_save = time.perf_counter()
+                save_at.append(t_save - t0)
                 save(step)
                 blocked.append(time.perf_counter() - t_save)
             steps.append(time.perf_counter() - t)
@@ -153,12 +189,23 @@ def run_mode(
     finally:
         if ckpt is not None:
             ckpt.close()
+    writes: list[list[float]] = []
+    stored = [h.result().stats.ratio for _, h in handles]
+    for start, h in handles:
+        end = start + (h.result().stats.total_s or 0.0)
+        # saves run one at a time: a write starts once the one before it has ended
+        writes.append([max(start, writes[-1][1]) if writes else start, end])
     return {
         "step_s": steps,
+        "began_s": began,
         "saved": saved,
         "overlapped": overlapped,
         "blocked_s": blocked,
         "tail_s": [tail],
+        "writes_s": writes,
+        "save_at_s": save_at,
+        "stored_fraction": [r for r in stored if r is not None],
+        "saves_waited": [waited],
     }
 
 
@@ -186,6 +233,12 @@ def summarize_mode(raw: dict[str, list[Any]], label: str) -> dict[str, Any]:
     e["quiet_median_s"] = statistics.median(quiet) if quiet else None
     e["blocked_mean_s"] = statistics.fmean(raw["blocked_s"]) if raw["blocked_s"] else None
     e["tail_max_s"] = max(raw["tail_s"]) if raw["tail_s"] else None
+    writes = [end - start for start, end in raw.get("writes_s", [])]
+    e["write_median_s"] = statistics.median(writes) if writes else None
+    # saves called while the previous write was in flight: they waited for the arena
+    e["saves_waited"] = sum(raw.get("saves_waited", []))
+    stored = raw.get("stored_fraction") or []
+    e["stored_fraction"] = statistics.median(stored) if stored else None
     return e
 
 
@@ -195,10 +248,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trainer = Trainer(args.width, args.depth, args.batch)
     params = sum(p.numel() for p in trainer.model.parameters())
     tmp = tempfile.mkdtemp(prefix="bench_train-", dir=args.tmp_dir)
-    raw: dict[str, dict[str, list[Any]]] = {
-        m: {"step_s": [], "saved": [], "overlapped": [], "blocked_s": [], "tail_s": []}
-        for m in MODES
-    }
+    keys = ("step_s", "saved", "overlapped", "blocked_s", "tail_s", "writes_s", "saves_waited")
+    keys += ("stored_fraction",)
+    raw: dict[str, dict[str, list[Any]]] = {m: {k: [] for k in keys} for m in MODES}
+    trace: dict[str, dict[str, list[Any]]] = {}  # one run of each mode, for the trace plot
     try:
         # warm-up: kernels, Adam state, and asyncckpt's host arena (kept across saves)
         warm_steps = []
@@ -230,8 +283,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 t = time.perf_counter()
                 got = run_mode(mode, trainer, args, tmp, step)
                 step += args.steps
-                for k, v in got.items():
-                    raw[mode][k].extend(v)
+                trace.setdefault(mode, got)
+                for k in keys:
+                    raw[mode][k].extend(got[k])
                 print(
                     f"  round {r + 1} {mode:15s} median step "
                     f"{statistics.median(got['step_s']):.3f} s, "
@@ -260,6 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios["asyncckpt_mean_x_torch_save"] = (
         modes["asyncckpt"]["mean_s"] / (modes["torch_save"]["mean_s"])
     )
+    ratios["asyncckpt_overhead_x_torch_save_overhead"] = overhead_ratio(ratios)
     return {
         "benchmark": "bench_train",
         "machine": {
@@ -282,10 +337,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "state_mib": round(state_bytes / MIB, 1),
             "torch_threads": torch.get_num_threads(),
             "asyncckpt_threads": asyncckpt.config.tunable("threads", None),
+            "writer": args.writer,
+            "writer_nice": asyncckpt.config.tunable("writer_nice", None),
+            "pace_ms": args.pace_ms if args.writer == "pace" else 0,
             "quick": args.quick,
         },
         "modes": modes,
         "ratios": ratios,
+        "trace": trace,
         "notes": [
             "step_s: wall seconds of forward + backward + optimizer step, plus the save "
             "call on saving steps (for asyncckpt only the snapshot; the write runs on)",
@@ -294,8 +353,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "flight; the write competes with training for the same cores",
             "tail_s: after the last step, the wait for the last background write",
             "asyncckpt's host arena is allocated by an untimed warm-up save",
+            "saves_waited: saves called while the previous background write was still in "
+            "flight (with max_inflight=1 they wait for the arena)",
+            "asyncckpt_overhead_x_torch_save_overhead: (asyncckpt mean x none - 1) / "
+            "(torch.save mean x none - 1); issue 12's target is <= 0.75",
+            "trace: every step of the first round of each mode; writes_s: [start, end] of "
+            "each background write, seconds from the mode's first step",
         ],
     }
+
+
+def overhead_ratio(ratios: dict[str, float | None]) -> float | None:
+    """asyncckpt's extra mean step time over torch.save's (None if torch.save cost nothing)."""
+    ours, theirs = ratios.get("asyncckpt_mean_x_none"), ratios.get("torch_save_mean_x_none")
+    if ours is None or theirs is None or theirs <= 1.0:
+        return None
+    return (ours - 1.0) / (theirs - 1.0)
 
 
 def print_table(res: dict[str, Any]) -> None:
@@ -320,6 +393,8 @@ def print_table(res: dict[str, Any]) -> None:
             f"{f(e['saving_steps_mean_s'], '9.3f')} {f(e['overlapped_median_s'], '9.3f')} "
             f"{f(e['blocked_mean_s'], '9.3f')}"
         )
+    waited = {m: e["saves_waited"] for m, e in res["modes"].items() if m.startswith("async")}
+    print(f"\nsaves that found the previous write still in flight: {waited}")
     print("\nratios:")
     for k, v in res["ratios"].items():
         print(f"  {k:36s} {'-' if v is None else format(v, '.2f')}")
@@ -365,6 +440,45 @@ def plot(res: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def plot_trace(res: dict[str, Any], path: str) -> None:
+    """Step times of one run of each mode against time, saves and background writes marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = res["trace"]
+    fig, axes = plt.subplots(len(trace), 1, figsize=(12, 1.9 * len(trace) + 0.8), sharex=True)
+    axes = list(axes) if len(trace) > 1 else [axes]
+    base = res["modes"]["none"]["median_s"]
+    top = 1.05 * max(max(t["step_s"]) for t in trace.values())
+    for ax, (mode, t) in zip(axes, trace.items()):
+        for start, end in t["writes_s"]:
+            ax.axvspan(start, end, color="tab:orange", alpha=0.25, lw=0)
+        for at in t["save_at_s"]:
+            ax.axvline(at, color="tab:red", lw=1, ls="--")
+        # each step drawn as a flat segment over the time it ran
+        xs = [*t["began_s"], t["began_s"][-1] + t["step_s"][-1]]
+        ax.step(xs, [*t["step_s"], t["step_s"][-1]], where="post", color="tab:blue", lw=1.2)
+        ax.axhline(base, color="grey", ls=":", lw=1)
+        ax.set_ylim(0, top)
+        ax.set_ylabel("step s")
+        ax.set_title(f"{res['modes'][mode]['label']}", fontsize=9, loc="left")
+    axes[-1].set_xlabel(
+        "seconds from the mode's first step (first round). Dashed red: a save is called; "
+        "orange: a background write in flight; dotted grey: median step without checkpointing"
+    )
+    cfg = res["config"]
+    fig.suptitle(
+        f"step times, {cfg['state_mib']} MiB state, a save every {cfg['every']} steps, "
+        f"writer: {cfg.get('writer', 'default')} (nice {cfg.get('writer_nice', 0)})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--width", type=int, default=2048)
@@ -381,6 +495,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "time, between 5 and 60, so that a write can finish between two saves)",
     )
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--writer",
+        choices=list(WRITER_VARIANTS),
+        default="default",
+        help="how the background write shares the CPU (see the module docstring)",
+    )
+    ap.add_argument("--nice", type=int, default=10, help="niceness for --writer *nice (10)")
+    ap.add_argument(
+        "--pace-ms", type=float, default=20.0, help="--writer pace: sleep after each chunk (20)"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke test: a tiny MLP, few steps")
     ap.add_argument("--tmp-dir", default=None, help="where checkpoints go (default: temp)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -397,11 +521,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     counts = [args.width, args.depth, args.batch, args.rounds, args.steps or 1, args.every or 1]
     if min(counts) < 1:
         ap.error("sizes and counts must be positive")
+    if not 0 <= args.nice <= 19 or args.pace_ms < 0:
+        ap.error("--nice must be 0-19 and --pace-ms non-negative")
     return args
+
+
+def apply_writer_variant(args: argparse.Namespace) -> None:
+    """Set the variant's environment (read at the first save) and, for ``pace``, the sleep."""
+    for key, value in WRITER_VARIANTS[args.writer].items():
+        os.environ[key] = str(args.nice) if value is None else value
+    if args.writer != "pace":
+        return
+    from asyncckpt import writer
+
+    encode = writer._encode_one
+    pause = args.pace_ms / 1000
+
+    def paced(*a: Any) -> Any:
+        try:
+            return encode(*a)
+        finally:
+            time.sleep(pause)  # hands the core back to training between chunks
+
+    writer._encode_one = paced  # type: ignore[assignment]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    apply_writer_variant(args)
     res = run(args)
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "bench_train.json")
@@ -411,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(res)
     png_path = os.path.join(args.out, "bench_train.png")
     plot(res, png_path)
-    print(f"\nwrote {json_path} and {png_path}")
+    trace_path = os.path.join(args.out, "bench_train_trace.png")
+    plot_trace(res, trace_path)
+    print(f"\nwrote {json_path}, {png_path} and {trace_path}")
     return 0
 
 

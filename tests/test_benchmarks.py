@@ -5,14 +5,17 @@ No timing thresholds: speed is what the benchmark reports, not what tests assert
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_save.py"
@@ -95,6 +98,93 @@ def test_bench_save_quick(tmp_path: Path) -> None:
         assert positive(res["first_save"][f"{mode}_x_copy"]), res["first_save"]
     for m in ("asyncckpt_zstd", "asyncckpt_none", "torch_save_thread", "dcp_async_save"):
         assert positive(res["python_speed"][f"{m}_x_idle"]), res["python_speed"]
+    # issue 12: durable on MiniLM weights + real Adam moments (one replica in quick mode)
+    real = res["real_state"]
+    assert real["source"] == "all-MiniLM-L6-v2" and real["adam_steps"] >= 1, real
+    assert real["replicas"] >= 1 and real["raw_bytes"] >= real["replica_bytes"] > 0
+    assert positive(real["save_zstd_x_torch_save"]) and 0 < real["stored_fraction"] < 1
+    assert len(real["raw_s"]["torch_save"]) == len(real["raw_s"]["save_zstd"]) == real["rounds"]
 
     # the benchmark's temp directory (checkpoints of every method) is removed
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("bench_save-")]
+
+
+def load_bench(name: str) -> Any:
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+
+def test_real_training_state_holds_real_adam_moments() -> None:
+    """The state of the real-state durable row: MiniLM weights and nonzero Adam moments."""
+    bench_save = load_bench("bench_save")
+    state, desc = bench_save.real_training_state(0, steps=2)
+    assert desc["replicas"] == 1 and desc["source"] in ("all-MiniLM-L6-v2", "synthetic")
+    one = state["replica0"]
+    moments = one["optimizer"]["state"]
+    assert len(moments) == sum(1 for t in one["model"].values() if t.is_floating_point())
+    for m in moments.values():
+        assert int(m["step"]) == 2
+        assert m["exp_avg"].abs().sum() > 0 and m["exp_avg_sq"].min() >= 0
+        assert m["exp_avg_sq"].abs().sum() > 0
+    assert desc["raw_bytes"] == bench_save._tensor_bytes(state)
+    # tiling makes separate copies (nothing shared that a writer could deduplicate)
+    tiled, tdesc = bench_save.real_training_state(desc["replica_bytes"] + 1, steps=1)
+    assert tdesc["replicas"] == 2
+    a, b = (tiled[f"replica{i}"]["model"] for i in range(2))
+    name = next(iter(a))
+    assert torch.equal(a[name], b[name]) and a[name].data_ptr() != b[name].data_ptr()
+
+
+def test_bench_train_overhead_ratio() -> None:
+    bench_train = load_bench("bench_train")
+    ratio = bench_train.overhead_ratio
+    assert ratio({"asyncckpt_mean_x_none": 1.3, "torch_save_mean_x_none": 1.6}) == pytest.approx(
+        0.5
+    )
+    assert ratio({"asyncckpt_mean_x_none": 1.3, "torch_save_mean_x_none": 1.0}) is None
+    assert ratio({"asyncckpt_mean_x_none": None, "torch_save_mean_x_none": 1.5}) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("writer", ["threads1_nice", "pace"])
+def test_bench_train_quick_variants(tmp_path: Path, writer: str) -> None:
+    """Each --writer variant runs, says what it ran with, and draws the step-time trace."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT.parent / "bench_train.py"), "--quick"),
+            *("--writer", writer, "--nice", "5", "--pace-ms", "1", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "bench_train.json").read_text())
+    cfg = res["config"]
+    assert cfg["writer"] == writer
+    if writer == "threads1_nice":
+        assert (cfg["writer_nice"], cfg["asyncckpt_threads"], cfg["pace_ms"]) == (5, 1, 0)
+    else:
+        assert cfg["writer_nice"] == 0 and cfg["pace_ms"] == 1
+    assert set(res["trace"]) == set(res["modes"])
+    for mode, t in res["trace"].items():
+        n = cfg["steps"]
+        assert len(t["began_s"]) == len(t["step_s"]) == len(t["saved"]) == n, mode
+        assert t["began_s"] == sorted(t["began_s"])
+        assert len(t["save_at_s"]) == sum(t["saved"]) == (0 if mode == "none" else 2), mode
+        if mode.startswith("asyncckpt"):
+            assert len(t["writes_s"]) == 2
+            for (start, end), at in zip(t["writes_s"], t["save_at_s"]):
+                assert at <= start <= end
+            assert 0 <= res["modes"][mode]["saves_waited"] <= 2
+        else:
+            assert t["writes_s"] == []
+    assert (out / "bench_train_trace.png").stat().st_size > 0
+    assert "asyncckpt_overhead_x_torch_save_overhead" in res["ratios"]
