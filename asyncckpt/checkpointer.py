@@ -497,7 +497,7 @@ class Checkpointer:
                 self, target, commit, placement, into, use_group, follow_latest=follow_latest
             )
         sharded_load.refuse_dtensors(target, self.root, into)
-        return self._reader.read(target, placement, follow_latest, into)
+        return self._reader.read(target, placement, into)
 
     def _newest_expected(self) -> int | None:
         with self._lock:

@@ -8,7 +8,6 @@ save in progress, however it is scheduled.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from . import config
@@ -24,8 +23,6 @@ from .protocol import (
 )
 from .reader import materialize, open_file
 from .storage import Storage
-
-log = logging.getLogger(__name__)
 
 
 class RootReader:
@@ -67,36 +64,25 @@ class RootReader:
         """Block until ``step`` is committed (see :func:`asyncckpt.protocol.wait_for_step`)."""
         wait_for_step(self.storage, self.root, step, timeout)
 
-    def read(self, step: int, placement: Placement, follow_latest: bool, into: Any) -> Any:
+    def read(self, step: int, placement: Placement, into: Any) -> Any:
         """Load committed version ``step``.
 
         Args:
             step: a committed step.
             placement: where tensors go.
-            follow_latest: if retention deletes ``step`` while it is read, read the newest
-                version instead of raising (for callers that asked for "the newest").
             into: an existing state to load into, or None.
 
         Raises:
-            IncompleteCheckpointError: ``step`` is not (or no longer) committed and
-                ``follow_latest`` is false, or nothing newer exists.
+            IncompleteCheckpointError: ``step`` is not (or no longer) committed.
             FormatError: the version has more than one data file.
         """
         threads = config.tunable("threads", None)
-        while True:
-            try:
-                return materialize(
-                    open_file(self.storage, self._data_path(step)), placement, threads, into
-                )
-            except CheckpointNotFoundError as exc:
-                newest = self.latest()
-                if not follow_latest or newest is None or newest == step:
-                    raise IncompleteCheckpointError(
-                        f"step {step} under {self.where} was deleted while loading it (by "
-                        "retention?); load again to get the newest version"
-                    ) from exc
-                log.info("step %d was deleted while loading; moving to step %d", step, newest)
-                step = newest
+        try:
+            return materialize(
+                open_file(self.storage, self._data_path(step)), placement, threads, into
+            )
+        except CheckpointNotFoundError as exc:
+            raise deleted_while_loading(step, self.where) from exc
 
     def _data_path(self, step: int) -> str:
         commit = read_commit(self.storage, self.root, step)
@@ -108,3 +94,16 @@ class RootReader:
                 "asyncckpt reads single-writer versions only"
             )
         return self.storage.join(step_dir(self.storage, self.root, step), commit.files[0])
+
+
+def deleted_while_loading(step: int, where: str) -> IncompleteCheckpointError:
+    """The error for a version that retention deleted under a load of it.
+
+    Example:
+        >>> str(deleted_while_loading(3, "/ckpt")).split(";")[0]
+        'step 3 under /ckpt was deleted while loading it (by retention?)'
+    """
+    return IncompleteCheckpointError(
+        f"step {step} under {where} was deleted while loading it (by retention?); load again "
+        "to get the newest version"
+    )

@@ -42,6 +42,7 @@ from .format import MAX_DEPTH, TensorEntry
 from .placement import Placement
 from .protocol import SHARDED, CommitRecord, step_dir
 from .reader import OpenedFile, check_devices, open_file
+from .root_reader import deleted_while_loading
 from .sharded import Path, dtensor_leaves, fqn_of, holds_dtensor
 from .tree import ROOT_NAME, child_path, tensor_paths, torch_dtype, unflatten
 
@@ -134,7 +135,7 @@ def _load_step(
         raise CheckpointNotFoundError(f"step {step} under {ckpt.root} is not committed")
     if commit.kind != SHARDED:
         refuse_dtensors(step, ckpt.root, into)
-        return ckpt._reader.read(step, placement, False, into)
+        return ckpt._reader.read(step, placement, into)
     return _load_sharded(ckpt, commit, placement, into, use_group)
 
 
@@ -158,10 +159,7 @@ def _after_deletion(ckpt: Checkpointer, step: int, follow_latest: bool, exc: Bas
         raise exc
     newest = ckpt._reader.latest()
     if not follow_latest or newest is None or newest == step:
-        raise IncompleteCheckpointError(
-            f"step {step} under {ckpt.root} was deleted while loading it (by retention?); "
-            "load again to get the newest version"
-        ) from exc
+        raise deleted_while_loading(step, ckpt.root) from exc
     log.info("step %d was deleted while loading; moving to step %d", step, newest)
     return newest
 

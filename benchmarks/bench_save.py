@@ -556,18 +556,27 @@ def paired_durable(
     for name in ("save_none", "checkpointer_none", "save_auto"):
         methods[name](os.path.join(tmp, "paired_warm"))
         settle(os.path.join(tmp, "paired_warm"))
-    raw: dict[str, list[float]] = {m: [] for m in methods}
-    order = list(methods)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            path = os.path.join(tmp, f"paired_{name}")
-            settle(path)
-            raw[name].append(methods[name](path))
-            settle(path)
+    raw = alternating_rounds(methods, rounds, os.path.join(tmp, "paired_"))
     for opened in checkpointers.values():
         opened.close()
     shutil.rmtree(ckpt_root, ignore_errors=True)
     return paired_summary(raw)
+
+
+def alternating_rounds(
+    methods: dict[str, Callable[[str], float]], rounds: int, prefix: str
+) -> dict[str, list[float]]:
+    """Seconds of each method per round: every method once per round, the order reversed
+    every other round, each save to ``prefix + name`` with :func:`settle` before and after."""
+    raw: dict[str, list[float]] = {m: [] for m in methods}
+    order = list(methods)
+    for r in range(rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            path = prefix + name
+            settle(path)
+            raw[name].append(methods[name](path))
+            settle(path)
+    return raw
 
 
 def paired_summary(raw: dict[str, list[float]]) -> dict[str, Any]:
@@ -700,14 +709,7 @@ def real_state_durable(
     save_zstd(warm)  # the arena for this state's size, untimed
     stored = disk_bytes(warm)
     settle(warm)
-    raw: dict[str, list[float]] = {m: [] for m in methods}
-    order = list(methods)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            path = os.path.join(tmp, f"real_{name}")
-            settle(path)
-            raw[name].append(methods[name](path))
-            settle(path)
+    raw = alternating_rounds(methods, rounds, os.path.join(tmp, "real_"))
     ratios = {"save_zstd": [a / b for a, b in zip(raw["save_zstd"], raw["torch_save"])]}
     return {
         **desc,
