@@ -148,6 +148,18 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def torch_save_durable(state: dict[str, torch.Tensor], path: str) -> float:
+    """Seconds for ``torch.save`` of ``state`` to ``path``, the file and its directory
+    fsynced (the baseline every durable ratio divides by)."""
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(os.path.dirname(path))
+    return time.perf_counter() - t
+
+
 def disk_bytes(path: str) -> int:
     if os.path.isdir(path):
         return sum(
@@ -267,13 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return os.path.join(tmp, name)
 
     def save_torch(path: str) -> tuple[float, float]:
-        t = time.perf_counter()
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(os.path.dirname(path))
-        dt = time.perf_counter() - t
+        dt = torch_save_durable(state, path)
         return dt, dt
 
     def save_asyncckpt(path: str, compression: str) -> tuple[float, float, Any]:
@@ -691,13 +697,7 @@ def real_state_durable(
     state, desc = real_training_state(min_bytes)
 
     def save_torch(path: str) -> float:
-        t = time.perf_counter()
-        with open(path, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(os.path.dirname(path))
-        return time.perf_counter() - t
+        return torch_save_durable(state, path)
 
     def save_zstd(path: str) -> float:
         t = time.perf_counter()
@@ -1089,13 +1089,8 @@ def only(args: argparse.Namespace) -> int:
             state = make_state(int(args.size_mib * MIB), args.kind)
 
             def save_torch(path: str) -> tuple[float, float]:
-                t = time.perf_counter()
-                with open(path, "wb") as f:
-                    torch.save(state, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                fsync_dir(os.path.dirname(path))
-                return time.perf_counter() - t, time.perf_counter() - t
+                dt = torch_save_durable(state, path)
+                return dt, dt
 
             res = python_speed(state, tmp, save_torch, args.repeats)
     finally:
