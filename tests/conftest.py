@@ -11,6 +11,23 @@ import pytest
 
 
 @pytest.fixture
+def arena_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A fresh host-arena pool, as in a new process; returns the sizes it allocates."""
+    from asyncckpt import api, staging
+
+    monkeypatch.setattr(api, "_arenas", None)
+    allocated: list[int] = []
+    real_allocate = staging._allocate
+
+    def allocate(nbytes: int) -> Any:
+        allocated.append(nbytes)
+        return real_allocate(nbytes)
+
+    monkeypatch.setattr(staging, "_allocate", allocate)
+    return allocated
+
+
+@pytest.fixture
 def memory_root() -> Iterator[str]:
     """A fresh ``memory://`` prefix, removed after the test."""
     root = f"memory://asyncckpt-test-{uuid.uuid4().hex[:8]}"

@@ -921,17 +921,9 @@ def test_save_into_a_file_object_is_synchronous() -> None:
 
 
 def test_reserve_is_public_and_the_first_save_reuses_its_arena(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, arena_allocations: list[int]
 ) -> None:
-    monkeypatch.setattr(asyncckpt.api, "_arenas", None)  # a fresh pool, as in a new process
-    allocated: list[int] = []
-    real_allocate = staging._allocate
-
-    def allocate(nbytes: int) -> torch.Tensor:
-        allocated.append(nbytes)
-        return real_allocate(nbytes)
-
-    monkeypatch.setattr(staging, "_allocate", allocate)
+    allocated = arena_allocations
     state = {"w": torch.randn(256, 256), "b": torch.randn(256)}
     thread = asyncckpt.reserve(state)
     assert thread is not None

@@ -1122,17 +1122,9 @@ def test_a_copy_failing_midway_leaves_the_root_as_it_was(
 
 
 def test_reserve_then_the_first_save_reuses_the_arena(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, arena_allocations: list[int]
 ) -> None:
-    monkeypatch.setattr(api, "_arenas", None)  # a fresh pool, as in a new process
-    allocated: list[int] = []
-    real_allocate = staging._allocate
-
-    def allocate(nbytes: int) -> torch.Tensor:
-        allocated.append(nbytes)
-        return real_allocate(nbytes)
-
-    monkeypatch.setattr(staging, "_allocate", allocate)
+    allocated = arena_allocations
     state = _pieces(1)
     with Checkpointer(tmp_path) as ckpt:
         thread = ckpt.reserve(state)
