@@ -17,7 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from . import config, workers
+from . import config, workers, writer_process
 from .codec import check_compression
 from .errors import CheckpointTimeoutError
 from .placement import MapLocation, Placement
@@ -90,7 +90,9 @@ def reserve(state_or_nbytes: Any) -> threading.Thread | None:
 
     The first save of a process otherwise pays for allocating and faulting in its arena
     while the caller waits (several times the copy itself). Call this once the state
-    exists (after building the model and optimizer); saves reuse the arena afterwards. A
+    exists (after building the model and optimizer); saves reuse the arena afterwards.
+    With ``writer_processes=1`` the arena is in shared memory and the writer process
+    starts here too, so that its start-up is not the first save's either. A
     save that starts before the reservation is done waits for it instead of allocating a
     second arena. ``Checkpointer.reserve`` does the same for a Checkpointer's saves, on the
     ranks that save.
@@ -115,7 +117,10 @@ def reserve(state_or_nbytes: Any) -> threading.Thread | None:
         nbytes = state_or_nbytes + state_or_nbytes // 64 + (1 << 20)  # room for alignment
     else:
         nbytes = arena_bytes(flatten(state_or_nbytes))
-    return _arena_pool().reserve(nbytes)
+    shared = writer_process.wanted(write_options("none"))
+    if shared:
+        writer_process.start()  # its start-up (an interpreter importing torch) too
+    return _arena_pool().reserve(nbytes, shared)
 
 
 class SaveHandle:
@@ -272,17 +277,26 @@ def write_options(compression: str) -> WriteOptions:
         chunk_bytes=config.tunable("chunk_bytes", None),
         threads=config.tunable("threads", None),
         inflight_chunks=config.tunable("inflight_chunks", None),
+        processes=config.tunable("writer_processes", None),
     )
 
 
 def stage(
-    obj: Any, overlap: bool = False, on_layout: Callable[[Snapshot], None] | None = None
+    obj: Any,
+    overlap: bool = False,
+    on_layout: Callable[[Snapshot], None] | None = None,
+    options: WriteOptions | None = None,
 ) -> Snapshot:
     """Validate ``obj`` and copy its data into a host arena (the blocking part of a save).
 
     ``on_layout`` lets a writer start before the copy ends (see ``staging.snapshot``).
+    ``options``: those of the background write that follows; if they ask for a writer
+    process, the arena is in shared memory and the process is started (if need be).
     """
-    return snapshot(flatten(obj), _arena_pool(), overlap, on_layout)
+    shared = options is not None and writer_process.wanted(options)
+    if shared:
+        writer_process.start()
+    return snapshot(flatten(obj), _arena_pool(), overlap, on_layout, shared)
 
 
 def save(
@@ -356,8 +370,8 @@ def save(
         return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options)
     _, handle = stage_and_submit(
-        lambda on_layout: stage(obj, on_layout=on_layout),
-        lambda snap: write_snapshot(snap, storage, path, options),
+        lambda on_layout: stage(obj, on_layout=on_layout, options=options),
+        lambda snap: writer_process.write(snap, storage, path, options),
         storage.describe(path),
         started,
         _target(storage, path),
@@ -534,6 +548,8 @@ class StreamStorage(Storage):
         >>> storage.size(""), storage.read_range("", 2, 5)
         (5, b'abc')
     """
+
+    process_local = True
 
     def __init__(self, f: Any) -> None:
         self.f = f

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import overlap, sharded, sharded_load
+from . import overlap, sharded, sharded_load, writer_process
 from .api import (
     SaveHandle,
     completed_handle,
@@ -46,7 +46,7 @@ from .root_reader import RootReader
 from .root_writer import FencedError, RootWriter
 from .staging import Snapshot
 from .storage import resolve
-from .writer import WriteOptions, write_snapshot
+from .writer import WriteOptions
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class Checkpointer:
             # then the write, overlap the copy. With overlap=True too: the writer then waits
             # until every device copy is queued and, per chunk, for the copies' events.
             snap, handle = stage_and_submit(
-                lambda on_layout: stage(state, self.overlap, on_layout),
+                lambda on_layout: stage(state, self.overlap, on_layout, options),
                 lambda snap: self._write_and_commit(step, snap, path, options),
                 self._storage.describe(path),
                 started,
@@ -338,7 +338,7 @@ class Checkpointer:
         # root's writer (refused, or lost a takeover race): no marker.
         writer.acquire()
         try:
-            size = write_snapshot(snap, self._storage, path, options)
+            size = writer_process.write(snap, self._storage, path, options)
             snap.lease.release()  # every byte was read: the next save may copy during the commit
             writer.commit(step, (name,), (size,))
         except FencedError:

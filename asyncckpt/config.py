@@ -71,6 +71,12 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         "threads run (niceness 0-19; 0: the same priority); the caller's threads then win "
         "the cores they share with a write, which fills the gaps",
     ),
+    "writer_processes": (
+        0,
+        "0: background writes run on threads of this process; 1: in a child process that "
+        "maps the snapshot's shared-memory arena (Linux), so the write never takes this "
+        "process's GIL (see the user guide, 'Writer process')",
+    ),
     "pin_budget_bytes": (
         1 << 30,
         "bytes of host memory one load may pin for copies to CUDA; storages past it are "
@@ -113,7 +119,9 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
 
 
 #: Tunables for which 0 is meaningful (an offset, not a count); every other one must be >= 1.
-ZERO_ALLOWED: Final[frozenset[str]] = frozenset({"writer_nice"})
+ZERO_ALLOWED: Final[frozenset[str]] = frozenset({"writer_nice", "writer_processes"})
+#: Upper bounds, where there is one.
+MAXIMA: Final[dict[str, int]] = {"writer_processes": 1}
 
 
 def tunable(name: str, value: int | None) -> int:
@@ -149,4 +157,7 @@ def tunable(name: str, value: int | None) -> int:
     if value < (0 if name in ZERO_ALLOWED else 1):
         kind = "a non-negative" if name in ZERO_ALLOWED else "a positive"
         raise ValueError(f"tunable {name} must be {kind} integer, got {value} from {source}")
+    if value > MAXIMA.get(name, value):
+        limit = MAXIMA[name]
+        raise ValueError(f"tunable {name} must be at most {limit}, got {value} from {source}")
     return value

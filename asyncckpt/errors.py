@@ -64,6 +64,11 @@ class StorageError(AsyncCkptError, OSError):
     """A storage backend failed to read, write, list or delete (the cause is chained)."""
 
 
+class WriterProcessError(StorageError):
+    """The child process running background writes (``writer_processes=1``) died or could
+    not start; the save it was writing failed and its target is untouched."""
+
+
 class IncompleteCheckpointError(AsyncCkptError):
     """A version exists in storage but was never committed (or was removed while loading)."""
 

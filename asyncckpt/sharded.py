@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import config
+from . import config, writer_process
 from .api import SaveHandle, raise_unobserved_failure, stage, submit, write_options
 from .dcp.schema import (
     MAX_METADATA_BYTES,
@@ -79,7 +79,7 @@ from .staging import Snapshot
 from .storage import Storage
 from .tree import ROOT_NAME, child_path, dtype_name, flatten, torch_dtype
 from .workers import pool
-from .writer import WriteOptions, write_snapshot
+from .writer import WriteOptions
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
@@ -502,7 +502,7 @@ def save(ckpt: Checkpointer, step: int, state: Any) -> SaveHandle:
         # copy, an arena still held by its previous save): see _ProgressWatch.
         job.beat.start()
         try:
-            snap = job.snap = stage(part.plain, ckpt.overlap)
+            snap = job.snap = stage(part.plain, ckpt.overlap, options=options)
         except BaseException as exc:
             job.beat.stop()
             job._mark_failed(exc)  # so the writer stops waiting for this rank at once
@@ -567,7 +567,7 @@ class RankJob:
         try:
             try:
                 self.beat.wait_first()  # so the marker is there before any data
-                size = write_snapshot(snap, self.storage, self.path(".ackpt"), self.options)
+                size = writer_process.write(snap, self.storage, self.path(".ackpt"), self.options)
             finally:
                 self.beat.stop()
                 snap.lease.release()

@@ -21,10 +21,12 @@ which is what the caller waits for).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -171,8 +173,12 @@ class ArenaPool:
         self._reserving = False
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int) -> ArenaLease:
-        """Take a buffer of at least ``nbytes``, waiting while all are leased."""
+    def acquire(self, nbytes: int, shared: bool = False) -> ArenaLease:
+        """Take a buffer of at least ``nbytes``, waiting while all are leased.
+
+        ``shared``: the buffer must be in shared memory (see :func:`shared_region`), for a
+        writer process to read; a free buffer of the other kind is replaced.
+        """
         with self._cond:
             # A reservation in progress is the arena this save should get: wait for it
             # rather than allocating a second one beside it.
@@ -180,12 +186,13 @@ class ArenaPool:
                 self._cond.wait()
             self._leased += 1
             buffer = self._free.pop() if self._free else None
-        if buffer is None or buffer.numel() < nbytes:
-            del buffer  # drop the small one before allocating, to cap peak memory
-            buffer = _allocate(nbytes)
+        if not _fits(buffer, nbytes, shared):
+            del buffer  # drop the unfit one before allocating, to cap peak memory
+            buffer = _allocate(nbytes, shared)
+        assert buffer is not None
         return ArenaLease(self, buffer)
 
-    def reserve(self, nbytes: int) -> threading.Thread | None:
+    def reserve(self, nbytes: int, shared: bool = False) -> threading.Thread | None:
         """Allocate and pre-fault an arena of ``nbytes`` in a background thread.
 
         Takes the page faults of a first save off its critical path: call it as soon as the
@@ -193,12 +200,17 @@ class ArenaPool:
         waits for the reservation instead of allocating beside it. Does nothing if a free
         arena is already large enough, a reservation is running, or every arena is leased.
 
+        Args:
+            nbytes: the arena's size.
+            shared: in shared memory, as ``acquire(shared=True)`` asks for.
+
         Returns:
             The thread doing the work (join it to wait), or None if there was nothing to do.
         """
         with self._cond:
             free_slots = self.max_inflight - self._leased
-            if self._reserving or free_slots <= 0 or any(b.numel() >= nbytes for b in self._free):
+            fit = any(_fits(b, nbytes, shared) for b in self._free)
+            if self._reserving or free_slots <= 0 or fit:
                 return None
             self._reserving = True
             # Replace the largest free arena that is too small (drop it first: peak memory).
@@ -208,7 +220,7 @@ class ArenaPool:
         def work() -> None:
             buffer: torch.Tensor | None = None
             try:
-                buffer = _allocate(nbytes)
+                buffer = _allocate(nbytes, shared)
             finally:
                 with self._cond:
                     if buffer is not None:
@@ -244,7 +256,13 @@ class ArenaLease:
         self._pool._give_back(self.buffer)
 
 
-def _allocate(nbytes: int) -> torch.Tensor:
+def _fits(buffer: torch.Tensor | None, nbytes: int, shared: bool) -> bool:
+    if buffer is None or buffer.numel() < nbytes:
+        return False
+    return not shared or shared_region(buffer) is not None
+
+
+def _allocate(nbytes: int, shared: bool = False) -> torch.Tensor:
     """A host buffer of at least ``nbytes``, every page already faulted in.
 
     On CUDA: pinned memory (``cudaHostAlloc`` maps it resident). Elsewhere: an anonymous
@@ -252,9 +270,14 @@ def _allocate(nbytes: int) -> torch.Tensor:
     costs what the copy would have paid in page faults anyway, but huge pages make it about
     6x cheaper (0.07 s instead of 0.41 s for 1 GiB on the 2-core benchmark machine) and halve
     the TLB misses of every later copy into the arena.
+
+    ``shared``: a memfd mapping another process can map too (:func:`shared_region`), pinned
+    by registration on CUDA. Raises OSError where memfd does not exist (not Linux).
     """
     # Round up so small growth between saves does not force a new arena every time.
     size = max(_ALIGN, -(-nbytes // (1 << 20)) * (1 << 20))
+    if shared:
+        return _shared_arena(size)
     if torch.cuda.is_available():
         return torch.empty(size, dtype=torch.uint8, pin_memory=True)
     return _host_arena(size)
@@ -268,6 +291,10 @@ def _host_arena(size: int) -> torch.Tensor:
         region = mmap.mmap(-1, size, flags=flags)
     except (OSError, ValueError):
         return torch.empty(size, dtype=torch.uint8)
+    return _faulted_in(region)
+
+
+def _faulted_in(region: mmap.mmap) -> torch.Tensor:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # THP disabled or unsupported: small pages
             region.madvise(mmap.MADV_HUGEPAGE)
@@ -275,6 +302,93 @@ def _host_arena(size: int) -> torch.Tensor:
     buffer = torch.frombuffer(region, dtype=torch.uint8)
     buffer[::_PAGE].fill_(0)  # fault every page in now, not during a save's copy
     return buffer
+
+
+@dataclass(frozen=True)
+class SharedRegion:
+    """An arena in shared memory: another process maps ``fd`` to read what was staged.
+
+    Attributes:
+        ident: unique in this process, for as long as the arena lives.
+        fd: the memfd holding the arena's pages (closed when the arena is freed).
+        size: the mapping's length in bytes.
+        address: the arena's first byte in this process.
+    """
+
+    ident: int
+    fd: int
+    size: int
+    address: int
+
+
+_shared_lock = threading.Lock()
+_shared: dict[int, SharedRegion] = {}  # ident -> region, while the arena lives
+_shared_ids = itertools.count(1)
+
+
+def shared_memory_supported() -> bool:
+    """Whether arenas can live in shared memory here (``os.memfd_create``: Linux)."""
+    return hasattr(os, "memfd_create") and hasattr(mmap, "MAP_SHARED")
+
+
+def shared_region(data: torch.Tensor) -> tuple[SharedRegion, int] | None:
+    """The shared arena holding ``data``'s bytes, and their offset in it; None if none does.
+
+    Example:
+        >>> shared_region(torch.zeros(4)) is None
+        True
+    """
+    start = data.data_ptr()
+    end = start + data.numel() * data.element_size()
+    with _shared_lock:
+        for region in _shared.values():
+            if region.address <= start and end <= region.address + region.size:
+                return region, start - region.address
+    return None
+
+
+def shared_regions() -> list[SharedRegion]:
+    """Every shared arena alive in this process."""
+    with _shared_lock:
+        return list(_shared.values())
+
+
+def _shared_arena(size: int) -> torch.Tensor:
+    fd = os.memfd_create("asyncckpt-arena", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        buffer = _faulted_in(region)
+    except BaseException:
+        os.close(fd)
+        raise
+    address = buffer.data_ptr()
+    pinned = _pin(address, size)
+    ident = next(_shared_ids)
+    with _shared_lock:
+        _shared[ident] = SharedRegion(ident, fd, size, address)
+    # Dropped by the pool (replaced by a larger arena): forget it, unpin, close the memfd.
+    finalizer = weakref.finalize(buffer, _forget_shared, ident, fd, address if pinned else None)
+    finalizer.atexit = False  # at exit the process's memory goes anyway, and CUDA may be gone
+    return buffer
+
+
+def _pin(address: int, size: int) -> bool:
+    """Page-lock shared host memory for CUDA copies, as ``pin_memory=True`` would."""
+    if not torch.cuda.is_available():
+        return False
+    cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    return int(cudart.cudaHostRegister(address, size, 0)) == 0
+
+
+def _forget_shared(ident: int, fd: int, pinned_at: int | None) -> None:
+    with _shared_lock:
+        _shared.pop(ident, None)
+    if pinned_at is not None:
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        cudart.cudaHostUnregister(pinned_at)
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 def byte_view(data: torch.Tensor) -> memoryview:
@@ -360,6 +474,7 @@ def snapshot(
     pool: ArenaPool,
     overlap: bool = False,
     on_layout: Callable[[Snapshot], None] | None = None,
+    shared: bool = False,
 ) -> Snapshot:
     """Copy the data of ``flat`` into an arena from ``pool``.
 
@@ -378,6 +493,8 @@ def snapshot(
     copied (it must read through ``Snapshot.wait_staged``). If the copy then fails, the
     writer's waits raise :class:`SnapshotFailedError`, and this function raises the copy's
     error; the arena is released by whoever releases it on success (the writer's job).
+
+    ``shared=True`` stages into shared memory, for a writer process (``writer_process``).
 
     Example:
         >>> from asyncckpt.tree import flatten
@@ -411,7 +528,7 @@ def snapshot(
         data = torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
         hint = (contiguous.dtype.itemsize, a.dtype.kind in "fc")
         sources.append(_Source(data.numel(), [(0, data)], *hint, "cpu"))
-    return _stage(flat.root, entries, arrays, sources, pool, overlap, on_layout)
+    return _stage(flat.root, entries, arrays, sources, pool, overlap, on_layout, shared)
 
 
 def arena_bytes(flat: Flattened) -> int:
@@ -509,12 +626,13 @@ def _stage(
     pool: ArenaPool,
     overlap: bool,
     on_layout: Callable[[Snapshot], None] | None = None,
+    shared: bool = False,
 ) -> Snapshot:
     offsets, end = [], 0
     for src in sources:
         offsets.append(end)
         end += -(-src.nbytes // _ALIGN) * _ALIGN
-    lease = pool.acquire(end)
+    lease = pool.acquire(end, shared)
     copies = DeviceCopies()
     staged = [
         StagedStorage(lease.buffer[off : off + src.nbytes], src.itemsize, src.is_float, src.device)

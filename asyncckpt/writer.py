@@ -56,6 +56,8 @@ class WriteOptions:
     threads: int
     inflight_chunks: int
     auto: AutoSettings = field(default_factory=AutoSettings.resolve)
+    #: 1: the background write runs in a child process (``asyncckpt.writer_process``).
+    processes: int = 0
 
 
 @dataclass(frozen=True)

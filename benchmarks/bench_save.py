@@ -23,6 +23,7 @@ Everything written is fsynced, so "durable" times are real; loads read from the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -36,7 +37,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -533,10 +534,12 @@ def paired_durable(
     }
     step = [0]
 
-    def ackpt(compression: str) -> Callable[[str], float]:
+    def ackpt(compression: str, processes: int = 0) -> Callable[[str], float]:
         def go(path: str) -> float:
             t = time.perf_counter()
-            asyncckpt.save(state, path, compression=compression).result()
+            with writer_processes(processes):
+                handle = asyncckpt.save(state, path, compression=compression)
+            handle.result()
             return time.perf_counter() - t
 
         return go
@@ -557,9 +560,13 @@ def paired_durable(
         "save_auto": ackpt("auto"),
         "checkpointer_none": checkpointer("none"),
         "checkpointer_zstd": checkpointer("zstd"),
+        "save_none_process": ackpt("none", processes=1),
+        "save_zstd_process": ackpt("zstd", processes=1),
     }
-    # Warm arena and threads, untimed; "auto" learns this disk's speed in its first save.
-    for name in ("save_none", "checkpointer_none", "save_auto"):
+    # Warm arena, threads and the writer process, untimed; "auto" learns this disk's speed
+    # in its first save. After the process's first save the one arena is in shared memory,
+    # for every method (saves on threads take any arena).
+    for name in ("save_none_process", "save_none", "checkpointer_none", "save_auto"):
         methods[name](os.path.join(tmp, "paired_warm"))
         settle(os.path.join(tmp, "paired_warm"))
     raw = alternating_rounds(methods, rounds, os.path.join(tmp, "paired_"))
@@ -773,6 +780,20 @@ def first_save_child(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- Python speed
 
 
+@contextlib.contextmanager
+def writer_processes(value: int) -> Iterator[None]:
+    """Saves started inside write in a writer process (1) or on threads (0)."""
+    old = os.environ.get("ASYNCCKPT_WRITER_PROCESSES")
+    os.environ["ASYNCCKPT_WRITER_PROCESSES"] = str(value)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["ASYNCCKPT_WRITER_PROCESSES"]
+        else:
+            os.environ["ASYNCCKPT_WRITER_PROCESSES"] = old
+
+
 def python_speed(
     state: dict[str, torch.Tensor],
     tmp: str,
@@ -784,26 +805,31 @@ def python_speed(
     In GPU training, kernel launches are Python on the main thread: GIL time the writer
     holds is stall. The main thread counts loop iterations from the moment the save call
     returns until the file is durable; the rate is divided by the rate of the same loop on
-    an idle process, measured just before (idle, method, idle, method, ...).
+    an idle process, measured just before (idle, method, idle, method, ...; the order of
+    methods reversed every other repeat). ``*_lost_s``: the caller's seconds of work lost
+    per save, ``(1 - ratio) x window``. ``*_process``: ``writer_processes=1``.
     """
     import threading
 
     from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
-    def count_while(busy: Callable[[], bool]) -> float:
+    def count_while(busy: Callable[[], bool]) -> tuple[float, float]:
+        """(iterations per second, seconds) while ``busy()``."""
         n, t = 0, time.perf_counter()
         while busy():
             for _ in range(1000):
                 n += 1
-        return n / (time.perf_counter() - t)
+        elapsed = time.perf_counter() - t
+        return n / elapsed, elapsed
 
     def idle_rate() -> float:
         end = time.perf_counter() + 0.5
-        return count_while(lambda: time.perf_counter() < end)
+        return count_while(lambda: time.perf_counter() < end)[0]
 
-    def asyncckpt_save(compression: str) -> Callable[[str], Callable[[], bool]]:
+    def asyncckpt_save(compression: str, processes: int = 0) -> Callable[[str], Callable[[], bool]]:
         def start(path: str) -> Callable[[], bool]:
-            handle = asyncckpt.save(state, path, compression=compression)
+            with writer_processes(processes):
+                handle = asyncckpt.save(state, path, compression=compression)
             return lambda: not handle.done()
 
         return start
@@ -821,19 +847,33 @@ def python_speed(
     methods = {
         "asyncckpt_zstd": asyncckpt_save("zstd"),
         "asyncckpt_none": asyncckpt_save("none"),
+        "asyncckpt_zstd_process": asyncckpt_save("zstd", processes=1),
+        "asyncckpt_none_process": asyncckpt_save("none", processes=1),
         "torch_save_thread": torch_save_thread,
         "dcp_async_save": dcp_async,
     }
+    # The writer process starts (and imports torch) on its first save: not part of a round.
+    asyncckpt_save("none", processes=1)(os.path.join(tmp, "speed_warmup"))
+    asyncckpt.wait()
     raw: dict[str, list[float]] = {m: [] for m in methods}
-    for _ in range(repeats):
-        for name, start in methods.items():
+    lost: dict[str, list[float]] = {m: [] for m in methods}
+    for r in range(repeats):
+        for name in list(methods) if r % 2 == 0 else list(methods)[::-1]:
             path = os.path.join(tmp, f"speed_{name}")
             settle(path)
             idle = idle_rate()
-            busy = start(path)
-            raw[name].append(count_while(busy) / idle)
+            rate, seconds = count_while(methods[name](path))
+            raw[name].append(rate / idle)
+            lost[name].append((1 - rate / idle) * seconds)
             settle(path)
-    return {"raw_x_idle": raw, **spread_summary(raw, "_x_idle")}
+    # The ratio is over the write's window, so a faster writer concentrates the same
+    # interference into less time; the caller's seconds lost per save do not depend on that.
+    return {
+        "raw_x_idle": raw,
+        **spread_summary(raw, "_x_idle"),
+        "raw_lost_s": lost,
+        **spread_summary(lost, "_lost_s"),
+    }
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -26,7 +26,9 @@ interference"); the figures of different variants come from separate runs:
 * ``nice``: writer threads niced by ``--nice`` (``ASYNCCKPT_WRITER_NICE``);
 * ``threads1``: one encode thread (``ASYNCCKPT_THREADS=1``), not niced;
 * ``threads1_nice``: both;
-* ``pace``: not niced; each encode thread sleeps ``--pace-ms`` after every chunk.
+* ``pace``: not niced; each encode thread sleeps ``--pace-ms`` after every chunk;
+* ``process``: the write runs in a writer process (``ASYNCCKPT_WRITER_PROCESSES=1``), at
+  the default niceness.
 
 Usage::
 
@@ -69,6 +71,7 @@ WRITER_VARIANTS: dict[str, dict[str, str | None]] = {
     "threads1": {"ASYNCCKPT_THREADS": "1", "ASYNCCKPT_WRITER_NICE": "0"},
     "threads1_nice": {"ASYNCCKPT_THREADS": "1", "ASYNCCKPT_WRITER_NICE": None},
     "pace": {"ASYNCCKPT_WRITER_NICE": "0"},
+    "process": {"ASYNCCKPT_WRITER_PROCESSES": "1"},
 }
 MODES = {
     "none": "no checkpointing",

@@ -19,9 +19,9 @@ def arena_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     allocated: list[int] = []
     real_allocate = staging._allocate
 
-    def allocate(nbytes: int) -> Any:
+    def allocate(nbytes: int, shared: bool = False) -> Any:
         allocated.append(nbytes)
-        return real_allocate(nbytes)
+        return real_allocate(nbytes, shared)
 
     monkeypatch.setattr(staging, "_allocate", allocate)
     return allocated

@@ -166,13 +166,13 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Hold every background write until the event is set (set at teardown at the latest)."""
     event = threading.Event()
-    real = asyncckpt.api.write_snapshot
+    real = asyncckpt.writer_process.write
 
     def gated(*args: Any, **kwargs: Any) -> int:
         assert event.wait(60), "test never opened the gate"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(asyncckpt.api, "write_snapshot", gated)
+    monkeypatch.setattr(asyncckpt.writer_process, "write", gated)
     yield event
     event.set()
     asyncckpt.wait()

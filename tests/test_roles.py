@@ -187,20 +187,20 @@ def test_load_of_a_file_whose_save_failed_raises_that_failure(
     path = str(tmp_path / "m.ackpt")
     asyncckpt.save(state(1), path).result(timeout=60)
     gate = threading.Event()
-    import asyncckpt.api as api
+    from asyncckpt import writer_process
 
-    real = api.write_snapshot
+    real = writer_process.write
 
     def failing(*args: Any, **kwargs: Any) -> int:
         gate.wait(60)
         raise StorageError(f"{path}: injected: disk full")
 
-    monkeypatch.setattr(api, "write_snapshot", failing)
+    monkeypatch.setattr(writer_process, "write", failing)
     asyncckpt.save(state(2), path)
     gate.set()
     with pytest.raises(StorageError, match="disk full"):  # not the old file, silently
         asyncckpt.load(path)
-    monkeypatch.setattr(api, "write_snapshot", real)
+    monkeypatch.setattr(writer_process, "write", real)
     check(asyncckpt.load(path), 1)  # raised once; the old file is intact
     asyncckpt.wait()
 
@@ -243,10 +243,10 @@ def test_commit_failure_while_the_next_save_stages_is_raised_by_wait(
 EXIT_SCRIPT = """
 import sys, torch, asyncckpt
 from asyncckpt.errors import StorageError
-import asyncckpt.api as api
+from asyncckpt import writer_process
 def fail(*a, **k):
     raise StorageError(sys.argv[1] + ": injected: no space left on device")
-api.write_snapshot = fail
+writer_process.write = fail
 asyncckpt.save({"w": torch.ones(3)}, sys.argv[1])
 print("main finished")
 """

@@ -281,6 +281,20 @@ def test_two_ranks_round_trip_then_three(tmp_path: Path) -> None:
     run_ranks("_load_resharded", 3, tmp_path, str(tmp_path / "ckpt"))
 
 
+def _save_then_load_in_writer_processes(rank: int, world: int, workdir: Path, root: str) -> None:
+    from asyncckpt import writer_process
+
+    os.environ["ASYNCCKPT_WRITER_PROCESSES"] = "1"
+    _save_then_load(rank, world, workdir, root)
+    process = writer_process.current()
+    assert process is not None and process.jobs == 2  # each rank's own file, both steps
+
+
+def test_two_ranks_write_their_shards_in_writer_processes(tmp_path: Path) -> None:
+    run_ranks("_save_then_load_in_writer_processes", 2, tmp_path, str(tmp_path / "ckpt"))
+    run_ranks("_load_resharded", 3, tmp_path, str(tmp_path / "ckpt"))
+
+
 # --------------------------------------------------------------------------- a rank dies
 
 
@@ -300,7 +314,7 @@ def _rank_killed_mid_save(rank: int, world: int, workdir: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # its progress marker exists; its file not
             raise AssertionError("unreachable")
 
-        asyncckpt.sharded.write_snapshot = die  # type: ignore[assignment]
+        asyncckpt.sharded.writer_process.write = die  # type: ignore[assignment]
     handle = ckpt.save(2, _state(model, optim, 2.0, rank))
     if rank == 0:
         with pytest.raises(CheckpointTimeoutError, match="rank 1 has not recorded progress"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import api, staging
+from asyncckpt import api, staging, writer_process
 from asyncckpt.errors import StorageError
 from asyncckpt.staging import ArenaPool
 
@@ -54,13 +54,13 @@ def test_release_is_idempotent() -> None:
 @pytest.mark.timeout(60)
 def test_save_waits_for_a_free_arena(tmp_path: Path, monkeypatch: Any) -> None:
     gate = threading.Event()
-    real = api.write_snapshot  # type: ignore[attr-defined]
+    real = writer_process.write
 
     def held(*args: Any, **kwargs: Any) -> int:
         gate.wait()
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api, "write_snapshot", held)
+    monkeypatch.setattr(writer_process, "write", held)
     state = {"w": torch.randn(1000)}
     first = asyncckpt.save(state, tmp_path / "a.ackpt")
     returned = threading.Event()
@@ -143,7 +143,7 @@ def test_write_starts_before_the_copy_ends_and_save_returns_a_full_snapshot(
     copies_when_writer_started: list[int] = []
     copies_done = [0]
     real_copy = staging.DeviceCopies.copy
-    real_write = api.write_snapshot  # type: ignore[attr-defined]
+    real_write = writer_process.write
 
     def counting_copy(self: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
         if copies_done[0] == 2:  # let the writer in while most of the state is uncopied
@@ -157,7 +157,7 @@ def test_write_starts_before_the_copy_ends_and_save_returns_a_full_snapshot(
         return real_write(*args, **kwargs)
 
     monkeypatch.setattr(staging.DeviceCopies, "copy", counting_copy)
-    monkeypatch.setattr(api, "write_snapshot", watching_write)
+    monkeypatch.setattr(writer_process, "write", watching_write)
     handle = asyncckpt.save(state, tmp_path / "x.ackpt")
     total_copies = copies_done[0]
     for value in state.values():  # save has returned: the caller may change everything
@@ -214,7 +214,7 @@ def test_a_copy_failing_midway_leaves_no_file_and_raises_once(
     real_copy = staging.DeviceCopies.copy
     calls = [0]
     wrote = threading.Event()
-    real_write = api.write_snapshot  # type: ignore[attr-defined]
+    real_write = writer_process.write
 
     def watching_write(*args: Any, **kwargs: Any) -> int:
         wrote.set()
@@ -228,7 +228,7 @@ def test_a_copy_failing_midway_leaves_no_file_and_raises_once(
         real_copy(self, dst, src)
 
     monkeypatch.setattr(staging.DeviceCopies, "copy", failing_copy)
-    monkeypatch.setattr(api, "write_snapshot", watching_write)
+    monkeypatch.setattr(writer_process, "write", watching_write)
     with pytest.raises(RuntimeError, match="copy failed midway"):
         asyncckpt.save(_many_tensors(), tmp_path / "x.ackpt")
     assert list(tmp_path.iterdir()) == []  # neither the target nor a temp file
@@ -283,10 +283,10 @@ def test_acquire_waits_for_a_reservation_in_progress(monkeypatch: Any) -> None:
     real = staging._allocate
     calls: list[int] = []
 
-    def slow(nbytes: int) -> torch.Tensor:
+    def slow(nbytes: int, shared: bool = False) -> torch.Tensor:
         calls.append(nbytes)
         assert gate.wait(30)
-        return real(nbytes)
+        return real(nbytes, shared)
 
     monkeypatch.setattr(staging, "_allocate", slow)
     pool = ArenaPool(max_inflight=1)
@@ -351,7 +351,7 @@ def test_a_failed_write_keeps_the_arena_until_the_copy_ends(
             seen_during_copy.append(released.wait(2))
         real_copy(self, dst, src)
 
-    monkeypatch.setattr(api, "write_snapshot", failing_write)
+    monkeypatch.setattr(writer_process, "write", failing_write)
     monkeypatch.setattr(staging.ArenaLease, "release", release)
     monkeypatch.setattr(staging.DeviceCopies, "copy", copy)
     handle = asyncckpt.save(_many_tensors(), tmp_path / "x.ackpt")

@@ -56,6 +56,9 @@ class Storage(ABC):
 
     #: Human-readable location prefix for messages (e.g. ``memory://``); never credentials.
     label: str = ""
+    #: The files live in this process's memory (``memory://``, a caller's file object):
+    #: another process cannot write them, so a writer process leaves them to threads.
+    process_local: bool = False
 
     def describe(self, path: str) -> str:
         """``path`` as a user would write it, for error messages."""

@@ -173,6 +173,7 @@ class FsspecStorage(Storage):
             raise ValueError(f"unknown write strategy {strategy!r}")
         self.write_strategy: WriteStrategy = strategy
         self.conditional_create = has_conditional_create(fs)
+        self.process_local = "memory" in _protocols(fs)
 
     def describe(self, path: str) -> str:
         return (

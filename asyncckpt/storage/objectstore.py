@@ -399,6 +399,18 @@ class ObjectStorage(Storage):
     def __repr__(self) -> str:
         return f"ObjectStorage({self.label!r})"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """For a writer process: the lock and the random source are rebuilt there."""
+        state = dict(self.__dict__)
+        del state["_probe_lock"], state["_rng"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._probe_lock = threading.Lock()
+        self._rng = random.Random()
+        _single_retry_layer(self.fs)  # a filesystem rebuilt by unpickling has its defaults
+
     # -- settings and plumbing --------------------------------------------------------------
 
     def setting(self, name: str) -> int:

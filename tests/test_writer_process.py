@@ -1,0 +1,294 @@
+"""The writer process (``writer_processes=1``): writes run in a child that maps the arena.
+
+Covers the round trip (single files, versioned roots, arena reuse), errors raised in the
+child and re-raised once by the handle, the child's death (the save fails, the target and
+the root stay as they were, the next save starts a new child), the caller's death (the child
+follows it), a clean exit, and the storages that stay on threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+from fsspec.implementations.dirfs import DirFileSystem
+from fsspec.implementations.local import LocalFileSystem
+
+import asyncckpt
+from asyncckpt import Checkpointer, config, writer_process
+from asyncckpt.errors import StorageError, WriterProcessError
+from asyncckpt.staging import shared_memory_supported, shared_regions
+from asyncckpt.storage.base import TEMP_MARK
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not shared_memory_supported(), reason="the writer process needs memfd"),
+]
+REPO = Path(__file__).resolve().parents[1]
+
+
+class GatedFileSystem(DirFileSystem):  # type: ignore[misc]
+    """Local files (through fsspec, not ``LocalStorage``) whose data-file writes wait, once
+    started, until a ``release`` file exists (markers and the commit are not held).
+
+    Importable by the writer process (the class is pickled by reference), so a test can
+    hold the child inside a write and kill it there.
+    """
+
+    protocol = "gated"
+    asyncckpt_write_strategy = "move"  # a temp file beside the target, then a rename
+
+    def __init__(self, gate: str = "", **kwargs: Any) -> None:
+        super().__init__(path="/", fs=LocalFileSystem(), **kwargs)
+        self.gate = gate
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        opened = super().open(path, mode, **kwargs)  # the temp file exists from here on
+        held = "w" in mode and ".ackpt" in path and self.gate
+        if held and not os.path.exists(f"{self.gate}/release"):
+            Path(f"{self.gate}/started").write_text(str(os.getpid()))
+            deadline = time.monotonic() + 120
+            while not os.path.exists(f"{self.gate}/release") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return opened
+
+
+fsspec.register_implementation("gated", GatedFileSystem, clobber=True)
+
+
+@pytest.fixture
+def in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves in this test write in the writer process."""
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "1")
+
+
+def state(value: float = 1.0) -> dict[str, Any]:
+    return {
+        "w": torch.full((300, 300), value),
+        "ids": torch.arange(1000),
+        "empty": torch.empty(0),
+        "meta": {"name": "model", "value": value},
+    }
+
+
+def child() -> writer_process.WriterProcess:
+    process = writer_process.current()
+    assert process is not None, "no writer process is running"
+    return process
+
+
+def wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def test_save_round_trip_runs_in_the_child(in_process: None, tmp_path: Path) -> None:
+    path = tmp_path / "a.ackpt"
+    handle = asyncckpt.save(state(2.0), path)
+    info = handle.result(timeout=120)
+    assert info.stats.stored_bytes == path.stat().st_size
+    before = child().jobs
+    assert child().pid != os.getpid() and before >= 1
+    loaded = asyncckpt.load(path)
+    assert torch.equal(loaded["w"], state(2.0)["w"]) and loaded["meta"] == state(2.0)["meta"]
+    assert loaded["empty"].numel() == 0
+    asyncckpt.save(state(3.0), path).result(timeout=120)
+    assert child().jobs == before + 1
+    assert asyncckpt.load(path)["meta"]["value"] == 3.0
+
+
+def test_the_child_maps_the_arena_once_and_reuses_it(in_process: None, tmp_path: Path) -> None:
+    for i in range(3):
+        asyncckpt.save(state(float(i)), tmp_path / f"{i}.ackpt").result(timeout=120)
+    assert len(child()._mapped) == 1  # one shared arena, sent once, reused by every save
+
+
+def test_reserve_starts_the_child_and_shares_the_arena_the_first_save_gets(
+    in_process: None, tmp_path: Path, arena_allocations: list[int]
+) -> None:
+    thread = asyncckpt.reserve(state())
+    assert thread is not None
+    thread.join(60)
+    assert writer_process.start().result(timeout=120).pid != os.getpid()
+    assert len(shared_regions()) >= 1
+    asyncckpt.save(state(6.0), tmp_path / "a.ackpt").result(timeout=120)
+    assert len(arena_allocations) == 1  # the reserved (shared) arena, not a second one
+    assert asyncckpt.load(tmp_path / "a.ackpt")["meta"]["value"] == 6.0
+
+
+def test_checkpointer_writes_commits_and_retires_with_the_child(
+    in_process: None, tmp_path: Path
+) -> None:
+    with Checkpointer(tmp_path / "root", keep_last=2) as ckpt:
+        before = writer_process.current().jobs if writer_process.current() else 0
+        for step in (1, 2, 3):
+            ckpt.save(step, state(float(step)))
+        ckpt.wait()
+        assert ckpt.latest() == 3 and ckpt.versions() == [2, 3]
+        assert child().jobs == before + 3
+        assert ckpt.load(2)["meta"]["value"] == 2.0
+
+
+def test_a_write_error_in_the_child_is_raised_once_by_the_handle(
+    in_process: None, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    handle = asyncckpt.save(state(), blocker / "x.ackpt")
+    with pytest.raises(StorageError) as caught:
+        handle.result(timeout=120)
+    assert str(blocker) in str(caught.value)
+    assert isinstance(caught.value.__cause__, OSError)  # the backend's error, as on threads
+    assert any("writer process" in note for note in getattr(caught.value, "__notes__", []))
+    asyncckpt.wait(timeout=120)  # observed through result(): not raised again
+    asyncckpt.save(state(), tmp_path / "ok.ackpt").result(timeout=120)
+
+
+def test_an_unobserved_error_in_the_child_is_raised_by_the_next_save(
+    in_process: None, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    handle = asyncckpt.save(state(), blocker / "x.ackpt")
+    with contextlib.suppress(Exception):
+        handle._future.exception(timeout=120)  # wait without observing
+    with pytest.raises(StorageError):
+        asyncckpt.save(state(), tmp_path / "next.ackpt")
+    asyncckpt.save(state(), tmp_path / "next.ackpt").result(timeout=120)
+
+
+def test_a_killed_child_fails_that_save_only(in_process: None, tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "release").touch()
+    root = f"gated://{tmp_path / 'root'}"
+    with Checkpointer(root, storage_options={"gate": str(gate)}) as ckpt:
+        ckpt.save(1, state(1.0)).result(timeout=120)
+        (gate / "release").unlink()
+        handle = ckpt.save(2, state(2.0))
+        wait_for(gate / "started")
+        pid = int((gate / "started").read_text())
+        assert pid == child().pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(WriterProcessError, match=rf"pid {pid}\) was killed by SIGKILL"):
+            handle.result(timeout=120)
+        assert ckpt.latest() == 1
+        assert torch.equal(ckpt.load()["w"], state(1.0)["w"])
+        left = [p.name for p in (tmp_path / "root" / "2").iterdir()]
+        assert not [name for name in left if TEMP_MARK in name], left  # the child's temp file
+        (gate / "release").touch()
+        ckpt.save(3, state(3.0)).result(timeout=120)  # a new child
+        assert child().pid != pid
+        assert ckpt.latest() == 3 and ckpt.load()["meta"]["value"] == 3.0
+
+
+def test_a_memory_filesystem_stays_on_threads(
+    in_process: None, memory_root: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    before = writer_process.current().jobs if writer_process.current() else 0
+    with caplog.at_level(logging.WARNING, logger="asyncckpt.writer_process"):
+        writer_process._warned.clear()
+        asyncckpt.save(state(4.0), f"{memory_root}/x.ackpt").result(timeout=120)
+    assert asyncckpt.load(f"{memory_root}/x.ackpt")["meta"]["value"] == 4.0
+    assert "lives in this process's memory" in caplog.text
+    assert (writer_process.current().jobs if writer_process.current() else 0) == before
+
+
+def test_a_storage_that_cannot_be_pickled_stays_on_threads(
+    in_process: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from asyncckpt.testing import FaultPlan
+
+    url = f"faulty::file://{tmp_path / 'x.ackpt'}"
+    options = {"faulty": {"plan": FaultPlan([])}}  # holds a lock: it cannot be pickled
+    with caplog.at_level(logging.WARNING, logger="asyncckpt.writer_process"):
+        writer_process._warned.clear()
+        asyncckpt.save(state(5.0), url, storage_options=options).result(timeout=120)
+    assert asyncckpt.load(tmp_path / "x.ackpt")["meta"]["value"] == 5.0
+    assert "cannot be sent to a process" in caplog.text
+
+
+def test_the_tunable_takes_0_or_1() -> None:
+    assert config.tunable("writer_processes", 0) == 0
+    with pytest.raises(ValueError, match="at most 1"):
+        config.tunable("writer_processes", 2)
+
+
+def _script(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ASYNCCKPT_WRITER_PROCESSES": "1"}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie waiting for its reaper counts as exited)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True
+    return fields[0] in ("Z", "X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_child_in_the_middle_of_a_write_dies_with_its_caller(tmp_path: Path) -> None:
+    (tmp_path / "gate").mkdir()
+    done = _script(
+        """
+        import os, signal, sys, time, torch, asyncckpt
+        import tests.test_writer_process  # registers gated://
+        gate = sys.argv[1] + "/gate"
+        asyncckpt.save(
+            {"w": torch.ones(10)}, "gated://" + sys.argv[1] + "/a.ackpt",
+            storage_options={"gate": gate},
+        )
+        while not os.path.exists(gate + "/started"):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """,
+        tmp_path,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    pid = int((tmp_path / "gate" / "started").read_text())  # held in the write for 120 s
+    deadline = time.monotonic() + 60
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"the writer process {pid} outlived its caller"
+        time.sleep(0.05)
+    assert not (tmp_path / "a.ackpt").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_script_that_saves_and_exits_leaves_a_whole_file_and_no_child(tmp_path: Path) -> None:
+    done = _script(
+        """
+        import sys, torch, asyncckpt
+        from asyncckpt import writer_process
+        asyncckpt.save({"w": torch.arange(1 << 20)}, sys.argv[1] + "/a.ackpt")
+        print(writer_process.start().result().pid, flush=True)
+        """,
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert torch.equal(asyncckpt.load(tmp_path / "a.ackpt")["w"], torch.arange(1 << 20))
+    pid = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"the writer process {pid} outlived its caller"
+        time.sleep(0.05)
