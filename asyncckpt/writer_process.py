@@ -481,11 +481,16 @@ def _warn_once(message: str) -> None:
 
 
 def _forget_after_fork() -> None:
-    """In a forked child: the writer process belongs to the parent."""
-    global _current
+    """In a forked child (a DataLoader worker, say): the writer process is the parent's.
+
+    Closing this copy of the socket leaves the parent's connection open. The lock is new:
+    another thread of the parent may have held it at the fork.
+    """
+    global _current, _lock
+    _lock = threading.Lock()
     future, _current = _current, None
     if future is not None and future.done() and future.exception() is None:
-        future.result().close()  # this process's copy of the socket only
+        future.result().close()
 
 
 if hasattr(os, "register_at_fork"):

@@ -274,6 +274,28 @@ def test_a_child_in_the_middle_of_a_write_dies_with_its_caller(tmp_path: Path) -
     assert not (tmp_path / "a.ackpt").exists()
 
 
+def test_a_forked_worker_neither_uses_nor_breaks_the_writer_process(tmp_path: Path) -> None:
+    done = _script(
+        """
+        import os, sys, torch, asyncckpt
+        from asyncckpt import writer_process
+        asyncckpt.save({"w": torch.ones(10)}, sys.argv[1] + "/a.ackpt").result()
+        pid = writer_process.current().pid
+        worker = os.fork()  # as a DataLoader worker is forked, lives, and exits
+        if worker == 0:
+            os._exit(0 if writer_process.current() is None else 3)
+        _, status = os.waitpid(worker, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, "the fork saw the parent's writer"
+        asyncckpt.save({"w": torch.full((10,), 2.0)}, sys.argv[1] + "/b.ackpt").result()
+        assert writer_process.current().pid == pid and writer_process.current().jobs == 2
+        print("ok")
+        """,
+        tmp_path,
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+    assert asyncckpt.load(tmp_path / "b.ackpt")["w"][0] == 2.0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_script_that_saves_and_exits_leaves_a_whole_file_and_no_child(tmp_path: Path) -> None:
     done = _script(
