@@ -75,7 +75,7 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         0,
         "0: background writes run on threads of this process; 1: in a child process that "
         "maps the snapshot's shared-memory arena (Linux), so the write never takes this "
-        "process's GIL (see the user guide, 'Writer process')",
+        "process's GIL (see the user guide, 'Writing in a separate process')",
     ),
     "pin_budget_bytes": (
         1 << 30,

@@ -76,7 +76,7 @@ from .sharded_load import _RANK_FILE, _substituted, read_plain
 from .staging import StagedStorage, _codec_hint, byte_view
 from .storage import Storage
 from .tree import dtype_name, flatten, torch_dtype
-from .writer import WriteOptions, _encode_all
+from .writer import WriteOptions, write_chunks
 
 __all__ = [
     "ShardedSource",
@@ -367,12 +367,7 @@ def write_ackpt_stream(
         def put(staged: StagedStorage) -> None:
             nonlocal offset
             first = len(chunks)
-            for enc in _encode_all([staged], options):
-                out.write(enc.payload)
-                chunks.append(Chunk(offset, len(enc.payload), enc.raw_len, enc.codec, enc.crc32))
-                offset += len(enc.payload)
-                if progress is not None:
-                    progress(enc.raw_len)
+            offset = write_chunks(out, offset, [staged], options, chunks, progress)
             storages.append(
                 StorageEntry(
                     staged.data.numel(), staged.itemsize, "cpu", first, len(chunks) - first

@@ -45,6 +45,13 @@ from .workers import pool
 #: Chunk lengths are multiples of this, so every element width divides them.
 _CHUNK_ALIGN = 16
 
+#: A chunk's bytes, the width of its elements, and whether they are floating point.
+_Slice = tuple[memoryview, int, bool]
+
+#: Consecutive small chunks are encoded and written together up to this many bytes; the
+#: write joins their payloads while holding the GIL, so a batch stays well under a chunk.
+_BATCH_BYTES = 4 << 20
+
 
 @dataclass(frozen=True)
 class WriteOptions:
@@ -117,16 +124,42 @@ def _write_body(
     out.write(header)
     offset = len(header)
     chunks: list[Chunk] = []
-    for enc in _encode_all(snap.storages, options, snap.wait_staged, auto):
-        started = time.perf_counter()
-        out.write(enc.payload)
-        if auto is not None:
-            auto.wrote(time.perf_counter() - started, len(enc.payload))
-        chunks.append(Chunk(offset, len(enc.payload), enc.raw_len, enc.codec, enc.crc32))
-        offset += len(enc.payload)
-        if progress is not None:
-            progress(enc.raw_len)
+    offset = write_chunks(
+        out, offset, snap.storages, options, chunks, progress, snap.wait_staged, auto
+    )
     return offset + _write_manifest(out, offset, snap, chunks)
+
+
+def _no_wait(index: int, end: int) -> None:
+    """``ready`` for a snapshot that is complete."""
+
+
+def write_chunks(
+    out: AtomicWriter,
+    offset: int,
+    storages: list[StagedStorage],
+    options: WriteOptions,
+    chunks: list[Chunk],
+    progress: Callable[[int], None] | None = None,
+    ready: Callable[[int, int], None] = _no_wait,
+    auto: AutoRun | None = None,
+) -> int:
+    """Encode ``storages`` and write their chunks at ``offset``; return the offset after.
+
+    Each written chunk is appended to ``chunks``; ``progress`` gets its raw length.
+    """
+    for batch in _encode_all(storages, options, ready, auto):
+        started = time.perf_counter()
+        payload = batch[0].payload if len(batch) == 1 else b"".join(e.payload for e in batch)
+        out.write(payload)
+        if auto is not None:
+            auto.wrote(time.perf_counter() - started, len(payload))
+        for enc in batch:
+            chunks.append(Chunk(offset, len(enc.payload), enc.raw_len, enc.codec, enc.crc32))
+            offset += len(enc.payload)
+            if progress is not None:
+                progress(enc.raw_len)
+    return offset
 
 
 def _write_manifest(out: AtomicWriter, offset: int, snap: Snapshot, chunks: list[Chunk]) -> int:
@@ -166,15 +199,11 @@ def _chunk_counts(storages: list[StagedStorage], chunks: list[Chunk]) -> Iterato
         yield count
 
 
-def _no_wait(index: int, end: int) -> None:
-    """``ready`` for a snapshot that is complete."""
-
-
 def _slices(
     storages: list[StagedStorage],
     chunk_bytes: int,
     ready: Callable[[int, int], None] = _no_wait,
-) -> Iterator[tuple[memoryview, int, bool]]:
+) -> Iterator[_Slice]:
     """The chunks of every storage, each yielded once ``ready(storage, end)`` returned."""
     chunk_bytes = min(chunk_bytes, MAX_CHUNK_BYTES)  # readers refuse longer chunks
     step = max(_CHUNK_ALIGN, chunk_bytes - chunk_bytes % _CHUNK_ALIGN)
@@ -193,25 +222,53 @@ def _encode_all(
     options: WriteOptions,
     ready: Callable[[int, int], None] = _no_wait,
     auto: AutoRun | None = None,
-) -> Iterator[_Encoded]:
-    """Yield encoded chunks in order while up to ``inflight_chunks`` encode in parallel.
+) -> Iterator[list[_Encoded]]:
+    """Yield encoded chunks in order, in batches, while up to ``inflight_chunks`` encode.
+
+    A batch is one chunk, or consecutive small ones (small tensors) adding up to at most
+    ``_BATCH_BYTES``: one hand-off to an encoder and one write for all of them. Each
+    hand-off makes a thread take the GIL back, which costs up to the switch interval (5 ms)
+    while the training thread runs Python; a model's hundreds of biases and norms paid that
+    per tensor.
 
     ``ready(storage, end)`` blocks until a chunk's bytes are in host memory. ``auto``
     chooses planes for ``compression="auto"``; without it, ``"auto"`` compresses as
     ``"zstd"`` does.
     """
     workers = pool("encode", options.threads)
-    window: collections.deque[Future[_Encoded]] = collections.deque()
+    window: collections.deque[Future[list[_Encoded]]] = collections.deque()
     try:
-        for raw, itemsize, is_float in _slices(storages, options.chunk_bytes, ready):
+        for batch in _batches(_slices(storages, options.chunk_bytes, ready), _BATCH_BYTES):
             if len(window) >= options.inflight_chunks:
                 yield window.popleft().result()
-            window.append(workers.submit(_encode_one, raw, itemsize, is_float, options, auto))
+            window.append(workers.submit(_encode_batch, batch, options, auto))
         while window:
             yield window.popleft().result()
     finally:
         for future in window:  # on failure, let queued work finish before buffers are reused
             future.cancel() or future.exception()
+
+
+def _batches(slices: Iterator[_Slice], limit: int) -> Iterator[list[_Slice]]:
+    """Consecutive slices grouped while their bytes add up to at most ``limit``."""
+    batch: list[_Slice] = []
+    size = 0
+    for item in slices:
+        if batch and size + len(item[0]) > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += len(item[0])
+    if batch:
+        yield batch
+
+
+def _encode_batch(
+    batch: list[_Slice], options: WriteOptions, auto: AutoRun | None = None
+) -> list[_Encoded]:
+    return [
+        _encode_one(raw, itemsize, is_float, options, auto) for raw, itemsize, is_float in batch
+    ]
 
 
 def _encode_one(

@@ -807,7 +807,9 @@ def python_speed(
     returns until the file is durable; the rate is divided by the rate of the same loop on
     an idle process, measured just before (idle, method, idle, method, ...; the order of
     methods reversed every other repeat). ``*_lost_s``: the caller's seconds of work lost
-    per save, ``(1 - ratio) x window``. ``*_process``: ``writer_processes=1``.
+    per save, ``(1 - ratio) x window``; ``*_window_s``: the window itself, the time to
+    durable beside a busy Python thread (a threaded writer waits for the GIL after every
+    call that released it). ``*_process``: ``writer_processes=1``.
     """
     import threading
 
@@ -857,6 +859,7 @@ def python_speed(
     asyncckpt.wait()
     raw: dict[str, list[float]] = {m: [] for m in methods}
     lost: dict[str, list[float]] = {m: [] for m in methods}
+    window: dict[str, list[float]] = {m: [] for m in methods}
     for r in range(repeats):
         for name in list(methods) if r % 2 == 0 else list(methods)[::-1]:
             path = os.path.join(tmp, f"speed_{name}")
@@ -865,6 +868,7 @@ def python_speed(
             rate, seconds = count_while(methods[name](path))
             raw[name].append(rate / idle)
             lost[name].append((1 - rate / idle) * seconds)
+            window[name].append(seconds)
             settle(path)
     # The ratio is over the write's window, so a faster writer concentrates the same
     # interference into less time; the caller's seconds lost per save do not depend on that.
@@ -873,6 +877,8 @@ def python_speed(
         **spread_summary(raw, "_x_idle"),
         "raw_lost_s": lost,
         **spread_summary(lost, "_lost_s"),
+        "raw_window_s": window,
+        **spread_summary(window, "_window_s"),
     }
 
 

@@ -98,6 +98,7 @@ def test_bench_save_quick(tmp_path: Path) -> None:
         assert positive(res["first_save"][f"{mode}_x_copy"]), res["first_save"]
     for m in ("asyncckpt_zstd", "asyncckpt_none", "torch_save_thread", "dcp_async_save"):
         assert positive(res["python_speed"][f"{m}_x_idle"]), res["python_speed"]
+        assert positive(res["python_speed"][f"{m}_window_s"]), res["python_speed"]
     # issue 12: durable on MiniLM weights + real Adam moments (one replica in quick mode)
     real = res["real_state"]
     assert real["source"] == "all-MiniLM-L6-v2" and real["adam_steps"] >= 1, real
@@ -188,3 +189,35 @@ def test_bench_train_quick_variants(tmp_path: Path, writer: str) -> None:
             assert t["writes_s"] == []
     assert (out / "bench_train_trace.png").stat().st_size > 0
     assert "asyncckpt_overhead_x_torch_save_overhead" in res["ratios"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gil_window_measures_every_row(tmp_path: Path) -> None:
+    """Both states, both writers, both codecs, the caller waiting and spinning."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [
+            *(sys.executable, str(SCRIPT.parent / "gil_window.py")),
+            *("--size-mib", "4", "--repeats", "1", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "gil_window.json").read_text())
+    assert (out / "gil_window.png").stat().st_size > 0
+    rows = [
+        f"{state}_{writer}_{codec}"
+        for state in ("model", "small")
+        for writer in ("threads", "process")
+        for codec in ("zstd", "none")
+    ]
+    for row in rows:
+        wait, spin = res[f"{row}_wait_s"], res[f"{row}_spin_s"]
+        assert positive(wait) and positive(spin), row
+        assert res[f"{row}_spin_x_wait"] == pytest.approx(spin / wait), row
+    assert len(res) == 3 * len(rows)

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from asyncckpt.codec import (
     check_compression,
     checksum,
+    compress_frames,
     decode_chunk,
     encode_chunk,
     group_bytes,
@@ -75,6 +76,56 @@ def test_float_weights_use_bytegroup_and_shrink(dtype: torch.dtype, itemsize: in
     out = bytearray(len(raw))
     decode_chunk(stored, codec, itemsize, memoryview(out))
     assert bytes(out) == raw
+
+
+def test_raw_planes_behind_a_frame_move_up_in_place() -> None:
+    """Plane 0 compresses, planes 1 and 2 are noise: both move up behind plane 0's frame."""
+    rng = np.random.default_rng(5)
+    grid = rng.integers(0, 256, size=(1 << 18, 3), dtype=np.uint8)
+    grid[:, 0] = 7
+    raw = grid.tobytes()
+    codec, stored = encode_chunk(
+        memoryview(raw), itemsize=3, is_float=True, compression="zstd", level=1
+    )
+    plane = len(raw) // 3
+    lengths = struct.unpack_from("<3I", stored)
+    assert codec == "zstd-bytegroup"
+    assert lengths[0] < plane // 100 and lengths[1:] == (plane, plane)
+    planes = bytes(stored[12 + lengths[0] :])
+    assert planes == grid[:, 1].tobytes() + grid[:, 2].tobytes()
+    out = bytearray(len(raw))
+    decode_chunk(stored, codec, 3, memoryview(out))
+    assert bytes(out) == raw
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [[b"a" * 5000, bytes(range(256)) * 40, b"zz"], [b"only one" * 100], [b"x" * 100, b""], []],
+)
+def test_compress_frames_gives_the_frames_compress_gives(parts: list[bytes]) -> None:
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=True)
+    frames = compress_frames(cctx, [memoryview(p) for p in parts])
+    assert [bytes(f) for f in frames] == [cctx.compress(p) for p in parts]
+
+
+def test_compress_frames_without_the_batch_call() -> None:
+    """Backends that lack ``multi_compress_to_buffer`` (cffi) compress frame by frame."""
+
+    class NoBatch:
+        def __init__(self) -> None:
+            self.cctx = zstandard.ZstdCompressor(level=1)
+
+        def compress(self, data: memoryview) -> bytes:
+            return self.cctx.compress(data)
+
+        def multi_compress_to_buffer(self, *args: object, **kwargs: object) -> None:
+            raise NotImplementedError
+
+    parts = [memoryview(b"a" * 1000), memoryview(b"b" * 2000)]
+    frames = compress_frames(NoBatch(), parts)  # type: ignore[arg-type]
+    assert [bytes(f) for f in frames] == [
+        zstandard.ZstdCompressor(level=1).compress(p) for p in parts
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -179,6 +179,7 @@ def test_run_all_quick(tmp_path: Path) -> None:
         "codec": "ok",
         "memory": "ok",
         "train": "ok",
+        "gil": "ok",
         "storage": "not run",
         "sharded": "ok",
     }
