@@ -31,6 +31,24 @@ DCP_SAVES = ["dcp_async_save", "dcp_async_save_reused_stager", "dcp_save"]
 LOADS = ["torch_load", "asyncckpt_load_zstd", "asyncckpt_load_none"]
 
 
+def run_script(tmp_path: Path, script: str, *args: str, timeout: float = 280) -> dict[str, Any]:
+    """Run ``benchmarks/<script>`` with ``--out tmp_path/results``; return its JSON."""
+    out = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    name = script.removesuffix(".py")
+    assert (out / f"{name}.png").stat().st_size > 0
+    result: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+    return result
+
+
 def positive(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
@@ -154,20 +172,11 @@ def test_bench_train_overhead_ratio() -> None:
 @pytest.mark.parametrize("writer", ["threads1_nice", "pace"])
 def test_bench_train_quick_variants(tmp_path: Path, writer: str) -> None:
     """Each --writer variant runs, says what it ran with, and draws the step-time trace."""
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [
-            *(sys.executable, str(SCRIPT.parent / "bench_train.py"), "--quick"),
-            *("--writer", writer, "--nice", "5", "--pace-ms", "1", "--out", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=ROOT,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
+    res = run_script(
+        tmp_path,
+        "bench_train.py",
+        *("--quick", "--writer", writer, "--nice", "5", "--pace-ms", "1"),
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((out / "bench_train.json").read_text())
     cfg = res["config"]
     assert cfg["writer"] == writer
     if writer == "threads1_nice":
@@ -187,7 +196,7 @@ def test_bench_train_quick_variants(tmp_path: Path, writer: str) -> None:
             assert 0 <= res["modes"][mode]["saves_waited"] <= 2
         else:
             assert t["writes_s"] == []
-    assert (out / "bench_train_trace.png").stat().st_size > 0
+    assert (tmp_path / "results" / "bench_train_trace.png").stat().st_size > 0
     assert "asyncckpt_overhead_x_torch_save_overhead" in res["ratios"]
 
 
@@ -195,21 +204,7 @@ def test_bench_train_quick_variants(tmp_path: Path, writer: str) -> None:
 @pytest.mark.timeout(300)
 def test_gil_window_measures_every_row(tmp_path: Path) -> None:
     """Both states, both writers, both codecs, the caller waiting and spinning."""
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [
-            *(sys.executable, str(SCRIPT.parent / "gil_window.py")),
-            *("--size-mib", "4", "--repeats", "1", "--out", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=ROOT,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads((out / "gil_window.json").read_text())
-    assert (out / "gil_window.png").stat().st_size > 0
+    res = run_script(tmp_path, "gil_window.py", "--size-mib", "4", "--repeats", "1")
     rows = [
         f"{state}_{writer}_{codec}"
         for state in ("model", "small")

@@ -73,6 +73,14 @@ def in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "1")
 
 
+@pytest.fixture
+def blocker(tmp_path: Path) -> Path:
+    """A file where a save expects a directory: writing under it fails with an OSError."""
+    path = tmp_path / "file"
+    path.write_text("not a directory")
+    return path
+
+
 def state(value: float = 1.0) -> dict[str, Any]:
     return {
         "w": torch.full((300, 300), value),
@@ -86,6 +94,12 @@ def child() -> writer_process.WriterProcess:
     process = writer_process.current()
     assert process is not None, "no writer process is running"
     return process
+
+
+def jobs_so_far() -> int:
+    """Files the current writer process has written (0 when none is running)."""
+    process = writer_process.current()
+    return 0 if process is None else process.jobs
 
 
 def wait_for(path: Path, timeout: float = 60) -> None:
@@ -133,7 +147,7 @@ def test_checkpointer_writes_commits_and_retires_with_the_child(
     in_process: None, tmp_path: Path
 ) -> None:
     with Checkpointer(tmp_path / "root", keep_last=2) as ckpt:
-        before = writer_process.current().jobs if writer_process.current() else 0
+        before = jobs_so_far()
         for step in (1, 2, 3):
             ckpt.save(step, state(float(step)))
         ckpt.wait()
@@ -143,10 +157,8 @@ def test_checkpointer_writes_commits_and_retires_with_the_child(
 
 
 def test_a_write_error_in_the_child_is_raised_once_by_the_handle(
-    in_process: None, tmp_path: Path
+    in_process: None, tmp_path: Path, blocker: Path
 ) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
     handle = asyncckpt.save(state(), blocker / "x.ackpt")
     with pytest.raises(StorageError) as caught:
         handle.result(timeout=120)
@@ -158,10 +170,8 @@ def test_a_write_error_in_the_child_is_raised_once_by_the_handle(
 
 
 def test_an_unobserved_error_in_the_child_is_raised_by_the_next_save(
-    in_process: None, tmp_path: Path
+    in_process: None, tmp_path: Path, blocker: Path
 ) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
     handle = asyncckpt.save(state(), blocker / "x.ackpt")
     with contextlib.suppress(Exception):
         handle._future.exception(timeout=120)  # wait without observing
@@ -198,13 +208,13 @@ def test_a_killed_child_fails_that_save_only(in_process: None, tmp_path: Path) -
 def test_a_memory_filesystem_stays_on_threads(
     in_process: None, memory_root: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    before = writer_process.current().jobs if writer_process.current() else 0
+    before = jobs_so_far()
     with caplog.at_level(logging.WARNING, logger="asyncckpt.writer_process"):
         writer_process._warned.clear()
         asyncckpt.save(state(4.0), f"{memory_root}/x.ackpt").result(timeout=120)
     assert asyncckpt.load(f"{memory_root}/x.ackpt")["meta"]["value"] == 4.0
     assert "lives in this process's memory" in caplog.text
-    assert (writer_process.current().jobs if writer_process.current() else 0) == before
+    assert jobs_so_far() == before
 
 
 def test_a_storage_that_cannot_be_pickled_stays_on_threads(
