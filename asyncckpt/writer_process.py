@@ -94,7 +94,10 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 class _Channel:
     """Pickled messages, each with optional file descriptors, over a Unix stream socket.
 
-    Pickle is safe here: both ends are this library, joined by a private socket pair.
+    Pickle is safe here: both ends are this library, joined by an anonymous socket pair
+    that no other process can open; nothing read from storage ever passes through it (the
+    child only writes). Loading never comes here: readers parse data, never pickles
+    (docs/FORMAT.md, R11; ``tests/test_packaging.py`` keeps pickle out of every other module).
     """
 
     def __init__(self, sock: socket.socket) -> None:

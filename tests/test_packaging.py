@@ -123,3 +123,16 @@ def test_the_cli_package_imports_downward_only() -> None:
         for imported in re.findall(r"^from \.(\w+) import|^from \. import (.+)$", source, re.M):
             for target in filter(None, re.split(r"[,\s]+", " ".join(imported))):
                 assert rank[target] > level or target == name, (name, target)
+
+
+def test_only_the_writer_process_channel_unpickles() -> None:
+    """Loading never unpickles (docs/FORMAT.md, R11): pickle is confined to the private
+    socket between a training process and its own writer process."""
+    package = Path(asyncckpt.__file__).parent
+    unpickling = re.compile(r"\bpickle\.(loads?|Unpickler)\(|from pickle import")
+    users = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if unpickling.search(path.read_text(encoding="utf-8"))
+    )
+    assert users == ["writer_process.py"]
