@@ -142,6 +142,10 @@ class Snapshot:
             self.progress.wait_until(index, end)
         self.copies.wait()  # device copies: progress only covers their queueing
 
+    def copied(self) -> bool:
+        """Whether every byte of the snapshot is in host memory (not only queued to be)."""
+        return self.progress is None or self.progress.done_at is not None
+
     def copy_error(self) -> BaseException | None:
         """Block until the copy into the arena has ended; return its error, or None.
 

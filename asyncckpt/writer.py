@@ -125,13 +125,18 @@ def _write_body(
     offset = len(header)
     chunks: list[Chunk] = []
     offset = write_chunks(
-        out, offset, snap.storages, options, chunks, progress, snap.wait_staged, auto
+        out, offset, snap.storages, options, chunks, progress, snap.wait_staged, auto, snap.copied
     )
     return offset + _write_manifest(out, offset, snap, chunks)
 
 
 def _no_wait(index: int, end: int) -> None:
     """``ready`` for a snapshot that is complete."""
+
+
+def _all_copied() -> bool:
+    """``copied`` for a snapshot that is complete."""
+    return True
 
 
 def write_chunks(
@@ -143,12 +148,14 @@ def write_chunks(
     progress: Callable[[int], None] | None = None,
     ready: Callable[[int, int], None] = _no_wait,
     auto: AutoRun | None = None,
+    copied: Callable[[], bool] = _all_copied,
 ) -> int:
     """Encode ``storages`` and write their chunks at ``offset``; return the offset after.
 
     Each written chunk is appended to ``chunks``; ``progress`` gets its raw length.
+    ``ready`` and ``copied`` follow a copy still going on (see :func:`_encode_all`).
     """
-    for batch in _encode_all(storages, options, ready, auto):
+    for batch in _encode_all(storages, options, ready, auto, copied):
         started = time.perf_counter()
         payload = batch[0].payload if len(batch) == 1 else b"".join(e.payload for e in batch)
         out.write(payload)
@@ -222,6 +229,7 @@ def _encode_all(
     options: WriteOptions,
     ready: Callable[[int, int], None] = _no_wait,
     auto: AutoRun | None = None,
+    copied: Callable[[], bool] = _all_copied,
 ) -> Iterator[list[_Encoded]]:
     """Yield encoded chunks in order, in batches, while up to ``inflight_chunks`` encode.
 
@@ -231,14 +239,16 @@ def _encode_all(
     while the training thread runs Python; a model's hundreds of biases and norms paid that
     per tensor.
 
-    ``ready(storage, end)`` blocks until a chunk's bytes are in host memory. ``auto``
+    ``ready(storage, end)`` blocks until a chunk's bytes are in host memory; while
+    ``copied()`` says the copy is still going (a pipelined save), each chunk goes to an
+    encoder as soon as it has landed instead of waiting for a batch to fill. ``auto``
     chooses planes for ``compression="auto"``; without it, ``"auto"`` compresses as
     ``"zstd"`` does.
     """
     workers = pool("encode", options.threads)
     window: collections.deque[Future[list[_Encoded]]] = collections.deque()
     try:
-        for batch in _batches(_slices(storages, options.chunk_bytes, ready), _BATCH_BYTES):
+        for batch in _batches(_slices(storages, options.chunk_bytes, ready), _BATCH_BYTES, copied):
             if len(window) >= options.inflight_chunks:
                 yield window.popleft().result()
             window.append(workers.submit(_encode_batch, batch, options, auto))
@@ -249,8 +259,11 @@ def _encode_all(
             future.cancel() or future.exception()
 
 
-def _batches(slices: Iterator[_Slice], limit: int) -> Iterator[list[_Slice]]:
-    """Consecutive slices grouped while their bytes add up to at most ``limit``."""
+def _batches(
+    slices: Iterator[_Slice], limit: int, copied: Callable[[], bool] = _all_copied
+) -> Iterator[list[_Slice]]:
+    """Consecutive slices grouped while their bytes add up to at most ``limit``; while
+    ``copied()`` is false, each slice alone (the next one may not have landed yet)."""
     batch: list[_Slice] = []
     size = 0
     for item in slices:
@@ -259,6 +272,9 @@ def _batches(slices: Iterator[_Slice], limit: int) -> Iterator[list[_Slice]]:
             batch, size = [], 0
         batch.append(item)
         size += len(item[0])
+        if not copied():
+            yield batch
+            batch, size = [], 0
     if batch:
         yield batch
 

@@ -30,6 +30,13 @@ def test_consecutive_small_slices_are_batched_up_to_the_limit() -> None:
     ]
 
 
+def test_while_the_copy_goes_on_each_slice_is_a_batch_at_once() -> None:
+    """A pipelined save: a landed chunk does not wait for the next one to fill a batch."""
+    landed = [False, False, True, True]  # copied() as the copy finishes after slice 2
+    batches = writer._batches(iter([_slice(1) for _ in landed]), 3, lambda: landed.pop(0))
+    assert [len(b) for b in batches] == [1, 1, 2]
+
+
 def test_no_slices_no_batches() -> None:
     assert list(writer._batches(iter([]), limit=3)) == []
 
