@@ -77,6 +77,12 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         "maps the snapshot's shared-memory arena (Linux), so the write never takes this "
         "process's GIL (see the user guide, 'Writing in a separate process')",
     ),
+    "writeback_mib": (
+        32,
+        "local files: after every this many MiB written, the kernel is asked to start "
+        "writing them to disk (sync_file_range, Linux), so the final fsync does not write "
+        "the whole file in series with the encoding; 0: leave it all to the fsync",
+    ),
     "pin_budget_bytes": (
         1 << 30,
         "bytes of host memory one load may pin for copies to CUDA; storages past it are "
@@ -118,8 +124,10 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
 }
 
 
-#: Tunables for which 0 is meaningful (an offset, not a count); every other one must be >= 1.
-ZERO_ALLOWED: Final[frozenset[str]] = frozenset({"writer_nice", "writer_processes"})
+#: Tunables for which 0 is meaningful (an offset, a switch, "never"); every other one must be >= 1.
+ZERO_ALLOWED: Final[frozenset[str]] = frozenset(
+    {"writer_nice", "writer_processes", "writeback_mib"}
+)
 #: Upper bounds, where there is one.
 MAXIMA: Final[dict[str, int]] = {"writer_processes": 1}
 

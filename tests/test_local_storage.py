@@ -1,0 +1,125 @@
+"""Local files: writeback started while a file is written (``writeback_mib``)."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncckpt
+import asyncckpt.storage.local as local
+from asyncckpt.errors import StorageError
+from asyncckpt.storage import LocalStorage, is_temp_name
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def handed_over(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every range the writers ask the kernel to write back, passed on to the real call."""
+    ranges: list[tuple[int, int]] = []
+    real = local.start_writeback
+
+    def record(fd: int, start: int, length: int) -> bool:
+        ranges.append((start, length))
+        return real(fd, start, length)
+
+    monkeypatch.setattr(local, "start_writeback", record)
+    return ranges
+
+
+def write_pieces(path: Path, pieces: list[bytes]) -> None:
+    writer = LocalStorage().open_atomic(str(path))
+    for piece in pieces:
+        writer.write(piece)
+    writer.commit()
+
+
+def test_writeback_is_started_for_each_stretch_written(
+    tmp_path: Path, handed_over: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "1")
+    pieces = [os.urandom(768 << 10) for _ in range(5)]  # 3.75 MiB in all
+    write_pieces(tmp_path / "f", pieces)
+    assert (tmp_path / "f").read_bytes() == b"".join(pieces)
+    # Each call covers what was written since the previous one, from the start, in order:
+    # after 1.5 MiB, 3 MiB; the last 0.75 MiB is left to the fsync.
+    assert handed_over == [(0, 1536 << 10), (1536 << 10, 1536 << 10)]
+
+
+def test_writeback_off_leaves_everything_to_the_fsync(
+    tmp_path: Path, handed_over: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "0")
+    write_pieces(tmp_path / "f", [bytes(2 * MIB)] * 3)
+    assert handed_over == []
+    assert (tmp_path / "f").stat().st_size == 6 * MIB
+
+
+def test_a_filesystem_without_writeback_is_asked_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def unsupported(fd: int, start: int, length: int) -> bool:
+        calls.append(start)
+        return False
+
+    monkeypatch.setattr(local, "start_writeback", unsupported)
+    monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "1")
+    pieces = [os.urandom(MIB) for _ in range(4)]
+    write_pieces(tmp_path / "f", pieces)
+    assert calls == [0]
+    assert (tmp_path / "f").read_bytes() == b"".join(pieces)
+
+
+def failing_libc_call(err: int) -> Callable[[int, int, int, int], int]:
+    def call(fd: int, start: int, length: int, flags: int) -> int:
+        ctypes.set_errno(err)
+        return -1
+
+    return call
+
+
+def test_unsupported_errno_means_not_supported(monkeypatch: pytest.MonkeyPatch) -> None:
+    for err in (errno.ENOSYS, errno.EINVAL, errno.ESPIPE, errno.EOPNOTSUPP):
+        monkeypatch.setattr(local, "_sync_file_range", lambda e=err: failing_libc_call(e))
+        assert local.start_writeback(0, 0, MIB) is False
+
+
+def test_io_error_from_writeback_fails_the_save_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(local, "_sync_file_range", lambda: failing_libc_call(errno.EIO))
+    monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "1")
+    target = tmp_path / "w.ackpt"
+    with pytest.raises(StorageError, match=r"w\.ackpt.*write failed: Input/output error"):
+        asyncckpt.save({"w": torch.randn(1 << 20)}, str(target), compression="none").result()
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux")
+def test_real_writeback_on_this_filesystem(
+    tmp_path: Path, handed_over: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert local._sync_file_range() is not None
+    monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "1")
+    monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(MIB))
+    state = {"w": torch.randn(3 << 20), "step": torch.tensor(7)}
+    path = str(tmp_path / "w.ackpt")
+    asyncckpt.save(state, path, compression="zstd").result()
+    # contiguous stretches from the start of the file, each at least the 1 MiB asked for
+    assert len(handed_over) >= 2
+    assert all(length >= MIB for _, length in handed_over)
+    assert [start for start, _ in handed_over] == [
+        sum(length for _, length in handed_over[:i]) for i in range(len(handed_over))
+    ]
+    loaded = asyncckpt.load(path)
+    assert torch.equal(loaded["w"], state["w"]) and int(loaded["step"]) == 7
+    assert not any(is_temp_name(name) for name in os.listdir(tmp_path))
