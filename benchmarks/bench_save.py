@@ -534,10 +534,14 @@ def paired_durable(
     }
     step = [0]
 
-    def ackpt(compression: str, processes: int = 0) -> Callable[[str], float]:
+    def ackpt(
+        compression: str, processes: int = 0, writeback: bool = True
+    ) -> Callable[[str], float]:
         def go(path: str) -> float:
             t = time.perf_counter()
-            with writer_processes(processes):
+            with writer_processes(processes), contextlib.ExitStack() as env:
+                if not writeback:
+                    env.enter_context(tunable_env("writeback_mib", 0))
                 handle = asyncckpt.save(state, path, compression=compression)
             handle.result()
             return time.perf_counter() - t
@@ -562,6 +566,9 @@ def paired_durable(
         "checkpointer_zstd": checkpointer("zstd"),
         "save_none_process": ackpt("none", processes=1),
         "save_zstd_process": ackpt("zstd", processes=1),
+        # what starting writeback during the write (writeback_mib) is worth
+        "save_none_no_writeback": ackpt("none", writeback=False),
+        "save_zstd_no_writeback": ackpt("zstd", writeback=False),
     }
     # Warm arena, threads and the writer process, untimed; "auto" learns this disk's speed
     # in its first save. After the process's first save the one arena is in shared memory,
@@ -711,13 +718,23 @@ def real_state_durable(
         asyncckpt.save(state, path, compression="zstd").result()
         return time.perf_counter() - t
 
-    methods: dict[str, Callable[[str], float]] = {"torch_save": save_torch, "save_zstd": save_zstd}
+    def save_zstd_no_writeback(path: str) -> float:
+        with tunable_env("writeback_mib", 0):
+            return save_zstd(path)
+
+    methods: dict[str, Callable[[str], float]] = {
+        "torch_save": save_torch,
+        "save_zstd": save_zstd,
+        "save_zstd_no_writeback": save_zstd_no_writeback,
+    }
     warm = os.path.join(tmp, "real_warm")
     save_zstd(warm)  # the arena for this state's size, untimed
     stored = disk_bytes(warm)
     settle(warm)
     raw = alternating_rounds(methods, rounds, os.path.join(tmp, "real_"))
-    ratios = {"save_zstd": [a / b for a, b in zip(raw["save_zstd"], raw["torch_save"])]}
+    ratios = {
+        m: [a / b for a, b in zip(raw[m], raw["torch_save"])] for m in methods if m != "torch_save"
+    }
     return {
         **desc,
         "rounds": rounds,
@@ -781,17 +798,23 @@ def first_save_child(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def writer_processes(value: int) -> Iterator[None]:
-    """Saves started inside write in a writer process (1) or on threads (0)."""
-    old = os.environ.get("ASYNCCKPT_WRITER_PROCESSES")
-    os.environ["ASYNCCKPT_WRITER_PROCESSES"] = str(value)
+def tunable_env(name: str, value: int) -> Iterator[None]:
+    """Saves started inside use ``value`` for the tunable ``name`` (``ASYNCCKPT_<NAME>``)."""
+    var = f"ASYNCCKPT_{name.upper()}"
+    old = os.environ.get(var)
+    os.environ[var] = str(value)
     try:
         yield
     finally:
         if old is None:
-            del os.environ["ASYNCCKPT_WRITER_PROCESSES"]
+            del os.environ[var]
         else:
-            os.environ["ASYNCCKPT_WRITER_PROCESSES"] = old
+            os.environ[var] = old
+
+
+def writer_processes(value: int) -> contextlib.AbstractContextManager[None]:
+    """Saves started inside write in a writer process (1) or on threads (0)."""
+    return tunable_env("writer_processes", value)
 
 
 def python_speed(

@@ -675,6 +675,10 @@ def figure_rows(data: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
                         "Checkpointer.save (second method)",
                         paired.get(f"checkpointer_{c}_x_torch_save"),
                     ),
+                    (
+                        "asyncckpt.save, writeback left to the fsync (`writeback_mib=0`)",
+                        paired.get(f"save_{c}_no_writeback_x_torch_save"),
+                    ),
                     *(
                         [
                             (
@@ -879,6 +883,12 @@ def _real_state_row(real: dict[str, Any]) -> dict[str, Any]:
         real.get("save_zstd_x_torch_save"),
         "<=",
         0.90,
+        incumbents=[
+            (
+                "asyncckpt.save, writeback left to the fsync (`writeback_mib=0`)",
+                real.get("save_zstd_no_writeback_x_torch_save"),
+            )
+        ],
         source="bench_save.json: real_state.save_zstd_x_torch_save",
         note="; ".join(notes),
     )
@@ -1541,7 +1551,9 @@ def _issue12_notes(data: dict[str, dict[str, Any] | None]) -> list[str]:
         f"{x(paired, 'save_zstd_x_torch_save')} / {x(paired, 'checkpointer_zstd_x_torch_save')}"
         f"; asyncckpt.save in a writer process (`writer_processes=1`): uncompressed "
         f"{x(paired, 'save_none_process_x_torch_save')}, zstd "
-        f"{x(paired, 'save_zstd_process_x_torch_save')}.",
+        f"{x(paired, 'save_zstd_process_x_torch_save')}; with writeback left to the fsync "
+        f"(`writeback_mib=0`): uncompressed {x(paired, 'save_none_no_writeback_x_torch_save')}, "
+        f"zstd {x(paired, 'save_zstd_no_writeback_x_torch_save')}.",
         f"- first save of a fresh process ÷ copy floor: {x(first, 'plain_x_copy')} without a "
         f"hint, {x(first, 'reserve_x_copy')} after `asyncckpt.api.reserve(state)`.",
         f"- caller's pure-Python speed while the save finishes ÷ idle: asyncckpt zstd "

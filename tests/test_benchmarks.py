@@ -109,6 +109,7 @@ def test_bench_save_quick(tmp_path: Path) -> None:
             lo, hi = paired[f"{m}_x_torch_save_spread"]
             assert lo <= paired[f"{m}_x_torch_save"] <= hi
         assert 0 <= paired[f"agreement_{c}"] < 1
+        assert positive(paired[f"save_{c}_no_writeback_x_torch_save"]), paired
     rounds = paired["rounds"]
     assert rounds >= 2  # a count of rounds, not a duration
     assert len(paired["raw_s"]["torch_save"]) == rounds
@@ -122,6 +123,7 @@ def test_bench_save_quick(tmp_path: Path) -> None:
     assert real["source"] == "all-MiniLM-L6-v2" and real["adam_steps"] >= 1, real
     assert real["replicas"] >= 1 and real["raw_bytes"] >= real["replica_bytes"] > 0
     assert positive(real["save_zstd_x_torch_save"]) and 0 < real["stored_fraction"] < 1
+    assert positive(real["save_zstd_no_writeback_x_torch_save"]), real
     assert len(real["raw_s"]["torch_save"]) == len(real["raw_s"]["save_zstd"]) == real["rounds"]
 
     # the benchmark's temp directory (checkpoints of every method) is removed

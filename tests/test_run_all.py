@@ -118,7 +118,14 @@ def fake_bench_save(out: Path) -> dict[str, Any]:
     state = {"w": torch.zeros(256)}
     args = argparse.Namespace(size_mib=0.001, kind="normal", repeats=1, quick=True)
     res: dict[str, Any] = bench_save.summarize(args, rec, state, 1024, str(out))
-    methods = ("torch_save", "save_none", "save_zstd", "checkpointer_none", "checkpointer_zstd")
+    methods = (
+        "torch_save",
+        "save_none",
+        "save_zstd",
+        "checkpointer_none",
+        "checkpointer_zstd",
+        "save_zstd_no_writeback",
+    )
     res["durable_paired"] = bench_save.paired_summary(
         {m: [1.0 + 0.1 * i, 1.1 + 0.1 * i] for i, m in enumerate(methods)}
     )
@@ -136,7 +143,9 @@ def fake_bench_save(out: Path) -> dict[str, Any]:
         "raw_bytes": 1200 << 20,
         "stored_fraction": 0.8,
         "rounds": 2,
-        **bench_save.spread_summary({"save_zstd": [0.8, 0.9]}, "_x_torch_save"),
+        **bench_save.spread_summary(
+            {"save_zstd": [0.8, 0.9], "save_zstd_no_writeback": [1.2, 1.4]}, "_x_torch_save"
+        ),
     }
     (out / "bench_save.json").write_text(json.dumps(res))
     return res
@@ -247,6 +256,11 @@ def test_run_all_quick(tmp_path: Path) -> None:
     # issue 12's training rows, and the real-state row from the (fake) bench_save
     assert rows["durable_real_state"]["value"] == pytest.approx(0.85)
     assert "4 replicas after 5 Adam steps" in rows["durable_real_state"]["note"]
+    for rid, ratio in (("durable_real_state", 1.3), ("durable_paired_zstd", (1.5 + 1.6 / 1.1) / 2)):
+        off = {i["label"]: i["value"] for i in rows[rid]["incumbents"]}
+        assert off["asyncckpt.save, writeback left to the fsync (`writeback_mib=0`)"] == (
+            pytest.approx(ratio)
+        ), rid
     assert rows["train_overhead_vs_torch"]["target"] == 0.75
     assert rows["train_overlapped"]["target"] == 1.5
     assert "previous write was still in flight" in page
