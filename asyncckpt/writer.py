@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import autocompress
+from . import autocompress, config
 from ._version import __version__
 from .autocompress import AutoRun, AutoSettings
 from .codec import EncodeReport, checksum, encode_chunk
@@ -65,6 +65,10 @@ class WriteOptions:
     auto: AutoSettings = field(default_factory=AutoSettings.resolve)
     #: 1: the background write runs in a child process (``asyncckpt.writer_process``).
     processes: int = 0
+    #: Local files: start writeback every this many bytes (``writeback_mib``; 0: never).
+    writeback_bytes: int = field(
+        default_factory=lambda: config.tunable("writeback_mib", None) << 20
+    )
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ def write_snapshot(
     """
     auto = _auto_run(storage, path, options)
     with storage.atomic_write(path) as out:
+        out.writeback_bytes = options.writeback_bytes
         size = _write_body(out, snap, options, auto, progress)
         committing = time.perf_counter()
     if auto is not None:

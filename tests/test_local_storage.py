@@ -6,6 +6,7 @@ import ctypes
 import errno
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,3 +124,25 @@ def test_real_writeback_on_this_filesystem(
     loaded = asyncckpt.load(path)
     assert torch.equal(loaded["w"], state["w"]) and int(loaded["step"]) == 7
     assert not any(is_temp_name(name) for name in os.listdir(tmp_path))
+
+
+def test_writeback_is_resolved_when_the_save_starts(
+    tmp_path: Path, handed_over: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Changing the environment after ``save`` returned does not change that save."""
+    opening = threading.Event()
+    real_init = local._LocalWriter.__init__
+
+    def slow_open(self: local._LocalWriter, target: str) -> None:
+        opening.wait(30)  # the background write opens its file only after the change below
+        real_init(self, target)
+
+    monkeypatch.setattr(local._LocalWriter, "__init__", slow_open)
+    monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "1")
+    handle = asyncckpt.save(
+        {"w": torch.randn(1 << 20)}, str(tmp_path / "w.ackpt"), compression="none"
+    )
+    monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "0")
+    opening.set()
+    handle.result()
+    assert handed_over, "the save started with writeback every 1 MiB"

@@ -38,6 +38,11 @@ def is_temp_name(path: str) -> bool:
 class AtomicWriter(ABC):
     """A file being written; it appears at its target only when :meth:`commit` succeeds."""
 
+    #: Local files: after every this many bytes written the kernel is asked to start
+    #: writing them to disk (``writeback_mib``); 0: only the commit's fsync does. A save
+    #: sets it from the tunables it resolved when it started; other backends ignore it.
+    writeback_bytes: int = 0
+
     @abstractmethod
     def write(self, data: bytes | memoryview) -> None:
         """Append ``data``."""

@@ -148,7 +148,7 @@ class _LocalWriter(AtomicWriter):
         self.temp = temp_name(target)
         # Bytes written, and how many of them the kernel was asked to write back already.
         self.written = self.handed_over = 0
-        self.writeback_bytes = config.tunable("writeback_mib", None) << 20
+        self.writeback_bytes = config.tunable("writeback_mib", None) << 20  # a save sets its own
         with errors_as(LocalStorage(), target, "create"):
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
             self.file: BinaryIO = open(self.temp, "xb", buffering=0)  # noqa: SIM115
