@@ -1564,23 +1564,32 @@ def _issue12_notes(data: dict[str, dict[str, Any] | None]) -> list[str]:
         f"{x(speed, 'asyncckpt_none_process_x_idle')}.",
         *_gil_window_line(data.get("gil")),
         "",
-        "**Changed.** `asyncckpt.save` pipelines the copy with the write: the writer is "
-        "handed the snapshot once its arena is leased and encodes each chunk as soon as its "
-        "bytes have landed (`staging.CopyProgress`), so the copy is no longer in series with "
-        "the write; `save` still returns only once the snapshot is complete, and a copy "
+        "**Changed.** The save is pipelined: the writer is handed the snapshot once its "
+        "arena is leased and, on machines with at least `pipeline_min_cpus` (8) CPUs, encodes "
+        "each chunk as soon as its bytes have landed (`staging.CopyProgress`); on fewer CPUs, "
+        "as here, it waits for the whole copy, which then has the cores to itself. `save` "
+        "and `Checkpointer.save` still return only once the snapshot is complete, and a copy "
         "that fails midway aborts the file (no target, no temp file) and is raised once, by "
-        "`save`. On the CPU the arena is an anonymous mapping advised to use transparent "
+        "the save. On the CPU the arena is an anonymous mapping advised to use transparent "
         "huge pages and pre-faulted when it is allocated (1 GiB: 0.07 s instead of 0.41 s of "
-        "page faults), and `asyncckpt.api.reserve(state_or_nbytes)` allocates it in a "
-        "background thread before the first save. `Checkpointer.save` does not use the "
-        "pipeline yet (its file is another engineer's); `stage(..., on_layout=)` is the hook.",
+        "page faults), and `asyncckpt.reserve(state_or_nbytes)` allocates it in a background "
+        "thread before the first save. Local files start their writeback as they are written"
+        " (`writeback_mib`, every 32 MiB, `sync_file_range` on Linux): the kernel otherwise "
+        "starts writing a file only at `dirty_background_ratio` (10 % of memory, 2.3 GiB "
+        "here, more than a 1 GiB checkpoint), so the whole checkpoint reached the disk inside"
+        " the final fsync, after the encoding. By hand (1 GiB of random bytes in 8 MiB "
+        "`os.write`s, then fsync, 7 rounds on a settled disk), the fsync took 0.27-0.39 s "
+        "without it and at most 0.04 s with writeback started every 8 or 32 MiB; to durable "
+        "0.51-0.85 s and 0.31-0.76 s: started writeback waits when the disk's queue is full, "
+        "which moves disk time into the writes, and pays where encoding goes on meanwhile "
+        "(the encoders run ahead of the writing thread by `inflight_chunks`). The paired "
+        "rows above show this run's figures with and without it."
+        ' `compression="auto"` chooses per byte plane from the probe '
+        "and the write and encode rates measured per storage target (the paired zstd row's "
+        'incumbent); the default stays `"zstd"`: it gives the smallest file and the same '
+        'bytes for the same state, while `"auto"`\'s files depend on what the rates were.',
         "",
-        '**Not done.** `compression="auto"` was not built: on this shared 2-core machine '
-        "the write bandwidth itself varied 4× between repeats, so a per-run rule measured "
-        "from it would flip between runs; the per-plane probe already stores noisy mantissa "
-        "planes raw. Writer priority, fewer encode threads and pacing were measured later "
-        "(next section); the durable figure on a real training state is the table's "
-        "`durable_real_state` row. No GPU was lent to this task: the CUDA paths are unchanged in "
+        "**Not done.** No GPU was lent to this task: the CUDA paths are unchanged in "
         "behaviour (device copies are announced to the writer only once all are queued, and "
         "it waits on their events) but were not run.",
     ]
@@ -1661,8 +1670,12 @@ INTERFERENCE_FINDINGS: list[str] = [
     "",
     "**Not met, and why.** The mean-step target needs the write's CPU work itself to "
     "shrink: zstd stores 83 % of this state for twice the CPU of an uncompressed write "
-    "(uncompressed, same 12 runs: mean 1.19-2.18×, median 1.38×), so a codec chosen by "
-    'what it saves (`compression="auto"`) is what would meet it.',
+    "(uncompressed, same 12 runs: mean 1.19-2.18×, median 1.38×). On 1 Dec, one run with "
+    '`Checkpointer(compression="auto")` in place of zstd (a by-hand edit of bench_train.py) '
+    "gave an overhead ratio of 0.70× (mean step 1.23× against torch.save's 1.33×, a save "
+    "every 10 steps) and the next run with zstd 0.83× (1.53× against 1.64×, every 5 steps: "
+    "the warm-up chooses the interval); single runs here scatter more than that difference, "
+    "so the default codec was not changed for it.",
     "",
     "**Pure-Python speed: the GIL slows the threaded *writer*, and the writer process escapes"
     " it.** (Corrected on 1 Dec 2026: an earlier version of this page concluded that the GIL "
