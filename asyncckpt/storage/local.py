@@ -156,10 +156,10 @@ class _LocalWriter(AtomicWriter):
     def write(self, data: bytes | memoryview) -> None:
         with errors_as(LocalStorage(), self.temp, "write"):
             view = memoryview(data)
+            self.written += view.nbytes
             while view:
                 n = self.file.write(view)
                 view = view[n or 0 :]
-            self.written += memoryview(data).nbytes
             if self.writeback_bytes and self.written - self.handed_over >= self.writeback_bytes:
                 self._hand_over()
 
