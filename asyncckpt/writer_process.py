@@ -546,16 +546,15 @@ def _serve_write(job: _WriteJob, arenas: dict[int, torch.Tensor], channel: _Chan
 
 
 def _portable(exc: BaseException) -> tuple[list[bytes | None], str, str]:
-    """``exc`` and its causes, each pickled if it survives the round trip (None if not), a
-    one-line summary, and the traceback."""
+    """``exc`` and its causes, each pickled (None if it cannot be), a one-line summary, and
+    the traceback. One that pickles but does not unpickle (a custom ``__init__``
+    signature) is dropped by the parent's :func:`_unpickled`, which never raises."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     blobs: list[bytes | None] = []
     link: BaseException | None = exc
     while link is not None and len(blobs) < _MAX_CAUSES:
         try:
-            blob = pickle.dumps(link, protocol=pickle.HIGHEST_PROTOCOL)
-            pickle.loads(blob)  # custom __init__ signatures fail here, not in the caller
-            blobs.append(blob)
+            blobs.append(pickle.dumps(link, protocol=pickle.HIGHEST_PROTOCOL))
         except Exception:
             blobs.append(None)
         link = link.__cause__

@@ -324,3 +324,34 @@ def test_a_script_that_saves_and_exits_leaves_a_whole_file_and_no_child(tmp_path
     while not _gone(pid):
         assert time.monotonic() < deadline, f"the writer process {pid} outlived its caller"
         time.sleep(0.05)
+
+
+class TwoArgumentError(Exception):
+    """Pickles, but does not unpickle: ``__reduce__`` passes one argument back."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+
+
+def raised(exc: BaseException, cause: BaseException | None = None) -> BaseException:
+    try:
+        raise exc from cause
+    except BaseException as caught:
+        return caught
+
+
+def test_an_error_that_does_not_unpickle_comes_back_as_its_summary() -> None:
+    exc = raised(TwoArgumentError("disk", "on fire"))
+    back = writer_process._rebuilt(("failed", *writer_process._portable(exc)), 42, "x.ackpt")
+    assert isinstance(back, WriterProcessError)
+    assert "x.ackpt" in str(back) and "TwoArgumentError: disk: on fire" in str(back)
+    assert "raised in the writer process (pid 42)" in back.__notes__[0]
+
+
+def test_a_cause_that_does_not_unpickle_ends_the_chain_there() -> None:
+    root = raised(OSError(5, "Input/output error"))
+    middle = raised(TwoArgumentError("disk", "on fire"), root)
+    exc = raised(StorageError("x.ackpt: write failed"), middle)
+    back = writer_process._rebuilt(("failed", *writer_process._portable(exc)), 42, "x.ackpt")
+    assert isinstance(back, StorageError) and str(back) == "x.ackpt: write failed"
+    assert back.__cause__ is None
