@@ -82,7 +82,7 @@ from common import (
 #: name -> (label, the package whose version is reported, family for report.PEER_MECHANISM)
 METHODS: dict[str, tuple[str, str, str]] = {
     "asyncckpt": ("asyncckpt.save (defaults)", "asyncckpt", "asyncckpt"),
-    "asyncckpt_process": ("asyncckpt.save, writer process", "asyncckpt", "asyncckpt"),
+    "asyncckpt_process": ("asyncckpt.save, writer process", "asyncckpt", "asyncckpt_process"),
     "dcp_async_save": (
         "DCP async_save (reused stager, PROCESS)",
         "torch",
