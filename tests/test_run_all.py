@@ -279,6 +279,38 @@ def test_run_all_quick(tmp_path: Path, report: ModuleType) -> None:
     assert rows["python_speed_default"]["verdict"] == "not met"  # below torch.save's 0.97
     assert rows["auto_small"]["verdict"] == "met"
 
+    for rid in ("stored_fp32", "stored_bf16"):
+        assert 0 < rows[rid]["value"] < 1  # the codec shrinks real (or synthetic) weights
+        assert all(number(i["value"]) and i["value"] > 0 for i in rows[rid]["incumbents"])
+
+    codec = json.loads((out / "bench_codec.json").read_text())
+    for dt in ("fp32", "bf16"):
+        r = codec["results"][dt]
+        for key in ("asyncckpt_file_fraction", "zstd1_chunked_fraction", "zstd1_stream_fraction"):
+            assert 0 < r[key] <= 1.01, (dt, key, r[key])
+        for key in ("asyncckpt_encode", "zstd1_pool", "zstd1_native_mt", "asyncckpt_save_memory"):
+            assert number(r["throughput_gb_s"][key]) and r["throughput_gb_s"][key] > 0, key
+    assert set(codec["targets"]) == {
+        "stored_fraction_fp32",
+        "stored_fraction_bf16",
+        "compression_gb_s",
+    }
+    assert codec["source"]["kind"] in ("all-MiniLM-L6-v2", "synthetic")
+
+    memory = json.loads((out / "bench_memory.json").read_text())
+    assert memory["errors"] == {}
+    for method in ("asyncckpt", "torch_save"):
+        r = memory["results"][method]
+        assert r["raw_bytes"] > 0 and r["extra_peak_bytes"] > 0, method
+        assert len(r["rss_after_save_bytes"]) == r["saves"] == 3
+        assert r["timeline"]
+
+    train = json.loads((out / "bench_train.json").read_text())
+    assert set(train["modes"]) == {"none", "asyncckpt", "asyncckpt_none", "torch_save"}
+    for mode, e in train["modes"].items():
+        assert e["median_s"] > 0 and e["mean_s"] > 0 and e["wall_s"] > 0, mode
+        assert e["n_saves"] == (0 if mode == "none" else 2), (mode, e["n_saves"])
+
     page = (out / "benchmarks.md").read_text()
     for row in report.ROWS:  # every row on the page, with its verdict cell
         assert row.text in page, row.id
