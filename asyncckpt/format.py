@@ -74,8 +74,9 @@ DTYPE_ITEMSIZE: Final[Mapping[str, int]] = {
     "bool": 1,
 }
 #: numpy dtype strings accepted for arrays: byte order, kind (bool, int, uint, float,
-#: complex) and item size. Anything else (objects, structs, strings) is refused.
-_NUMPY_DTYPE = re.compile(r"^[<>|=](b1|[iu][1248]|f(2|4|8|12|16)|c(8|16|24|32))$")
+#: complex) and item size. Anything else (objects, structs, strings) is refused. Always
+#: matched in full (``fullmatch``): ``$`` would also accept a string ending in a newline.
+_NUMPY_DTYPE = re.compile(r"[<>|=](b1|[iu][1248]|f(2|4|8|12|16)|c(8|16|24|32))")
 
 
 @dataclass(frozen=True)
@@ -413,7 +414,7 @@ class _Validator:
     def array(self, i: int, rec: Any, storages: tuple[StorageEntry, ...]) -> ArrayEntry:
         sid, dtype, shape, scalar, key = self.record(rec, 5, f"array {i}")
         sid = self.int_(sid, f"array {i} storage", 0, len(storages) - 1)
-        if not isinstance(dtype, str) or not _NUMPY_DTYPE.match(dtype):
+        if not isinstance(dtype, str) or not _NUMPY_DTYPE.fullmatch(dtype):
             raise self.fail(f"array {i} has unsupported numpy dtype {dtype!r}")
         shape_t = self.dims(shape, f"array {i} shape")
         numel = 1

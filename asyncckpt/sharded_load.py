@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_RANK_FILE = re.compile(r"r(\d{5,9})-[0-9a-f]{32}\.ackpt")
+_RANK_FILE = re.compile(r"r([0-9]{5,9})-[0-9a-f]{32}\.ackpt")
 #: How many versions a load of the newest version tries, when retention deletes each one
 #: while it is read, before it gives up (a trainer whose ``keep_last`` versions are all
 #: written faster than this process reads one).

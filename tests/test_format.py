@@ -845,6 +845,10 @@ MUTATIONS: dict[str, _Mutation] = {
     "array dtype <i3": _put("arrays", 0, 1, value="<i3"),
     "array dtype <u0": _fields("arrays", 0, f1="<u0", f2=[0]),
     "array dtype number": _put("arrays", 0, 1, value=2),
+    # a `$`-anchored pattern matched before a final newline: every dtype string is matched
+    # in full
+    "array dtype with a newline": _put("arrays", 0, 1, value="<i2\n"),
+    "array dtype with a leading space": _put("arrays", 0, 1, value=" <i2"),
     "array shape mismatch": _put("arrays", 0, 2, value=[5]),
     "array shape negative": _put("arrays", 0, 2, value=[-4]),
     "array shape string": _put("arrays", 0, 2, value="4"),
@@ -858,6 +862,9 @@ MUTATIONS: dict[str, _Mutation] = {
     "root bytes bad": _put("root", value={"bytes": "!"}),
     "root unhashable tuple key": _put("root", value={"dict": [[{"tuple": [{"list": []}]}, 1]]}),
     "root device overflow": _put("root", value={"device": 2**70}),
+    "root size 2**70": _put("root", value={"size": [2, 2**70]}),
+    "root size 2**63": _put("root", value={"size": [2**63]}),
+    "root size -2**63-1": _put("root", value={"size": [-(2**63) - 1]}),
     "root device unknown": _put("root", value={"device": "gpu"}),
     "root dtype unknown": _put("root", value={"dtype": "float128"}),
     "root JSON float": _put("root", value=1.5),

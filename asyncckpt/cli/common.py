@@ -300,7 +300,7 @@ def locate(spec: str, options: dict[str, Any]) -> FileRef | RootRef:
         return FileRef(storage, path)
     if kind == "root":
         return RootRef(storage, path)
-    match = re.fullmatch(r"(.+)@(\d{1,18})", spec)
+    match = re.fullmatch(r"(.+)@([0-9]{1,18})", spec)
     if match:
         storage, path = resolve(match.group(1), options)
         kind = kind_of(storage, path)

@@ -54,7 +54,7 @@ def format_of(spec: str, explicit: str | None, role: str) -> str | None:
     """
     if explicit:
         return explicit
-    base = re.sub(r"@\d+$", "", spec).rstrip("/").lower()
+    base = re.sub(r"@[0-9]+\Z", "", spec).rstrip("/").lower()
     for name, extensions in FORMATS.items():
         if base.endswith(extensions):
             return name
