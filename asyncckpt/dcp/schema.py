@@ -245,6 +245,78 @@ def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
     }
 
 
+#: Coverage is checked on the grid that the chunks' edges cut the tensor into, up to this
+#: many cells (one byte each); past it, chunk against chunk, up to this many chunks.
+_MAX_GRID_CELLS: Final = 1 << 24
+_MAX_PAIRWISE_CHUNKS: Final = 1 << 14
+
+
+def overlapping_chunks(
+    size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], name: str
+) -> tuple[int, int] | None:
+    """Two chunks that overlap, or None; ``chunks`` are ``(offsets, sizes)`` inside ``size``
+    whose volumes add up to the tensor's.
+
+    With the volumes adding up, the chunks are pairwise disjoint exactly when they cover
+    every element, so the check marks, on the grid the chunks' edges cut the tensor into,
+    the cells each chunk covers: a cell left unmarked means an overlap elsewhere. That
+    costs one byte per cell, and a sharded save (any mesh of ``Shard`` placements) cuts the
+    tensor into about as many cells as it has chunks. A grid of more than
+    :data:`_MAX_GRID_CELLS` cells is checked chunk against chunk instead (numpy, one row
+    per chunk), for at most :data:`_MAX_PAIRWISE_CHUNKS` chunks.
+
+    Raises:
+        FormatError: the layout is too irregular to check within these bounds.
+
+    Example:
+        >>> overlapping_chunks((4,), [((0,), (2,)), ((2,), (2,))], "m")
+        >>> overlapping_chunks((4,), [((0,), (2,)), ((1,), (2,))], "m")
+        (0, 1)
+    """
+    import numpy as np
+
+    boxes = [(i, off, sz) for i, (off, sz) in enumerate(chunks) if math.prod(sz)]
+    if len(boxes) < 2:
+        return None
+    edges = [
+        np.unique([0, n, *(o[d] for _, o, _ in boxes), *(o[d] + s[d] for _, o, s in boxes)])
+        for d, n in enumerate(size)
+    ]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells <= _MAX_GRID_CELLS:
+        grid = np.zeros([len(e) - 1 for e in edges], dtype=np.bool_)
+        for _, off, sz in boxes:
+            at = tuple(
+                slice(int(np.searchsorted(e, o)), int(np.searchsorted(e, o + s)))
+                for e, o, s in zip(edges, off, sz)
+            )
+            grid[at] = True
+        if grid.all():
+            return None
+        return _first_overlap(boxes)
+    if len(boxes) > _MAX_PAIRWISE_CHUNKS:
+        raise FormatError(
+            f"{name}: {len(boxes)} chunks on a grid of {cells} cells: too irregular to check "
+            "that they do not overlap"
+        )
+    return _first_overlap(boxes)
+
+
+def _first_overlap(
+    boxes: list[tuple[int, tuple[int, ...], tuple[int, ...]]],
+) -> tuple[int, int] | None:
+    """The first pair of ``(index, offsets, sizes)`` boxes that share an element."""
+    import numpy as np
+
+    lo = np.array([off for _, off, _ in boxes], dtype=np.int64).reshape(len(boxes), -1)
+    hi = lo + np.array([sz for _, _, sz in boxes], dtype=np.int64).reshape(len(boxes), -1)
+    for k in range(len(boxes) - 1):
+        hits = np.all((lo[k + 1 :] < hi[k]) & (lo[k] < hi[k + 1 :]), axis=1)
+        if hits.any():
+            return boxes[k][0], boxes[k + 1 + int(np.argmax(hits))][0]
+    return None
+
+
 # ------------------------------------------------------------------------------- decode
 
 
@@ -394,12 +466,34 @@ class _Decoder:
             if any(o + s > n for o, s, n in zip(off, sz, size)):
                 raise self.fail(f"{fqn!r} chunk {j} reaches past the tensor's size {size}")
             chunks.append(ChunkStorageMetadata(torch.Size(off), torch.Size(sz)))
-        # A load allocates the whole tensor from `size`; its chunks (each backed by stored
-        # bytes, checked in `items`) must account for that many elements, so a small
-        # crafted file cannot make a reader allocate an arbitrary amount.
-        if sum(math.prod(c.sizes) for c in chunks) < math.prod(size):
-            raise self.fail(f"{fqn!r}: its chunks do not cover its size {size}")
+        self.tiling(fqn, size, chunks)
         return TensorStorageMetadata(props, torch.Size(size), chunks)
+
+    def tiling(self, fqn: str, size: tuple[int, ...], chunks: list[ChunkStorageMetadata]) -> None:
+        """Refuse chunks that do not tile the tensor: each element in exactly one chunk.
+
+        A load allocates the whole tensor from ``size`` and fills it chunk by chunk: an
+        element no chunk covers would be handed out as uninitialized memory (or left as it
+        was in a target), and a chunk listed twice or overlapping another would hide such a
+        gap from a volume count alone.
+        """
+        numel = math.prod(size)
+        held = sum(math.prod(c.sizes) for c in chunks)
+        if held != numel:
+            kind = "leave a gap" if held < numel else "overlap"
+            raise self.fail(
+                f"{fqn!r}: its chunks hold {held} elements, the tensor {numel} "
+                f"(size {list(size)}): they {kind}"
+            )
+        clash = overlapping_chunks(
+            size, [(tuple(c.offsets), tuple(c.sizes)) for c in chunks], self.name
+        )
+        if clash is not None:
+            i, j = clash
+            raise self.fail(
+                f"{fqn!r}: chunks {i} and {j} overlap (offsets {list(chunks[i].offsets)} and "
+                f"{list(chunks[j].offsets)}), so part of the tensor is never written"
+            )
 
     def items(
         self,
