@@ -21,7 +21,7 @@ from . import config, workers, writer_process
 from .codec import check_compression
 from .errors import CheckpointTimeoutError
 from .placement import MapLocation, Placement
-from .reader import materialize, open_file
+from .reader import Budget, materialize, open_file
 from .staging import ArenaPool, Snapshot, arena_bytes, snapshot
 from .storage import AtomicWriter, Storage, resolve
 from .storage.base import errors_as
@@ -655,6 +655,7 @@ def load(
     into: Any = None,
     weights_only: bool | None = None,
     mmap: bool | None = None,
+    max_bytes: int | None = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load an object saved by :func:`save`, verifying every checksum. Never unpickles.
@@ -679,6 +680,12 @@ def load(
             ``weights_only=True`` because nothing is unpickled.
         mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
             read into memory rather than mapped.
+        max_bytes: at most this many bytes of host memory for the decoded data (the sum of
+            the file's storages, all read into fresh buffers); a file that needs more
+            raises :class:`~asyncckpt.errors.MemoryBudgetError` before anything is
+            allocated. None (the default): no limit besides the one every file has, its
+            size times ``MAX_EXPANSION`` (the best a chunk can compress). For files from
+            elsewhere.
         **pickle_load_args: accepted for ``torch.load`` compatibility and ignored.
 
     Returns:
@@ -690,7 +697,9 @@ def load(
         FormatError: the file is not a complete asyncckpt file.
         StorageError: the backend failed.
         Exception: a save of this process to ``f`` failed and nobody observed it.
-        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
+        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one, or
+            ``max_bytes`` is negative.
+        MemoryBudgetError: the file needs more than ``max_bytes`` (a ``FormatError``).
 
     Example:
         >>> import torch, asyncckpt, tempfile, os
@@ -700,6 +709,7 @@ def load(
         {'step': 3, 'w': tensor([0, 1])}
     """
     del pickle_module, weights_only, mmap, pickle_load_args
+    budget = Budget(max_bytes)
     placement = Placement(map_location)
     storage: Storage
     if isinstance(f, (str, os.PathLike)):
@@ -714,7 +724,7 @@ def load(
             f"reading, got {_stream_label(f)}; open the file with mode 'rb', or pass its path"
         )
     opened = open_file(storage, path)
-    return materialize(opened, placement, config.tunable("threads", None), into)
+    return materialize(opened, placement, config.tunable("threads", None), into, budget)
 
 
 #: How long the exit hook waits for worker threads to drop their last task's tensors.

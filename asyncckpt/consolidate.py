@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.metadata import (
 from . import config
 from ._version import __version__
 from .dcp.reader import Reader, read_storage_ids
-from .dcp.schema import ItemLocation
+from .dcp.schema import ItemLocation, tied_names
 from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from .format import (
     ArrayEntry,
@@ -154,13 +154,17 @@ class ShardedSource:
         src = cls(storage, directory, metadata, None, storage.describe(directory))
         placeholders: dict[Path, torch.Tensor] = {}
         paths = metadata.planner_data or {}
-        for fqn, md in metadata.state_dict_metadata.items():
+        for names in tied_names(metadata):
+            md = metadata.state_dict_metadata[names[0]]
             if isinstance(md, TensorStorageMetadata):
-                # A distinct zero-element tensor per fqn: ``flatten`` and the writers tell
-                # placeholders apart by identity, and it costs no memory.
+                # A distinct zero-element tensor per stored tensor: ``flatten`` and the
+                # writers tell placeholders apart by identity, and it costs no memory.
+                # Names stored alike (a tied weight) share one: it is built once, and
+                # written once by the writers, which keep ties.
                 placeholder = torch.empty(0, dtype=md.properties.dtype)
-                src._fqn_of[id(placeholder)] = fqn
-                placeholders[tuple(paths.get(fqn, (fqn,)))] = placeholder
+                src._fqn_of[id(placeholder)] = names[0]
+                for fqn in names:
+                    placeholders[tuple(paths.get(fqn, (fqn,)))] = placeholder
         if commit is not None and commit.kind == SHARDED:
             src.skeleton = src._with_plain(commit, placeholders)
         else:

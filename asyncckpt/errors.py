@@ -44,6 +44,29 @@ class ChecksumError(FormatError):
         )
 
 
+class MemoryBudgetError(FormatError):
+    """Loading would need more memory for decoded data than the caller's budget allows.
+
+    Raised before the memory is allocated (``max_bytes`` of ``load`` and
+    ``Checkpointer.load``, the command line's ``--max-bytes``): for a single file, before
+    anything is allocated from it.
+
+    Attributes:
+        path: the file (or checkpoint) that would need the memory.
+        needed: the bytes the load would allocate, all of its files together so far.
+        max_bytes: the budget.
+    """
+
+    def __init__(self, path: str, needed: int, max_bytes: int, what: str) -> None:
+        self.path = path
+        self.needed = needed
+        self.max_bytes = max_bytes
+        super().__init__(
+            f"{path}: loading it needs {needed:,} bytes for {what}, more than the "
+            f"max_bytes budget of {max_bytes:,}; refused before allocating it"
+        )
+
+
 class CheckpointNotFoundError(AsyncCkptError, FileNotFoundError):
     """No checkpoint exists at the given path (or no committed version under a root)."""
 

@@ -21,10 +21,11 @@ import torch
 
 from . import config
 from .codec import checksum, decode_chunk
-from .errors import ChecksumError, FormatError, TruncatedFileError
+from .errors import ChecksumError, FormatError, MemoryBudgetError, TruncatedFileError
 from .format import (
     FOOTER_SIZE,
     HEADER_SIZE,
+    MAX_EXPANSION,
     Chunk,
     Manifest,
     StorageEntry,
@@ -76,12 +77,6 @@ def open_file(storage: Storage, path: str) -> OpenedFile:
     return OpenedFile(storage, path, size, manifest)
 
 
-#: Default bound on the host memory pinned by one load (page-locked memory cannot be
-#: swapped, so a file claiming huge CUDA tensors must not pin all of RAM). Storages past
-#: the budget are read into ordinary memory; their copy to the device is then synchronous.
-#: zstd's best case: a 128 KiB block stored as a 3-byte header and one repeated byte. A
-#: chunk claiming more raw bytes per stored byte cannot be genuine.
-MAX_EXPANSION = 32_768
 #: Chunks queued per reader thread ahead of the oldest unfinished one; buffers are
 #: allocated as their first chunk is queued, so a damaged file fails before most of them.
 _QUEUED_PER_THREAD = 4
@@ -102,6 +97,7 @@ def read_storages(
     threads: int,
     destinations: Sequence[torch.Tensor | None] | None = None,
     pinned: Sequence[bool] | None = None,
+    budget: Budget | None = None,
 ) -> list[torch.Tensor]:
     """Read, verify and decode every storage, in parallel chunks.
 
@@ -116,6 +112,7 @@ def read_storages(
             or None to allocate one.
         pinned: per storage, whether an allocated buffer should be pinned (for a CUDA copy);
             honoured up to :func:`pin_budget_bytes` in all, in storage order.
+        budget: charged with the buffers allocated here, before the first one is.
 
     Returns:
         One 1-D uint8 CPU tensor per storage.
@@ -123,6 +120,7 @@ def read_storages(
     Raises:
         ChecksumError: a chunk is damaged (the first one found).
         FormatError: the declared sizes cannot be justified by the file, or allocated.
+        MemoryBudgetError: the buffers would exceed ``budget``.
 
     Example:
         >>> import asyncckpt, os, tempfile, torch
@@ -135,6 +133,9 @@ def read_storages(
     storages = opened.manifest.storages
     check_sizes(opened)
     destinations = destinations or [None] * len(storages)
+    if budget is not None:
+        fresh = sum(e.nbytes for e, dest in zip(storages, destinations) if dest is None)
+        budget.charge(opened.name, fresh, "its storages")
     pins = _within_budget(storages, pinned or [False] * len(storages), pin_budget_bytes())
     queue = _Queue(pool("read", threads), threads * _QUEUED_PER_THREAD)
     buffers = []
@@ -155,14 +156,15 @@ def read_storages(
 
 
 def check_sizes(opened: OpenedFile) -> None:
-    """Refuse a manifest whose chunks claim more bytes than the file can hold.
+    """Refuse a file whose chunks claim to decode to more than its size can justify.
 
-    Chunks must not share bytes of the file, and no chunk may decode to more than
-    :data:`MAX_EXPANSION` times its stored length, so the total raw size is bounded by the
-    file's size before anything is allocated from it.
+    The manifest's validation already holds every chunk to :data:`MAX_EXPANSION` times its
+    stored bytes, chunks to disjoint bytes of the file and storages to disjoint runs of
+    chunks; this states the consequence against the file's actual size, so that nothing is
+    allocated from a manifest that contradicts it.
 
     Raises:
-        FormatError: chunks overlap, or a chunk's raw length is impossible.
+        FormatError: the storages' total exceeds ``MAX_EXPANSION`` times the file's size.
 
     Example:
         >>> import asyncckpt, os, tempfile, torch
@@ -171,18 +173,61 @@ def check_sizes(opened: OpenedFile) -> None:
         >>> _ = asyncckpt.save({"w": torch.zeros(1000)}, path).result()
         >>> check_sizes(open_file(*resolve(path, None)))
     """
-    chunks = opened.manifest.chunks
-    for index, chunk in enumerate(chunks):
-        if chunk.raw_len > max(chunk.stored_len, 1) * MAX_EXPANSION:
-            raise FormatError(
-                f"{opened.name}: chunk {index} claims {chunk.raw_len} bytes from "
-                f"{chunk.stored_len} stored bytes, more than any chunk can decode to"
-            )
-    end = 0
-    for chunk in sorted(chunks, key=lambda c: c.offset):
-        if chunk.stored_len and chunk.offset < end:
-            raise FormatError(f"{opened.name}: chunks overlap at byte {chunk.offset}")
-        end = max(end, chunk.offset + chunk.stored_len)
+    total = sum(entry.nbytes for entry in opened.manifest.storages)
+    if total > opened.size * MAX_EXPANSION:
+        raise FormatError(
+            f"{opened.name}: its storages claim {total} bytes, more than a file of "
+            f"{opened.size} bytes can decode to"
+        )
+
+
+class Budget:
+    """The memory one load may allocate for decoded data, over all the files it reads.
+
+    Args:
+        max_bytes: the limit in bytes (``max_bytes`` of ``load``); None: no limit besides
+            what the files' sizes bound.
+
+    Raises:
+        ValueError: ``max_bytes`` is not a non-negative integer.
+
+    Example:
+        >>> budget = Budget(100)
+        >>> budget.charge("x.ackpt", 60, "its storages")
+        >>> budget.charge("y.ackpt", 60, "its storages")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        asyncckpt.errors.MemoryBudgetError: y.ackpt: loading it needs 120 bytes for its ...
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
+            raise ValueError(f"max_bytes must be a non-negative integer or None, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For a reader pickled into another process: its lock is made again there."""
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def charge(self, name: str, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` about to be allocated for ``name``; refuse them past the limit.
+
+        Raises:
+            MemoryBudgetError: the load would then hold more than ``max_bytes``.
+        """
+        with self._lock:
+            total = self.used + nbytes
+            if self.max_bytes is not None and total > self.max_bytes:
+                raise MemoryBudgetError(name, total, self.max_bytes, what)
+            self.used = total
 
 
 def _within_budget(
@@ -271,7 +316,13 @@ def _read_chunk(opened: OpenedFile, index: int, chunk: Chunk, sid: int, out: mem
             raise ChecksumError(opened.name, index, keys, str(exc)) from exc
 
 
-def materialize(opened: OpenedFile, placement: Placement, threads: int, into: Any = None) -> Any:
+def materialize(
+    opened: OpenedFile,
+    placement: Placement,
+    threads: int,
+    into: Any = None,
+    budget: Budget | None = None,
+) -> Any:
     """Read everything and rebuild the saved object, tensors placed per ``placement``.
 
     Args:
@@ -283,12 +334,15 @@ def materialize(opened: OpenedFile, placement: Placement, threads: int, into: An
             returned object holds the existing tensor. Nothing in ``into`` changes unless
             every chunk was verified and every target matches, so a failed load leaves it
             as it was.
+        budget: charged with every storage (all are read into fresh buffers) before any
+            is allocated.
 
     Returns:
         The saved object.
 
     Raises:
         FormatError: a storage names an unknown device type, or sizes the file cannot hold.
+        MemoryBudgetError: the storages would exceed ``budget``.
         ChecksumError: a chunk is damaged.
         ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
 
@@ -308,7 +362,7 @@ def materialize(opened: OpenedFile, placement: Placement, threads: int, into: An
     pins = [placement.wants_pinned(entry.device) for entry in manifest.storages]
     # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
     # not leave the caller's tensors half overwritten.
-    raw = read_storages(opened, threads, None, pins)
+    raw = read_storages(opened, threads, None, pins, budget)
     placed = [placement.place(buf, entry.device) for buf, entry in zip(raw, manifest.storages)]
     tensors, copies = [], []
     for entry in manifest.tensors:

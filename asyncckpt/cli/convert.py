@@ -17,6 +17,7 @@ from ..consolidate import (
 from ..dcp.schema import METADATA_NAME
 from ..progress import format_bytes
 from ..protocol import SHARDED, latest_step, read_commit, step_dir
+from ..reader import Budget
 from ..storage import Storage, resolve
 from ..tree import child_path
 from .common import (
@@ -25,6 +26,7 @@ from .common import (
     RootRef,
     Subparsers,
     UsageError,
+    add_max_bytes,
     display,
     emit,
     kind_of,
@@ -74,6 +76,7 @@ def add_parser(sub: Subparsers) -> None:
         help="for an asyncckpt DST (default zstd)",
     )
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    add_max_bytes(p, "refuse (an asyncckpt or sharded SRC)")
     p.set_defaults(run=cmd_convert)
 
 
@@ -157,7 +160,7 @@ def _read(args: argparse.Namespace, src: FileRef, fmt: str) -> tuple[Any, dict[s
     """The state in ``src`` and, for safetensors, its metadata."""
     with progress(args, src.storage.size(src.path), f"read {fmt}") as bar:
         if fmt == "ackpt":
-            return load_ackpt(src, bar.update), None
+            return load_ackpt(src, bar.update, args.max_bytes), None
         if fmt == "torch":
             return load_torch(src, bar.update), None
         return read_safetensors(src.storage, src.path, bar.update)
@@ -247,6 +250,10 @@ def _convert_sharded(
     :mod:`asyncckpt.consolidate`)."""
     tree = select(src.skeleton, args.key, src.name)
     count, nbytes, largest = src.raw_bytes(tree)
+    if dst_format == "torch":  # torch.save pickles one object: all of it is built first
+        Budget(args.max_bytes).charge(src.name, nbytes, "the whole state (torch.save output)")
+    else:  # streamed: one tensor at a time
+        Budget(args.max_bytes).charge(src.name, largest, "its largest tensor")
     sizes = {loc.file: loc.file_size for loc in src.metadata.storage_data.values()}
     with progress(args, nbytes, f"write {dst_format}") as bar:
         if dst_format == "safetensors":

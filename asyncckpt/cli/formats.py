@@ -18,7 +18,7 @@ from ..api import stage, write_options
 from ..errors import AsyncCkptError, FormatError
 from ..format import MAGIC
 from ..placement import Placement
-from ..reader import OpenedFile, materialize, open_file
+from ..reader import Budget, OpenedFile, materialize, open_file
 from ..storage import AtomicWriter, LocalStorage, Storage
 from ..writer import write_snapshot
 from .common import FileRef, UsageError, threads
@@ -229,18 +229,25 @@ class RangeReader(io.RawIOBase):
         return n
 
 
-def load_ackpt(ref: FileRef, progress: Callable[[int], None] | None = None) -> Any:
+def load_ackpt(
+    ref: FileRef, progress: Callable[[int], None] | None = None, max_bytes: int | None = None
+) -> Any:
     """Load an asyncckpt file on the CPU.
 
     Args:
         ref: the file.
         progress: called with the number of bytes read, as they are read.
+        max_bytes: the memory budget for its decoded data (as ``asyncckpt.load`` takes it).
 
     Returns:
         The saved object.
+
+    Raises:
+        MemoryBudgetError: the file needs more than ``max_bytes``.
     """
     storage = ref.storage if progress is None else _Metered(ref.storage, progress)
-    return materialize(open_file(storage, ref.path), Placement("cpu"), threads())
+    opened = open_file(storage, ref.path)
+    return materialize(opened, Placement("cpu"), threads(), None, Budget(max_bytes))
 
 
 def _numpy_globals() -> list[Any]:

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codec import checksum, decode_chunk
-from ..errors import AsyncCkptError, CheckpointNotFoundError, FormatError
+from ..errors import AsyncCkptError, CheckpointNotFoundError, FormatError, MemoryBudgetError
 from ..format import Manifest
 from ..progress import format_bytes
 from ..protocol import committed_steps, read_version_file, step_dirs
-from ..reader import open_file
+from ..reader import Budget, open_file
 from ..storage import Storage
 from .common import (
     EXIT_OK,
@@ -24,6 +24,7 @@ from .common import (
     RootRef,
     Subparsers,
     UsageError,
+    add_max_bytes,
     chosen_step,
     display,
     emit,
@@ -53,6 +54,7 @@ def add_parser(sub: Subparsers) -> None:
     )
     p.add_argument("target", metavar="PATH|ROOT[@STEP]")
     p.add_argument("--all", action="store_true", help="verify every committed version of ROOT")
+    add_max_bytes(p, "report as too large")
     p.set_defaults(run=cmd_verify)
 
 
@@ -77,6 +79,8 @@ class FileReport:
     stored_bytes: int = 0
     bad_chunks: list[BadChunk] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: Loading it would need more memory than ``--max-bytes`` (its chunks were not read).
+    too_large: bool = False
 
     @property
     def ok(self) -> bool:
@@ -93,6 +97,7 @@ class FileReport:
             "stored_bytes": self.stored_bytes,
             "bad_chunks": [b.__dict__ for b in self.bad_chunks],
             "errors": self.errors,
+            "too_large": self.too_large,
         }
 
 
@@ -181,6 +186,7 @@ def verify_file(
     threads: int | None = None,
     progress: Callable[[int], None] | None = None,
     step: int | None = None,
+    max_bytes: int | None = None,
 ) -> FileReport:
     """Read a whole file and check everything, collecting *every* problem.
 
@@ -194,6 +200,8 @@ def verify_file(
         threads: parallel chunk readers (default: the ``threads`` tunable).
         progress: called with the number of bytes read, as they are read.
         step: the version the file belongs to, for the report.
+        max_bytes: a file whose load would need more memory for its decoded data is
+            reported as too large (``too_large``), without reading its chunks.
 
     Returns:
         The report; ``report.ok`` is True only when nothing is wrong.
@@ -218,6 +226,12 @@ def verify_file(
     report.stored_bytes = sum(c.stored_len for c in manifest.chunks)
     meter = progress or (lambda n: None)
     meter(max(0, opened.size - report.stored_bytes))
+    try:
+        Budget(max_bytes).charge(report.file, report.raw_bytes, "its storages")
+    except MemoryBudgetError as exc:
+        report.errors.append(str(exc))
+        report.too_large = True
+        return report
     try:
         manifest_tree(opened)
     except FormatError as exc:
@@ -278,11 +292,13 @@ def _report_lines(reports: list[FileReport], warnings: list[str]) -> list[str]:
         for b in r.bad_chunks:
             lines.append(f"     chunk {b.chunk}: {b.detail}; keys: {_show_keys(b.keys)}")
     lines += [f"note: {w}" for w in warnings]
-    bad = [r for r in reports if not r.ok]
+    bad = [r for r in reports if not r.ok and not r.too_large]
+    large = [r for r in reports if r.too_large]
     chunks = sum(len(r.bad_chunks) for r in bad)
     lines.append(
-        f"{len(reports) - len(bad)} of {plural(len(reports), 'file')} sound"
+        f"{len(reports) - len(bad) - len(large)} of {plural(len(reports), 'file')} sound"
         + (f"; {len(bad)} damaged ({plural(chunks, 'bad chunk')})" if bad else "")
+        + (f"; {len(large)} too large for --max-bytes, not read" if large else "")
     )
     return lines
 
@@ -310,14 +326,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with contextlib.suppress(AsyncCkptError):
             total += f.storage.size(f.path)
     with progress(args, total, "verify") as bar:
-        reports = [verify_file(f.storage, f.path, progress=bar.update, step=f.step) for f in files]
+        reports = [
+            verify_file(
+                f.storage, f.path, progress=bar.update, step=f.step, max_bytes=args.max_bytes
+            )
+            for f in files
+        ]
     bad = [r for r in reports if not r.ok]
     doc = {"ok": not bad, "files": [r.as_dict() for r in reports], "warnings": warnings}
     emit(args, doc, _report_lines(reports, warnings))
-    if bad:
-        chunks = sum(len(r.bad_chunks) for r in bad)
+    damaged = [r for r in bad if not r.too_large]
+    if damaged:
+        chunks = sum(len(r.bad_chunks) for r in damaged)
         raise CommandFailed(
-            f"verify: {len(bad)} of {plural(len(reports), 'file')} damaged "
+            f"verify: {len(damaged)} of {plural(len(reports), 'file')} damaged "
             f"({plural(chunks, 'bad chunk')}); load an older version or restore these files"
+        )
+    if bad:
+        raise CommandFailed(
+            f"verify: {len(bad)} of {plural(len(reports), 'file')} would need more memory "
+            f"than --max-bytes {args.max_bytes:,} to load; not read"
         )
     return EXIT_OK

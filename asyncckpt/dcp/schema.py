@@ -54,8 +54,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from .._version import __version__
 from ..errors import FormatError, UnsupportedObjectError
-from ..format import DTYPE_ITEMSIZE, FOOTER_SIZE, HEADER_SIZE, MAX_MANIFEST_BYTES, MAX_NDIM
-from ..reader import MAX_EXPANSION
+from ..format import (
+    DTYPE_ITEMSIZE,
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    MAX_EXPANSION,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+)
 from ..tree import dtype_name, torch_dtype
 
 #: Name of the commit object inside a checkpoint directory (or prefix). It is DCP's own
@@ -317,6 +323,54 @@ def _first_overlap(
     return None
 
 
+def _identity(metadata: Metadata, fqn: str) -> tuple[Any, ...]:
+    """What makes value ``fqn`` the same value as another: its type, shape and where each
+    of its chunks is stored."""
+    md = metadata.state_dict_metadata[fqn]
+    locations: Mapping[MetadataIndex, ItemLocation] = metadata.storage_data
+    if not isinstance(md, TensorStorageMetadata):
+        where = locations[MetadataIndex(fqn)]
+        return ("bytes", where.file, where.entry, where.nbytes)
+    pieces = []
+    for chunk in md.chunks:
+        where = locations[MetadataIndex(fqn, chunk.offsets)]
+        pieces.append((tuple(chunk.offsets), tuple(chunk.sizes), where.file, where.entry))
+    return ("tensor", md.properties.dtype, tuple(md.size), tuple(pieces))
+
+
+def tied_names(metadata: Metadata) -> list[list[str]]:
+    """The names of ``metadata``'s values, grouped by what is stored for them.
+
+    Names in one group are stored alike (same dtype and size, every chunk in the same file
+    entry): they are one value under several names, a tied weight as a sharded save stores
+    it. Loads build each group once.
+
+    Example:
+        >>> import os, tempfile, torch, warnings
+        >>> import torch.distributed.checkpoint as dcp
+        >>> import asyncckpt.dcp
+        >>> url = os.path.join(tempfile.mkdtemp(), "c")
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     _ = dcp.save({"a": torch.ones(2)}, storage_writer=asyncckpt.dcp.Writer(url))
+        >>> tied_names(asyncckpt.dcp.Reader(url).read_metadata())
+        [['a']]
+    """
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for fqn in metadata.state_dict_metadata:
+        groups.setdefault(_identity(metadata, fqn), []).append(fqn)
+    return list(groups.values())
+
+
+def value_bytes(metadata: Metadata, fqn: str) -> int:
+    """The bytes value ``fqn`` takes once loaded (a tensor whole, or a bytes object)."""
+    md = metadata.state_dict_metadata[fqn]
+    if isinstance(md, TensorStorageMetadata):
+        return math.prod(md.size) * DTYPE_ITEMSIZE[dtype_name(md.properties.dtype)]
+    where: ItemLocation = metadata.storage_data[MetadataIndex(fqn)]
+    return where.nbytes
+
+
 # ------------------------------------------------------------------------------- decode
 
 
@@ -416,13 +470,31 @@ class _Decoder:
                 raise self.fail(f"{fqn!r} is described twice")
             sdm[fqn] = self.storage(fqn, md)
         locations = self.items(self.list_(doc.get("items"), "items"), files, sdm)
-        return Metadata(
+        metadata = Metadata(
             state_dict_metadata=sdm,
             planner_data=self.planner_data(doc.get("planner_data")),
             storage_data=locations,
             storage_meta=self.storage_meta(doc.get("storage_meta")),
             version=self.str_(doc.get("dcp_version"), "dcp_version", optional=True),
         )
+        self.bounded(metadata, sum(size for _, size in files))
+        return metadata
+
+    def bounded(self, metadata: Metadata, file_bytes: int) -> None:
+        """Refuse metadata whose values claim more bytes than its files can decode to.
+
+        A consolidated load allocates every tensor whole from its ``size``: each item is
+        bounded by its file, but many names may point at one stored entry. Names stored
+        alike (ties: one shard stored under several names, as a sharded save does) are one
+        value (:func:`tied_names`), counted and built once; everything else counts in full.
+        """
+        claimed = sum(value_bytes(metadata, names[0]) for names in tied_names(metadata))
+        limit = file_bytes * MAX_EXPANSION
+        if claimed > limit:
+            raise self.fail(
+                f"its tensors and bytes objects claim {claimed} bytes, more than its data "
+                f"files ({file_bytes} bytes) can decode to ({limit} bytes at most)"
+            )
 
     def file(self, i: int, rec: Any) -> tuple[str, int]:
         name, size = self.list_(rec, f"files[{i}]", 2)
