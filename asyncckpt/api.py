@@ -21,9 +21,9 @@ from . import config, workers, writer_process
 from .codec import check_compression
 from .errors import CheckpointTimeoutError
 from .placement import MapLocation, Placement
-from .reader import Budget, materialize, open_file
+from .reader import Budget, materialize, read_file
 from .staging import ArenaPool, Snapshot, arena_bytes, snapshot
-from .storage import AtomicWriter, Storage, resolve
+from .storage import AtomicWriter, ReadHandle, Storage, resolve
 from .storage.base import errors_as
 from .tree import flatten
 from .writer import WriteOptions, write_snapshot
@@ -591,6 +591,11 @@ class StreamStorage(Storage):
                 length -= len(part)
         return b"".join(parts)
 
+    def open_read(self, path: str) -> ReadHandle:
+        """The object from its position when first measured to its end, read under the lock
+        (the caller's object is the one version there is)."""
+        return _StreamHandle(self)
+
     def exists(self, path: str) -> bool:
         return True
 
@@ -605,6 +610,17 @@ class StreamStorage(Storage):
 
     def delete_tree(self, path: str) -> None:
         raise TypeError("a file object cannot be deleted")
+
+
+class _StreamHandle(ReadHandle):
+    """A caller's file object, read through its :class:`StreamStorage`."""
+
+    def __init__(self, storage: StreamStorage) -> None:
+        super().__init__(storage.describe(""), storage.size(""))
+        self.storage = storage
+
+    def read_range(self, start: int, length: int) -> bytes:
+        return self.storage.read_range("", start, length)
 
 
 def _target(storage: Storage, path: str) -> tuple[str, str]:
@@ -723,8 +739,10 @@ def load(
             f"expected a path, os.PathLike, fsspec URL or binary file object open for "
             f"reading, got {_stream_label(f)}; open the file with mode 'rb', or pass its path"
         )
-    opened = open_file(storage, path)
-    return materialize(opened, placement, config.tunable("threads", None), into, budget)
+    threads = config.tunable("threads", None)
+    return read_file(
+        storage, path, lambda opened: materialize(opened, placement, threads, into, budget), budget
+    )
 
 
 #: How long the exit hook waits for worker threads to drop their last task's tensors.

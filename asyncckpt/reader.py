@@ -9,19 +9,26 @@ Tensors are rebuilt as views over their (possibly shared) storages and placed pe
 from __future__ import annotations
 
 import collections
+import logging
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from . import config
 from .codec import checksum, decode_chunk
-from .errors import ChecksumError, FormatError, MemoryBudgetError, TruncatedFileError
+from .errors import (
+    ChecksumError,
+    FileReplacedError,
+    FormatError,
+    MemoryBudgetError,
+    TruncatedFileError,
+)
 from .format import (
     FOOTER_SIZE,
     HEADER_SIZE,
@@ -35,46 +42,142 @@ from .format import (
 )
 from .placement import Placement, device_types, known_device
 from .staging import byte_view
-from .storage import Storage
+from .storage import ReadHandle, Storage
 from .tree import tensor_paths, torch_dtype, unflatten
 from .workers import DaemonPool, pool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class OpenedFile:
-    """A file whose footer and manifest have been read and validated."""
+    """A file whose footer and manifest have been read and validated, and the handle that
+    pins it: every chunk of one load is read through ``handle``, from the same version.
+
+    Close it when done (it is a context manager); a load closes it on every path.
+    """
 
     storage: Storage
     path: str
     size: int
     manifest: Manifest
+    handle: ReadHandle
 
     @property
     def name(self) -> str:
         return self.storage.describe(self.path)
 
+    def read_into(self, start: int, out: memoryview) -> int:
+        """Fill ``out`` from byte ``start`` of the pinned file; returns the bytes read."""
+        return self.handle.read_into(start, out)
+
+    def close(self) -> None:
+        """Close the handle (idempotent)."""
+        self.handle.close()
+
+    def __enter__(self) -> OpenedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def open_file(storage: Storage, path: str) -> OpenedFile:
-    """Read and validate a file's header, footer and manifest (three small reads).
+    """Open ``path`` (one handle, see :meth:`Storage.open_read`) and read and validate its
+    header, footer and manifest (three small reads through the handle).
+
+    Returns:
+        The opened file; the caller closes it (``with open_file(...) as opened:``).
 
     Raises:
         CheckpointNotFoundError: no file at ``path``.
         TruncatedFileError, FormatError: the file is not a complete asyncckpt file.
+        FileReplacedError: the file was replaced between two of the reads (object stores).
     """
-    name = storage.describe(path)
-    size = storage.size(path)
+    handle = storage.open_read(path)
+    try:
+        return _opened(storage, path, handle)
+    except BaseException:
+        handle.close()
+        raise
+
+
+def _opened(storage: Storage, path: str, handle: ReadHandle) -> OpenedFile:
+    name, size = storage.describe(path), handle.size
     if size < HEADER_SIZE + FOOTER_SIZE:
         raise TruncatedFileError(f"{name}: {size} bytes is too short for an asyncckpt file")
-    decode_header(storage.read_range(path, 0, HEADER_SIZE), name)
-    footer = decode_footer(storage.read_range(path, size - FOOTER_SIZE, FOOTER_SIZE), size, name)
-    body = storage.read_range(path, footer.manifest_offset, footer.manifest_length)
+    decode_header(handle.read_range(0, HEADER_SIZE), name)
+    footer = decode_footer(handle.read_range(size - FOOTER_SIZE, FOOTER_SIZE), size, name)
+    body = handle.read_range(footer.manifest_offset, footer.manifest_length)
     manifest = decode_manifest(body, footer, name)
     if manifest.byteorder != sys.byteorder:
         raise FormatError(
             f"{name}: written on a {manifest.byteorder}-endian machine; this one is "
             f"{sys.byteorder}-endian and asyncckpt does not swap bytes"
         )
-    return OpenedFile(storage, path, size, manifest)
+    return OpenedFile(storage, path, size, manifest, handle)
+
+
+#: How many times a load starts over on a file replaced under it (an object store's
+#: ``412``) before it gives up with :class:`~asyncckpt.errors.FileReplacedError`.
+REPLACED_ATTEMPTS = 5
+
+T = TypeVar("T")
+
+
+def read_file(
+    storage: Storage,
+    path: str,
+    work: Callable[[OpenedFile], T],
+    budget: Budget | None = None,
+) -> T:
+    """Open ``path``, run ``work`` on it, close it; start over if it is replaced meanwhile.
+
+    On local disk and ``memory://`` the opened version stays readable however often the
+    file is replaced, so ``work`` runs once. On an object store a read of a replaced object
+    fails (``If-Match``), and the whole of ``work`` runs again on the new object, at most
+    :data:`REPLACED_ATTEMPTS` times in all; ``budget`` is given back what an abandoned
+    attempt charged.
+
+    Args:
+        storage: where the file is.
+        path: the file.
+        work: what to do with it (read it, check it): called with the opened file.
+        budget: the memory budget ``work`` charges, if any.
+
+    Returns:
+        What ``work`` returns.
+
+    Raises:
+        FileReplacedError: the file was replaced during every attempt.
+        Exception: whatever ``open_file`` or ``work`` raised.
+
+    Example:
+        >>> import asyncckpt, os, tempfile, torch
+        >>> from asyncckpt.storage import resolve
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
+        >>> read_file(*resolve(path, None), lambda opened: len(opened.manifest.tensors))
+        1
+    """
+    used = budget.used if budget is not None else 0
+    for attempt in range(1, REPLACED_ATTEMPTS + 1):
+        try:
+            with open_file(storage, path) as opened:
+                return work(opened)
+        except FileReplacedError as exc:
+            if budget is not None:
+                budget.used = used  # what the abandoned attempt allocated is dropped
+            if attempt == REPLACED_ATTEMPTS:
+                raise FileReplacedError(
+                    exc.path,
+                    f"the file was replaced while it was being loaded, {attempt} times in "
+                    "a row (every load started over on the new file, which was replaced "
+                    "again): something keeps overwriting it; load it once that stops, or "
+                    f"load a file nobody writes ({exc})",
+                ) from exc
+            log.info("%s was replaced while loading it; loading it again", exc.path)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 #: Chunks queued per reader thread ahead of the oldest unfinished one; buffers are
@@ -127,7 +230,8 @@ def read_storages(
         >>> from asyncckpt.storage import resolve
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
-        >>> [b.numel() for b in read_storages(open_file(*resolve(path, None)), threads=2)]
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     [b.numel() for b in read_storages(opened, threads=2)]
         [24]
     """
     storages = opened.manifest.storages
@@ -171,7 +275,8 @@ def check_sizes(opened: OpenedFile) -> None:
         >>> from asyncckpt.storage import resolve
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"w": torch.zeros(1000)}, path).result()
-        >>> check_sizes(open_file(*resolve(path, None)))
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     check_sizes(opened)
     """
     total = sum(entry.nbytes for entry in opened.manifest.storages)
     if total > opened.size * MAX_EXPANSION:
@@ -295,11 +400,11 @@ _local = threading.local()
 
 def _read_chunk(opened: OpenedFile, index: int, chunk: Chunk, sid: int, out: memoryview) -> None:
     if chunk.codec == "raw":
-        got = opened.storage.read_into(opened.path, chunk.offset, out)
+        got = opened.read_into(chunk.offset, out)
         stored = out[:got]
     else:
         stored = _stored_scratch(chunk.stored_len)
-        got = opened.storage.read_into(opened.path, chunk.offset, stored)
+        got = opened.read_into(chunk.offset, stored)
         stored = stored[:got]
     if got != chunk.stored_len:
         detail = f"only {got} of {chunk.stored_len} bytes could be read"
@@ -352,7 +457,8 @@ def materialize(
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
         >>> state = {"w": torch.zeros(3, dtype=torch.int64)}
-        >>> _ = materialize(open_file(*resolve(path, None)), Placement("cpu"), 2, into=state)
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     _ = materialize(opened, Placement("cpu"), 2, into=state)
         >>> state["w"]
         tensor([0, 1, 2])
     """
@@ -403,7 +509,8 @@ def check_devices(opened: OpenedFile) -> None:
         >>> from asyncckpt.storage import resolve
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
-        >>> check_devices(open_file(*resolve(path, None)))
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     check_devices(opened)
     """
     for sid, entry in enumerate(opened.manifest.storages):
         if not known_device(entry.device):

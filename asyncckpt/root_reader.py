@@ -21,7 +21,7 @@ from .protocol import (
     step_dir,
     wait_for_step,
 )
-from .reader import Budget, materialize, open_file
+from .reader import Budget, materialize, read_file
 from .storage import Storage
 
 
@@ -80,8 +80,11 @@ class RootReader:
         """
         threads = config.tunable("threads", None)
         try:
-            return materialize(
-                open_file(self.storage, self._data_path(step)), placement, threads, into, budget
+            return read_file(
+                self.storage,
+                self._data_path(step),
+                lambda opened: materialize(opened, placement, threads, into, budget),
+                budget,
             )
         except CheckpointNotFoundError as exc:
             raise deleted_while_loading(step, self.where) from exc

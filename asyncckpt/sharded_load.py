@@ -195,8 +195,9 @@ def _load_sharded(
         reader = Reader.at(storage, directory, budget)
         loaded = _consolidated(metadata, reader, placement, into, budget, reader.checkpoint_id)
     opened, name = _rank_file(ckpt, commit, directory)
-    skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
-    plain = read_plain(opened, skip, placement, into, set(loaded), budget)
+    with opened:
+        skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
+        plain = read_plain(opened, skip, placement, into, set(loaded), budget)
     return _substituted(plain, loaded, opened.name)
 
 
@@ -272,7 +273,8 @@ def _key_path(path: Path) -> str:
 
 def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tuple[OpenedFile, str]:
     """This rank's file of the version, or rank 0's if the version has no file of this rank
-    (it was saved by fewer ranks); opened and checked against its committed size."""
+    (it was saved by fewer ranks); opened (the caller closes it) and checked against its
+    committed size."""
     by_rank = {}
     for name, size in zip(commit.files, commit.sizes or [None] * len(commit.files)):
         match = _RANK_FILE.fullmatch(name)
@@ -290,6 +292,7 @@ def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tupl
             f"{ckpt._storage.describe(path)}: named by step {commit.step}'s COMMIT but missing"
         ) from exc
     if size is not None and opened.size != size:
+        opened.close()
         kind = TruncatedFileError if opened.size < size else FormatError
         raise kind(f"{opened.name}: {opened.size} bytes, but {size} were committed")
     return opened, name

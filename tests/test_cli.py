@@ -238,7 +238,8 @@ def test_verify_names_every_damaged_chunk_and_its_keys(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = data_file(root, 30)
-    manifest = open_file(*resolve(path, None)).manifest
+    with open_file(*resolve(path, None)) as opened:
+        manifest = opened.manifest
     keys = {"state['model']['weight']", "state['optim']['state'][0]['exp_avg_sq']"}
     storages = {t.key: t.storage for t in manifest.tensors}
     damaged = {}
@@ -675,7 +676,8 @@ def test_commands_on_s3(
     # damage the newest version in the bucket: verify names the chunk and the key
     fs = s3_server.filesystem()
     key = next(p for p in fs.ls(f"{s3_root}/30") if p.endswith(".ackpt"))
-    manifest = open_file(*resolve(f"s3://{key}", options)).manifest
+    with open_file(*resolve(f"s3://{key}", options)) as opened:
+        manifest = opened.manifest
     chunk = manifest.chunks[manifest.storages[manifest.tensors[0].storage].first_chunk]
     data = bytearray(fs.cat_file(key))
     data[chunk.offset] ^= 1

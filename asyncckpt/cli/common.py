@@ -445,7 +445,8 @@ def _committed_sizes(
     for name in files:
         path = storage.join(directory, name)
         try:
-            opened = open_file(storage, path)
+            with open_file(storage, path) as opened:
+                manifest = opened.manifest
         except AsyncCkptError as exc:
             info["problem"] = str(exc)
             raw = None
@@ -454,7 +455,7 @@ def _committed_sizes(
             except AsyncCkptError:
                 stored = None
             continue
-        raw = None if raw is None else raw + sum(s.nbytes for s in opened.manifest.storages)
+        raw = None if raw is None else raw + sum(s.nbytes for s in manifest.storages)
         stored = None if stored is None else stored + opened.size
     info["raw_bytes"] = raw
     info["stored_bytes"] = stored

@@ -178,11 +178,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     dst_format = format_of(args.dst, args.dst_format, "DST")
     dst_storage, dst_path = resolve(args.dst, args.options)
     sharded = _sharded_source(args)
+    if sharded is not None:
+        with sharded:
+            if not args.force and kind_of(dst_storage, dst_path) != "missing":
+                raise UsageError(
+                    f"asyncckpt convert: {args.dst} exists; pass --force to replace it"
+                )
+            assert dst_format is not None
+            return _convert_sharded(args, sharded, dst_format, dst_storage, dst_path)
     if not args.force and kind_of(dst_storage, dst_path) != "missing":
         raise UsageError(f"asyncckpt convert: {args.dst} exists; pass --force to replace it")
-    if sharded is not None:
-        assert dst_format is not None
-        return _convert_sharded(args, sharded, dst_format, dst_storage, dst_path)
     src, src_format = _source(args)
     size = src.storage.size(src.path)
     obj, metadata = _read(args, src, src_format)

@@ -27,7 +27,7 @@ from .common import (
     single_file,
     table,
 )
-from .formats import open_ackpt
+from .formats import read_ackpt
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -183,9 +183,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         MemoryBudgetError: loading the file would need more than ``--max-bytes``.
     """
     ref = single_file(locate(args.target, args.options))
-    opened = open_ackpt(ref)
-    manifest = opened.manifest
-    rows = entries(manifest, manifest_tree(opened))
+    manifest, tree, size = read_ackpt(ref, lambda o: (o.manifest, manifest_tree(o), o.size))
+    rows = entries(manifest, tree)
     raw = sum(s.nbytes for s in manifest.storages)
     Budget(args.max_bytes).charge(ref.name, raw, "its storages")
     stored = sum(c.stored_len for c in manifest.chunks)
@@ -195,7 +194,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     doc = {
         "file": ref.name,
         "step": ref.step,
-        "size": opened.size,
+        "size": size,
         "format_version": FORMAT_VERSION,
         "meta": manifest.meta,
         "raw_bytes": raw,

@@ -11,11 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codec import checksum, decode_chunk
-from ..errors import AsyncCkptError, CheckpointNotFoundError, FormatError, MemoryBudgetError
-from ..format import Manifest
+from ..errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    FileReplacedError,
+    FormatError,
+    MemoryBudgetError,
+)
 from ..progress import format_bytes
 from ..protocol import committed_steps, read_version_file, step_dirs
-from ..reader import Budget, open_file
+from ..reader import Budget, OpenedFile, read_file
 from ..storage import Storage
 from .common import (
     EXIT_OK,
@@ -104,10 +109,9 @@ class FileReport:
 class _ChunkChecker:
     """Checks the chunks of one opened file and knows which keys each chunk holds."""
 
-    def __init__(
-        self, storage: Storage, path: str, manifest: Manifest, progress: Callable[[int], None]
-    ) -> None:
-        self.storage, self.path, self.manifest, self.progress = storage, path, manifest, progress
+    def __init__(self, opened: OpenedFile, progress: Callable[[int], None]) -> None:
+        self.handle, self.manifest, self.progress = opened.handle, opened.manifest, progress
+        manifest = opened.manifest
         self.keys: dict[int, list[str]] = {}
         for t in manifest.tensors:
             self.keys.setdefault(t.storage, []).append(t.key)
@@ -133,7 +137,9 @@ class _ChunkChecker:
         sid = self.owner.get(index)
         itemsize = self.manifest.storages[sid].itemsize if sid is not None else 1
         try:
-            stored = self.storage.read_range(self.path, chunk.offset, chunk.stored_len)
+            stored = self.handle.read_range(chunk.offset, chunk.stored_len)
+        except FileReplacedError:
+            raise  # not this chunk's fault: the whole file is verified again
         except AsyncCkptError as exc:
             return f"read failed: {exc}"
         finally:
@@ -213,18 +219,34 @@ def verify_file(
         >>> verify_file(*resolve("memory://v/one.ackpt", None)).ok
         True
     """
-    report = FileReport(display(storage, path), step)
+    name = display(storage, path)
+    workers = max(1, threads or _default_threads())
+    meter = progress or (lambda n: None)
     try:
-        opened = open_file(storage, path)
+        return read_file(
+            storage, path, lambda opened: _verify(opened, name, step, meter, workers, max_bytes)
+        )
     except AsyncCkptError as exc:
+        report = FileReport(name, step)
         report.errors.append(str(exc))
         return report
+
+
+def _verify(
+    opened: OpenedFile,
+    name: str,
+    step: int | None,
+    meter: Callable[[int], None],
+    workers: int,
+    max_bytes: int | None,
+) -> FileReport:
+    """:func:`verify_file` of a file opened (one attempt at it)."""
+    report = FileReport(name, step)
     manifest = opened.manifest
     report.size = opened.size
     report.chunks = len(manifest.chunks)
     report.raw_bytes = sum(s.nbytes for s in manifest.storages)
     report.stored_bytes = sum(c.stored_len for c in manifest.chunks)
-    meter = progress or (lambda n: None)
     meter(max(0, opened.size - report.stored_bytes))
     try:
         Budget(max_bytes).charge(report.file, report.raw_bytes, "its storages")
@@ -236,8 +258,7 @@ def verify_file(
         manifest_tree(opened)
     except FormatError as exc:
         report.errors.append(str(exc))
-    workers = max(1, threads or _default_threads())
-    _check_all(_ChunkChecker(storage, path, manifest, meter), workers, report)
+    _check_all(_ChunkChecker(opened, meter), workers, report)
     return report
 
 

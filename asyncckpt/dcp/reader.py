@@ -225,8 +225,8 @@ class Reader(CheckpointLocation, StorageReader):
             per_file[where.file].append(req)
         threads = config.tunable("threads", None)
         for name, reqs in per_file.items():
-            opened = self._open_data_file(name, self._locations[reqs[0].storage_index])
-            self._load_file(opened, reqs, planner, threads)
+            with self._open_data_file(name, self._locations[reqs[0].storage_index]) as opened:
+                self._load_file(opened, reqs, planner, threads)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -285,6 +285,7 @@ class Reader(CheckpointLocation, StorageReader):
         return _Item(req, entry, offsets, lengths, target)
 
     def _open_data_file(self, name: str, where: ItemLocation) -> OpenedFile:
+        """A data file, opened (the caller closes it) and checked against its size."""
         path = self._storage.join(self._path, name)
         try:
             opened = open_file(self._storage, path)
@@ -294,6 +295,7 @@ class Reader(CheckpointLocation, StorageReader):
                 f"{METADATA_NAME} but missing; the checkpoint was partly deleted"
             ) from exc
         if opened.size != where.file_size:
+            opened.close()
             kind = TruncatedFileError if opened.size < where.file_size else FormatError
             raise kind(
                 f"{opened.name}: {opened.size} bytes, but {where.file_size} were committed; "
@@ -474,8 +476,8 @@ def read_storage_ids(
         >>> from asyncckpt.storage import resolve
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"a": torch.arange(3), "b": torch.ones(2)}, path).result()
-        >>> opened = open_file(*resolve(path, None))
-        >>> {sid: buf.numel() for sid, buf in read_storage_ids(opened, {1}, 2).items()}
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     {sid: buf.numel() for sid, buf in read_storage_ids(opened, {1}, 2).items()}
         {1: 8}
     """
     storages = opened.manifest.storages
@@ -565,7 +567,7 @@ def _read_chunk(opened: OpenedFile, index: int, sid: int, out: memoryview) -> No
     chunk = opened.manifest.chunks[index]
     # A raw chunk is read straight into its place; it is checked there before use.
     stored = out if chunk.codec == "raw" else _stored_scratch(chunk.stored_len)
-    got = opened.storage.read_into(opened.path, chunk.offset, stored)
+    got = opened.read_into(chunk.offset, stored)
     keys = opened.manifest.keys_of_storage
     if got != chunk.stored_len:
         detail = f"only {got} of {chunk.stored_len} bytes could be read"
