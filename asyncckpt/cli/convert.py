@@ -20,6 +20,7 @@ from ..protocol import SHARDED, latest_step, read_commit, step_dir
 from ..reader import Budget
 from ..storage import Storage, resolve
 from ..tree import child_path
+from ..writer import abort_strays
 from .common import (
     EXIT_OK,
     FileRef,
@@ -202,6 +203,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             written = save_torch(obj, dst_storage, dst_path, bar.update)
         else:
             written = save_ackpt(obj, dst_storage, dst_path, args.compression, bar.update)
+    abort_strays(dst_storage, dst_path)  # a convert killed mid-upload to DST left one
     dst_name = display(dst_storage, dst_path)
     doc = {
         "src": src.name,
@@ -275,6 +277,7 @@ def _convert_sharded(
         else:
             options = write_options(args.compression)
             written = write_ackpt_stream(src, tree, storage, path, options, bar.update)
+    abort_strays(storage, path)
     dst_name = display(storage, path)
     doc = {
         "src": src.name,

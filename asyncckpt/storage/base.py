@@ -181,13 +181,14 @@ class Storage(ABC):
     def delete(self, path: str) -> None:
         """Remove a file; a missing file is not an error."""
 
-    def abort_unfinished(self, path: str) -> None:
-        """Abort unfinished writes below directory ``path`` that a listing does not show
-        (multipart uploads on an object store, which a killed writer can leave behind).
+    def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
+        """Abort unfinished writes below directory ``path`` (with ``exact``, of the file
+        ``path`` itself) that a listing does not show: multipart uploads on an object
+        store, which a killed writer can leave behind.
 
         Local and generic filesystems show such writes as temp files, so this does nothing.
         """
-        del path
+        del path, exact
 
     @abstractmethod
     def create_exclusive(self, path: str, data: bytes) -> None:

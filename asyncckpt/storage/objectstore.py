@@ -783,8 +783,8 @@ class ObjectStorage(Storage):
         with contextlib.suppress(CheckpointNotFoundError):
             self.call("delete", path, "delete_object", Key=None)
 
-    def abort_unfinished(self, path: str) -> None:
-        self.abort_uploads(path)
+    def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
+        self.abort_uploads(path, exact=exact)
 
     def delete_tree(self, path: str) -> None:
         bucket, key = self.split(path)
