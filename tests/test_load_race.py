@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import reader
+from asyncckpt import cli, reader
 from asyncckpt.errors import ChecksumError, FileReplacedError, FormatError
 from asyncckpt.storage import resolve
 from asyncckpt.testing import FaultPlan
@@ -254,6 +254,23 @@ def fds() -> Iterator[Callable[[], int]]:
     yield lambda: _open_fds() - before
 
 
+def test_a_damaged_chunk_is_named_as_damage(tmp_path: Path) -> None:
+    """With reads pinned, a mismatch is damage: the message says so, precisely."""
+    path = tmp_path / "m.ackpt"
+    asyncckpt.save(state(3), path).result()
+    with reader.open_file(*resolve(str(path), None)) as opened:
+        chunk = opened.manifest.chunks[0]
+    data = bytearray(path.read_bytes())
+    data[chunk.offset + chunk.stored_len // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError) as info:
+        asyncckpt.load(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: chunk 0 is damaged (checksum mismatch)")
+    assert "state['w']" in message and "not under a concurrent save" in message
+    assert info.value.chunk == 0 and info.value.keys == ["state['w']"]
+
+
 def test_no_descriptor_outlives_a_load(tmp_path: Path, fds: Callable[[], int]) -> None:
     path = tmp_path / "m.ackpt"
     asyncckpt.save(state(3), path).result()
@@ -274,3 +291,21 @@ def test_no_descriptor_outlives_a_load(tmp_path: Path, fds: Callable[[], int]) -
         with reader.open_file(*resolve(str(path), None)) as opened:
             assert opened.manifest.tensors
     assert fds() <= 0
+
+
+def test_no_descriptor_outlives_a_checkpointer_load_or_a_command(
+    tmp_path: Path, fds: Callable[[], int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with asyncckpt.Checkpointer(tmp_path / "root") as ckpt:
+        ckpt.save(1, state(1)).result()
+    before = fds()
+    reading = asyncckpt.Checkpointer(tmp_path / "root", read_only=True)
+    (file,) = (tmp_path / "root" / "1").glob("*.ackpt")
+    for _ in range(10):
+        assert_whole(reading.load(1))
+        for command in ("verify", "inspect"):
+            assert cli.main([command, str(file)]) == 0
+        assert cli.main(["ls", str(tmp_path / "root")]) == 0
+        assert cli.main(["verify", str(file), "--max-bytes", "10"]) == 1
+    capsys.readouterr()
+    assert fds() <= before
