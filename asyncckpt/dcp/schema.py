@@ -554,8 +554,8 @@ class _Decoder:
         if held != numel:
             kind = "leave a gap" if held < numel else "overlap"
             raise self.fail(
-                f"{fqn!r}: its chunks hold {held} elements, the tensor {numel} "
-                f"(size {list(size)}): they {kind}"
+                f"{fqn!r}: its chunks do not cover it exactly: they hold {held} elements, "
+                f"the tensor {numel} (size {list(size)}), so they {kind}"
             )
         clash = overlapping_chunks(
             size, [(tuple(c.offsets), tuple(c.sizes)) for c in chunks], self.name
