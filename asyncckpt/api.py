@@ -21,9 +21,9 @@ from . import config, workers, writer_process
 from .codec import check_compression
 from .errors import CheckpointTimeoutError
 from .placement import MapLocation, Placement
-from .reader import materialize, open_file
+from .reader import Budget, materialize, read_file
 from .staging import ArenaPool, Snapshot, arena_bytes, snapshot
-from .storage import AtomicWriter, Storage, resolve
+from .storage import AtomicWriter, ReadHandle, Storage, resolve
 from .storage.base import errors_as
 from .tree import flatten
 from .writer import WriteOptions, write_snapshot
@@ -591,6 +591,11 @@ class StreamStorage(Storage):
                 length -= len(part)
         return b"".join(parts)
 
+    def open_read(self, path: str) -> ReadHandle:
+        """The object from its position when first measured to its end, read under the lock
+        (the caller's object is the one version there is)."""
+        return _StreamHandle(self)
+
     def exists(self, path: str) -> bool:
         return True
 
@@ -605,6 +610,17 @@ class StreamStorage(Storage):
 
     def delete_tree(self, path: str) -> None:
         raise TypeError("a file object cannot be deleted")
+
+
+class _StreamHandle(ReadHandle):
+    """A caller's file object, read through its :class:`StreamStorage`."""
+
+    def __init__(self, storage: StreamStorage) -> None:
+        super().__init__(storage.describe(""), storage.size(""))
+        self.storage = storage
+
+    def read_range(self, start: int, length: int) -> bytes:
+        return self.storage.read_range("", start, length)
 
 
 def _target(storage: Storage, path: str) -> tuple[str, str]:
@@ -655,6 +671,7 @@ def load(
     into: Any = None,
     weights_only: bool | None = None,
     mmap: bool | None = None,
+    max_bytes: int | None = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load an object saved by :func:`save`, verifying every checksum. Never unpickles.
@@ -679,6 +696,12 @@ def load(
             ``weights_only=True`` because nothing is unpickled.
         mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
             read into memory rather than mapped.
+        max_bytes: at most this many bytes of host memory for the decoded data (the sum of
+            the file's storages, all read into fresh buffers); a file that needs more
+            raises :class:`~asyncckpt.errors.MemoryBudgetError` before anything is
+            allocated. None (the default): no limit besides the one every file has, its
+            size times ``MAX_EXPANSION`` (the best a chunk can compress). For files from
+            elsewhere.
         **pickle_load_args: accepted for ``torch.load`` compatibility and ignored.
 
     Returns:
@@ -690,7 +713,9 @@ def load(
         FormatError: the file is not a complete asyncckpt file.
         StorageError: the backend failed.
         Exception: a save of this process to ``f`` failed and nobody observed it.
-        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
+        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one, or
+            ``max_bytes`` is negative.
+        MemoryBudgetError: the file needs more than ``max_bytes`` (a ``FormatError``).
 
     Example:
         >>> import torch, asyncckpt, tempfile, os
@@ -700,6 +725,7 @@ def load(
         {'step': 3, 'w': tensor([0, 1])}
     """
     del pickle_module, weights_only, mmap, pickle_load_args
+    budget = Budget(max_bytes)
     placement = Placement(map_location)
     storage: Storage
     if isinstance(f, (str, os.PathLike)):
@@ -713,8 +739,10 @@ def load(
             f"expected a path, os.PathLike, fsspec URL or binary file object open for "
             f"reading, got {_stream_label(f)}; open the file with mode 'rb', or pass its path"
         )
-    opened = open_file(storage, path)
-    return materialize(opened, placement, config.tunable("threads", None), into)
+    threads = config.tunable("threads", None)
+    return read_file(
+        storage, path, lambda opened: materialize(opened, placement, threads, into, budget), budget
+    )
 
 
 #: How long the exit hook waits for worker threads to drop their last task's tensors.

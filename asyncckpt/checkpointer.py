@@ -42,6 +42,7 @@ from .errors import (
 )
 from .placement import MapLocation, Placement
 from .protocol import SHARDED, data_file_name, mark_failed, read_commit, step_dir
+from .reader import Budget
 from .root_reader import RootReader
 from .root_writer import FencedError, RootWriter
 from .staging import Snapshot
@@ -429,6 +430,7 @@ class Checkpointer:
         timeout: float | None = None,
         collective: bool | None = None,
         into: Any = None,
+        max_bytes: int | None = None,
     ) -> Any:
         """Load a committed version; with a process group, every rank gets the same one.
 
@@ -459,6 +461,9 @@ class Checkpointer:
             collective: False to load independently even when a group is initialized.
             into: an existing state to load into in place, as in :func:`asyncckpt.load`
                 (DTensors included, for a sharded version).
+            max_bytes: at most this many bytes of host memory for decoded data (as in
+                :func:`asyncckpt.load`; for a consolidated sharded version, the whole
+                tensors count too); None: no limit besides what the files' sizes bound.
 
         Returns:
             The saved state.
@@ -471,9 +476,13 @@ class Checkpointer:
                 deleted while it was being read. On the writer, the failure of its own
                 save of ``step`` is raised as it is (e.g. a StorageError).
             ValueError: ranks of a collective load asked for different steps, or
-                DTensors in ``into`` with ``collective=False`` or a version not sharded.
+                DTensors in ``into`` with ``collective=False`` or a version not sharded,
+                or a negative ``max_bytes``.
+            MemoryBudgetError: the version needs more than ``max_bytes``; nothing was
+                allocated from it.
         """
         self._check_open()
+        Budget(max_bytes)  # a bad value fails here, before any wait
         placement = Placement(map_location)
         use_group = self._distributed and collective is not False
         if collective and not self._distributed:
@@ -494,10 +503,17 @@ class Checkpointer:
         if follow_latest or (commit is not None and commit.kind == SHARDED):
             # Either kind, and a version retired between choosing and reading it.
             return sharded_load.load(
-                self, target, commit, placement, into, use_group, follow_latest=follow_latest
+                self,
+                target,
+                commit,
+                placement,
+                into,
+                use_group,
+                follow_latest=follow_latest,
+                max_bytes=max_bytes,
             )
         sharded_load.refuse_dtensors(target, self.root, into)
-        return self._reader.read(target, placement, into)
+        return self._reader.read(target, placement, into, Budget(max_bytes))
 
     def _newest_expected(self) -> int | None:
         with self._lock:

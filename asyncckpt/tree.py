@@ -29,6 +29,7 @@ from .format import DTYPE_ITEMSIZE, MAX_DEPTH
 from .placement import known_device
 
 ROOT_NAME = "state"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -100,7 +101,7 @@ class _Flattener:
         if kind is bytes:
             return {"bytes": base64.b64encode(obj).decode("ascii")}
         if kind is torch.Size:
-            return {"size": list(obj)}
+            return self.size(obj, path)
         if kind is torch.dtype:
             return self.dtype(obj, path)
         if kind is torch.device:
@@ -141,6 +142,13 @@ class _Flattener:
             f"{path}[{key!r}]",
             f"dict keys must be str, int, float, bool or None, not {type(key).__qualname__}",
         )
+
+    def size(self, size: torch.Size, path: str) -> Any:
+        # A reader refuses entries outside int64 (their repr raises): never write one.
+        for n in size:
+            if not _INT64_MIN <= n <= _INT64_MAX:
+                raise UnsupportedObjectError(path, f"torch.Size entry {n} is outside int64")
+        return {"size": list(size)}
 
     def dtype(self, dtype: torch.dtype, path: str) -> Any:
         name = dtype_name(dtype)
@@ -251,7 +259,7 @@ class _Unflattener:
             "list": lambda v, p, d: self.items(v, p, d),
             "tuple": lambda v, p, d: tuple(self.items(v, p, d)),
             "dict": lambda v, p, d: dict(self.pairs(v, p, d)),
-            "size": lambda v, p, d: torch.Size(self.ints(v, p)),
+            "size": lambda v, p, d: self.size(v, p),
             "dtype": lambda v, p, d: self.dtype(v, p),
             "device": lambda v, p, d: self.device(v, p),
             "tensor": lambda v, p, d: self.ref(self.tensors, v, p),
@@ -324,6 +332,15 @@ class _Unflattener:
         if type(value) is not list or not all(type(v) is int for v in value):
             raise self.fail(path, "expected a list of integers")
         return value
+
+    def size(self, value: Any, path: str) -> torch.Size:
+        # torch.Size holds Python ints of any size, but one past int64 breaks its repr and
+        # every use of it: refuse it here, naming the entry.
+        ints = self.ints(value, path)
+        for n in ints:
+            if not _INT64_MIN <= n <= _INT64_MAX:
+                raise self.fail(path, f"torch.Size entry {n} is outside int64")
+        return torch.Size(ints)
 
     def dtype(self, value: Any, path: str) -> torch.dtype:
         if type(value) is not str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import datetime
 import functools
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +30,7 @@ from . import autocompress, config
 from ._version import __version__
 from .autocompress import AutoRun, AutoSettings
 from .codec import EncodeReport, checksum, encode_chunk
+from .errors import AsyncCkptError
 from .format import (
     MAX_CHUNK_BYTES,
     Chunk,
@@ -41,6 +43,8 @@ from .format import (
 from .staging import Snapshot, StagedStorage, byte_view
 from .storage import AtomicWriter, Storage
 from .workers import pool
+
+log = logging.getLogger(__name__)
 
 #: Chunk lengths are multiples of this, so every element width divides them.
 _CHUNK_ALIGN = 16
@@ -108,7 +112,23 @@ def write_snapshot(
         committing = time.perf_counter()
     if auto is not None:
         auto.committed(time.perf_counter() - committing, size)
+    abort_strays(storage, path)
     return size
+
+
+def abort_strays(storage: Storage, path: str) -> None:
+    """After ``path`` was written: abort the unfinished writes of exactly that file that
+    other writers left (the multipart upload of a ``save`` killed mid-upload, which nothing
+    else would ever remove on an object store). Never raises: the file is written.
+
+    Only uploads of this key: not those of other files under its prefix. A second process
+    saving the same key at this moment loses its upload too (its save fails, instead of
+    replacing this one later).
+    """
+    try:
+        storage.abort_unfinished(path, exact=True)
+    except AsyncCkptError as exc:
+        log.warning("could not look for unfinished uploads of %s: %s", storage.describe(path), exc)
 
 
 def _auto_run(storage: Storage, path: str, options: WriteOptions) -> AutoRun | None:

@@ -233,6 +233,8 @@ class _MyList(list[int]):
         ({"h": 10**5000}, "state['h']", "digits"),
         ({"z": "a\ud800"}, "state['z']", "surrogates"),
         ({"a\udfff": 1}, "state", "surrogates"),
+        ({"s": torch.Size([1, 2**70])}, "state['s']", "outside int64"),
+        ({"s": torch.Size([2**63])}, "state['s']", "outside int64"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -329,6 +331,9 @@ _A = [np.arange(2)]
         {"size": [1.5]},
         {"size": "2"},
         {"size": [True]},
+        {"size": [2**63]},
+        {"size": [1, 2**70]},
+        {"size": [-(2**63) - 1]},
         {"dtype": "float128"},
         {"dtype": "Tensor"},
         {"dtype": 1},
@@ -351,6 +356,13 @@ _A = [np.arange(2)]
 def test_malformed_nodes_raise_format_error(node: Any) -> None:
     with pytest.raises(FormatError):
         unflatten(node, _T, _A, "ckpt.ackpt")
+
+
+def test_int64_sizes_round_trip() -> None:
+    """The bounds of a torch.Size entry are those of int64, both of them included."""
+    size = torch.Size([2**63 - 1, -(2**63), -1, 0])
+    flat = flatten({"s": size})
+    assert unflatten(flat.root, [], [], "x")["s"] == size
 
 
 def test_malformed_node_error_names_file_and_path() -> None:

@@ -157,6 +157,38 @@ def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     return options
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size as a user writes it: ``4096``, ``64MiB``, ``1.5G`` (binary units).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size (the parser reports a usage error).
+
+    Example:
+        >>> parse_bytes("64MiB"), parse_bytes("1.5g"), parse_bytes("4096")
+        (67108864, 1610612736, 4096)
+    """
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?", text.strip().lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes such as 4096, 512MiB or 8GiB, got {text!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def add_max_bytes(parser: argparse.ArgumentParser, what: str) -> None:
+    """Add ``--max-bytes`` (the memory budget of a load, as ``asyncckpt.load`` takes it)."""
+    parser.add_argument(
+        "--max-bytes",
+        type=parse_bytes,
+        metavar="SIZE",
+        help=f"{what} a file whose decoded data needs more memory than SIZE (e.g. 8GiB), "
+        "before allocating any of it",
+    )
+
+
 # -- output ---------------------------------------------------------------------------------
 
 
@@ -300,7 +332,7 @@ def locate(spec: str, options: dict[str, Any]) -> FileRef | RootRef:
         return FileRef(storage, path)
     if kind == "root":
         return RootRef(storage, path)
-    match = re.fullmatch(r"(.+)@(\d{1,18})", spec)
+    match = re.fullmatch(r"(.+)@([0-9]{1,18})", spec)
     if match:
         storage, path = resolve(match.group(1), options)
         kind = kind_of(storage, path)
@@ -413,7 +445,8 @@ def _committed_sizes(
     for name in files:
         path = storage.join(directory, name)
         try:
-            opened = open_file(storage, path)
+            with open_file(storage, path) as opened:
+                manifest = opened.manifest
         except AsyncCkptError as exc:
             info["problem"] = str(exc)
             raw = None
@@ -422,7 +455,7 @@ def _committed_sizes(
             except AsyncCkptError:
                 stored = None
             continue
-        raw = None if raw is None else raw + sum(s.nbytes for s in opened.manifest.storages)
+        raw = None if raw is None else raw + sum(s.nbytes for s in manifest.storages)
         stored = None if stored is None else stored + opened.size
     info["raw_bytes"] = raw
     info["stored_bytes"] = stored

@@ -56,6 +56,66 @@ class AtomicWriter(ABC):
         """Discard everything written; never raises."""
 
 
+class ReadHandle(ABC):
+    """One file opened for reading: every read sees the same version of the file.
+
+    A load reads a file's header, footer, manifest and chunks through one handle, so a file
+    replaced meanwhile (an atomic ``save`` by another process) cannot give it the manifest
+    of one version and the chunks of another. How the version is pinned is the backend's:
+    an open descriptor (local disk), a snapshot (``memory://``), the ETag of the object
+    (object stores, where a read of a replaced object raises
+    :class:`~asyncckpt.errors.FileReplacedError`). Reads may run in parallel threads.
+    Close it (or use it as a context manager) when done; closing twice is harmless.
+
+    Attributes:
+        name: the file as a user would write it (for messages).
+        size: its size in bytes, of the pinned version.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+
+    @abstractmethod
+    def read_range(self, start: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``start`` (fewer only past the end of the file).
+
+        Raises:
+            FileReplacedError: the file is no longer the version this handle pinned and the
+                backend cannot read that one any more.
+            StorageError: the backend failed.
+        """
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        """Fill ``out`` from ``start``; returns the number of bytes read."""
+        data = self.read_range(start, len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:  # noqa: B027 (a handle that holds nothing has nothing to do)
+        """Release what the handle holds (a descriptor, a snapshot); idempotent."""
+
+    def __enter__(self) -> ReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _PathHandle(ReadHandle):
+    """A handle that reads by path each time: for storages without a way to pin a file."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        super().__init__(storage.describe(path), storage.size(path))
+        self.storage, self.path = storage, path
+
+    def read_range(self, start: int, length: int) -> bytes:
+        return self.storage.read_range(self.path, start, length)
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        return self.storage.read_into(self.path, start, out)
+
+
 class Storage(ABC):
     """Where checkpoint files live. Paths are the backend's own (no scheme)."""
 
@@ -102,6 +162,18 @@ class Storage(ABC):
         out[: len(data)] = data
         return len(data)
 
+    def open_read(self, path: str) -> ReadHandle:
+        """Open ``path`` for reading, pinned to its current version (see :class:`ReadHandle`).
+
+        A file is read through one handle when its parts must agree (a load: manifest and
+        chunks); small records read whole (``COMMIT``, ``VERSION``) use :meth:`read_range`.
+        This default reads by path every time, pinning nothing: backends override it.
+
+        Raises:
+            CheckpointNotFoundError: the file is missing.
+        """
+        return _PathHandle(self, path)
+
     @abstractmethod
     def exists(self, path: str) -> bool: ...
 
@@ -109,13 +181,14 @@ class Storage(ABC):
     def delete(self, path: str) -> None:
         """Remove a file; a missing file is not an error."""
 
-    def abort_unfinished(self, path: str) -> None:
-        """Abort unfinished writes below directory ``path`` that a listing does not show
-        (multipart uploads on an object store, which a killed writer can leave behind).
+    def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
+        """Abort unfinished writes below directory ``path`` (with ``exact``, of the file
+        ``path`` itself) that a listing does not show: multipart uploads on an object
+        store, which a killed writer can leave behind.
 
         Local and generic filesystems show such writes as temp files, so this does nothing.
         """
-        del path
+        del path, exact
 
     @abstractmethod
     def create_exclusive(self, path: str, data: bytes) -> None:

@@ -15,12 +15,13 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from .. import config
 from ..errors import ConflictError, StorageError
-from .base import AtomicWriter, Storage, content_tag, errors_as, temp_name
+from .base import AtomicWriter, ReadHandle, Storage, content_tag, errors_as, temp_name
 
 
 class LocalStorage(Storage):
@@ -36,26 +37,17 @@ class LocalStorage(Storage):
             return os.stat(path).st_size
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        with errors_as(self, path, "read"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                return os.pread(fd, length, start)
-            finally:
-                os.close(fd)
+        with self.open_read(path) as handle:
+            return handle.read_range(start, length)
 
     def read_into(self, path: str, start: int, out: memoryview) -> int:
-        with errors_as(self, path, "read"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                done = 0
-                while done < len(out):
-                    n = os.preadv(fd, [out[done:]], start + done)
-                    if n == 0:
-                        break
-                    done += n
-                return done
-            finally:
-                os.close(fd)
+        with self.open_read(path) as handle:
+            return handle.read_into(start, out)
+
+    def open_read(self, path: str) -> ReadHandle:
+        """One descriptor for the handle's life: a file renamed over ``path`` meanwhile (an
+        atomic save) leaves the version it opened readable, as ``torch.load`` reads it."""
+        return _LocalHandle(self, path)
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
@@ -105,6 +97,51 @@ class LocalStorage(Storage):
             self._check_tag(path, tag)
             self._write_under_lock(path, data)
         return content_tag(data)
+
+
+class _LocalHandle(ReadHandle):
+    """A file open for reading by descriptor, read with ``pread``/``preadv`` (thread-safe:
+    no shared file position)."""
+
+    def __init__(self, storage: LocalStorage, path: str) -> None:
+        self.storage, self.path = storage, path
+        with errors_as(storage, path, "open"):
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            with errors_as(storage, path, "stat"):
+                size = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
+        super().__init__(storage.describe(path), size)
+        self.fd = fd
+        # A handle dropped without close() (a caller that kept only the manifest) still
+        # gives its descriptor back when it is collected.
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def read_range(self, start: int, length: int) -> bytes:
+        parts: list[bytes] = []
+        with errors_as(self.storage, self.path, "read"):
+            while length > 0:
+                part = os.pread(self.fd, length, start)
+                if not part:
+                    break
+                parts.append(part)
+                start, length = start + len(part), length - len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        done = 0
+        with errors_as(self.storage, self.path, "read"):
+            while done < len(out):
+                n = os.preadv(self.fd, [out[done:]], start + done)
+                if n == 0:
+                    break
+                done += n
+        return done
+
+    def close(self) -> None:
+        self._closer()
 
 
 @contextlib.contextmanager
