@@ -169,7 +169,8 @@ def _load_sharded(
 ) -> Any:
     storage = ckpt._storage
     directory = step_dir(storage, ckpt._root, commit.step)
-    reader = Reader.at(storage, directory)
+    named = commit.metadata_file  # the metadata of exactly this version, as COMMIT names it
+    reader = Reader.at(storage, directory, named)
     metadata = _read(reader.read_metadata)
     dtensors = {path: dt for path, _key, dt in dtensor_leaves(into)}
     if dtensors and not use_group:
@@ -179,10 +180,10 @@ def _load_sharded(
         )
     if dtensors:
         flat = {fqn_of(path): dt for path, dt in dtensors.items()}
-        _dcp_load(flat, Reader.at(storage, directory), ckpt._group, no_dist=False)
+        _dcp_load(flat, Reader.at(storage, directory, named), ckpt._group, no_dist=False)
         loaded: dict[Path, Any] = dict(dtensors)
     else:
-        loaded = _consolidated(metadata, Reader.at(storage, directory), placement, into)
+        loaded = _consolidated(metadata, Reader.at(storage, directory, named), placement, into)
     opened, name = _rank_file(ckpt, commit, directory)
     skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
     plain = read_plain(opened, skip, placement, into, set(loaded))

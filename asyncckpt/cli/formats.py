@@ -159,6 +159,9 @@ class _Metered(Storage):
     def delete_tree(self, path: str) -> None:
         self.inner.delete_tree(path)
 
+    def is_link(self, path: str) -> bool:
+        return self.inner.is_link(path)
+
 
 class _CountingWriter:
     """A write-only file object over an AtomicWriter (torch.save streams into it)."""

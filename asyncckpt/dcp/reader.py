@@ -95,11 +95,12 @@ class Reader(CheckpointLocation, StorageReader):
         self._locations: dict[MetadataIndex, ItemLocation] = {}
 
     @classmethod
-    def at(cls, storage: Storage, path: str) -> Reader:
+    def at(cls, storage: Storage, path: str, metadata: str | None = None) -> Reader:
         """A reader of the checkpoint directory ``path`` on an already opened ``storage``.
 
         For callers that resolved the storage themselves (``Checkpointer`` reading a
-        sharded version); the reader pickles as ``storage.describe(path)``.
+        sharded version, whose ``COMMIT`` names its ``metadata``); the reader pickles as
+        ``storage.describe(path)``.
 
         Example:
             >>> from asyncckpt.storage import resolve
@@ -108,6 +109,7 @@ class Reader(CheckpointLocation, StorageReader):
         """
         reader = cls(storage.describe(path))
         reader._storage, reader._path = storage, path
+        reader._metadata_name = metadata
         return reader
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -130,9 +132,10 @@ class Reader(CheckpointLocation, StorageReader):
             CheckpointNotFoundError: nothing was saved at the URL.
             FormatError: the commit object is malformed, oversized or from a newer schema.
         """
-        name = self._storage.describe(self.metadata_path)
+        path = self.committed_metadata_path()
+        name = self._storage.describe(path)
         try:
-            data = self._storage.read_bytes(self.metadata_path, MAX_METADATA_BYTES)
+            data = self._storage.read_bytes(path, MAX_METADATA_BYTES)
         except CheckpointNotFoundError:
             raise self._not_committed() from None
         metadata = decode_metadata(data, name)
