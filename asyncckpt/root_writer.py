@@ -389,9 +389,15 @@ class RootWriter:
             if not isinstance(exc, FencedError) and not self._fenced():
                 raise
             # Taken over while committing (frozen between the check above and here): the
-            # new writer's recovery may have removed our data, so a marker we made may name
+            # new writer's retention may have removed our data, so a marker we made may name
             # nothing. Withdraw it unless it is a whole version (then it may be published).
-            self._withdraw(step)
+            if self._withdraw(step):
+                raise FencedError(
+                    f"another writer took {self.where} over while this one (epoch "
+                    f"{self.epoch}) was committing step {step}, and its data was removed "
+                    "meanwhile: this writer withdrew its COMMIT of the step and its own "
+                    "files, and changed nothing else"
+                ) from exc
             if isinstance(exc, FencedError):
                 raise
             raise FencedError(
@@ -504,9 +510,10 @@ class RootWriter:
     def _fenced(self) -> bool:
         return self._lease_held() is False  # cannot tell: report the original error
 
-    def _withdraw(self, step: int) -> None:
+    def _withdraw(self, step: int) -> bool:
         """Remove our own marker of ``step`` if it names data that is gone (only ours:
-        another writer may be committing the same step in the same directory).
+        another writer may be committing the same step in the same directory); return
+        whether it was removed.
 
         Allowed without the lease: the marker is provably this writer's (its token), and a
         marker naming missing data is no version, so no other writer keeps it.
@@ -514,12 +521,14 @@ class RootWriter:
         with contextlib.suppress(AsyncCkptError):
             commit = read_commit_strict(self.storage, self.root, step)
             if commit is None or commit.writer != self.token:
-                return
+                return False
             if verify_commit(self.storage, self.root, commit) is not None:
                 self.storage.delete(
                     self.storage.join(step_dir(self.storage, self.root, step), COMMIT_FILE)
                 )
                 self._discard(step, commit.files)
+                return True
+        return False
 
     def _sweep(self, step: int, files: tuple[str, ...]) -> None:
         """After our commit of ``step``, remove what else is in its directory (an earlier

@@ -192,6 +192,9 @@ def test_a_frozen_writer_that_wakes_up_cannot_move_the_version_backwards(
     assert reader.load()["who"] == 1
     if where == "before-commit":
         assert 3 not in reader.versions()  # fenced before its COMMIT: nothing visible
+        # Its COMMIT named data the new writer's retention had removed: it withdrew it, and
+        # its error says so instead of "step 3 is committed".
+        assert "withdrew its COMMIT" in out, out
 
 
 RACER = (
