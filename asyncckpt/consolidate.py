@@ -113,7 +113,7 @@ class ShardedSource:
 
     Attributes:
         storage: where the checkpoint is.
-        directory: the directory holding ``.metadata`` and the rank files.
+        directory: the directory holding the metadata and the rank files.
         metadata: the checkpoint's DCP metadata (``storage_data``: item locations).
         skeleton: the saved state; sharded tensors are zero-element placeholders.
         name: how to name the checkpoint in messages.
@@ -147,10 +147,10 @@ class ShardedSource:
             :meth:`close` (it is a context manager).
 
         Raises:
-            IncompleteCheckpointError: no ``.metadata`` (not committed).
+            IncompleteCheckpointError: no metadata (not committed).
             FormatError: the metadata or a rank file is malformed.
         """
-        reader = Reader.at(storage, directory)
+        reader = Reader.at(storage, directory, None if commit is None else commit.metadata_file)
         try:
             metadata = reader.read_metadata()
         except CheckpointNotFoundError as exc:

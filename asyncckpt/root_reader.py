@@ -60,9 +60,11 @@ class RootReader:
         """The commit marker of ``step`` if it is committed (and understood), else None."""
         return read_commit(self.storage, self.root, step)
 
-    def wait(self, step: int, timeout: float | None) -> None:
-        """Block until ``step`` is committed (see :func:`asyncckpt.protocol.wait_for_step`)."""
-        wait_for_step(self.storage, self.root, step, timeout)
+    def wait(self, step: int, timeout: float | None, writer: str | None = None) -> None:
+        """Block until ``step`` is committed (see :func:`asyncckpt.protocol.wait_for_step`):
+        only ``writer``'s failure to save it ends the wait (None: the current lease
+        holder's)."""
+        wait_for_step(self.storage, self.root, step, timeout, writer=writer)
 
     def read(self, step: int, placement: Placement, into: Any, budget: Budget | None = None) -> Any:
         """Load committed version ``step``.

@@ -179,7 +179,8 @@ def _load_sharded(
 ) -> Any:
     storage = ckpt._storage
     directory = step_dir(storage, ckpt._root, commit.step)
-    reader = Reader.at(storage, directory, budget)
+    named = commit.metadata_file  # the metadata of exactly this version, as COMMIT names it
+    reader = Reader.at(storage, directory, named, budget)
     metadata = _read(reader.read_metadata)
     dtensors = {path: dt for path, _key, dt in dtensor_leaves(into)}
     if dtensors and not use_group:
@@ -189,10 +190,10 @@ def _load_sharded(
         )
     if dtensors:
         flat = {fqn_of(path): dt for path, dt in dtensors.items()}
-        _dcp_load(flat, Reader.at(storage, directory, budget), ckpt._group, no_dist=False)
+        _dcp_load(flat, Reader.at(storage, directory, named, budget), ckpt._group, no_dist=False)
         loaded: dict[Path, Any] = dict(dtensors)
     else:
-        reader = Reader.at(storage, directory, budget)
+        reader = Reader.at(storage, directory, named, budget)
         loaded = _consolidated(metadata, reader, placement, into, budget, reader.checkpoint_id)
     opened, name = _rank_file(ckpt, commit, directory)
     with opened:

@@ -33,6 +33,7 @@ from ..protocol import (
     failure_of,
     latest_step,
     read_commit,
+    read_commit_strict,
     step_dir,
 )
 from ..reader import OpenedFile, open_file
@@ -463,19 +464,17 @@ def _committed_sizes(
 
 
 def version_info(storage: Storage, root: str, step: int, latest: int | None) -> dict[str, Any]:
-    """What ``ls`` shows of one version: state, time, files, raw and stored bytes, problem."""
-    commit = read_commit(storage, root, step)
-    info: dict[str, Any] = {
-        "step": step,
-        "state": "committed" if commit is not None else "incomplete",
-        "latest": step == latest,
-        "time": None,
-        "files": [],
-        "raw_bytes": None,
-        "stored_bytes": None,
-        "ratio": None,
-        "problem": None,
-    }
+    """What ``ls`` shows of one version: state, time, files, raw and stored bytes, problem.
+
+    The state is ``committed``, ``incomplete`` (no ``COMMIT``) or ``unreadable`` (a
+    ``COMMIT`` this asyncckpt cannot understand: readers skip it, nothing deletes it).
+    """
+    try:
+        commit = read_commit_strict(storage, root, step)
+    except FormatError as exc:  # damaged, oversized, or from a newer protocol
+        return {**_empty_info(step, "unreadable"), "problem": str(exc)}
+    info = _empty_info(step, "committed" if commit is not None else "incomplete")
+    info["latest"] = step == latest
     if commit is None:
         _incomplete_info(storage, root, step, info)
         return info
@@ -485,6 +484,20 @@ def version_info(storage: Storage, root: str, step: int, latest: int | None) -> 
     info["kind"] = commit.kind
     _committed_sizes(storage, directory, [n for n in commit.files if n.endswith(".ackpt")], info)
     return info
+
+
+def _empty_info(step: int, state: str) -> dict[str, Any]:
+    return {
+        "step": step,
+        "state": state,
+        "latest": False,
+        "time": None,
+        "files": [],
+        "raw_bytes": None,
+        "stored_bytes": None,
+        "ratio": None,
+        "problem": None,
+    }
 
 
 @dataclass(frozen=True)

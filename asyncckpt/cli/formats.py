@@ -165,6 +165,9 @@ class _Metered(Storage):
     def delete_tree(self, path: str) -> None:
         self.inner.delete_tree(path)
 
+    def is_link(self, path: str) -> bool:
+        return self.inner.is_link(path)
+
 
 class _MeteredHandle(ReadHandle):
     """A handle that reports every byte read to a progress callback."""

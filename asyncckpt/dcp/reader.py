@@ -106,13 +106,20 @@ class Reader(CheckpointLocation, StorageReader):
         self._budget = Budget(max_bytes)
 
     @classmethod
-    def at(cls, storage: Storage, path: str, budget: Budget | None = None) -> Reader:
+    def at(
+        cls,
+        storage: Storage,
+        path: str,
+        metadata: str | None = None,
+        budget: Budget | None = None,
+    ) -> Reader:
         """A reader of the checkpoint directory ``path`` on an already opened ``storage``.
 
         For callers that resolved the storage themselves (``Checkpointer`` reading a
-        sharded version); the reader pickles as ``storage.describe(path)``. ``budget``,
-        if given, is charged with this reader's buffers (shared with the caller's other
-        reads), for every load, instead of a budget of its own.
+        sharded version, whose ``COMMIT`` names its ``metadata``); the reader pickles as
+        ``storage.describe(path)``. ``budget``, if given, is charged with this reader's
+        buffers (shared with the caller's other reads), for every load, instead of a
+        budget of its own.
 
         Example:
             >>> from asyncckpt.storage import resolve
@@ -121,6 +128,7 @@ class Reader(CheckpointLocation, StorageReader):
         """
         reader = cls(storage.describe(path))
         reader._storage, reader._path = storage, path
+        reader._metadata_name = metadata
         if budget is not None:
             reader._budget, reader._max_bytes = budget, None
         return reader
@@ -147,9 +155,10 @@ class Reader(CheckpointLocation, StorageReader):
             CheckpointNotFoundError: nothing was saved at the URL.
             FormatError: the commit object is malformed, oversized or from a newer schema.
         """
-        name = self._storage.describe(self.metadata_path)
+        path = self.committed_metadata_path()
+        name = self._storage.describe(path)
         try:
-            data = self._storage.read_bytes(self.metadata_path, MAX_METADATA_BYTES)
+            data = self._storage.read_bytes(path, MAX_METADATA_BYTES)
         except CheckpointNotFoundError:
             raise self._not_committed() from None
         metadata = decode_metadata(data, name)

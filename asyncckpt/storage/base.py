@@ -204,7 +204,19 @@ class Storage(ABC):
 
     @abstractmethod
     def delete_tree(self, path: str) -> None:
-        """Remove ``path`` and everything below it; a missing path is not an error."""
+        """Remove ``path`` and everything below it; a missing path is not an error.
+
+        A ``path`` that is a symbolic link is removed as a link: deleting never follows one.
+        """
+
+    def is_link(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (only local disk has them).
+
+        Whoever deletes inside a directory asks first: deleting through a link would
+        delete what it points to, another run's files (see ``delete_tree``).
+        """
+        del path
+        return False
 
     def read_bytes(self, path: str, limit: int) -> bytes:
         """The whole of a small file.
@@ -256,7 +268,7 @@ class Storage(ABC):
 
     def _write_under_lock(self, path: str, data: bytes) -> None:
         """``write_bytes`` for a compare-and-swap, whose temp file another writer's clean-up
-        of leftovers (``remove_temp_files``) may delete mid-write: then write it again.
+        of leftover temp files may delete mid-write: then write it again.
         The caller holds the lock, so no other compare-and-swap runs meanwhile."""
         for attempt in range(_WRITE_ATTEMPTS):
             try:

@@ -82,8 +82,14 @@ class LocalStorage(Storage):
 
     def delete_tree(self, path: str) -> None:
         with errors_as(self, path, "delete"), contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(path)
+            if os.path.islink(path):
+                os.unlink(path)  # the link only: never what it points to
+            else:
+                shutil.rmtree(path)  # unlinks links below it, never follows them
             fsync_dir(os.path.dirname(path) or ".")
+
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(path)
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
