@@ -67,7 +67,9 @@ def _dcp_checkpoint(directory: Path) -> Path:
 
 
 def _edit_metadata(directory: Path, edit: Callable[[dict[str, Any]], None]) -> None:
-    path = directory / METADATA_NAME
+    # A dcp.Writer directory's metadata, or a sharded version's (named by its attempt).
+    named = sorted(directory.glob("*.metadata"))
+    path = named[0] if named else directory / METADATA_NAME
     doc = json.loads(path.read_bytes())
     edit(doc)
     path.write_text(json.dumps(doc, separators=(",", ":")))
