@@ -566,6 +566,38 @@ class ObjectStorage(Storage):
                 return
             raise ConflictError(f"{self.describe(path)} already exists") from None
 
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        bucket, key = self.split(path)
+        try:
+            data: bytes = self.request(
+                "read",
+                path,
+                lambda: self.fs.cat_file(f"{bucket}/{key}", start=0, end=limit + 1),
+            )
+        except CheckpointNotFoundError:  # the common case: one GET, no HEAD of the bucket
+            return None
+        except RangeNotSatisfiable:  # an empty object
+            return b""
+        if len(data) > limit:
+            raise FormatError(f"{self.describe(path)}: larger than {limit} bytes")
+        return data
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        # One PUT (whole or nothing); with ``replacing``, conditional on the ETag (If-Match),
+        # so a heartbeat can never bring back a marker that was deleted or replaced.
+        condition: dict[str, Any] = {} if replacing is None else {"IfMatch": replacing}
+        try:
+            return str(self.put(path, data, None, **condition)["ETag"])
+        except (ConflictError, CheckpointNotFoundError):
+            if replacing is None:
+                raise
+            found = self.read_tagged(path, max(len(data), _MAX_TAGGED_BYTES))
+            if found is not None and found[0] == data:  # our own write, response lost
+                return found[1]
+            raise ConflictError(
+                f"{self.describe(path)} was replaced or removed by another writer"
+            ) from None
+
     def read_tagged(self, path: str, limit: int) -> tuple[bytes, str] | None:
         head = self._head(path)
         if head is None:
@@ -960,13 +992,15 @@ class _ObjectWriter(AtomicWriter):
             raise StorageError(f"{self.storage.describe(self.path)}: already committed/aborted")
         try:
             if self.upload_id is None:
-                self.storage.put(self.path, self.buffer)
+                with self.publishing():
+                    self.storage.put(self.path, self.buffer)
             else:
                 if self.buffer:
                     self._send_part()
                 self._wait_parts()
                 self._raise_part_error()
-                self._complete()
+                with self.publishing():
+                    self._complete()
             self.finished = True
             self.buffer = bytearray()
         except BaseException:
