@@ -17,9 +17,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from . import config, workers, writer_process
+from . import config, pending, workers, writer_process
 from .codec import check_compression
-from .errors import CheckpointTimeoutError
+from .errors import AsyncCkptError, CheckpointTimeoutError
 from .placement import MapLocation, Placement
 from .reader import materialize, open_file
 from .staging import ArenaPool, Snapshot, arena_bytes, snapshot
@@ -369,14 +369,54 @@ def save(
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options)
+    marker = _MarkerStart(storage, path)
     _, handle = stage_and_submit(
-        lambda on_layout: stage(obj, on_layout=on_layout, options=options),
-        lambda snap: writer_process.write(snap, storage, path, options),
+        lambda on_layout: stage(obj, on_layout=marker.then(on_layout), options=options),
+        lambda snap: marker.write(snap, options),
         storage.describe(path),
         started,
         _target(storage, path),
     )
     return handle
+
+
+class _MarkerStart:
+    """A drop-in save's marker (``asyncckpt.pending``): written once the state is
+    validated and its arena leased, before ``save`` returns and before the background
+    write can publish; checked right before the write publishes; deleted when it ends.
+
+    A marker that cannot be written fails the save's handle (as a failed write would),
+    and the file is left alone.
+    """
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path = storage, path
+        self.check: pending.MarkerCheck | None = None
+        self.failure: AsyncCkptError | None = None
+
+    def then(self, on_layout: Callable[[Snapshot], None]) -> Callable[[Snapshot], None]:
+        def layout(snap: Snapshot) -> None:
+            try:
+                self.check = pending.begin(self.storage, self.path)
+            except AsyncCkptError as exc:
+                self.failure = exc
+            on_layout(snap)
+
+        return layout
+
+    def write(self, snap: Snapshot, options: WriteOptions) -> int:
+        if self.failure is not None:
+            raise self.failure
+        check = self.check
+        try:
+            size = writer_process.write(snap, self.storage, self.path, options, guard=check)
+        except BaseException as exc:
+            if check is not None:
+                pending.finish(check, exc)
+            raise
+        if check is not None:
+            pending.finish(check)
+        return size
 
 
 def stage_and_submit(
@@ -705,6 +745,7 @@ def load(
     if isinstance(f, (str, os.PathLike)):
         storage, path = resolve(f, storage_options)
         _wait_for_writes_to(storage, path)
+        pending.wait_for_saves(storage, path)  # of other processes: see asyncckpt.pending
     elif is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
         # From its position to its end, as torch.load reads.
         storage, path = StreamStorage(f), ""
