@@ -438,6 +438,21 @@ def test_load_waits_while_the_marker_changes_and_returns_once_it_is_gone(
     assert done.is_set() and loaded["v"].tolist() == [7.0, 7.0]
 
 
+def test_a_marker_an_object_store_denies_reading_is_taken_as_none(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """S3 answers a GET of a missing key with 403 to a reader without s3:ListBucket."""
+    from asyncckpt.testing import Fault, FaultPlan
+
+    url = f"s3mem://denied-{tmp_path.name}/m.ackpt"
+    asyncckpt.save({"v": torch.ones(2)}, url).result()
+    plan = FaultPlan([Fault("cat_file", nth=1, kind="denied")])  # the marker's GET only
+    loaded = asyncckpt.load(f"faulty::{url}", storage_options={"faulty": {"plan": plan}})
+    assert loaded["v"].tolist() == [1.0, 1.0]
+    assert plan.fired(kind="denied") and plan.fired()[0].path.endswith(MARKER)
+    assert "save markers cannot be read" in caplog.text
+
+
 def test_memory_files_have_no_marker(memory_root: str) -> None:
     handle = asyncckpt.save({"v": torch.ones(2)}, f"{memory_root}/m.ackpt")
     storage, root = resolve(memory_root, None)

@@ -247,6 +247,33 @@ def classify(exc: BaseException) -> _Failure:
     return _Failure("fatal", None, None, message)
 
 
+def _denied(exc: BaseException) -> bool:
+    """Whether a request failed with 403 Access Denied (as its chained cause says)."""
+    cause = exc.__cause__
+    if cause is None:
+        return False
+    return isinstance(cause, PermissionError) or classify(cause).status == 403
+
+
+_unreadable_lock = threading.Lock()
+_unreadable: set[str] = set()
+
+
+def _warn_markers_unreadable(label: str, bucket: str, exc: BaseException) -> None:
+    with _unreadable_lock:
+        if bucket in _unreadable:
+            return
+        _unreadable.add(bucket)
+    log.warning(
+        "%s%s: save markers cannot be read (%s); loads there do not wait for other "
+        "processes' saves in flight. Allow s3:ListBucket (S3 then answers 404 for a "
+        "missing marker) and s3:GetObject on *.ackpending (docs/PROTOCOL.md §8)",
+        label,
+        bucket,
+        exc,
+    )
+
+
 class RangeNotSatisfiable(StorageError):
     """A ranged read started at or past the end of the object (read as empty)."""
 
@@ -578,6 +605,13 @@ class ObjectStorage(Storage):
             return None
         except RangeNotSatisfiable:  # an empty object
             return b""
+        except StorageError as exc:
+            # Without s3:ListBucket, S3 answers a GET of a missing key with 403, not 404:
+            # a reader allowed to read the data must not fail on a marker it cannot see.
+            if not _denied(exc):
+                raise
+            _warn_markers_unreadable(self.label, bucket, exc)
+            return None
         if len(data) > limit:
             raise FormatError(f"{self.describe(path)}: larger than {limit} bytes")
         return data
