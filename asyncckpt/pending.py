@@ -508,8 +508,12 @@ def describe_pending(storage: Storage, path: str) -> str | None:
     if record is None:
         return f"a save of this file is in flight ({marker} is being rewritten)"
     gone = writer_gone(record)
-    state = f"but that writer is dead ({gone}); delete {marker} or save again" if gone else ""
+    who = (
+        f"a save of this file by pid {record.pid} on host {record.host}, started {record.started},"
+    )
+    if gone is None:
+        return f"{who} is in flight ({marker})"
     return (
-        f"a save of this file by pid {record.pid} on host {record.host}, started "
-        f"{record.started}, is in flight ({marker}){', ' + state if state else ''}"
+        f"{who} never finished: its writer is dead ({gone}) and left {marker}; loads of the "
+        "file raise until it is saved again or that marker is deleted"
     )

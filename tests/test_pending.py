@@ -477,6 +477,11 @@ def test_inspect_and_verify_mention_a_save_in_flight(
     assert "in flight" in capsys.readouterr().out
     assert cli.main(["inspect", "--json", str(path)]) == 0
     assert "far.invalid" in json.loads(capsys.readouterr().out)["pending"]
+    if pending.this_machine().boot is not None:
+        dead = encode_pending(_record(pid=_exited_pid()))
+        LocalStorage().write_marker(f"{path}{MARKER}", dead)
+        assert cli.main(["inspect", str(path)]) == 0
+        assert "never finished: its writer is dead" in capsys.readouterr().out
     new = tmp_path / "new.ackpt"
     LocalStorage().write_marker(f"{new}{MARKER}", encode_pending(_record(host="far.invalid")))
     assert cli.main(["inspect", str(new)]) != 0
