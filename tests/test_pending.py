@@ -487,3 +487,22 @@ def test_inspect_and_verify_mention_a_save_in_flight(
     assert cli.main(["inspect", str(new)]) != 0
     assert "no such file or checkpoint root yet (a save of this file" in capsys.readouterr().err
     assert all(TEMP_MARK not in n for n in os.listdir(tmp_path))
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def test_bench_dropin_runs_and_reports_every_figure(tmp_path: Path) -> None:
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dropin.py"
+    spec = importlib.util.spec_from_file_location("bench_dropin", script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.run(saves=4, seaweed=False, out=str(tmp_path))
+    assert json.loads((tmp_path / "bench_dropin.json").read_text()) == result
+    local = result["targets"]["local"]
+    for key in ("stall_with_ms", "stall_without_ms", "durable_with_ms", "load_check_ms"):
+        assert local[key] > 0, key
+    assert "seaweedfs" in result["skipped"]
