@@ -400,7 +400,12 @@ class _MarkerStart:
                 self.check = pending.begin(self.storage, self.path)
             except AsyncCkptError as exc:
                 self.failure = exc
-            on_layout(snap)
+            try:
+                on_layout(snap)
+            except BaseException as exc:  # no job will end this save: end it here
+                if self.check is not None:
+                    pending.finish(self.check, exc)
+                raise
 
         return layout
 
@@ -693,6 +698,7 @@ def load(
     *,
     storage_options: dict[str, Any] | None = None,
     into: Any = None,
+    dead_writer: str = "raise",
     weights_only: bool | None = None,
     mmap: bool | None = None,
     **pickle_load_args: Any,
@@ -700,7 +706,9 @@ def load(
     """Load an object saved by :func:`save`, verifying every checksum. Never unpickles.
 
     If this process has a save to ``f`` still in flight, the load waits for it first, and
-    raises that save's failure if nobody has seen it yet.
+    raises that save's failure if nobody has seen it yet. A save to ``f`` by another
+    process that returned before this load began is waited for too (its marker
+    ``f.ackpending``; see docs/PROTOCOL.md §8).
 
     Args:
         f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object
@@ -715,6 +723,10 @@ def load(
             saved tensor whose key path matches a tensor there is copied into it (CPU
             tensors of the same shape and dtype are read straight into their memory, with
             no second copy) and the returned object holds those tensors.
+        dead_writer: what to do when a save of ``f`` was in flight in a process that is now
+            dead (it left its marker): ``"raise"`` ``CheckpointTimeoutError`` (default), or
+            ``"load"`` the file as it is, the previous save's state, with a warning: for a
+            job resuming after that very process crashed.
         weights_only: accepted and ignored: loading is always as safe as
             ``weights_only=True`` because nothing is unpickled.
         mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
@@ -726,11 +738,15 @@ def load(
 
     Raises:
         CheckpointNotFoundError: no file at ``f``.
+        CheckpointTimeoutError: a save of ``f`` by another process is in flight and that
+            process is dead (``dead_writer="raise"``): on this machine its pid is gone, or
+            its marker has not changed for ``lease_expiry_ms``.
         ChecksumError: a chunk is corrupt (names the chunk and the keys in it).
         FormatError: the file is not a complete asyncckpt file.
         StorageError: the backend failed.
         Exception: a save of this process to ``f`` failed and nobody observed it.
-        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
+        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one, or
+            ``dead_writer`` is neither ``"raise"`` nor ``"load"``.
 
     Example:
         >>> import torch, asyncckpt, tempfile, os
@@ -740,12 +756,16 @@ def load(
         {'step': 3, 'w': tensor([0, 1])}
     """
     del pickle_module, weights_only, mmap, pickle_load_args
+    if dead_writer not in pending.DEAD_WRITER_CHOICES:
+        raise ValueError(
+            f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
+        )
     placement = Placement(map_location)
     storage: Storage
     if isinstance(f, (str, os.PathLike)):
         storage, path = resolve(f, storage_options)
         _wait_for_writes_to(storage, path)
-        pending.wait_for_saves(storage, path)  # of other processes: see asyncckpt.pending
+        pending.wait_for_saves(storage, path, dead_writer)  # of other processes
     elif is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
         # From its position to its end, as torch.load reads.
         storage, path = StreamStorage(f), ""

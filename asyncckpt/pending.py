@@ -422,7 +422,11 @@ if hasattr(os, "register_at_fork"):
 # -- loading --------------------------------------------------------------------------------
 
 
-def wait_for_saves(storage: Storage, path: str) -> None:
+#: What a load does about a save whose writer died: raise, or load the file as it is.
+DEAD_WRITER_CHOICES = ("raise", "load")
+
+
+def wait_for_saves(storage: Storage, path: str, dead_writer: str = "raise") -> None:
     """Return once no drop-in save of ``path`` is in flight in any process.
 
     One read of the marker when there is none (the common case). While there is one, it
@@ -431,13 +435,19 @@ def wait_for_saves(storage: Storage, path: str) -> None:
     Args:
         storage: where ``path`` is.
         path: the file about to be loaded.
+        dead_writer: ``"raise"``: a save whose writer is dead raises; ``"load"``: it is
+            logged (a warning) and this returns, so that the file is loaded as it is (the
+            previous save's state): for a job resuming after that very writer crashed.
 
     Raises:
         CheckpointTimeoutError: the saving process is dead: it ran on this machine and is
             gone, or its marker has not changed for ``lease_expiry_ms``. The message names
             the file, the writer and how long this waited, and how to clear it.
         StorageError: the marker could not be read.
+        ValueError: ``dead_writer`` is not one of :data:`DEAD_WRITER_CHOICES`.
     """
+    if dead_writer not in DEAD_WRITER_CHOICES:
+        raise ValueError(f"dead_writer must be one of {DEAD_WRITER_CHOICES}, got {dead_writer!r}")
     if storage.process_local:
         return
     marker = marker_of(path)
@@ -461,7 +471,11 @@ def wait_for_saves(storage: Storage, path: str) -> None:
                 "its storage"
             )
         if gone is not None:
-            raise CheckpointTimeoutError(_gave_up(storage, path, record, gone, now - started))
+            message = _gave_up(storage, path, record, gone, now - started)
+            if dead_writer == "raise":
+                raise CheckpointTimeoutError(message)
+            log.warning("loading %s as it is: %s", storage.describe(path), message)
+            return
         if now >= next_log:
             log.info("still waiting for a save of %s to finish", storage.describe(path))
             next_log = now + _LOG_EVERY_S

@@ -392,6 +392,24 @@ def test_load_gives_up_at_once_on_a_dead_writer_of_this_machine(tmp_path: Path) 
     assert asyncckpt.load(path)["v"].sum() == 2
 
 
+def test_a_load_resuming_after_the_writer_died_can_load_the_file_as_it_is(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    if pending.this_machine().boot is None:
+        pytest.skip("needs /proc")
+    path = tmp_path / "model.ackpt"
+    asyncckpt.save({"v": torch.zeros(2)}, path).result()
+    pid = _exited_pid()
+    LocalStorage().write_marker(f"{path}{MARKER}", encode_pending(_record(pid=pid)))
+    loaded = asyncckpt.load(path, dead_writer="load")
+    assert loaded["v"].tolist() == [0.0, 0.0]  # the previous save's state
+    assert f"pid {pid}" in caplog.text and "loading" in caplog.text
+    with pytest.raises(CheckpointTimeoutError):
+        asyncckpt.load(path)  # the default still raises
+    with pytest.raises(ValueError, match="dead_writer"):
+        asyncckpt.load(path, dead_writer="ignore")
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("marker", ["record", "partial"])
 def test_load_gives_up_once_a_marker_stops_changing(
