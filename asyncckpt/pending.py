@@ -8,8 +8,9 @@ sits beside the file exactly while a drop-in save of it is in flight:
 * :func:`begin` (``save``, before it returns) writes the marker: one direct write on local
   disk (no temp file, no fsync), one PUT on an object store. A second save of the same
   file by this process while the first is in flight shares the marker.
-* A heartbeat thread (one per process) rewrites the marker's ``beat`` every
-  ``lease_renew_ms`` while a save is pending.
+* A heartbeat thread (one per process) has the marker's ``beat`` rewritten every
+  ``lease_renew_ms`` (resolved when the marker is created) while a save is pending, on a
+  small pool, so that a store that hangs delays the beats of its own files only.
 * :class:`MarkerCheck`, entered by the writer right around the publishing step (the rename;
   the final PUT or CompleteMultipartUpload), refuses to publish if the marker no longer
   carries this save's token: a later save of the file by another process replaced it, and
@@ -42,7 +43,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from . import config
+from . import config, workers
 from .errors import AsyncCkptError, CheckpointTimeoutError, ConflictError, StorageError
 from .protocol import (
     MAX_PENDING_BYTES,
@@ -189,12 +190,19 @@ class _Slot:
     record: PendingRecord | None = None
     tag: str | None = None  # what write_marker returned for the marker's current bytes
     beating: bool = False
+    renew_s: float = 0.0  # lease_renew_ms, resolved when the marker was created
+    due: float = 0.0  # time.monotonic() of the next beat
+    busy: bool = False  # a beat of it is queued or running on the beat pool
 
 
 _lock = threading.Lock()
 _slots: dict[tuple[str, str], _Slot] = {}
 _live_tokens: set[str] = set()
 _heartbeat: threading.Thread | None = None
+_wake = threading.Event()  # a marker was created or beaten: the heartbeat recomputes its wait
+#: Threads that rewrite markers: a store that hangs (retrying for up to retry_deadline_s)
+#: holds up the beats of its own files only, not those of every file.
+_BEAT_THREADS = 4
 
 
 def _slot(storage: Storage, path: str) -> _Slot:
@@ -289,6 +297,8 @@ def begin(storage: Storage, path: str) -> MarkerCheck | None:
                 _live_tokens.discard(slot.token)  # superseded by another process
         slot.storage, slot.path, slot.token, slot.count = storage, path, token, 1
         slot.record, slot.tag, slot.beating = record, tag, True
+        slot.renew_s = config.tunable("lease_renew_ms", None) / 1000
+        slot.due = time.monotonic() + slot.renew_s
     _start_heartbeat()
     return MarkerCheck(storage, path, token)
 
@@ -355,24 +365,47 @@ def _remove_if_ours(storage: Storage, marker: str, token: str) -> None:
 
 
 def _start_heartbeat() -> None:
-    """Start the process's heartbeat thread if it is not running."""
+    """Start the process's heartbeat thread if it is not running; wake it up."""
     global _heartbeat
     with _lock:
-        if _heartbeat is not None and _heartbeat.is_alive():
-            return
-        _heartbeat = threading.Thread(target=_beat_forever, name="asyncckpt-marker", daemon=True)
-        _heartbeat.start()
+        if _heartbeat is None or not _heartbeat.is_alive():
+            _heartbeat = threading.Thread(
+                target=_beat_forever, name="asyncckpt-marker", daemon=True
+            )
+            _heartbeat.start()
+    _wake.set()
 
 
 def _beat_forever() -> None:
+    """Hand each marker that is due to the beat pool; sleep until the next one is due."""
     while True:
-        time.sleep(config.tunable("lease_renew_ms", None) / 1000)
-        beat_all()
+        now = time.monotonic()
+        with _lock:
+            slots = [s for s in _slots.values() if s.token is not None and s.beating]
+        for slot in slots:
+            if slot.due <= now and not slot.busy:
+                slot.busy = True
+                workers.pool("marker-beats", _BEAT_THREADS).submit(_beat_when_due, slot)
+        waiting = [s.due for s in slots if not s.busy]
+        _wake.wait(None if not waiting else max(0.001, min(waiting) - now))
+        _wake.clear()
+
+
+def _beat_when_due(slot: _Slot) -> None:
+    try:
+        with slot.io:
+            if slot.token is not None and slot.beating:
+                _beat(slot)
+                slot.due = time.monotonic() + slot.renew_s
+    finally:
+        slot.busy = False
+        _wake.set()
 
 
 def beat_all() -> int:
-    """Rewrite the marker of every save in flight here with its next beat (the heartbeat
-    thread calls this every ``lease_renew_ms``); returns how many were rewritten.
+    """Rewrite the marker of every save in flight here with its next beat, now, in the
+    calling thread (the heartbeat thread beats each one every ``lease_renew_ms``, on a
+    small pool); returns how many were rewritten.
 
     A marker found replaced by another process is not beaten again: its saves fail at
     their check. A failed rewrite is logged; the next beat tries again.
@@ -410,9 +443,9 @@ def _beat(slot: _Slot) -> int:
 def _forget_after_fork() -> None:
     """In a forked child: the saves in flight, their markers and the heartbeat are the
     parent's (a child must never delete or renew them)."""
-    global _lock, _slots, _live_tokens, _heartbeat
+    global _lock, _slots, _live_tokens, _heartbeat, _wake
     _lock = threading.Lock()
-    _slots, _live_tokens, _heartbeat = {}, set(), None
+    _slots, _live_tokens, _heartbeat, _wake = {}, set(), None, threading.Event()
 
 
 if hasattr(os, "register_at_fork"):

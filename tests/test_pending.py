@@ -309,15 +309,54 @@ def test_the_heartbeat_thread_beats_while_a_save_is_in_flight(
     storage, path = local_file
     check = pending.begin(storage, path)
     assert check is not None
-    deadline, beat = time.monotonic() + 100, 0
-    while beat < 3 and time.monotonic() < deadline:
-        record = decode_pending(storage.read_marker(path + MARKER, 1000) or b"")
-        beat = record.beat if record is not None else beat
-        time.sleep(0.01)
-    assert beat >= 3
+    assert _wait_for_beats(storage, path, 3) >= 3
     pending.finish(check)
     time.sleep(0.1)
     assert not os.path.exists(path + MARKER)  # no beat brings it back
+
+
+def _beat_of(storage: Storage, path: str) -> int:
+    record = decode_pending(storage.read_marker(path + MARKER, 1000) or b"")
+    return -1 if record is None else record.beat
+
+
+def _wait_for_beats(storage: Storage, path: str, wanted: int) -> int:
+    deadline, beat = time.monotonic() + 100, -1
+    while beat < wanted and time.monotonic() < deadline:
+        beat = max(beat, _beat_of(storage, path))
+        time.sleep(0.01)
+    return beat
+
+
+@pytest.mark.timeout(150)
+def test_a_slow_interval_or_a_hanging_store_holds_up_no_other_marker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = LocalStorage()
+    # In three directories: the marker lock is the directory's.
+    slow, hung, quick = (str(tmp_path / n / "m.ackpt") for n in ("slow", "hung", "quick"))
+    monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", str(3_600_000))
+    checks = [pending.begin(storage, slow)]  # the heartbeat now waits an hour for this one
+    monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "20")
+    release = threading.Event()
+    real = LocalStorage.write_marker
+
+    def write_marker(self: Any, path: str, data: bytes, replacing: str | None = None) -> str:
+        if path == hung + MARKER and replacing is not None:
+            release.wait(120)  # a store that hangs on the beats of this file
+        return real(self, path, data, replacing)
+
+    monkeypatch.setattr(LocalStorage, "write_marker", write_marker)
+    checks += [pending.begin(storage, hung), pending.begin(storage, quick)]
+    try:
+        assert _wait_for_beats(storage, quick, 5) >= 5
+        assert _beat_of(storage, slow) == 0 and _beat_of(storage, hung) == 0
+    finally:
+        release.set()
+        for check in checks:
+            assert check is not None
+            pending.finish(check)
+    assert not any(n.endswith(MARKER) for _, _, names in os.walk(tmp_path) for n in names)
 
 
 # --------------------------------------------------------------------------- dead writers
