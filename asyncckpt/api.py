@@ -17,9 +17,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from . import config, workers, writer_process
+from . import config, pending, workers, writer_process
 from .codec import check_compression
-from .errors import CheckpointTimeoutError
+from .errors import AsyncCkptError, CheckpointTimeoutError
 from .placement import MapLocation, Placement
 from .reader import Budget, materialize, read_file
 from .staging import ArenaPool, Snapshot, arena_bytes, snapshot
@@ -369,14 +369,59 @@ def save(
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options)
+    marker = _MarkerStart(storage, path)
     _, handle = stage_and_submit(
-        lambda on_layout: stage(obj, on_layout=on_layout, options=options),
-        lambda snap: writer_process.write(snap, storage, path, options),
+        lambda on_layout: stage(obj, on_layout=marker.then(on_layout), options=options),
+        lambda snap: marker.write(snap, options),
         storage.describe(path),
         started,
         _target(storage, path),
     )
     return handle
+
+
+class _MarkerStart:
+    """A drop-in save's marker (``asyncckpt.pending``): written once the state is
+    validated and its arena leased, before ``save`` returns and before the background
+    write can publish; checked right before the write publishes; deleted when it ends.
+
+    A marker that cannot be written fails the save's handle (as a failed write would),
+    and the file is left alone.
+    """
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path = storage, path
+        self.check: pending.MarkerCheck | None = None
+        self.failure: AsyncCkptError | None = None
+
+    def then(self, on_layout: Callable[[Snapshot], None]) -> Callable[[Snapshot], None]:
+        def layout(snap: Snapshot) -> None:
+            try:
+                self.check = pending.begin(self.storage, self.path)
+            except AsyncCkptError as exc:
+                self.failure = exc
+            try:
+                on_layout(snap)
+            except BaseException as exc:  # no job will end this save: end it here
+                if self.check is not None:
+                    pending.finish(self.check, exc)
+                raise
+
+        return layout
+
+    def write(self, snap: Snapshot, options: WriteOptions) -> int:
+        if self.failure is not None:
+            raise self.failure
+        check = self.check
+        try:
+            size = writer_process.write(snap, self.storage, self.path, options, guard=check)
+        except BaseException as exc:
+            if check is not None:
+                pending.finish(check, exc)
+            raise
+        if check is not None:
+            pending.finish(check)
+        return size
 
 
 def stage_and_submit(
@@ -669,6 +714,7 @@ def load(
     *,
     storage_options: dict[str, Any] | None = None,
     into: Any = None,
+    dead_writer: str = "raise",
     weights_only: bool | None = None,
     mmap: bool | None = None,
     max_bytes: int | None = None,
@@ -677,7 +723,9 @@ def load(
     """Load an object saved by :func:`save`, verifying every checksum. Never unpickles.
 
     If this process has a save to ``f`` still in flight, the load waits for it first, and
-    raises that save's failure if nobody has seen it yet.
+    raises that save's failure if nobody has seen it yet. A save to ``f`` by another
+    process that returned before this load began is waited for too (its marker
+    ``f.ackpending``; see docs/PROTOCOL.md §8).
 
     Args:
         f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object
@@ -692,6 +740,10 @@ def load(
             saved tensor whose key path matches a tensor there is copied into it (CPU
             tensors of the same shape and dtype are read straight into their memory, with
             no second copy) and the returned object holds those tensors.
+        dead_writer: what to do when a save of ``f`` was in flight in a process that is now
+            dead (it left its marker): ``"raise"`` ``CheckpointTimeoutError`` (default), or
+            ``"load"`` the file as it is, the previous save's state, with a warning: for a
+            job resuming after that very process crashed.
         weights_only: accepted and ignored: loading is always as safe as
             ``weights_only=True`` because nothing is unpickled.
         mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
@@ -709,12 +761,16 @@ def load(
 
     Raises:
         CheckpointNotFoundError: no file at ``f``.
+        CheckpointTimeoutError: a save of ``f`` by another process is in flight and that
+            process is dead (``dead_writer="raise"``): on this machine its pid is gone, or
+            its marker has not changed for ``lease_expiry_ms``.
         ChecksumError: a chunk is corrupt (names the chunk and the keys in it).
         FormatError: the file is not a complete asyncckpt file.
         StorageError: the backend failed.
         Exception: a save of this process to ``f`` failed and nobody observed it.
         ValueError: a tensor in ``into`` differs in shape or dtype from the saved one, or
-            ``max_bytes`` is negative.
+            ``max_bytes`` is negative, or ``dead_writer`` is neither ``"raise"`` nor
+            ``"load"``.
         MemoryBudgetError: the file needs more than ``max_bytes`` (a ``FormatError``).
 
     Example:
@@ -726,11 +782,16 @@ def load(
     """
     del pickle_module, weights_only, mmap, pickle_load_args
     budget = Budget(max_bytes)
+    if dead_writer not in pending.DEAD_WRITER_CHOICES:
+        raise ValueError(
+            f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
+        )
     placement = Placement(map_location)
     storage: Storage
     if isinstance(f, (str, os.PathLike)):
         storage, path = resolve(f, storage_options)
         _wait_for_writes_to(storage, path)
+        pending.wait_for_saves(storage, path, dead_writer)  # of other processes
     elif is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
         # From its position to its end, as torch.load reads.
         storage, path = StreamStorage(f), ""

@@ -42,6 +42,7 @@ from .format import (
 )
 from .staging import Snapshot, StagedStorage, byte_view
 from .storage import AtomicWriter, Storage
+from .storage.base import PublishGuard
 from .workers import pool
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def write_snapshot(
     path: str,
     options: WriteOptions,
     progress: Callable[[int], None] | None = None,
+    guard: PublishGuard | None = None,
 ) -> int:
     """Write ``snap`` atomically to ``path``.
 
@@ -98,16 +100,20 @@ def write_snapshot(
         path: the target file; replaced atomically, or left untouched on any failure.
         options: compression and parallelism settings.
         progress: called with the raw bytes of each chunk once it is written.
+        guard: entered around the step that publishes the file (see
+            :data:`asyncckpt.storage.base.PublishGuard`); what it raises aborts the write.
 
     Returns:
         The total size of the file in bytes.
 
     Raises:
         StorageError: the backend failed (the target is untouched).
+        ConflictError: ``guard`` refused to publish (the target is untouched).
     """
     auto = _auto_run(storage, path, options)
     with storage.atomic_write(path) as out:
         out.writeback_bytes = options.writeback_bytes
+        out.publish_guard = guard
         size = _write_body(out, snap, options, auto, progress)
         committing = time.perf_counter()
     if auto is not None:

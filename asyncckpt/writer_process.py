@@ -65,7 +65,7 @@ from .staging import (
     shared_regions,
 )
 from .storage import Storage
-from .storage.base import TEMP_MARK
+from .storage.base import TEMP_MARK, PublishGuard
 from .writer import WriteOptions, write_snapshot
 
 log = logging.getLogger(__name__)
@@ -162,6 +162,7 @@ class _WriteJob:
     live_arenas: frozenset[int]  # the child unmaps every other arena it holds
     environ: dict[str, str]  # the caller's ASYNCCKPT_* settings at the time of the save
     progress: bool
+    guard: PublishGuard | None = None  # checked right before the file is published
 
 
 class WriterProcess:
@@ -380,6 +381,7 @@ def write(
     path: str,
     options: WriteOptions,
     progress: Callable[[int], None] | None = None,
+    guard: PublishGuard | None = None,
 ) -> int:
     """``write_snapshot``, in the writer process when ``options.processes`` asks for it.
 
@@ -393,6 +395,8 @@ def write(
         path: the file; replaced atomically, or left untouched on any failure.
         options: compression and parallelism settings, and ``processes``.
         progress: called with the raw bytes of each chunk once it is written.
+        guard: entered around the publishing step, in whichever process writes (it is
+            pickled for the writer process: a drop-in save's marker check).
 
     Returns:
         The total size of the file in bytes.
@@ -417,7 +421,7 @@ def write(
     if not options.processes or reason is not None:
         if options.processes and reason is not None:
             _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead")
-        return write_snapshot(snap, storage, path, options, progress)
+        return write_snapshot(snap, storage, path, options, progress, guard)
     assert refs is not None
     failure = snap.copy_error()
     if failure is not None:
@@ -434,12 +438,13 @@ def write(
         frozenset(r.ident for r in shared_regions()),
         {k: v for k, v in os.environ.items() if k.startswith("ASYNCCKPT_")},
         progress is not None,
+        guard,
     )
     try:
         payload = pickle.dumps(("write", job), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         _warn_once(f"writer_processes=1: {storage!r} cannot be sent to a process ({exc})")
-        return write_snapshot(snap, storage, path, options, progress)
+        return write_snapshot(snap, storage, path, options, progress, guard)
     try:
         return start().result().write(payload, job, storage.describe(path), progress)
     except WriterProcessError:
@@ -538,7 +543,7 @@ def _serve_write(job: _WriteJob, arenas: dict[int, torch.Tensor], channel: _Chan
             job.root, job.tensors, job.arrays, staged, _NO_ARENA.acquire(0), DeviceCopies()
         )
         report = (lambda n: channel.send_message(("progress", n))) if job.progress else None
-        size = write_snapshot(snap, job.storage, job.path, job.options, report)
+        size = write_snapshot(snap, job.storage, job.path, job.options, report, job.guard)
     except Exception as exc:
         channel.send_message(("failed", *_portable(exc)))
     else:

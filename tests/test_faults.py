@@ -22,7 +22,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
-from asyncckpt.errors import AsyncCkptError, StorageError
+from asyncckpt.errors import AsyncCkptError, CheckpointTimeoutError, StorageError
 from asyncckpt.storage import FsspecStorage, resolve
 from asyncckpt.storage.objectstore import ObjectStorage
 from asyncckpt.testing import (
@@ -194,8 +194,14 @@ def test_sigkill_during_s3_save_keeps_previous_version(
             assert uploads_under(s3_server, s3_root) == []
         assert_state(reader.load(), 22)
     else:
-        assert_state(asyncckpt.load(f"{s3_root}/m.ackpt", storage_options=opts), 1)
+        # The killed save's marker is left: a load gives up at once (its writer ran on this
+        # machine and is gone) instead of returning what is now an older file.
+        url = f"{s3_root}/m.ackpt"
+        with pytest.raises(CheckpointTimeoutError, match=rf"pid {proc.pid} .*m\.ackpt\.ackpending"):
+            asyncckpt.load(url, storage_options=opts)
         storage, root = resolve(s3_root, opts)
+        storage.delete(storage.join(root, "m.ackpt.ackpending"))  # as the error says
+        assert_state(asyncckpt.load(url, storage_options=opts), 1)
         assert isinstance(storage, ObjectStorage)
         assert storage.abort_uploads(root) == 1
     assert uploads_under(s3_server, s3_root) == []

@@ -157,9 +157,13 @@ def test_checkpointer_writes_commits_and_retires_with_the_child(
 
 
 def test_a_write_error_in_the_child_is_raised_once_by_the_handle(
-    in_process: None, tmp_path: Path, blocker: Path
+    in_process: None, tmp_path: Path
 ) -> None:
-    handle = asyncckpt.save(state(), blocker / "x.ackpt")
+    # A directory where the file should go: the save marker beside it is written (by this
+    # process), the child writes the temp file, and only the child's rename fails.
+    blocker = tmp_path / "x.ackpt"
+    blocker.mkdir()
+    handle = asyncckpt.save(state(), blocker)
     with pytest.raises(StorageError) as caught:
         handle.result(timeout=120)
     assert str(blocker) in str(caught.value)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
-from .. import config
+from .. import config, pending
 from ..errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -344,7 +344,23 @@ def locate(spec: str, options: dict[str, Any]) -> FileRef | RootRef:
                 f"asyncckpt: {match.group(1)} is a file; @STEP selects a version of a "
                 "checkpoint root"
             )
-    raise CheckpointNotFoundError(f"{display(storage, path)}: no such file or checkpoint root")
+    note = pending_note(storage, path)
+    raise CheckpointNotFoundError(
+        f"{display(storage, path)}: no such file or checkpoint root"
+        + (f" yet ({note})" if note else "")
+    )
+
+
+def pending_note(storage: Storage, path: str) -> str | None:
+    """A line about a drop-in save of file ``path`` in flight (its marker), if there is one.
+
+    Example:
+        >>> pending_note(LocalStorage(), "/nonexistent/model.ackpt") is None
+        True
+    """
+    with contextlib.suppress(AsyncCkptError):
+        return pending.describe_pending(storage, path)
+    return None
 
 
 def files_of(root: RootRef, step: int) -> list[FileRef]:

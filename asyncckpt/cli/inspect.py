@@ -22,6 +22,7 @@ from .common import (
     locate,
     manifest_tree,
     new_command,
+    pending_note,
     plural,
     short_time,
     single_file,
@@ -206,10 +207,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "chunks": len(manifest.chunks),
         "codecs": codec_counts,
         "entries": rows,
+        "pending": pending_note(ref.storage, ref.path),
     }
     lines = _summary(doc, manifest.meta)
     lines += table(
         ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "CODEC"], _table_rows(rows)
     )
+    if doc["pending"]:
+        lines.append(f"note: {doc['pending']}; this is the file as it was before that save")
     emit(args, doc, lines)
     return EXIT_OK

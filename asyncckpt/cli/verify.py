@@ -37,6 +37,7 @@ from .common import (
     locate,
     manifest_tree,
     new_command,
+    pending_note,
     plural,
     progress,
 )
@@ -340,6 +341,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise UsageError(f"asyncckpt: --all needs a checkpoint root; {args.target} is a file")
         reject_other_format(ref)
         files = [ref]
+        note = pending_note(ref.storage, ref.path)
+        if note:
+            warnings.append(f"{note}; this checks the file as it was before that save")
     else:
         files = _root_files(ref, args.all, warnings)
     total = 0

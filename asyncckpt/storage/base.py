@@ -13,7 +13,8 @@ import os
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 from ..errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
 
@@ -22,6 +23,11 @@ TEMP_MARK = ".acktmp-"
 UNSAFE_UNCONDITIONAL_WRITES = "unsafe_unconditional_writes"
 _MAX_TAGGED_BYTES = 1 << 20
 _WRITE_ATTEMPTS = 3
+
+#: Entered around the step that makes a written file visible at its target (the rename, the
+#: final PUT or CompleteMultipartUpload); raising there aborts the write and leaves the
+#: target alone. Drop-in saves set one (``asyncckpt.pending``) to check their save marker.
+PublishGuard = Callable[[], AbstractContextManager[None]]
 
 
 def temp_name(path: str) -> str:
@@ -42,6 +48,14 @@ class AtomicWriter(ABC):
     #: writing them to disk (``writeback_mib``); 0: only the commit's fsync does. A save
     #: sets it from the tunables it resolved when it started; other backends ignore it.
     writeback_bytes: int = 0
+    #: Checked around the publishing step by :meth:`commit` (see :data:`PublishGuard`).
+    publish_guard: PublishGuard | None = None
+
+    def publishing(self) -> AbstractContextManager[None]:
+        """The context :meth:`commit` makes the file visible in: the guard's, if one is set."""
+        if self.publish_guard is None:
+            return contextlib.nullcontext()
+        return self.publish_guard()
 
     @abstractmethod
     def write(self, data: bytes | memoryview) -> None:
@@ -234,6 +248,61 @@ class Storage(ABC):
         """Join path parts with ``/``."""
         return "/".join(p.rstrip("/") for p in parts if p)
 
+    # -- save markers (asyncckpt.pending): small files rewritten in place ------------------
+
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        """A small file's bytes, in one request where the backend allows; None if missing.
+
+        Raises:
+            FormatError: the file is larger than ``limit`` bytes.
+        """
+        try:
+            return self.read_bytes(path, limit)
+        except CheckpointNotFoundError:
+            return None
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        """Write a small file directly at ``path``: no temp file, no rename, no fsync.
+
+        Cheap enough for the caller's stall, and not atomic: a reader may see the file
+        empty or cut short meanwhile (markers are read as "being rewritten" then). Local
+        disk opens and writes the file; other filesystems write it in one request (on an
+        object store one PUT, which is whole).
+
+        Args:
+            path: the file.
+            data: its new content.
+            replacing: the tag this call returned when it last wrote ``path``: write only if
+                the file still has it. Object stores make the PUT conditional on it
+                (``If-Match``); elsewhere the file is read and compared first, which is
+                exact only while the caller holds :meth:`marker_lock`.
+
+        Returns:
+            The file's new tag.
+
+        Raises:
+            ConflictError: ``replacing`` was given and the file no longer has it.
+            StorageError: the backend failed.
+        """
+        if replacing is not None:
+            self._check_marker_tag(path, replacing)
+        self.write_bytes(path, data)
+        return content_tag(data)
+
+    def _check_marker_tag(self, path: str, tag: str) -> None:
+        current = self.read_marker(path, _MAX_TAGGED_BYTES)
+        if current is None or content_tag(current) != tag:
+            raise ConflictError(f"{self.describe(path)} was replaced or removed by another writer")
+
+    def marker_lock(self, path: str) -> AbstractContextManager[None]:
+        """Exclude every other marker update (write, check, delete) of ``path``.
+
+        Local disk: an ``flock`` on the parent directory, which excludes the processes of
+        this machine (and of an NFS or Lustre client only where flock is coherent there).
+        Elsewhere there is no cross-process lock: a lock within this process only.
+        """
+        return _process_lock(self, path)
+
     # -- compare-and-swap of small files (the version file) ----------------------------------
 
     def read_tagged(self, path: str, limit: int) -> tuple[bytes, str] | None:
@@ -289,6 +358,18 @@ class Storage(ABC):
 
 
 _create_lock = threading.Lock()
+_marker_locks_lock = threading.Lock()
+_marker_locks: dict[tuple[str, str], threading.Lock] = {}
+
+
+@contextlib.contextmanager
+def _process_lock(storage: Storage, path: str) -> Iterator[None]:
+    """A lock of this process for one file (its entry stays: markers are few)."""
+    key = (type(storage).__name__, storage.describe(path))
+    with _marker_locks_lock:
+        lock = _marker_locks.setdefault(key, threading.Lock())
+    with lock:
+        yield
 
 
 def content_tag(data: bytes) -> str:

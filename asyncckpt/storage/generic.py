@@ -40,8 +40,16 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from ..errors import ConflictError
-from .base import AtomicWriter, ReadHandle, Storage, _create_lock, errors_as, temp_name
+from ..errors import CheckpointNotFoundError, ConflictError, FormatError
+from .base import (
+    AtomicWriter,
+    ReadHandle,
+    Storage,
+    _create_lock,
+    content_tag,
+    errors_as,
+    temp_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -212,6 +220,24 @@ class FsspecStorage(Storage):
         with errors_as(self, path, "delete"), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
 
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        try:
+            with errors_as(self, path, "read"):
+                data: bytes = self.fs.cat_file(path, start=0, end=limit + 1)
+        except CheckpointNotFoundError:
+            return None
+        if len(data) > limit:
+            raise FormatError(f"{self.describe(path)}: larger than {limit} bytes")
+        return data
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        if replacing is not None:
+            self._check_marker_tag(path, replacing)
+        self._makedirs_for(path)
+        with errors_as(self, path, "write"):
+            self.fs.pipe_file(path, data)  # one request; no temp file, no move
+        return content_tag(data)
+
     def create_exclusive(self, path: str, data: bytes) -> None:
         # The process-wide lock and the existence check make this exact between threads
         # (memory://, whose "create" mode is itself a check-then-write); the conditional
@@ -373,7 +399,8 @@ class _DeferredWriter(AtomicWriter):
         try:
             with errors_as(self.storage, self.target, "commit"):
                 self.file.close()  # uploads what is buffered; publishes nothing yet
-                self.file.commit()
+                with self.publishing():
+                    self.file.commit()
             self.done = True
         except BaseException:
             self.abort()
@@ -404,7 +431,8 @@ class _MoveWriter(AtomicWriter):
         try:
             with errors_as(self.storage, self.target, "commit"):
                 self.file.close()
-                self.storage.fs.mv(self.temp, self.target)
+                with self.publishing():
+                    self.storage.fs.mv(self.temp, self.target)
         except BaseException:
             self.abort()
             raise

@@ -11,17 +11,29 @@ import contextlib
 import ctypes
 import errno
 import functools
+import logging
 import os
 import shutil
 import sys
 import time
 import weakref
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
 from .. import config
-from ..errors import ConflictError, StorageError
-from .base import AtomicWriter, ReadHandle, Storage, content_tag, errors_as, temp_name
+from ..errors import ConflictError, FormatError, StorageError
+from .base import (
+    AtomicWriter,
+    ReadHandle,
+    Storage,
+    _process_lock,
+    content_tag,
+    errors_as,
+    temp_name,
+)
+
+log = logging.getLogger(__name__)
 
 
 class LocalStorage(Storage):
@@ -94,6 +106,44 @@ class LocalStorage(Storage):
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
 
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        with errors_as(self, path, "read"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            try:
+                data = os.pread(fd, limit + 1, 0)
+            finally:
+                os.close(fd)
+        if len(data) > limit:
+            raise FormatError(f"{path}: larger than {limit} bytes")
+        return data
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        if replacing is not None:
+            self._check_marker_tag(path, replacing)
+        # Written over the old bytes, then cut to length: never truncated to zero first,
+        # which ext4 (auto_da_alloc) answers with a flush on close (~1 ms, not 10 us). A
+        # reader in between sees new bytes followed by old ones: not JSON, so "rewriting".
+        with errors_as(self, path, "write"):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # the first file of a new directory
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                view, at = memoryview(data), 0
+                while at < len(view):
+                    at += os.pwrite(fd, view[at:], at)
+                os.ftruncate(fd, len(data))
+            finally:
+                os.close(fd)
+        return content_tag(data)
+
+    def marker_lock(self, path: str) -> AbstractContextManager[None]:
+        return _directory_locked(self, path)
+
     def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
         # The lock file excludes every process that uses this protocol on this machine (and
         # on NFS/Lustre only where flock is coherent across clients; see docs/PROTOCOL.md).
@@ -158,31 +208,91 @@ def _flocked(storage: Storage, lock_path: str) -> Iterator[None]:
     turns into a clear error instead of a hang; the lock is only held for a read and an
     atomic rename, so a healthy holder never comes near the limit.
     """
-    import fcntl
-
-    deadline = time.monotonic() + config.tunable("lock_timeout_ms", None) / 1000
     with errors_as(storage, lock_path, "lock"):
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        delay = 0.001
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                    raise StorageError(f"{lock_path}: flock failed: {exc}") from exc
-                if time.monotonic() >= deadline:
-                    raise StorageError(
-                        f"{lock_path}: still locked by another process after "
-                        f"{config.tunable('lock_timeout_ms', None)} ms (a writer frozen while "
-                        "committing?)"
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+        _flock(fd, lock_path)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def _flock(fd: int, what: str) -> None:
+    """Take an exclusive ``flock`` on ``fd``, waiting at most ``lock_timeout_ms``.
+
+    Raises:
+        StorageError: still locked by another holder after the timeout, or flock failed.
+    """
+    import fcntl
+
+    deadline = time.monotonic() + config.tunable("lock_timeout_ms", None) / 1000
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                raise StorageError(f"{what}: flock failed: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise StorageError(
+                    f"{what}: still locked by another process after "
+                    f"{config.tunable('lock_timeout_ms', None)} ms (a writer frozen while "
+                    "committing?)"
+                ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
+#: flock errors that mean "not supported here" (NFS emulates flock with POSIX locks, which
+#: a directory opened read-only cannot take), not "held by someone else".
+_FLOCK_UNSUPPORTED = frozenset({errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})
+_warned_no_dir_lock: set[str] = set()
+
+
+@contextlib.contextmanager
+def _directory_locked(storage: Storage, path: str) -> Iterator[None]:
+    """An ``flock`` on the directory of ``path`` (the directory is created if need be).
+
+    Where a directory cannot be flocked (some NFS mounts), a lock of this process instead,
+    with one warning per directory: exclusion between processes is then lost (see
+    docs/PROTOCOL.md, "Drop-in save and load across processes").
+    """
+    import fcntl
+
+    directory = os.path.dirname(path) or "."
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    with errors_as(storage, path, "lock"):
+        try:
+            fd = os.open(directory, flags)
+        except FileNotFoundError:  # the first save into a new directory
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(directory, flags)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in _FLOCK_UNSUPPORTED:
+                _warn_no_dir_lock(directory, exc)
+                with _process_lock(storage, path):
+                    yield
+                return
+            _flock(fd, directory)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _warn_no_dir_lock(directory: str, exc: OSError) -> None:
+    if directory in _warned_no_dir_lock:
+        return
+    _warned_no_dir_lock.add(directory)
+    log.warning(
+        "%s: cannot flock the directory (%s); save markers there are exclusive only "
+        "within this process (docs/PROTOCOL.md)",
+        directory,
+        exc.strerror or exc,
+    )
 
 
 class _LocalWriter(AtomicWriter):
@@ -224,7 +334,8 @@ class _LocalWriter(AtomicWriter):
             with errors_as(LocalStorage(), self.target, "commit"):
                 os.fsync(self.file.fileno())
                 self.file.close()
-                os.replace(self.temp, self.target)
+                with self.publishing():
+                    os.replace(self.temp, self.target)
                 fsync_dir(os.path.dirname(self.target) or ".")
         except BaseException:
             self.abort()

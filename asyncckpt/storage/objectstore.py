@@ -248,6 +248,33 @@ def classify(exc: BaseException) -> _Failure:
     return _Failure("fatal", None, None, message)
 
 
+def _denied(exc: BaseException) -> bool:
+    """Whether a request failed with 403 Access Denied (as its chained cause says)."""
+    cause = exc.__cause__
+    if cause is None:
+        return False
+    return isinstance(cause, PermissionError) or classify(cause).status == 403
+
+
+_unreadable_lock = threading.Lock()
+_unreadable: set[str] = set()
+
+
+def _warn_markers_unreadable(label: str, bucket: str, exc: BaseException) -> None:
+    with _unreadable_lock:
+        if bucket in _unreadable:
+            return
+        _unreadable.add(bucket)
+    log.warning(
+        "%s%s: save markers cannot be read (%s); loads there do not wait for other "
+        "processes' saves in flight. Allow s3:ListBucket (S3 then answers 404 for a "
+        "missing marker) and s3:GetObject on *.ackpending (docs/PROTOCOL.md §8)",
+        label,
+        bucket,
+        exc,
+    )
+
+
 class RangeNotSatisfiable(StorageError):
     """A ranged read started at or past the end of the object (read as empty)."""
 
@@ -566,6 +593,45 @@ class ObjectStorage(Storage):
             if self._holds(path, data):
                 return
             raise ConflictError(f"{self.describe(path)} already exists") from None
+
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        bucket, key = self.split(path)
+        try:
+            data: bytes = self.request(
+                "read",
+                path,
+                lambda: self.fs.cat_file(f"{bucket}/{key}", start=0, end=limit + 1),
+            )
+        except CheckpointNotFoundError:  # the common case: one GET, no HEAD of the bucket
+            return None
+        except RangeNotSatisfiable:  # an empty object
+            return b""
+        except StorageError as exc:
+            # Without s3:ListBucket, S3 answers a GET of a missing key with 403, not 404:
+            # a reader allowed to read the data must not fail on a marker it cannot see.
+            if not _denied(exc):
+                raise
+            _warn_markers_unreadable(self.label, bucket, exc)
+            return None
+        if len(data) > limit:
+            raise FormatError(f"{self.describe(path)}: larger than {limit} bytes")
+        return data
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        # One PUT (whole or nothing); with ``replacing``, conditional on the ETag (If-Match),
+        # so a heartbeat can never bring back a marker that was deleted or replaced.
+        condition: dict[str, Any] = {} if replacing is None else {"IfMatch": replacing}
+        try:
+            return str(self.put(path, data, None, **condition)["ETag"])
+        except (ConflictError, CheckpointNotFoundError):
+            if replacing is None:
+                raise
+            found = self.read_tagged(path, max(len(data), _MAX_TAGGED_BYTES))
+            if found is not None and found[0] == data:  # our own write, response lost
+                return found[1]
+            raise ConflictError(
+                f"{self.describe(path)} was replaced or removed by another writer"
+            ) from None
 
     def read_tagged(self, path: str, limit: int) -> tuple[bytes, str] | None:
         head = self._head(path)
@@ -1050,13 +1116,15 @@ class _ObjectWriter(AtomicWriter):
             raise StorageError(f"{self.storage.describe(self.path)}: already committed/aborted")
         try:
             if self.upload_id is None:
-                self.storage.put(self.path, self.buffer)
+                with self.publishing():
+                    self.storage.put(self.path, self.buffer)
             else:
                 if self.buffer:
                     self._send_part()
                 self._wait_parts()
                 self._raise_part_error()
-                self._complete()
+                with self.publishing():
+                    self._complete()
             self.finished = True
             self.buffer = bytearray()
         except BaseException:
