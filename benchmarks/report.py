@@ -211,13 +211,12 @@ ROWS: tuple[Row, ...] = (
     Row(
         "dropin_marker_stall",
         "the drop-in save marker's stall on local disk (`benchmarks/bench_dropin.py`)",
-        "bench_dropin.json:marker_stall_ms",
+        "bench_dropin.json:targets.local.stall_added_ms",
         "<=",
         1.0,
         unit=" ms",
+        incumbents=(("SeaweedFS", "bench_dropin.json:targets.seaweedfs.stall_added_ms"),),
         issue="22",
-        note="measured once benchmarks/bench_dropin.py (run() -> dict with marker_stall_ms or "
-        "marker_stall_s) is there",
     ),
     # --- issue 5: stall, durable, load, compression, memory ----------------------------
     *(

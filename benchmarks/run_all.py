@@ -32,8 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report
 from common import DOCS, HERE, REPO, RESULTS, code_state, loadavg, machine_info, write_json
 
-#: name -> (full run, quick run, JSON, PNGs with their titles). ``dropin`` runs only once
-#: ``benchmarks/bench_dropin.py`` exists (another helper writes it).
+#: name -> (full run, quick run, JSON, PNGs with their titles).
 BENCHES: dict[str, dict[str, Any]] = {
     "save": {
         "cmd": ["bench_save.py", "--size-mib", "1024", "--repeats", "3"],
@@ -90,40 +89,15 @@ BENCHES: dict[str, dict[str, Any]] = {
         "json": "bench_peers.json",
         "png": {"bench_peers.png": "asyncckpt beside the peers a user would pick instead"},
     },
-    "dropin": {  # bench_dropin.run(...) -> dict, called through run_dropin below
-        "cmd": ["run_all.py", "--dropin"],
-        "quick": ["run_all.py", "--dropin", "--quick"],
+    "dropin": {
+        "cmd": ["bench_dropin.py", "--saves", "300"],
+        "quick": ["bench_dropin.py", "--saves", "10", "--no-seaweed"],
         "json": "bench_dropin.json",
         "png": {},
-        "optional": "bench_dropin.py",
     },
 }
 #: Written elsewhere (scripts/gpu_check.sh), shown when present.
 EXTERNAL_JSON = ["bench_gpu.json"]
-
-
-def available(name: str) -> bool:
-    """Whether a benchmark's script exists (the optional ones may not yet)."""
-    return (HERE / (BENCHES[name].get("optional") or BENCHES[name]["cmd"][0])).exists()
-
-
-def run_dropin(out: Path, quick: bool) -> int:
-    """``bench_dropin.run(...)`` (another helper's module), its dict written as
-    ``bench_dropin.json``. ``quick`` is passed when ``run`` takes it; a ``marker_stall_s``
-    figure is also given in milliseconds, the unit of the report's row."""
-    import inspect
-
-    import bench_dropin  # type: ignore[import-not-found]
-
-    params = inspect.signature(bench_dropin.run).parameters
-    kwargs: dict[str, Any] = {"quick": quick} if "quick" in params else {}
-    if "out" in params:
-        kwargs["out"] = str(out)
-    res: dict[str, Any] = dict(bench_dropin.run(**kwargs))
-    if "marker_stall_ms" not in res and isinstance(res.get("marker_stall_s"), (int, float)):
-        res["marker_stall_ms"] = 1000 * res["marker_stall_s"]
-    write_json(res, out / "bench_dropin.json")
-    return 0
 
 
 def run_bench(name: str, out: Path, quick: bool, timeout: float, log_dir: Path) -> dict[str, Any]:
@@ -188,9 +162,6 @@ def orchestrate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     timeout = 600.0 if args.quick else 3600.0
     for name, spec in BENCHES.items():
-        if spec.get("optional") and not available(name):
-            runs.append({"name": name, "status": "not available"})
-            continue
         if name in args.skip:
             status = "reused" if (out / spec["json"]).exists() else "not run"
             runs.append({"name": name, "status": status})
@@ -245,12 +216,6 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--dropin"]:
-        ap = argparse.ArgumentParser(prog="run_all.py --dropin")
-        ap.add_argument("--quick", action="store_true")
-        ap.add_argument("--out", default=str(RESULTS))
-        args = ap.parse_args(argv[1:])
-        return run_dropin(Path(args.out), args.quick)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smoke test of every benchmark")
     ap.add_argument("--out", default=None, help="results directory")
