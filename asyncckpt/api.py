@@ -85,6 +85,18 @@ def _arena_pool() -> ArenaPool:
         return _arenas
 
 
+@workers.after_fork_in_child
+def _forget_parent_saves() -> None:
+    """In a forked child: its own arenas (the parent's may be in memory shared with the
+    parent's writer process, or leased to a save whose thread the child lacks), and none
+    of the parent's unobserved failures (they are the parent's to raise)."""
+    global _unobserved_lock, _arenas
+    _unobserved_lock = threading.Lock()
+    workers.keep_from_parent(_arenas, list(_unobserved))
+    _unobserved.clear()
+    _arenas = None
+
+
 def reserve(state_or_nbytes: Any) -> threading.Thread | None:
     """Prepare the host arena for saves of a state this big, in a background thread.
 

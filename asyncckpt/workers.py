@@ -8,6 +8,16 @@ break a save that is still compressing when the main thread ends.
 The threads of a background write (the save thread and the encoders) lower their own
 scheduling priority by the ``writer_nice`` tunable when they start: on a CPU shared with
 training, the caller's threads then win the cores and the write fills the gaps.
+
+A forked child (a DataLoader worker, a ``multiprocessing`` fork) inherits none of these
+threads, but it does inherit the pools, the queue of pending saves and every lock, possibly
+held by a thread that does not exist there: its first ``load`` or ``save`` would wait for
+ever. The one place that knows what a child must drop is :func:`after_fork_in_child`: this
+module's pools and pending saves are forgotten first, then every hook that a module
+registered there runs, in registration order (the arena pool and failures of ``api``, the
+shared arenas of ``staging``, the writer process, the ``"auto"`` compression lock...).
+What the parent owned is kept, untouched, rather than freed in the child
+(:func:`keep_from_parent`).
 """
 
 from __future__ import annotations
@@ -225,3 +235,53 @@ def pending() -> list[Any]:
     """The saves of this process that have not finished, oldest first."""
     with _lock:
         return sorted(_pending, key=lambda h: h.sequence)
+
+
+#: What a forked child runs, in order, after forgetting this module's own state.
+_after_fork: list[Callable[[], None]] = []
+#: The parent's pools, saves and arenas, never freed in a child (see keep_from_parent).
+_inherited: list[Any] = []
+
+
+def after_fork_in_child(reset: Callable[[], None]) -> Callable[[], None]:
+    """Run ``reset`` in every child forked from this process (a decorator).
+
+    ``reset`` drops what belongs to the parent (threads that the child does not have, and
+    locks they may have held at the fork): a new lock for each module lock, empty caches.
+
+    Returns:
+        ``reset`` itself.
+
+    Example:
+        >>> @after_fork_in_child
+        ... def _forget() -> None:
+        ...     pass
+    """
+    _after_fork.append(reset)
+    return reset
+
+
+def keep_from_parent(*objects: Any) -> None:
+    """Keep the parent's ``objects`` alive, unused, for the life of a forked child.
+
+    Freeing them in the child would run their destructors there: a pinned buffer or a CUDA
+    tensor freed in a child that cannot use the parent's CUDA context, a queued task's
+    tensors. The memory is the parent's, shared copy-on-write, and costs the child nothing
+    while it is not written.
+    """
+    _inherited.extend(objects)
+
+
+def _forget_parent() -> None:
+    """In a forked child: no pool, no pending save, fresh locks; then every registered hook."""
+    global _lock
+    _lock = threading.Lock()
+    keep_from_parent(list(_pools.values()), list(_pending))
+    _pools.clear()
+    _pending.clear()
+    for reset in _after_fork:
+        reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent)

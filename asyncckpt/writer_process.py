@@ -514,8 +514,7 @@ def _forget_after_fork() -> None:
         future.result().close()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+workers.after_fork_in_child(_forget_after_fork)
 
 
 # ----------------------------------------------------------------------------- the child

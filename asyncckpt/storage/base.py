@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
 from ..errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
+from ..workers import after_fork_in_child
 
 TEMP_MARK = ".acktmp-"
 #: The storage option that lets an object store without conditional writes be used anyway.
@@ -204,6 +205,14 @@ class Storage(ABC):
 
 
 _create_lock = threading.Lock()
+
+
+@after_fork_in_child
+def _free_create_lock() -> None:
+    """In a forked child: a thread of the parent may have held the lock at the fork. It is
+    released in place, not replaced: ``storage.generic`` holds the same object."""
+    if _create_lock.locked():
+        _create_lock.release()
 
 
 def content_tag(data: bytes) -> str:
