@@ -691,7 +691,10 @@ def load(
             ``weights_only=True`` because nothing is unpickled.
         mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
             read into memory rather than mapped.
-        **pickle_load_args: accepted for ``torch.load`` compatibility and ignored.
+        **pickle_load_args: the keyword arguments ``torch.load`` passes on to the unpickler
+            (``encoding``, ``errors``, ``fix_imports``, ``buffers``; see
+            :data:`IGNORED_PICKLE_LOAD_ARGS`): accepted and ignored. Any other keyword is a
+            ``TypeError``, as for any function.
 
     Returns:
         The saved object, with tensors on their target devices.
@@ -702,7 +705,11 @@ def load(
         FormatError: the file is not a complete asyncckpt file.
         StorageError: the backend failed.
         Exception: a save of this process to ``f`` failed and nobody observed it.
-        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
+        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one, or
+            ``into`` shares no tensor with the file (its top-level keys are named).
+        TypeError: a keyword argument that neither ``load`` nor ``torch.load`` takes.
+        DeviceUnavailableError: ``map_location`` names a device this machine does not have
+            (checked before anything is read).
 
     Example:
         >>> import torch, asyncckpt, tempfile, os
@@ -711,6 +718,7 @@ def load(
         >>> asyncckpt.load(path, map_location="cpu")
         {'step': 3, 'w': tensor([0, 1])}
     """
+    _refuse_unknown_keywords(pickle_load_args)
     del pickle_module, weights_only, mmap, pickle_load_args
     placement = Placement(map_location)
     storage: Storage
@@ -727,6 +735,22 @@ def load(
         )
     opened = open_file(storage, path)
     return materialize(opened, placement, config.tunable("threads", None), into)
+
+
+#: The keyword arguments of ``torch.load`` beyond its named parameters that ``load``
+#: accepts and ignores: what ``torch.load`` passes on to ``pickle.Unpickler`` (nothing is
+#: unpickled here). ``pickle_module``, ``weights_only`` and ``mmap`` are parameters of their
+#: own. The user guide's migration table lists them.
+IGNORED_PICKLE_LOAD_ARGS = frozenset({"encoding", "errors", "fix_imports", "buffers"})
+
+
+def _refuse_unknown_keywords(extras: dict[str, Any]) -> None:
+    unknown = sorted(set(extras) - IGNORED_PICKLE_LOAD_ARGS)
+    if unknown:
+        raise TypeError(
+            f"load() got an unexpected keyword argument {unknown[0]!r} (besides its own, "
+            f"load accepts and ignores only torch.load's {sorted(IGNORED_PICKLE_LOAD_ARGS)})"
+        )
 
 
 #: How long the exit hook waits for worker threads to drop their last task's tensors.
