@@ -755,11 +755,18 @@ def _refuse_unknown_keywords(extras: dict[str, Any]) -> None:
 
 #: How long the exit hook waits for worker threads to drop their last task's tensors.
 _EXIT_IDLE_WAIT_S = 10.0
+#: How long it waits for torch.distributed's own worker threads to finish theirs.
+_EXIT_TORCH_QUIET_S = 2.0
 
 
 @atexit.register
 def _finish_at_exit() -> None:
     """Wait for pending saves; report every failure nobody observed, and fail the exit.
+
+    Before the interpreter finalizes, the library's threads and torch.distributed's native
+    worker threads are let finish what they hold (``workers.wait_idle``,
+    ``workers.wait_torch_threads_quiet``): either, dropping a tensor during finalization,
+    aborts the process.
 
     A failed checkpoint must not look like a successful run: the failures go to stderr
     (the library's logger has no handler by default) and the process exits with status 1.
@@ -772,6 +779,7 @@ def _finish_at_exit() -> None:
     for handle in waiting:
         handle._future.exception()  # wait, without marking it observed
     workers.wait_idle(_EXIT_IDLE_WAIT_S)
+    workers.wait_torch_threads_quiet(_EXIT_TORCH_QUIET_S)
     with _unobserved_lock:
         failed = [h for h in _unobserved if not h.observed]
     failed += [h for h in waiting if h.failed() and not h.observed and h not in failed]

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from . import config
 
@@ -209,6 +209,80 @@ def wait_idle(timeout: float) -> bool:
     with _lock:
         pools = list(_pools.values())
     return all(p.wait_idle(max(0.0, deadline - time.monotonic())) for p in pools)
+
+
+#: Name prefixes of torch.distributed's native worker threads (gloo's work loops, NCCL's
+#: watchdog and heartbeat), which finish collectives and drop their tensors.
+TORCH_WORKER_THREADS: Final = ("pt_gloo", "pt_nccl")
+_QUIET_ROUNDS = 3  # consecutive polls with no such thread runnable
+_QUIET_POLL_S = 0.002
+
+
+def wait_torch_threads_quiet(timeout: float) -> bool:
+    """Wait until no native torch.distributed worker thread is running (for the exit hook).
+
+    Such a thread (a gloo process group's work loop, say) outlives
+    ``destroy_process_group()`` whenever something still holds the group: a module that was
+    sharded with ``fully_shard`` keeps its DeviceMesh in DTensor's caches, and the mesh
+    holds the group. When it finishes a collective it drops the collective's tensors, which
+    takes the GIL to release their Python objects. If the interpreter has begun finalizing
+    by then, CPython ends the thread with ``pthread_exit``, whose unwinding through torch's
+    C++ destructors calls ``std::terminate``: the process aborts (SIGABRT, "terminate
+    called without an active exception") after the script's last line ran. The window is
+    between a collective's completion and its destruction, so it opens when the thread is
+    preempted right after the last collective of the job, on a loaded machine. Called from
+    the exit hook, before finalization: each poll sleeps (so a thread waiting for the GIL
+    gets it) and then checks that no such thread is runnable; three quiet polls in a row
+    end the wait. A process without such threads returns at once (Linux only: elsewhere
+    the threads cannot be seen).
+
+    Args:
+        timeout: seconds to wait at most.
+
+    Returns:
+        True once they are quiet (or there are none), False if ``timeout`` passed first.
+
+    Example:
+        >>> wait_torch_threads_quiet(1.0)
+        True
+    """
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < _QUIET_ROUNDS:
+        threads = _torch_worker_threads()
+        if not threads:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_QUIET_POLL_S)  # the GIL is free meanwhile
+        quiet = 0 if any(_runnable(tid) for tid in threads) else quiet + 1
+    return True
+
+
+def _torch_worker_threads() -> list[str]:
+    """Thread ids of this process's native torch.distributed workers (Linux /proc)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    found = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread has just exited
+            continue
+        if name.startswith(TORCH_WORKER_THREADS):
+            found.append(tid)
+    return found
+
+
+def _runnable(tid: str) -> bool:
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return False
 
 
 def save_queue() -> DaemonPool:
