@@ -85,6 +85,18 @@ def _arena_pool() -> ArenaPool:
         return _arenas
 
 
+@workers.after_fork_in_child
+def _forget_parent_saves() -> None:
+    """In a forked child: its own arenas (the parent's may be in memory shared with the
+    parent's writer process, or leased to a save whose thread the child lacks), and none
+    of the parent's unobserved failures (they are the parent's to raise)."""
+    global _unobserved_lock, _arenas
+    _unobserved_lock = threading.Lock()
+    workers.keep_from_parent(_arenas, list(_unobserved))
+    _unobserved.clear()
+    _arenas = None
+
+
 def reserve(state_or_nbytes: Any) -> threading.Thread | None:
     """Prepare the host arena for saves of a state this big, in a background thread.
 
@@ -754,7 +766,10 @@ def load(
             allocated. None (the default): no limit besides the one every file has, its
             size times ``MAX_EXPANSION`` (the best a chunk can compress). For files from
             elsewhere.
-        **pickle_load_args: accepted for ``torch.load`` compatibility and ignored.
+        **pickle_load_args: the keyword arguments ``torch.load`` passes on to the unpickler
+            (``encoding``, ``errors``, ``fix_imports``, ``buffers``; see
+            :data:`IGNORED_PICKLE_LOAD_ARGS`): accepted and ignored. Any other keyword is a
+            ``TypeError``, as for any function.
 
     Returns:
         The saved object, with tensors on their target devices.
@@ -770,8 +785,12 @@ def load(
         Exception: a save of this process to ``f`` failed and nobody observed it.
         ValueError: a tensor in ``into`` differs in shape or dtype from the saved one, or
             ``max_bytes`` is negative, or ``dead_writer`` is neither ``"raise"`` nor
-            ``"load"``.
+            ``"load"``, or ``into`` shares no tensor with the file (its top-level keys are
+            named).
         MemoryBudgetError: the file needs more than ``max_bytes`` (a ``FormatError``).
+        TypeError: a keyword argument that neither ``load`` nor ``torch.load`` takes.
+        DeviceUnavailableError: ``map_location`` names a device this machine does not have
+            (checked before anything is read).
 
     Example:
         >>> import torch, asyncckpt, tempfile, os
@@ -780,6 +799,7 @@ def load(
         >>> asyncckpt.load(path, map_location="cpu")
         {'step': 3, 'w': tensor([0, 1])}
     """
+    _refuse_unknown_keywords(pickle_load_args)
     del pickle_module, weights_only, mmap, pickle_load_args
     budget = Budget(max_bytes)
     if dead_writer not in pending.DEAD_WRITER_CHOICES:
@@ -806,13 +826,36 @@ def load(
     )
 
 
+#: The keyword arguments of ``torch.load`` beyond its named parameters that ``load``
+#: accepts and ignores: what ``torch.load`` passes on to ``pickle.Unpickler`` (nothing is
+#: unpickled here). ``pickle_module``, ``weights_only`` and ``mmap`` are parameters of their
+#: own. The user guide's migration table lists them.
+IGNORED_PICKLE_LOAD_ARGS = frozenset({"encoding", "errors", "fix_imports", "buffers"})
+
+
+def _refuse_unknown_keywords(extras: dict[str, Any]) -> None:
+    unknown = sorted(set(extras) - IGNORED_PICKLE_LOAD_ARGS)
+    if unknown:
+        raise TypeError(
+            f"load() got an unexpected keyword argument {unknown[0]!r} (besides its own, "
+            f"load accepts and ignores only torch.load's {sorted(IGNORED_PICKLE_LOAD_ARGS)})"
+        )
+
+
 #: How long the exit hook waits for worker threads to drop their last task's tensors.
 _EXIT_IDLE_WAIT_S = 10.0
+#: How long it waits for torch.distributed's own worker threads to finish theirs.
+_EXIT_TORCH_QUIET_S = 2.0
 
 
 @atexit.register
 def _finish_at_exit() -> None:
     """Wait for pending saves; report every failure nobody observed, and fail the exit.
+
+    Before the interpreter finalizes, the library's threads and torch.distributed's native
+    worker threads are let finish what they hold (``workers.wait_idle``,
+    ``workers.wait_torch_threads_quiet``): either, dropping a tensor during finalization,
+    aborts the process.
 
     A failed checkpoint must not look like a successful run: the failures go to stderr
     (the library's logger has no handler by default) and the process exits with status 1.
@@ -825,6 +868,7 @@ def _finish_at_exit() -> None:
     for handle in waiting:
         handle._future.exception()  # wait, without marking it observed
     workers.wait_idle(_EXIT_IDLE_WAIT_S)
+    workers.wait_torch_threads_quiet(_EXIT_TORCH_QUIET_S)
     with _unobserved_lock:
         failed = [h for h in _unobserved if not h.observed]
     failed += [h for h in waiting if h.failed() and not h.observed and h not in failed]

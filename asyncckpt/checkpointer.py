@@ -473,11 +473,15 @@ class Checkpointer:
                 save of ``step`` is raised as it is (e.g. a StorageError).
             ValueError: ranks of a collective load asked for different steps, or
                 DTensors in ``into`` with ``collective=False`` or a version not sharded,
-                or a negative ``max_bytes``.
+                a negative ``max_bytes``; ``step`` is negative; ``into`` shares no tensor
+                with the version.
             MemoryBudgetError: the version needs more than ``max_bytes``; nothing was
                 allocated from it.
+            TypeError: ``step`` is neither None nor an int (e.g. ``"latest"``).
+            DeviceUnavailableError: ``map_location`` names a device this machine lacks.
         """
         self._check_open()
+        _check_load_step(step)
         Budget(max_bytes)  # a bad value fails here, before any wait
         placement = Placement(map_location)
         use_group = self._distributed and collective is not False
@@ -658,3 +662,22 @@ def _group_timeout(group: Any) -> float:
             return timeout.total_seconds()
     backend = dist.get_backend(group)
     return float(dist.distributed_c10d._get_default_timeout(backend).total_seconds())
+
+
+def _check_load_step(step: Any) -> None:
+    """Refuse a ``step`` that ``load`` cannot mean: only None (the newest) or an int >= 0.
+
+    Example:
+        >>> _check_load_step("latest")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: step must be None (the newest) or a non-negative int, not str 'latest'...
+    """
+    accepted = "step must be None (the newest) or a non-negative int"
+    if step is not None and type(step) is not int:
+        raise TypeError(
+            f"{accepted}, not {type(step).__qualname__} {step!r}; load() or load(step=None) "
+            "loads the newest committed version"
+        )
+    if step is not None and step < 0:
+        raise ValueError(f"{accepted}, not {step}")

@@ -109,6 +109,12 @@ class UnsupportedObjectError(AsyncCkptError, TypeError):
         super().__init__(f"cannot save {key_path}: {reason}")
 
 
+class DeviceUnavailableError(AsyncCkptError, RuntimeError):
+    """``map_location`` names a device this machine does not have (CUDA on a machine
+    without it, ``cuda:3`` with two GPUs); raised before anything is read. A
+    ``RuntimeError``, as ``torch.load`` raises in the same case."""
+
+
 class StorageError(AsyncCkptError, OSError):
     """A storage backend failed to read, write, list or delete (the cause is chained)."""
 

@@ -448,8 +448,7 @@ def _forget_after_fork() -> None:
     _slots, _live_tokens, _heartbeat, _wake = {}, set(), None, threading.Event()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+workers.after_fork_in_child(_forget_after_fork)
 
 
 # -- loading --------------------------------------------------------------------------------

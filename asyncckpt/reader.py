@@ -449,7 +449,8 @@ def materialize(
         FormatError: a storage names an unknown device type, or sizes the file cannot hold.
         MemoryBudgetError: the storages would exceed ``budget``.
         ChecksumError: a chunk is damaged.
-        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
+        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one, or
+            ``into`` shares no tensor with the file (see :func:`check_overlap`).
 
     Example:
         >>> import asyncckpt, os, tempfile, torch
@@ -465,6 +466,8 @@ def materialize(
     manifest = opened.manifest
     check_devices(opened)
     targets = tensor_paths(into) if into is not None else {}
+    if into is not None:
+        check_overlap(opened, into, targets)
     pins = [placement.wants_pinned(entry.device) for entry in manifest.storages]
     # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
     # not leave the caller's tensors half overwritten.
@@ -493,6 +496,41 @@ def materialize(
     placement.synchronize()
     arrays = [_array(raw[a.storage], a.dtype, a.shape, a.scalar) for a in manifest.arrays]
     return unflatten(manifest.root, tensors, arrays, opened.name)
+
+
+def check_overlap(opened: OpenedFile, into: Any, targets: dict[str, torch.Tensor]) -> None:
+    """Refuse an ``into`` that would receive nothing from a file that holds tensors.
+
+    ``load(f, into=model.state_dict())`` of a file saved as ``{"model": ..., "optim": ...}``
+    matches no key path and would otherwise load nothing into the model, silently.
+
+    Raises:
+        ValueError: no tensor of the file has a key path that holds a tensor in ``into``;
+            names the file and both sides' top-level keys.
+    """
+    saved = [entry.key for entry in opened.manifest.tensors]
+    if not saved or any(key in targets for key in saved):
+        return
+    theirs = _top_level_keys(opened.manifest.root)
+    ours = list(into) if isinstance(into, dict) else type(into).__qualname__
+    raise ValueError(
+        f"{opened.name}: into= shares no tensor with the file, so nothing would be loaded "
+        f"into it: the file's top-level keys are {theirs}, into's are {ours}. Pass the part "
+        "of into that matches (e.g. into={'model': model.state_dict()} for a file saved as "
+        "{'model': ..., 'optim': ...}), or load without into"
+    )
+
+
+def _top_level_keys(root: Any) -> Any:
+    """The keys of the file's root dict, as saved (strings and ints as themselves)."""
+    if not isinstance(root, dict) or not ({"dict", "odict"} & set(root)):
+        return "(not a dict)"
+    pairs = root.get("dict", root.get("odict"))
+    if not isinstance(pairs, list):
+        return "(not a dict)"
+    return [
+        p[0] if isinstance(p, list) and p and not isinstance(p[0], dict) else "?" for p in pairs
+    ]
 
 
 def check_devices(opened: OpenedFile) -> None:

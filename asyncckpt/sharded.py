@@ -390,23 +390,29 @@ def split_state(state: Any) -> RankState:
     return RankState(_rebuilt(state, (), replaced, above), stored)
 
 
-#: Local chunk lists by (mesh, placements, global shape), which determine them on a rank.
-#: Computing one costs tens of microseconds per DTensor (hundreds of DTensors in a model and
-#: its optimizer state: milliseconds of every save's stall), and a training state has the
-#: same few keys at every save.
-_chunk_cache: dict[tuple[Any, ...], list[Any]] = {}
+#: Local chunk lists by mesh, then (placements, global shape): together they determine them
+#: on a rank. Computing one costs tens of microseconds per DTensor (hundreds of DTensors in
+#: a model and its optimizer state: milliseconds of every save's stall), and a training
+#: state has the same few keys at every save. The mesh is held weakly: a DeviceMesh holds
+#: its ProcessGroups, and a cache that kept it would keep them, and their worker threads,
+#: alive after ``destroy_process_group()``, into the interpreter's shutdown.
+_chunk_cache: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[Any]]]
+_chunk_cache = weakref.WeakKeyDictionary()
 _CHUNK_CACHE_MAX: Final = 4096
 
 
 def _chunks(dt: Any) -> list[Any]:
     """``dt.__create_chunk_list__()``, from :data:`_chunk_cache` when it was seen before."""
-    key = (dt.device_mesh, tuple(dt.placements), dt.shape)
-    chunks = _chunk_cache.get(key)
+    by_layout = _chunk_cache.get(dt.device_mesh)
+    if by_layout is None:
+        by_layout = _chunk_cache[dt.device_mesh] = {}
+    key = (tuple(dt.placements), dt.shape)
+    chunks = by_layout.get(key)
     if chunks is None:
         chunks = dt.__create_chunk_list__()
-        if len(_chunk_cache) >= _CHUNK_CACHE_MAX:
-            _chunk_cache.clear()
-        _chunk_cache[key] = chunks
+        if len(by_layout) >= _CHUNK_CACHE_MAX:
+            by_layout.clear()
+        by_layout[key] = chunks
     return chunks
 
 

@@ -260,16 +260,34 @@ class WriterProcess:
         except subprocess.TimeoutExpired:  # alive but not answering: it cannot be trusted
             self.process.kill()
             code = self.process.wait()
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                how = f"was killed by {signal.Signals(-code).name}"
-        else:
-            how = f"exited with status {code}"
         self.lost = (
-            f"the writer process (pid {self.pid}) {how} while writing {where}; that file was "
-            "not replaced. The next save starts a new writer process"
+            f"the writer process (pid {self.pid}) {_death(code)} while writing {where}; that "
+            "file was not replaced. The next save starts a new writer process"
         )
         return self.lost
+
+    def usable(self) -> bool:
+        """Whether the child can take a write: not lost, and not dead since its last one
+        (a child killed between saves is replaced before the next, which then succeeds)."""
+        return self.lost is None and self.process.poll() is None
+
+
+def _death(code: int) -> str:
+    """How a child that ended with ``Popen.returncode`` ``code`` died, in words.
+
+    Example:
+        >>> _death(-9), _death(3)
+        ('was killed by SIGKILL', 'exited with status 3')
+    """
+    if code >= 0:
+        return f"exited with status {code}"
+    number = -code
+    try:
+        return f"was killed by {signal.Signals(number).name}"
+    except ValueError:  # a real-time signal has no name of its own
+        offset = number - signal.SIGRTMIN
+        name = f"SIGRTMIN+{offset}" if 0 < offset <= signal.SIGRTMAX - signal.SIGRTMIN else "?"
+        return f"was killed by signal {number} ({name})"
 
 
 def _rebuilt(answer: tuple[Any, ...], pid: int, where: str) -> BaseException:
@@ -372,7 +390,7 @@ def current() -> WriterProcess | None:
 def _broken(future: Future[WriterProcess]) -> bool:
     if not future.done():
         return False
-    return future.exception() is not None or future.result().lost is not None
+    return future.exception() is not None or not future.result().usable()
 
 
 def write(
@@ -501,8 +519,7 @@ def _forget_after_fork() -> None:
         future.result().close()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+workers.after_fork_in_child(_forget_after_fork)
 
 
 # ----------------------------------------------------------------------------- the child

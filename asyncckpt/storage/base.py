@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 from ..errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
+from ..workers import after_fork_in_child
 
 TEMP_MARK = ".acktmp-"
 #: The storage option that lets an object store without conditional writes be used anyway.
@@ -370,6 +371,14 @@ def _process_lock(storage: Storage, path: str) -> Iterator[None]:
         lock = _marker_locks.setdefault(key, threading.Lock())
     with lock:
         yield
+
+
+@after_fork_in_child
+def _free_create_lock() -> None:
+    """In a forked child: a thread of the parent may have held the lock at the fork. It is
+    released in place, not replaced: ``storage.generic`` holds the same object."""
+    if _create_lock.locked():
+        _create_lock.release()
 
 
 def content_tag(data: bytes) -> str:

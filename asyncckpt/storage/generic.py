@@ -41,6 +41,7 @@ from fsspec.asyn import AsyncFileSystem
 from fsspec.spec import AbstractBufferedFile
 
 from ..errors import CheckpointNotFoundError, ConflictError, FormatError
+from ..workers import after_fork_in_child
 from .base import (
     AtomicWriter,
     ReadHandle,
@@ -66,6 +67,13 @@ _UNSUPPORTED = (NotImplementedError, TypeError, ValueError)
 
 _warned_lock = threading.Lock()
 _warned: set[type[Any]] = set()
+
+
+@after_fork_in_child
+def _renew_warned_lock() -> None:
+    """In a forked child: a thread of the parent may have held the lock at the fork."""
+    global _warned_lock
+    _warned_lock = threading.Lock()
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
