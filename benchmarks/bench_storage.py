@@ -340,6 +340,8 @@ def _one_size(
                     " s",
                     flush=True,
                 )
+            except ImportError as exc:  # the bench extra is not installed: a row, not a failure
+                entry["peers"][peer] = {"not_installed": f"{type(exc).__name__}: {exc}"[:500]}
             except Exception as exc:  # a peer that does not run here is a row that says so
                 entry["peers"][peer] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 errors.setdefault(f"peer/{peer}", entry["peers"][peer]["error"])

@@ -239,7 +239,7 @@ def test_run_all_quick(tmp_path: Path, report: ModuleType) -> None:
     summary = json.loads((out / "run_all.json").read_text())
     assert summary["quick"] is True and number(summary["machine"]["cpu_count"])
     status = {r["name"]: r["status"] for r in summary["runs"]}
-    ran = {"codec", "memory", "train", "gil", "sharded"}
+    ran = {"codec", "memory", "train", "gil", "sharded", "dropin"}
     assert {k: status[k] for k in ran} == dict.fromkeys(ran, "ok"), status
     assert status["save"] == "reused" and status["storage"] == status["peers"] == "not run"
     rows = {r["id"]: r for r in summary["figures"]}
@@ -312,6 +312,7 @@ BENCH_JSON = {
     "train": "bench_train.json",
     "gil": "gil_window.json",
     "sharded": "bench_sharded.json",
+    "dropin": "bench_dropin.json",
 }
 #: Rows a quick run cannot define: ratios of differences of tiny step times (torch.save may
 #: cost nothing measurable), the 50-save leak check (left out of --quick), the fake
