@@ -40,8 +40,15 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
     ),
     "auto_prior_write_mb_s": (
         100,
-        'compression="auto": write bandwidth (MB/s) assumed for a storage target not '
-        "measured yet in this process; low, so that a process starts by compressing",
+        'compression="auto": write bandwidth (MB/s) assumed for an object store, network '
+        "filesystem or other storage target not measured yet in this process; low, so "
+        "that a process starts by compressing there",
+    ),
+    "auto_prior_local_mb_s": (
+        1000,
+        'compression="auto": write bandwidth (MB/s) assumed for a local disk not measured '
+        "yet in this process; high, so that a job's first saves to a fast disk do not "
+        "compress for nothing",
     ),
     "auto_prior_encode_mb_s": (
         1000,

@@ -18,14 +18,13 @@ import collections
 import datetime
 import functools
 import sys
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
-from . import autocompress, config
+from . import autocompress, config, cpu
 from ._version import __version__
 from .autocompress import AutoRun, AutoSettings
 from .codec import EncodeReport, checksum, encode_chunk
@@ -69,6 +68,9 @@ class WriteOptions:
     writeback_bytes: int = field(
         default_factory=lambda: config.tunable("writeback_mib", None) << 20
     )
+    #: CPU cores the rest of the machine left idle when the save started (None: unknown),
+    #: for ``compression="auto"``.
+    spare_cores: float | None = field(default_factory=lambda: cpu.spare_cores())
 
 
 @dataclass(frozen=True)
@@ -105,16 +107,16 @@ def write_snapshot(
     with storage.atomic_write(path) as out:
         out.writeback_bytes = options.writeback_bytes
         size = _write_body(out, snap, options, auto, progress)
-        committing = time.perf_counter()
+        committing = cpu.ThreadClock.now()
     if auto is not None:
-        auto.committed(time.perf_counter() - committing, size)
+        auto.committed((cpu.ThreadClock.now() - committing).busy, size)
     return size
 
 
 def _auto_run(storage: Storage, path: str, options: WriteOptions) -> AutoRun | None:
     if options.compression != "auto":
         return None
-    return autocompress.for_write(storage, path, options.auto, options.threads)
+    return autocompress.for_write(storage, path, options.auto, options.threads, options.spare_cores)
 
 
 def _write_body(
@@ -161,11 +163,12 @@ def write_chunks(
     ``ready`` and ``copied`` follow a copy still going on (see :func:`_encode_all`).
     """
     for batch in _encode_all(storages, options, ready, auto, copied):
-        started = time.perf_counter()
+        started = cpu.ThreadClock.now() if auto is not None else None
         payload = batch[0].payload if len(batch) == 1 else b"".join(e.payload for e in batch)
         out.write(payload)
-        if auto is not None:
-            auto.wrote(time.perf_counter() - started, len(payload))
+        if auto is not None and started is not None:
+            # Not the time spent waiting for a busy core: that is the CPU's, not the store's.
+            auto.wrote((cpu.ThreadClock.now() - started).busy, len(payload))
         for enc in batch:
             chunks.append(Chunk(offset, len(enc.payload), enc.raw_len, enc.codec, enc.crc32))
             offset += len(enc.payload)
