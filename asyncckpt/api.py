@@ -307,7 +307,7 @@ def save(
     _use_new_zipfile_serialization: Any = None,
     _disable_byteorder_record: Any = None,
     *,
-    compression: str = "zstd",
+    compression: str = "auto",
     storage_options: dict[str, Any] | None = None,
 ) -> SaveHandle:
     """Save ``obj`` to ``f`` in the background; return once ``obj`` is snapshotted.
@@ -333,9 +333,11 @@ def save(
         pickle_protocol: accepted and ignored, likewise.
         _use_new_zipfile_serialization: accepted and ignored (the format is asyncckpt's own).
         _disable_byteorder_record: accepted and ignored (the byte order is always recorded).
-        compression: ``"zstd"`` (default; byte-grouped for floats), ``"none"``, or
-            ``"auto"`` (compress a byte plane only when the write time it saves exceeds its
-            encode time, as measured; see the user guide).
+        compression: ``"auto"`` (default: compress a byte plane only where the write
+            time it saves exceeds its encode time on the cores the rest of the machine
+            leaves idle, as measured; see the user guide), ``"zstd"`` (byte-grouped for
+            floats, every plane that shrinks; the smallest file, the same bytes for the
+            same state) or ``"none"``.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
 
     Returns:
