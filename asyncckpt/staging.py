@@ -114,6 +114,15 @@ class StagedStorage:
     is_float: bool
     device: str  # where the bytes came from
 
+    @property
+    def nbytes(self) -> int:
+        """The storage's length in bytes."""
+        return self.data.numel()
+
+    def view(self) -> memoryview:
+        """The staged bytes (see :func:`byte_view`)."""
+        return byte_view(self.data)
+
 
 @dataclass
 class Snapshot:
