@@ -292,9 +292,12 @@ def stage(
     ``on_layout`` lets a writer start before the copy ends (see ``staging.snapshot``).
     ``options``: those of the background write that follows; if they ask for a writer
     process, the arena is in shared memory and the process is started (if need be).
+    Without them (a write on this thread), the arena is in shared memory all the same
+    when writer processes are on: the saves that follow reuse it instead of replacing it.
     """
-    shared = options is not None and writer_process.wanted(options)
-    if shared:
+    if options is None:
+        shared = writer_process.shares_arenas()
+    elif shared := writer_process.wanted(options):
         writer_process.start()
     return snapshot(flatten(obj), _arena_pool(), overlap, on_layout, shared)
 

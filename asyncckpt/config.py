@@ -79,10 +79,11 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         "the cores they share with a write, which fills the gaps",
     ),
     "writer_processes": (
-        0,
-        "0: background writes run on threads of this process; 1: in a child process that "
-        "maps the snapshot's shared-memory arena (Linux), so the write never takes this "
-        "process's GIL (see the user guide, 'Writing in a separate process')",
+        1,
+        "1: background writes run in a child process that maps the snapshot's "
+        "shared-memory arena (Linux; elsewhere, and for storages that live in this "
+        "process's memory, on threads), so the write never takes this process's GIL; 0: on "
+        "threads of this process (see the user guide, 'Writing in a separate process')",
     ),
     "writeback_mib": (
         32,

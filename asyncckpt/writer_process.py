@@ -1,14 +1,15 @@
 """Background writes in a child process, so that they never take the caller's GIL.
 
-With the ``writer_processes`` tunable at 1, a save stages its state into an arena in shared
-memory (a memfd; see ``staging.shared_region``) and its background job hands the write to
-one long-lived child process. The job sends the snapshot's layout, the storage and the
-options over a Unix socket, with each arena's memfd the first time it is used; the child
-maps the arena and runs :func:`asyncckpt.writer.write_snapshot` on it (encode, compress,
-checksum, write, fsync, rename) and answers with the file's size, or with the error. The
-save thread of the caller's process only waits on the socket, which releases the GIL, so the
-training thread keeps the interpreter to itself (with threads, the writer's Python parts take
-it at every switch interval: GIL time is stall where kernel launches are Python).
+With the ``writer_processes`` tunable at 1 (the default), a save stages its state into an
+arena in shared memory (a memfd; see ``staging.shared_region``) and its background job
+hands the write to one long-lived child process. The job sends the snapshot's layout, the
+storage and the options over a Unix socket, with each arena's memfd the first time it is
+used; the child maps the arena and runs :func:`asyncckpt.writer.write_snapshot` on it
+(encode, compress, checksum, write, fsync, rename) and answers with the file's size, or
+with the error. The save thread of the caller's process only waits on the socket, which
+releases the GIL, so the training thread keeps the interpreter to itself (with threads, the
+writer's Python parts take it at every switch interval: GIL time is stall where kernel
+launches are Python).
 
 What stays in the caller's process: the copy into the arena (what ``save`` blocks for), and
 for a versioned root the commit, the lease and its heartbeat, and retention: small files,
@@ -27,9 +28,11 @@ The child
     beside it removed; an object store's unfinished upload is left to the root's next
     recovery), and the next save starts a new child.
 
-A write stays on this process's threads, with a warning once per reason, when the child
-could not do it: a storage whose files live in this process's memory (``memory://``), one
-that cannot be pickled, an arena not in shared memory, or a platform without memfd.
+A write stays on this process's threads when the child could not do it: a storage whose
+files live in this process's memory (``memory://``, a caller's file object), one that cannot
+be pickled, an arena not in shared memory (pinned memory that could not be shared), or a
+platform without memfd. That is said once per reason: as a warning if the caller set
+``ASYNCCKPT_WRITER_PROCESSES``, as a debug message if it is the default.
 """
 
 from __future__ import annotations
@@ -359,6 +362,19 @@ def wanted(options: WriteOptions) -> bool:
     return True
 
 
+def shares_arenas() -> bool:
+    """Whether arenas go in shared memory: writer processes are on (``writer_processes``)
+    and memfd exists. Saves written on threads take such an arena as well.
+
+    Example:
+        >>> isinstance(shares_arenas(), bool)
+        True
+    """
+    from .staging import shared_memory_supported
+
+    return config.tunable("writer_processes", None) == 1 and shared_memory_supported()
+
+
 def start() -> Future[WriterProcess]:
     """Start the writer process if none is running; return it (as a future: it may still
     be starting). A dedicated thread starts it: on Linux the child's death signal follows
@@ -526,11 +542,15 @@ def _unwritable(storage: Storage) -> str | None:
 
 
 def _warn_once(message: str) -> None:
+    """Say once why a write stays on threads: a warning if the caller asked for the writer
+    process (``ASYNCCKPT_WRITER_PROCESSES`` is set), else a debug message, since falling
+    back is then the default's documented behaviour (``memory://``, file objects)."""
     with _lock:
         if message in _warned:
             return
         _warned.add(message)
-    log.warning("%s", message)
+    explicit = "ASYNCCKPT_WRITER_PROCESSES" in os.environ
+    log.log(logging.WARNING if explicit else logging.DEBUG, "%s", message)
 
 
 def _forget_after_fork() -> None:
