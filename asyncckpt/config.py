@@ -61,7 +61,7 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         "writes and encodes (a prior counts as one window)",
     ),
     "auto_explore_mib": (
-        256,
+        4096,
         'compression="auto": while the rates say raw, one chunk per this many MiB held '
         "back is compressed anyway, so that what compression costs stays measured",
     ),
