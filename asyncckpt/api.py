@@ -17,13 +17,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from . import config, workers, writer_process
+from . import config, pending, workers, writer_process
 from .codec import check_compression
-from .errors import CheckpointTimeoutError
+from .errors import AsyncCkptError, CheckpointTimeoutError
 from .placement import MapLocation, Placement
-from .reader import materialize, open_file
+from .reader import Budget, materialize, read_file
 from .staging import ArenaPool, Snapshot, arena_bytes, snapshot
-from .storage import AtomicWriter, Storage, resolve
+from .storage import AtomicWriter, ReadHandle, Storage, resolve
 from .storage.base import errors_as
 from .tree import flatten
 from .writer import WriteOptions, write_snapshot
@@ -83,6 +83,18 @@ def _arena_pool() -> ArenaPool:
         if _arenas is None:
             _arenas = ArenaPool(config.tunable("max_inflight", None))
         return _arenas
+
+
+@workers.after_fork_in_child
+def _forget_parent_saves() -> None:
+    """In a forked child: its own arenas (the parent's may be in memory shared with the
+    parent's writer process, or leased to a save whose thread the child lacks), and none
+    of the parent's unobserved failures (they are the parent's to raise)."""
+    global _unobserved_lock, _arenas
+    _unobserved_lock = threading.Lock()
+    workers.keep_from_parent(_arenas, list(_unobserved))
+    _unobserved.clear()
+    _arenas = None
 
 
 def reserve(state_or_nbytes: Any) -> threading.Thread | None:
@@ -374,14 +386,59 @@ def save(
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options)
+    marker = _MarkerStart(storage, path)
     _, handle = stage_and_submit(
-        lambda on_layout: stage(obj, on_layout=on_layout, options=options),
-        lambda snap: writer_process.write(snap, storage, path, options),
+        lambda on_layout: stage(obj, on_layout=marker.then(on_layout), options=options),
+        lambda snap: marker.write(snap, options),
         storage.describe(path),
         started,
         _target(storage, path),
     )
     return handle
+
+
+class _MarkerStart:
+    """A drop-in save's marker (``asyncckpt.pending``): written once the state is
+    validated and its arena leased, before ``save`` returns and before the background
+    write can publish; checked right before the write publishes; deleted when it ends.
+
+    A marker that cannot be written fails the save's handle (as a failed write would),
+    and the file is left alone.
+    """
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self.storage, self.path = storage, path
+        self.check: pending.MarkerCheck | None = None
+        self.failure: AsyncCkptError | None = None
+
+    def then(self, on_layout: Callable[[Snapshot], None]) -> Callable[[Snapshot], None]:
+        def layout(snap: Snapshot) -> None:
+            try:
+                self.check = pending.begin(self.storage, self.path)
+            except AsyncCkptError as exc:
+                self.failure = exc
+            try:
+                on_layout(snap)
+            except BaseException as exc:  # no job will end this save: end it here
+                if self.check is not None:
+                    pending.finish(self.check, exc)
+                raise
+
+        return layout
+
+    def write(self, snap: Snapshot, options: WriteOptions) -> int:
+        if self.failure is not None:
+            raise self.failure
+        check = self.check
+        try:
+            size = writer_process.write(snap, self.storage, self.path, options, guard=check)
+        except BaseException as exc:
+            if check is not None:
+                pending.finish(check, exc)
+            raise
+        if check is not None:
+            pending.finish(check)
+        return size
 
 
 def stage_and_submit(
@@ -596,6 +653,11 @@ class StreamStorage(Storage):
                 length -= len(part)
         return b"".join(parts)
 
+    def open_read(self, path: str) -> ReadHandle:
+        """The object from its position when first measured to its end, read under the lock
+        (the caller's object is the one version there is)."""
+        return _StreamHandle(self)
+
     def exists(self, path: str) -> bool:
         return True
 
@@ -610,6 +672,17 @@ class StreamStorage(Storage):
 
     def delete_tree(self, path: str) -> None:
         raise TypeError("a file object cannot be deleted")
+
+
+class _StreamHandle(ReadHandle):
+    """A caller's file object, read through its :class:`StreamStorage`."""
+
+    def __init__(self, storage: StreamStorage) -> None:
+        super().__init__(storage.describe(""), storage.size(""))
+        self.storage = storage
+
+    def read_range(self, start: int, length: int) -> bytes:
+        return self.storage.read_range("", start, length)
 
 
 def _target(storage: Storage, path: str) -> tuple[str, str]:
@@ -658,14 +731,18 @@ def load(
     *,
     storage_options: dict[str, Any] | None = None,
     into: Any = None,
+    dead_writer: str = "raise",
     weights_only: bool | None = None,
     mmap: bool | None = None,
+    max_bytes: int | None = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load an object saved by :func:`save`, verifying every checksum. Never unpickles.
 
     If this process has a save to ``f`` still in flight, the load waits for it first, and
-    raises that save's failure if nobody has seen it yet.
+    raises that save's failure if nobody has seen it yet. A save to ``f`` by another
+    process that returned before this load began is waited for too (its marker
+    ``f.ackpending``; see docs/PROTOCOL.md §8).
 
     Args:
         f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object
@@ -680,22 +757,45 @@ def load(
             saved tensor whose key path matches a tensor there is copied into it (CPU
             tensors of the same shape and dtype are read straight into their memory, with
             no second copy) and the returned object holds those tensors.
+        dead_writer: what to do when a save of ``f`` was in flight in a process that is now
+            dead (it left its marker): ``"raise"`` ``CheckpointTimeoutError`` (default), or
+            ``"load"`` the file as it is, the previous save's state, with a warning: for a
+            job resuming after that very process crashed.
         weights_only: accepted and ignored: loading is always as safe as
             ``weights_only=True`` because nothing is unpickled.
         mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
             read into memory rather than mapped.
-        **pickle_load_args: accepted for ``torch.load`` compatibility and ignored.
+        max_bytes: at most this many bytes of host memory for the decoded data (the sum of
+            the file's storages, all read into fresh buffers); a file that needs more
+            raises :class:`~asyncckpt.errors.MemoryBudgetError` before anything is
+            allocated. None (the default): no limit besides the one every file has, its
+            size times ``MAX_EXPANSION`` (the best a chunk can compress). For files from
+            elsewhere.
+        **pickle_load_args: the keyword arguments ``torch.load`` passes on to the unpickler
+            (``encoding``, ``errors``, ``fix_imports``, ``buffers``; see
+            :data:`IGNORED_PICKLE_LOAD_ARGS`): accepted and ignored. Any other keyword is a
+            ``TypeError``, as for any function.
 
     Returns:
         The saved object, with tensors on their target devices.
 
     Raises:
         CheckpointNotFoundError: no file at ``f``.
+        CheckpointTimeoutError: a save of ``f`` by another process is in flight and that
+            process is dead (``dead_writer="raise"``): on this machine its pid is gone, or
+            its marker has not changed for ``lease_expiry_ms``.
         ChecksumError: a chunk is corrupt (names the chunk and the keys in it).
         FormatError: the file is not a complete asyncckpt file.
         StorageError: the backend failed.
         Exception: a save of this process to ``f`` failed and nobody observed it.
-        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
+        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one, or
+            ``max_bytes`` is negative, or ``dead_writer`` is neither ``"raise"`` nor
+            ``"load"``, or ``into`` shares no tensor with the file (its top-level keys are
+            named).
+        MemoryBudgetError: the file needs more than ``max_bytes`` (a ``FormatError``).
+        TypeError: a keyword argument that neither ``load`` nor ``torch.load`` takes.
+        DeviceUnavailableError: ``map_location`` names a device this machine does not have
+            (checked before anything is read).
 
     Example:
         >>> import torch, asyncckpt, tempfile, os
@@ -704,12 +804,19 @@ def load(
         >>> asyncckpt.load(path, map_location="cpu")
         {'step': 3, 'w': tensor([0, 1])}
     """
+    _refuse_unknown_keywords(pickle_load_args)
     del pickle_module, weights_only, mmap, pickle_load_args
+    budget = Budget(max_bytes)
+    if dead_writer not in pending.DEAD_WRITER_CHOICES:
+        raise ValueError(
+            f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
+        )
     placement = Placement(map_location)
     storage: Storage
     if isinstance(f, (str, os.PathLike)):
         storage, path = resolve(f, storage_options)
         _wait_for_writes_to(storage, path)
+        pending.wait_for_saves(storage, path, dead_writer)  # of other processes
     elif is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
         # From its position to its end, as torch.load reads.
         storage, path = StreamStorage(f), ""
@@ -718,17 +825,42 @@ def load(
             f"expected a path, os.PathLike, fsspec URL or binary file object open for "
             f"reading, got {_stream_label(f)}; open the file with mode 'rb', or pass its path"
         )
-    opened = open_file(storage, path)
-    return materialize(opened, placement, config.tunable("threads", None), into)
+    threads = config.tunable("threads", None)
+    return read_file(
+        storage, path, lambda opened: materialize(opened, placement, threads, into, budget), budget
+    )
+
+
+#: The keyword arguments of ``torch.load`` beyond its named parameters that ``load``
+#: accepts and ignores: what ``torch.load`` passes on to ``pickle.Unpickler`` (nothing is
+#: unpickled here). ``pickle_module``, ``weights_only`` and ``mmap`` are parameters of their
+#: own. The user guide's migration table lists them.
+IGNORED_PICKLE_LOAD_ARGS = frozenset({"encoding", "errors", "fix_imports", "buffers"})
+
+
+def _refuse_unknown_keywords(extras: dict[str, Any]) -> None:
+    unknown = sorted(set(extras) - IGNORED_PICKLE_LOAD_ARGS)
+    if unknown:
+        raise TypeError(
+            f"load() got an unexpected keyword argument {unknown[0]!r} (besides its own, "
+            f"load accepts and ignores only torch.load's {sorted(IGNORED_PICKLE_LOAD_ARGS)})"
+        )
 
 
 #: How long the exit hook waits for worker threads to drop their last task's tensors.
 _EXIT_IDLE_WAIT_S = 10.0
+#: How long it waits for torch.distributed's own worker threads to finish theirs.
+_EXIT_TORCH_QUIET_S = 2.0
 
 
 @atexit.register
 def _finish_at_exit() -> None:
     """Wait for pending saves; report every failure nobody observed, and fail the exit.
+
+    Before the interpreter finalizes, the library's threads and torch.distributed's native
+    worker threads are let finish what they hold (``workers.wait_idle``,
+    ``workers.wait_torch_threads_quiet``): either, dropping a tensor during finalization,
+    aborts the process.
 
     A failed checkpoint must not look like a successful run: the failures go to stderr
     (the library's logger has no handler by default) and the process exits with status 1.
@@ -741,6 +873,7 @@ def _finish_at_exit() -> None:
     for handle in waiting:
         handle._future.exception()  # wait, without marking it observed
     workers.wait_idle(_EXIT_IDLE_WAIT_S)
+    workers.wait_torch_threads_quiet(_EXIT_TORCH_QUIET_S)
     with _unobserved_lock:
         failed = [h for h in _unobserved if not h.observed]
     failed += [h for h in waiting if h.failed() and not h.observed and h not in failed]

@@ -28,7 +28,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from . import config
+from . import config, workers
 from .codec import INCOMPRESSIBLE, EncodeReport, Rates, choose_planes
 from .storage import Storage
 from .storage.generic import FsspecStorage
@@ -131,6 +131,13 @@ _encoders: _Encoders | None = None
 _plane_ratios: dict[tuple[int, int], float] = {}
 #: Targets remembered at most; the oldest is forgotten first.
 _MAX_TARGETS = 64
+
+
+@workers.after_fork_in_child
+def _renew_lock() -> None:
+    """In a forked child: a save thread of the parent may have held the lock at the fork."""
+    global _auto_lock
+    _auto_lock = threading.Lock()
 
 
 def reset() -> None:

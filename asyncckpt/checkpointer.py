@@ -41,7 +41,8 @@ from .errors import (
     StorageError,
 )
 from .placement import MapLocation, Placement
-from .protocol import SHARDED, data_file_name, mark_failed, read_commit, step_dir
+from .protocol import SHARDED, data_file_name, read_commit, step_dir
+from .reader import Budget
 from .root_reader import RootReader
 from .root_writer import FencedError, RootWriter
 from .staging import Snapshot
@@ -366,19 +367,15 @@ class Checkpointer:
                     f"step {step} was committed under {self.root} by another writer (id "
                     f"{winner.writer}) while this one was writing it"
                 ) from exc
-        mark_failed(self._storage, self._root, step, exc)
+        self._writer.mark_failed(step, exc)  # names this attempt; only while the lease holds
 
     def _forget_step(self, step: int) -> None:
         """Remove the directory an aborted write created for ``step``, if it holds nothing.
 
-        Only if empty: a fenced writer of the same step may still have a file in it.
+        Only if empty (a fenced writer of the same step may still have a file in it), and
+        only while this writer holds the lease.
         """
-        where = step_dir(self._storage, self._root, step)
-        try:
-            if not self._storage.list_dir(where):
-                self._storage.delete_tree(where)
-        except AsyncCkptError as exc:  # an empty directory is harmless; recovery removes it
-            log.warning("could not remove %s: %s", self._storage.describe(where), exc)
+        self._writer.remove_empty_step(step)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until this process's pending saves are committed.
@@ -429,6 +426,7 @@ class Checkpointer:
         timeout: float | None = None,
         collective: bool | None = None,
         into: Any = None,
+        max_bytes: int | None = None,
     ) -> Any:
         """Load a committed version; with a process group, every rank gets the same one.
 
@@ -459,6 +457,9 @@ class Checkpointer:
             collective: False to load independently even when a group is initialized.
             into: an existing state to load into in place, as in :func:`asyncckpt.load`
                 (DTensors included, for a sharded version).
+            max_bytes: at most this many bytes of host memory for decoded data (as in
+                :func:`asyncckpt.load`; for a consolidated sharded version, the whole
+                tensors count too); None: no limit besides what the files' sizes bound.
 
         Returns:
             The saved state.
@@ -471,15 +472,24 @@ class Checkpointer:
                 deleted while it was being read. On the writer, the failure of its own
                 save of ``step`` is raised as it is (e.g. a StorageError).
             ValueError: ranks of a collective load asked for different steps, or
-                DTensors in ``into`` with ``collective=False`` or a version not sharded.
+                DTensors in ``into`` with ``collective=False`` or a version not sharded,
+                a negative ``max_bytes``; ``step`` is negative; ``into`` shares no tensor
+                with the version.
+            MemoryBudgetError: the version needs more than ``max_bytes``; nothing was
+                allocated from it.
+            TypeError: ``step`` is neither None nor an int (e.g. ``"latest"``).
+            DeviceUnavailableError: ``map_location`` names a device this machine lacks.
         """
         self._check_open()
+        _check_load_step(step)
+        Budget(max_bytes)  # a bad value fails here, before any wait
         placement = Placement(map_location)
         use_group = self._distributed and collective is not False
         if collective and not self._distributed:
             raise ValueError("collective=True needs an initialized torch.distributed group")
+        writer = None  # whose save of the step is awaited: the current lease holder's
         if use_group:
-            target = self._agree_on_step(step)
+            target, writer = self._agree_on_step(step)
             if timeout is None:
                 timeout = _group_timeout(self._group)
         elif step is None and self.is_writer:
@@ -489,15 +499,22 @@ class Checkpointer:
         if target is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         follow_latest = step is None and not use_group
-        self._wait_committed(target, timeout, poll=not follow_latest)
+        self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
         commit = self._reader.commit_of(target)
         if follow_latest or (commit is not None and commit.kind == SHARDED):
             # Either kind, and a version retired between choosing and reading it.
             return sharded_load.load(
-                self, target, commit, placement, into, use_group, follow_latest=follow_latest
+                self,
+                target,
+                commit,
+                placement,
+                into,
+                use_group,
+                follow_latest=follow_latest,
+                max_bytes=max_bytes,
             )
         sharded_load.refuse_dtensors(target, self.root, into)
-        return self._reader.read(target, placement, into)
+        return self._reader.read(target, placement, into, Budget(max_bytes))
 
     def _newest_expected(self) -> int | None:
         with self._lock:
@@ -506,8 +523,13 @@ class Checkpointer:
         candidates = [s for s in [*pending, committed] if s is not None]
         return max(candidates) if candidates else None
 
-    def _agree_on_step(self, step: int | None) -> int | None:
-        """One ``all_gather`` of (the writer's choice or error, the step each rank asked)."""
+    def _agree_on_step(self, step: int | None) -> tuple[int | None, str]:
+        """One ``all_gather`` of (the writer's choice or error, the step each rank asked, the
+        writer's token); returns the agreed step and the writer's token.
+
+        The token tells every rank whose save of the step it waits for: a ``FAILED`` marker
+        another job left for the same step is not that save's failure.
+        """
         choice, error = _NO_STEP, None
         if self.is_writer:
             try:
@@ -517,21 +539,24 @@ class Checkpointer:
                 error = exc
                 choice = -2 - _error_index(exc)
         asked = _NO_STEP if step is None else step
-        mine = torch.tensor([choice, asked], dtype=torch.int64, device=self._collective_device())
+        token = int(self._token, 16) if self.is_writer else 0  # 48 bits: fits an int64
+        mine = torch.tensor(
+            [choice, asked, token], dtype=torch.int64, device=self._collective_device()
+        )
         world = dist.get_world_size(self._group)
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=self._group)
-        rows = [(int(t[0].item()), int(t[1].item())) for t in gathered]
+        rows = [tuple(int(v) for v in t.tolist()) for t in gathered]
         if error is not None:
             raise error
-        agreed = rows[self.writer_rank][0]
+        agreed, writer = rows[self.writer_rank][0], f"{rows[self.writer_rank][2]:012x}"
         if agreed <= -2:
             kind = _COLLECTIVE_ERRORS[min(-2 - agreed, len(_COLLECTIVE_ERRORS) - 1)]
             raise kind(
                 f"the writer rank ({self.writer_rank}) failed to choose the step to load "
                 f"from {self.root}; its error is in its own log"
             )
-        asked_by = sorted({a for _, a in rows})
+        asked_by = sorted({row[1] for row in rows})
         if len(asked_by) > 1:
             shown = ", ".join("newest" if a == _NO_STEP else str(a) for a in asked_by)
             raise ValueError(
@@ -542,18 +567,22 @@ class Checkpointer:
             # Every rank finished the previous collective load before entering this one, so
             # only the step agreed now can still be in use by a slow rank: retention spares it.
             self._agreed_step = agreed
-        return None if agreed < 0 else agreed
+        return (None if agreed < 0 else agreed), writer
 
     def _collective_device(self) -> torch.device:
         if dist.get_backend(self._group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def _wait_committed(self, step: int, timeout: float | None, poll: bool) -> None:
+    def _wait_committed(
+        self, step: int, timeout: float | None, poll: bool, writer: str | None = None
+    ) -> None:
         """Wait for this process's own save of ``step``, then (if ``poll``) for storage.
 
         Without ``poll`` the step is known to be committed already (or to be this
         process's own save); if retention removes it meanwhile, the read moves on.
+        ``writer``: the token of the writer whose save is awaited (a collective load's
+        writer rank), else the current lease holder's.
         """
         if self.is_writer:
             with self._lock:
@@ -561,7 +590,7 @@ class Checkpointer:
             for handle in mine:
                 handle.result(timeout)
         if poll:
-            self._reader.wait(step, timeout)
+            self._reader.wait(step, timeout, writer)
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -633,3 +662,22 @@ def _group_timeout(group: Any) -> float:
             return timeout.total_seconds()
     backend = dist.get_backend(group)
     return float(dist.distributed_c10d._get_default_timeout(backend).total_seconds())
+
+
+def _check_load_step(step: Any) -> None:
+    """Refuse a ``step`` that ``load`` cannot mean: only None (the newest) or an int >= 0.
+
+    Example:
+        >>> _check_load_step("latest")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: step must be None (the newest) or a non-negative int, not str 'latest'...
+    """
+    accepted = "step must be None (the newest) or a non-negative int"
+    if step is not None and type(step) is not int:
+        raise TypeError(
+            f"{accepted}, not {type(step).__qualname__} {step!r}; load() or load(step=None) "
+            "loads the newest committed version"
+        )
+    if step is not None and step < 0:
+        raise ValueError(f"{accepted}, not {step}")

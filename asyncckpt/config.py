@@ -96,12 +96,18 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         "bytes of host memory one load may pin for copies to CUDA; storages past it are "
         "read into pageable memory",
     ),
-    # The writer lease (docs/PROTOCOL.md, "Roles and the writer lease").
-    "lease_renew_ms": (5_000, "how often a writer rewrites its lease record (its heartbeat)"),
+    # The writer lease (docs/PROTOCOL.md, "Roles and the writer lease"), and the marker of a
+    # drop-in save in flight ("Drop-in save and load across processes").
+    "lease_renew_ms": (
+        5_000,
+        "how often a writer rewrites its lease record, and a drop-in save its marker "
+        "(their heartbeat)",
+    ),
     "lease_expiry_ms": (
         60_000,
-        "a reader waiting for a step gives up when the writer's lease has not changed for "
-        "this long (the writer died or froze)",
+        "a reader waiting for a step, or a load waiting for another process's drop-in "
+        "save, gives up when the writer's lease or save marker has not changed for this "
+        "long (the writer died or froze)",
     ),
     "lock_timeout_ms": (
         60_000,

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.metadata import (
 from . import config
 from ._version import __version__
 from .dcp.reader import Reader, read_storage_ids
-from .dcp.schema import ItemLocation
+from .dcp.schema import ItemLocation, tied_names
 from .errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 from .format import (
     ArrayEntry,
@@ -113,7 +113,7 @@ class ShardedSource:
 
     Attributes:
         storage: where the checkpoint is.
-        directory: the directory holding ``.metadata`` and the rank files.
+        directory: the directory holding the metadata and the rank files.
         metadata: the checkpoint's DCP metadata (``storage_data``: item locations).
         skeleton: the saved state; sharded tensors are zero-element placeholders.
         name: how to name the checkpoint in messages.
@@ -142,11 +142,15 @@ class ShardedSource:
                 from the metadata's key paths, and DCP's bytes items (non-tensor values,
                 ``torch.save`` bytes) are unpickled with ``weights_only=True``.
 
+        Returns:
+            The source; it keeps the rank files it reads open, pinned, until
+            :meth:`close` (it is a context manager).
+
         Raises:
-            IncompleteCheckpointError: no ``.metadata`` (not committed).
+            IncompleteCheckpointError: no metadata (not committed).
             FormatError: the metadata or a rank file is malformed.
         """
-        reader = Reader.at(storage, directory)
+        reader = Reader.at(storage, directory, None if commit is None else commit.metadata_file)
         try:
             metadata = reader.read_metadata()
         except CheckpointNotFoundError as exc:
@@ -154,22 +158,45 @@ class ShardedSource:
         src = cls(storage, directory, metadata, None, storage.describe(directory))
         placeholders: dict[Path, torch.Tensor] = {}
         paths = metadata.planner_data or {}
-        for fqn, md in metadata.state_dict_metadata.items():
+        for names in tied_names(metadata):
+            md = metadata.state_dict_metadata[names[0]]
             if isinstance(md, TensorStorageMetadata):
-                # A distinct zero-element tensor per fqn: ``flatten`` and the writers tell
-                # placeholders apart by identity, and it costs no memory.
+                # A distinct zero-element tensor per stored tensor: ``flatten`` and the
+                # writers tell placeholders apart by identity, and it costs no memory.
+                # Names stored alike (a tied weight) share one: it is built once, and
+                # written once by the writers, which keep ties.
                 placeholder = torch.empty(0, dtype=md.properties.dtype)
-                src._fqn_of[id(placeholder)] = fqn
-                placeholders[tuple(paths.get(fqn, (fqn,)))] = placeholder
-        if commit is not None and commit.kind == SHARDED:
-            src.skeleton = src._with_plain(commit, placeholders)
-        else:
-            values: dict[Path, Any] = dict(placeholders)
-            for fqn, md in metadata.state_dict_metadata.items():
-                if isinstance(md, BytesStorageMetadata):
-                    values[tuple(paths.get(fqn, (fqn,)))] = src._bytes_item(fqn)
-            src.skeleton = _tree_of(values, src.name)
+                src._fqn_of[id(placeholder)] = names[0]
+                for fqn in names:
+                    placeholders[tuple(paths.get(fqn, (fqn,)))] = placeholder
+        try:
+            src.skeleton = src._skeleton(commit, placeholders)
+        except BaseException:
+            src.close()
+            raise
         return src
+
+    def _skeleton(self, commit: CommitRecord | None, placeholders: dict[Path, torch.Tensor]) -> Any:
+        if commit is not None and commit.kind == SHARDED:
+            return self._with_plain(commit, placeholders)
+        paths = self.metadata.planner_data or {}
+        values: dict[Path, Any] = dict(placeholders)
+        for fqn, md in self.metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                values[tuple(paths.get(fqn, (fqn,)))] = self._bytes_item(fqn)
+        return _tree_of(values, self.name)
+
+    def close(self) -> None:
+        """Close the rank files opened so far (idempotent; a later read opens them again)."""
+        files, self._files = self._files, {}
+        for opened in files.values():
+            opened.close()
+
+    def __enter__(self) -> ShardedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _with_plain(self, commit: CommitRecord, placeholders: dict[Path, torch.Tensor]) -> Any:
         """Rank 0's plain state with the placeholders where its DTensors were."""
@@ -192,7 +219,8 @@ class ShardedSource:
         return iter(data.values())
 
     def _opened(self, name: str, size: int | None) -> OpenedFile:
-        """A rank file, opened once (footer and manifest) and checked against its size."""
+        """A rank file, opened once (footer and manifest) and checked against its size; it
+        stays open, pinned, until :meth:`close`."""
         opened = self._files.get(name)
         if opened is None:
             path = self.storage.join(self.directory, name)

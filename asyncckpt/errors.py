@@ -27,6 +27,11 @@ class TruncatedFileError(FormatError):
 class ChecksumError(FormatError):
     """A chunk's bytes do not match the checksum recorded when it was written.
 
+    Every read of one load goes to the same version of the file (see
+    ``Storage.open_read``; a file replaced meanwhile is either still read as it was, or
+    raises :class:`FileReplacedError`), so a mismatch means the stored bytes themselves
+    changed after the save: damage on the storage or in a copy, or an edit.
+
     Attributes:
         path: the file that holds the chunk.
         chunk: index of the damaged chunk in the file's chunk table.
@@ -39,9 +44,53 @@ class ChecksumError(FormatError):
         self.keys = list(keys)
         shown = ", ".join(self.keys[:5]) + (" …" if len(self.keys) > 5 else "")
         super().__init__(
-            f"{path}: chunk {chunk} is corrupt ({detail}); affected keys: {shown or '(none)'}. "
-            "The file was damaged after it was written; load an older checkpoint."
+            f"{path}: chunk {chunk} is damaged ({detail}); it holds data of "
+            f"{shown or '(no key)'}. The whole load read one version of the file, so its "
+            "stored bytes changed after it was saved (storage or copy damage, or an edit), "
+            "not under a concurrent save: `asyncckpt verify` lists every damaged chunk; "
+            "restore the file, or load another checkpoint."
         )
+
+
+class MemoryBudgetError(FormatError):
+    """Loading would need more memory for decoded data than the caller's budget allows.
+
+    Raised before the memory is allocated (``max_bytes`` of ``load`` and
+    ``Checkpointer.load``, the command line's ``--max-bytes``): for a single file, before
+    anything is allocated from it.
+
+    Attributes:
+        path: the file (or checkpoint) that would need the memory.
+        needed: the bytes the load would allocate, all of its files together so far.
+        max_bytes: the budget.
+    """
+
+    def __init__(self, path: str, needed: int, max_bytes: int, what: str) -> None:
+        self.path = path
+        self.needed = needed
+        self.max_bytes = max_bytes
+        super().__init__(
+            f"{path}: loading it needs {needed:,} bytes for {what}, more than the "
+            f"max_bytes budget of {max_bytes:,}; refused before allocating it"
+        )
+
+
+class FileReplacedError(AsyncCkptError):
+    """The file was replaced by another one while it was being loaded.
+
+    A load reads one file through one handle: on local disk and ``memory://`` a file
+    replaced meanwhile does not change what it reads, while on an object store every
+    ranged read is pinned to the ETag of the load's first response, and the store refuses
+    one on a newer object (``412 Precondition Failed``). The load then starts over on the
+    new object; this error is raised when it was replaced at every attempt.
+
+    Attributes:
+        path: the file.
+    """
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        super().__init__(f"{path}: {detail}")
 
 
 class CheckpointNotFoundError(AsyncCkptError, FileNotFoundError):
@@ -58,6 +107,12 @@ class UnsupportedObjectError(AsyncCkptError, TypeError):
     def __init__(self, key_path: str, reason: str) -> None:
         self.key_path = key_path
         super().__init__(f"cannot save {key_path}: {reason}")
+
+
+class DeviceUnavailableError(AsyncCkptError, RuntimeError):
+    """``map_location`` names a device this machine does not have (CUDA on a machine
+    without it, ``cuda:3`` with two GPUs); raised before anything is read. A
+    ``RuntimeError``, as ``torch.load`` raises in the same case."""
 
 
 class StorageError(AsyncCkptError, OSError):

@@ -41,6 +41,11 @@ MAX_CHUNK_BYTES: Final = 1 << 30
 MAX_DEPTH: Final = 128
 #: Most dimensions a tensor or array may have.
 MAX_NDIM: Final = 64
+#: Most raw bytes a chunk may claim per stored byte. zstd's best case is a 128 KiB block
+#: stored as a 3-byte header and one repeated byte; a chunk claiming more cannot be
+#: genuine. With every chunk in exactly one storage, it bounds the whole decoded size:
+#: Σ nbytes ≤ MAX_EXPANSION × (bytes of the file's chunks).
+MAX_EXPANSION: Final = 32_768
 
 CHECKSUM: Final = "crc32"
 #: Chunk codecs. ``zstd-bytegroup`` stores the bytes of each element grouped by position
@@ -74,8 +79,9 @@ DTYPE_ITEMSIZE: Final[Mapping[str, int]] = {
     "bool": 1,
 }
 #: numpy dtype strings accepted for arrays: byte order, kind (bool, int, uint, float,
-#: complex) and item size. Anything else (objects, structs, strings) is refused.
-_NUMPY_DTYPE = re.compile(r"^[<>|=](b1|[iu][1248]|f(2|4|8|12|16)|c(8|16|24|32))$")
+#: complex) and item size. Anything else (objects, structs, strings) is refused. Always
+#: matched in full (``fullmatch``): ``$`` would also accept a string ending in a newline.
+_NUMPY_DTYPE = re.compile(r"[<>|=](b1|[iu][1248]|f(2|4|8|12|16)|c(8|16|24|32))")
 
 
 @dataclass(frozen=True)
@@ -321,9 +327,11 @@ class _Validator:
         if type(version) is not int or version != FORMAT_VERSION or doc.get("checksum") != CHECKSUM:
             raise self.fail("format_version or checksum algorithm not understood")
         chunks = tuple(self.chunk(i, c) for i, c in enumerate(self.items(doc, "chunks")))
+        self.disjoint(chunks)
         storages = tuple(
             self.storage(i, s, chunks) for i, s in enumerate(self.items(doc, "storages"))
         )
+        self.partition(storages, len(chunks))
         tensors = tuple(
             self.tensor(i, t, storages) for i, t in enumerate(self.items(doc, "tensors"))
         )
@@ -368,7 +376,40 @@ class _Validator:
             raise self.fail(f"chunk {i} has unknown codec {codec!r}")
         if codec == "raw" and stored != raw:
             raise self.fail(f"raw chunk {i} stores {stored} bytes for {raw}")
+        if raw > stored * MAX_EXPANSION:
+            raise self.fail(
+                f"chunk {i} claims {raw} bytes from {stored} stored bytes, more than any "
+                "chunk can decode to"
+            )
         return Chunk(offset, stored, raw, codec, self.int_(crc, f"chunk {i} crc32", 0, 2**32 - 1))
+
+    def disjoint(self, chunks: tuple[Chunk, ...]) -> None:
+        """Refuse chunks that share bytes of the file (each stored byte decodes once)."""
+        end = 0
+        for chunk in sorted(chunks, key=lambda c: c.offset):
+            if chunk.stored_len and chunk.offset < end:
+                raise self.fail(f"chunks overlap at byte {chunk.offset} of the file")
+            end = max(end, chunk.offset + chunk.stored_len)
+
+    def partition(self, storages: tuple[StorageEntry, ...], count: int) -> None:
+        """Refuse storages that do not own the chunk table in order, each chunk once.
+
+        Several storages naming one chunk would decode it once each: with that, a file of
+        a few KiB could make a reader allocate terabytes. Storages without chunks own none.
+        """
+        expected = 0
+        for i, entry in enumerate(storages):
+            if not entry.num_chunks:
+                continue
+            if entry.first_chunk != expected:
+                raise self.fail(
+                    f"storage {i} starts at chunk {entry.first_chunk}, expected {expected}: "
+                    "storages own consecutive runs of the chunk table, in order, each chunk "
+                    "exactly once"
+                )
+            expected += entry.num_chunks
+        if expected != count:
+            raise self.fail(f"chunks {expected} to {count - 1} belong to no storage")
 
     def storage(self, i: int, rec: Any, chunks: tuple[Chunk, ...]) -> StorageEntry:
         nbytes, itemsize, device, first, count = self.record(rec, 5, f"storage {i}")
@@ -413,7 +454,7 @@ class _Validator:
     def array(self, i: int, rec: Any, storages: tuple[StorageEntry, ...]) -> ArrayEntry:
         sid, dtype, shape, scalar, key = self.record(rec, 5, f"array {i}")
         sid = self.int_(sid, f"array {i} storage", 0, len(storages) - 1)
-        if not isinstance(dtype, str) or not _NUMPY_DTYPE.match(dtype):
+        if not isinstance(dtype, str) or not _NUMPY_DTYPE.fullmatch(dtype):
             raise self.fail(f"array {i} has unsupported numpy dtype {dtype!r}")
         shape_t = self.dims(shape, f"array {i} shape")
         numel = 1

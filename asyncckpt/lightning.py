@@ -522,7 +522,10 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
     ) -> dict[str, Any]:
         """Load a checkpoint, verifying every checksum; never unpickles.
 
-        A save of this process to ``path`` still in flight is waited for first.
+        A save of this process to ``path`` still in flight is waited for first, and so is
+        one of another process (its marker, docs/PROTOCOL.md §8). A save left unfinished by
+        a process that died (the crash a resume follows) is logged, and the file is loaded
+        as it is: the state of the save before it.
 
         Args:
             path: the file or URL.
@@ -544,7 +547,10 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         self._raise_failure()
         if map_location is None:
             map_location = self.map_location
-        loaded = api.load(path, map_location, storage_options=self._options(None))
+        # A save of this file left unfinished by a dead process (the crash this load is
+        # resuming from, typically) leaves its marker: resume from the file as it is.
+        options = self._options(None)
+        loaded = api.load(path, map_location, storage_options=options, dead_writer="load")
         return from_plain(loaded, self.classes, name=os.fspath(path))
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:

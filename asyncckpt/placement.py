@@ -15,6 +15,8 @@ from typing import Any, Final, TypeAlias
 
 import torch
 
+from .errors import DeviceUnavailableError
+
 MapLocation: TypeAlias = (
     str | torch.device | Mapping[str, str | torch.device] | Callable[..., Any] | None
 )
@@ -56,6 +58,61 @@ def known_device(saved: str) -> bool:
     return kind in device_types() and (not index or (index.isdigit() and index.isascii()))
 
 
+def _explicit_targets(map_location: MapLocation) -> list[str | torch.device]:
+    """The devices ``map_location`` names as destinations (a callable names none)."""
+    if isinstance(map_location, (str, torch.device)):
+        return [map_location]
+    if isinstance(map_location, Mapping):
+        return [v for v in map_location.values() if isinstance(v, (str, torch.device))]
+    return []
+
+
+def check_available(where: str | torch.device) -> None:
+    """Refuse a ``map_location`` destination this machine cannot put tensors on.
+
+    Args:
+        where: a device string or ``torch.device``, as passed in ``map_location``.
+
+    Raises:
+        DeviceUnavailableError: its type is an accelerator that is not available here, or
+            its index is past the devices there are; the message says how to load to CPU.
+        ValueError: ``where`` is not a device at all.
+
+    Example:
+        >>> check_available("cpu")
+        >>> check_available("gpu")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: map_location='gpu' is not a device: ...
+    """
+    try:
+        device = torch.device(where)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"map_location={where!r} is not a device: {exc}") from None
+    kind = device.type
+    if kind in ("cpu", "meta") or kind not in DEVICE_TYPES:
+        return  # always there, or a backend (PrivateUse1, XLA) that torch itself checks
+    module = getattr(torch, kind, None)
+    available = getattr(module, "is_available", None)
+    if not callable(available):
+        return
+    label = "CUDA" if kind == "cuda" else kind
+    fix = "load to the CPU with map_location='cpu'"
+    if not available():
+        build = (
+            " (this torch build has no CUDA)" if kind == "cuda" and not torch.version.cuda else ""
+        )
+        raise DeviceUnavailableError(
+            f"map_location={where!r}: {label} is not available on this machine{build}; {fix}"
+        )
+    count = getattr(module, "device_count", None)
+    if device.index is not None and callable(count) and device.index >= count():
+        raise DeviceUnavailableError(
+            f"map_location={where!r}: this machine has {count()} {label} device(s), "
+            f"{kind}:0 to {kind}:{count() - 1}; pick one of them, or {fix}"
+        )
+
+
 class Placement:
     """Decides the device of each storage from its saved device string.
 
@@ -74,6 +131,8 @@ class Placement:
                 "map_location must be None, a str, a torch.device, a dict of locations or a "
                 f"callable, not {type(map_location).__qualname__}"
             )
+        for where in _explicit_targets(map_location):
+            check_available(where)
         self.map_location = map_location
         self._warned = False
         self._cuda_devices: set[torch.device] = set()

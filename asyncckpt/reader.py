@@ -9,22 +9,30 @@ Tensors are rebuilt as views over their (possibly shared) storages and placed pe
 from __future__ import annotations
 
 import collections
+import logging
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from . import config
 from .codec import checksum, decode_chunk
-from .errors import ChecksumError, FormatError, TruncatedFileError
+from .errors import (
+    ChecksumError,
+    FileReplacedError,
+    FormatError,
+    MemoryBudgetError,
+    TruncatedFileError,
+)
 from .format import (
     FOOTER_SIZE,
     HEADER_SIZE,
+    MAX_EXPANSION,
     Chunk,
     Manifest,
     StorageEntry,
@@ -34,54 +42,144 @@ from .format import (
 )
 from .placement import Placement, device_types, known_device
 from .staging import byte_view
-from .storage import Storage
+from .storage import ReadHandle, Storage
 from .tree import tensor_paths, torch_dtype, unflatten
 from .workers import DaemonPool, pool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class OpenedFile:
-    """A file whose footer and manifest have been read and validated."""
+    """A file whose footer and manifest have been read and validated, and the handle that
+    pins it: every chunk of one load is read through ``handle``, from the same version.
+
+    Close it when done (it is a context manager); a load closes it on every path.
+    """
 
     storage: Storage
     path: str
     size: int
     manifest: Manifest
+    handle: ReadHandle
 
     @property
     def name(self) -> str:
         return self.storage.describe(self.path)
 
+    def read_into(self, start: int, out: memoryview) -> int:
+        """Fill ``out`` from byte ``start`` of the pinned file; returns the bytes read."""
+        return self.handle.read_into(start, out)
+
+    def close(self) -> None:
+        """Close the handle (idempotent)."""
+        self.handle.close()
+
+    def __enter__(self) -> OpenedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 def open_file(storage: Storage, path: str) -> OpenedFile:
-    """Read and validate a file's header, footer and manifest (three small reads).
+    """Open ``path`` (one handle, see :meth:`Storage.open_read`) and read and validate its
+    header, footer and manifest (three small reads through the handle).
+
+    Returns:
+        The opened file; the caller closes it (``with open_file(...) as opened:``).
 
     Raises:
         CheckpointNotFoundError: no file at ``path``.
         TruncatedFileError, FormatError: the file is not a complete asyncckpt file.
+        FileReplacedError: the file was replaced between two of the reads (object stores).
     """
-    name = storage.describe(path)
-    size = storage.size(path)
+    handle = storage.open_read(path)
+    try:
+        return _opened(storage, path, handle)
+    except BaseException:
+        handle.close()
+        raise
+
+
+def _opened(storage: Storage, path: str, handle: ReadHandle) -> OpenedFile:
+    name, size = storage.describe(path), handle.size
     if size < HEADER_SIZE + FOOTER_SIZE:
         raise TruncatedFileError(f"{name}: {size} bytes is too short for an asyncckpt file")
-    decode_header(storage.read_range(path, 0, HEADER_SIZE), name)
-    footer = decode_footer(storage.read_range(path, size - FOOTER_SIZE, FOOTER_SIZE), size, name)
-    body = storage.read_range(path, footer.manifest_offset, footer.manifest_length)
+    decode_header(handle.read_range(0, HEADER_SIZE), name)
+    footer = decode_footer(handle.read_range(size - FOOTER_SIZE, FOOTER_SIZE), size, name)
+    body = handle.read_range(footer.manifest_offset, footer.manifest_length)
     manifest = decode_manifest(body, footer, name)
     if manifest.byteorder != sys.byteorder:
         raise FormatError(
             f"{name}: written on a {manifest.byteorder}-endian machine; this one is "
             f"{sys.byteorder}-endian and asyncckpt does not swap bytes"
         )
-    return OpenedFile(storage, path, size, manifest)
+    return OpenedFile(storage, path, size, manifest, handle)
 
 
-#: Default bound on the host memory pinned by one load (page-locked memory cannot be
-#: swapped, so a file claiming huge CUDA tensors must not pin all of RAM). Storages past
-#: the budget are read into ordinary memory; their copy to the device is then synchronous.
-#: zstd's best case: a 128 KiB block stored as a 3-byte header and one repeated byte. A
-#: chunk claiming more raw bytes per stored byte cannot be genuine.
-MAX_EXPANSION = 32_768
+#: How many times a load starts over on a file replaced under it (an object store's
+#: ``412``) before it gives up with :class:`~asyncckpt.errors.FileReplacedError`.
+REPLACED_ATTEMPTS = 5
+
+T = TypeVar("T")
+
+
+def read_file(
+    storage: Storage,
+    path: str,
+    work: Callable[[OpenedFile], T],
+    budget: Budget | None = None,
+) -> T:
+    """Open ``path``, run ``work`` on it, close it; start over if it is replaced meanwhile.
+
+    On local disk and ``memory://`` the opened version stays readable however often the
+    file is replaced, so ``work`` runs once. On an object store a read of a replaced object
+    fails (``If-Match``), and the whole of ``work`` runs again on the new object, at most
+    :data:`REPLACED_ATTEMPTS` times in all; ``budget`` is given back what an abandoned
+    attempt charged.
+
+    Args:
+        storage: where the file is.
+        path: the file.
+        work: what to do with it (read it, check it): called with the opened file.
+        budget: the memory budget ``work`` charges, if any.
+
+    Returns:
+        What ``work`` returns.
+
+    Raises:
+        FileReplacedError: the file was replaced during every attempt.
+        Exception: whatever ``open_file`` or ``work`` raised.
+
+    Example:
+        >>> import asyncckpt, os, tempfile, torch
+        >>> from asyncckpt.storage import resolve
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
+        >>> read_file(*resolve(path, None), lambda opened: len(opened.manifest.tensors))
+        1
+    """
+    used = budget.used if budget is not None else 0
+    for attempt in range(1, REPLACED_ATTEMPTS + 1):
+        try:
+            with open_file(storage, path) as opened:
+                return work(opened)
+        except FileReplacedError as exc:
+            if budget is not None:
+                budget.used = used  # what the abandoned attempt allocated is dropped
+            if attempt == REPLACED_ATTEMPTS:
+                raise FileReplacedError(
+                    exc.path,
+                    f"the file was replaced while it was being loaded, {attempt} times in "
+                    "a row (every load started over on the new file, which was replaced "
+                    "again): something keeps overwriting it; load it once that stops, or "
+                    f"load a file nobody writes ({exc})",
+                ) from exc
+            log.info("%s was replaced while loading it; loading it again", exc.path)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
 #: Chunks queued per reader thread ahead of the oldest unfinished one; buffers are
 #: allocated as their first chunk is queued, so a damaged file fails before most of them.
 _QUEUED_PER_THREAD = 4
@@ -102,6 +200,7 @@ def read_storages(
     threads: int,
     destinations: Sequence[torch.Tensor | None] | None = None,
     pinned: Sequence[bool] | None = None,
+    budget: Budget | None = None,
 ) -> list[torch.Tensor]:
     """Read, verify and decode every storage, in parallel chunks.
 
@@ -116,6 +215,7 @@ def read_storages(
             or None to allocate one.
         pinned: per storage, whether an allocated buffer should be pinned (for a CUDA copy);
             honoured up to :func:`pin_budget_bytes` in all, in storage order.
+        budget: charged with the buffers allocated here, before the first one is.
 
     Returns:
         One 1-D uint8 CPU tensor per storage.
@@ -123,18 +223,23 @@ def read_storages(
     Raises:
         ChecksumError: a chunk is damaged (the first one found).
         FormatError: the declared sizes cannot be justified by the file, or allocated.
+        MemoryBudgetError: the buffers would exceed ``budget``.
 
     Example:
         >>> import asyncckpt, os, tempfile, torch
         >>> from asyncckpt.storage import resolve
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
-        >>> [b.numel() for b in read_storages(open_file(*resolve(path, None)), threads=2)]
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     [b.numel() for b in read_storages(opened, threads=2)]
         [24]
     """
     storages = opened.manifest.storages
     check_sizes(opened)
     destinations = destinations or [None] * len(storages)
+    if budget is not None:
+        fresh = sum(e.nbytes for e, dest in zip(storages, destinations) if dest is None)
+        budget.charge(opened.name, fresh, "its storages")
     pins = _within_budget(storages, pinned or [False] * len(storages), pin_budget_bytes())
     queue = _Queue(pool("read", threads), threads * _QUEUED_PER_THREAD)
     buffers = []
@@ -155,34 +260,79 @@ def read_storages(
 
 
 def check_sizes(opened: OpenedFile) -> None:
-    """Refuse a manifest whose chunks claim more bytes than the file can hold.
+    """Refuse a file whose chunks claim to decode to more than its size can justify.
 
-    Chunks must not share bytes of the file, and no chunk may decode to more than
-    :data:`MAX_EXPANSION` times its stored length, so the total raw size is bounded by the
-    file's size before anything is allocated from it.
+    The manifest's validation already holds every chunk to :data:`MAX_EXPANSION` times its
+    stored bytes, chunks to disjoint bytes of the file and storages to disjoint runs of
+    chunks; this states the consequence against the file's actual size, so that nothing is
+    allocated from a manifest that contradicts it.
 
     Raises:
-        FormatError: chunks overlap, or a chunk's raw length is impossible.
+        FormatError: the storages' total exceeds ``MAX_EXPANSION`` times the file's size.
 
     Example:
         >>> import asyncckpt, os, tempfile, torch
         >>> from asyncckpt.storage import resolve
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"w": torch.zeros(1000)}, path).result()
-        >>> check_sizes(open_file(*resolve(path, None)))
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     check_sizes(opened)
     """
-    chunks = opened.manifest.chunks
-    for index, chunk in enumerate(chunks):
-        if chunk.raw_len > max(chunk.stored_len, 1) * MAX_EXPANSION:
-            raise FormatError(
-                f"{opened.name}: chunk {index} claims {chunk.raw_len} bytes from "
-                f"{chunk.stored_len} stored bytes, more than any chunk can decode to"
-            )
-    end = 0
-    for chunk in sorted(chunks, key=lambda c: c.offset):
-        if chunk.stored_len and chunk.offset < end:
-            raise FormatError(f"{opened.name}: chunks overlap at byte {chunk.offset}")
-        end = max(end, chunk.offset + chunk.stored_len)
+    total = sum(entry.nbytes for entry in opened.manifest.storages)
+    if total > opened.size * MAX_EXPANSION:
+        raise FormatError(
+            f"{opened.name}: its storages claim {total} bytes, more than a file of "
+            f"{opened.size} bytes can decode to"
+        )
+
+
+class Budget:
+    """The memory one load may allocate for decoded data, over all the files it reads.
+
+    Args:
+        max_bytes: the limit in bytes (``max_bytes`` of ``load``); None: no limit besides
+            what the files' sizes bound.
+
+    Raises:
+        ValueError: ``max_bytes`` is not a non-negative integer.
+
+    Example:
+        >>> budget = Budget(100)
+        >>> budget.charge("x.ackpt", 60, "its storages")
+        >>> budget.charge("y.ackpt", 60, "its storages")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        asyncckpt.errors.MemoryBudgetError: y.ackpt: loading it needs 120 bytes for its ...
+    """
+
+    def __init__(self, max_bytes: int | None = None) -> None:
+        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
+            raise ValueError(f"max_bytes must be a non-negative integer or None, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """For a reader pickled into another process: its lock is made again there."""
+        state = dict(self.__dict__)
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def charge(self, name: str, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` about to be allocated for ``name``; refuse them past the limit.
+
+        Raises:
+            MemoryBudgetError: the load would then hold more than ``max_bytes``.
+        """
+        with self._lock:
+            total = self.used + nbytes
+            if self.max_bytes is not None and total > self.max_bytes:
+                raise MemoryBudgetError(name, total, self.max_bytes, what)
+            self.used = total
 
 
 def _within_budget(
@@ -250,11 +400,11 @@ _local = threading.local()
 
 def _read_chunk(opened: OpenedFile, index: int, chunk: Chunk, sid: int, out: memoryview) -> None:
     if chunk.codec == "raw":
-        got = opened.storage.read_into(opened.path, chunk.offset, out)
+        got = opened.read_into(chunk.offset, out)
         stored = out[:got]
     else:
         stored = _stored_scratch(chunk.stored_len)
-        got = opened.storage.read_into(opened.path, chunk.offset, stored)
+        got = opened.read_into(chunk.offset, stored)
         stored = stored[:got]
     if got != chunk.stored_len:
         detail = f"only {got} of {chunk.stored_len} bytes could be read"
@@ -271,7 +421,13 @@ def _read_chunk(opened: OpenedFile, index: int, chunk: Chunk, sid: int, out: mem
             raise ChecksumError(opened.name, index, keys, str(exc)) from exc
 
 
-def materialize(opened: OpenedFile, placement: Placement, threads: int, into: Any = None) -> Any:
+def materialize(
+    opened: OpenedFile,
+    placement: Placement,
+    threads: int,
+    into: Any = None,
+    budget: Budget | None = None,
+) -> Any:
     """Read everything and rebuild the saved object, tensors placed per ``placement``.
 
     Args:
@@ -283,14 +439,18 @@ def materialize(opened: OpenedFile, placement: Placement, threads: int, into: An
             returned object holds the existing tensor. Nothing in ``into`` changes unless
             every chunk was verified and every target matches, so a failed load leaves it
             as it was.
+        budget: charged with every storage (all are read into fresh buffers) before any
+            is allocated.
 
     Returns:
         The saved object.
 
     Raises:
         FormatError: a storage names an unknown device type, or sizes the file cannot hold.
+        MemoryBudgetError: the storages would exceed ``budget``.
         ChecksumError: a chunk is damaged.
-        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one.
+        ValueError: a tensor in ``into`` differs in shape or dtype from the saved one, or
+            ``into`` shares no tensor with the file (see :func:`check_overlap`).
 
     Example:
         >>> import asyncckpt, os, tempfile, torch
@@ -298,17 +458,20 @@ def materialize(opened: OpenedFile, placement: Placement, threads: int, into: An
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
         >>> state = {"w": torch.zeros(3, dtype=torch.int64)}
-        >>> _ = materialize(open_file(*resolve(path, None)), Placement("cpu"), 2, into=state)
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     _ = materialize(opened, Placement("cpu"), 2, into=state)
         >>> state["w"]
         tensor([0, 1, 2])
     """
     manifest = opened.manifest
     check_devices(opened)
     targets = tensor_paths(into) if into is not None else {}
+    if into is not None:
+        check_overlap(opened, into, targets)
     pins = [placement.wants_pinned(entry.device) for entry in manifest.storages]
     # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
     # not leave the caller's tensors half overwritten.
-    raw = read_storages(opened, threads, None, pins)
+    raw = read_storages(opened, threads, None, pins, budget)
     placed = [placement.place(buf, entry.device) for buf, entry in zip(raw, manifest.storages)]
     tensors, copies = [], []
     for entry in manifest.tensors:
@@ -335,6 +498,41 @@ def materialize(opened: OpenedFile, placement: Placement, threads: int, into: An
     return unflatten(manifest.root, tensors, arrays, opened.name)
 
 
+def check_overlap(opened: OpenedFile, into: Any, targets: dict[str, torch.Tensor]) -> None:
+    """Refuse an ``into`` that would receive nothing from a file that holds tensors.
+
+    ``load(f, into=model.state_dict())`` of a file saved as ``{"model": ..., "optim": ...}``
+    matches no key path and would otherwise load nothing into the model, silently.
+
+    Raises:
+        ValueError: no tensor of the file has a key path that holds a tensor in ``into``;
+            names the file and both sides' top-level keys.
+    """
+    saved = [entry.key for entry in opened.manifest.tensors]
+    if not saved or any(key in targets for key in saved):
+        return
+    theirs = _top_level_keys(opened.manifest.root)
+    ours = list(into) if isinstance(into, dict) else type(into).__qualname__
+    raise ValueError(
+        f"{opened.name}: into= shares no tensor with the file, so nothing would be loaded "
+        f"into it: the file's top-level keys are {theirs}, into's are {ours}. Pass the part "
+        "of into that matches (e.g. into={'model': model.state_dict()} for a file saved as "
+        "{'model': ..., 'optim': ...}), or load without into"
+    )
+
+
+def _top_level_keys(root: Any) -> Any:
+    """The keys of the file's root dict, as saved (strings and ints as themselves)."""
+    if not isinstance(root, dict) or not ({"dict", "odict"} & set(root)):
+        return "(not a dict)"
+    pairs = root.get("dict", root.get("odict"))
+    if not isinstance(pairs, list):
+        return "(not a dict)"
+    return [
+        p[0] if isinstance(p, list) and p and not isinstance(p[0], dict) else "?" for p in pairs
+    ]
+
+
 def check_devices(opened: OpenedFile) -> None:
     """Refuse storages whose device type is not one torch can place data on.
 
@@ -349,7 +547,8 @@ def check_devices(opened: OpenedFile) -> None:
         >>> from asyncckpt.storage import resolve
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
-        >>> check_devices(open_file(*resolve(path, None)))
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     check_devices(opened)
     """
     for sid, entry in enumerate(opened.manifest.storages):
         if not known_device(entry.device):

@@ -21,7 +21,7 @@ from .protocol import (
     step_dir,
     wait_for_step,
 )
-from .reader import materialize, open_file
+from .reader import Budget, materialize, read_file
 from .storage import Storage
 
 
@@ -60,26 +60,33 @@ class RootReader:
         """The commit marker of ``step`` if it is committed (and understood), else None."""
         return read_commit(self.storage, self.root, step)
 
-    def wait(self, step: int, timeout: float | None) -> None:
-        """Block until ``step`` is committed (see :func:`asyncckpt.protocol.wait_for_step`)."""
-        wait_for_step(self.storage, self.root, step, timeout)
+    def wait(self, step: int, timeout: float | None, writer: str | None = None) -> None:
+        """Block until ``step`` is committed (see :func:`asyncckpt.protocol.wait_for_step`):
+        only ``writer``'s failure to save it ends the wait (None: the current lease
+        holder's)."""
+        wait_for_step(self.storage, self.root, step, timeout, writer=writer)
 
-    def read(self, step: int, placement: Placement, into: Any) -> Any:
+    def read(self, step: int, placement: Placement, into: Any, budget: Budget | None = None) -> Any:
         """Load committed version ``step``.
 
         Args:
             step: a committed step.
             placement: where tensors go.
             into: an existing state to load into, or None.
+            budget: the memory the load may allocate for decoded data.
 
         Raises:
             IncompleteCheckpointError: ``step`` is not (or no longer) committed.
             FormatError: the version has more than one data file.
+            MemoryBudgetError: it needs more than ``budget`` (nothing was allocated).
         """
         threads = config.tunable("threads", None)
         try:
-            return materialize(
-                open_file(self.storage, self._data_path(step)), placement, threads, into
+            return read_file(
+                self.storage,
+                self._data_path(step),
+                lambda opened: materialize(opened, placement, threads, into, budget),
+                budget,
             )
         except CheckpointNotFoundError as exc:
             raise deleted_while_loading(step, self.where) from exc

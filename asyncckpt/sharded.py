@@ -12,13 +12,16 @@ no collective during the write. Layout of a sharded step directory::
     ROOT/<step>/r<rank:05d>-<attempt>.beat    the rank's progress while it writes
     ROOT/<step>/r<rank:05d>-<attempt>.done    its completion marker: file, size, pieces
     ROOT/<step>/r<rank:05d>-<attempt>.failed  or its failure marker
-    ROOT/<step>/.metadata                     DCP-style JSON index of every piece
-    ROOT/<step>/COMMIT                        names every rank file and .metadata (kind "sharded")
+    ROOT/<step>/r<writer:05d>-<attempt>.metadata  DCP-style JSON index of every piece
+    ROOT/<step>/COMMIT                        names every rank file and the metadata (kind
+                                              "sharded")
 
 ``<attempt>`` (32 hex digits) is the same on every rank: derived from a token that the
 writer rank broadcasts once per Checkpointer (the only collective, in the first sharded
-``save``), the step and a save counter, so two attempts never share a name. Loading is in
-:mod:`asyncckpt.sharded_load`; ``docs/sharded.md`` describes the whole protocol.
+``save``), the step and a save counter, so two attempts never share a name: everything a
+save puts under a step is named by its attempt, and a writer that lost the lease removes
+nothing else. Loading is in :mod:`asyncckpt.sharded_load`; ``docs/sharded.md`` describes the
+whole protocol.
 """
 
 from __future__ import annotations
@@ -67,11 +70,10 @@ from .errors import (
 )
 from .format import DTYPE_ITEMSIZE, MAX_DEPTH, MAX_NDIM
 from .protocol import (
-    METADATA_FILE,
     SHARDED,
     decode_record,
     encode_record,
-    mark_failed,
+    metadata_file_name,
     step_dir,
 )
 from .root_writer import FencedError
@@ -388,23 +390,29 @@ def split_state(state: Any) -> RankState:
     return RankState(_rebuilt(state, (), replaced, above), stored)
 
 
-#: Local chunk lists by (mesh, placements, global shape), which determine them on a rank.
-#: Computing one costs tens of microseconds per DTensor (hundreds of DTensors in a model and
-#: its optimizer state: milliseconds of every save's stall), and a training state has the
-#: same few keys at every save.
-_chunk_cache: dict[tuple[Any, ...], list[Any]] = {}
+#: Local chunk lists by mesh, then (placements, global shape): together they determine them
+#: on a rank. Computing one costs tens of microseconds per DTensor (hundreds of DTensors in
+#: a model and its optimizer state: milliseconds of every save's stall), and a training
+#: state has the same few keys at every save. The mesh is held weakly: a DeviceMesh holds
+#: its ProcessGroups, and a cache that kept it would keep them, and their worker threads,
+#: alive after ``destroy_process_group()``, into the interpreter's shutdown.
+_chunk_cache: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], list[Any]]]
+_chunk_cache = weakref.WeakKeyDictionary()
 _CHUNK_CACHE_MAX: Final = 4096
 
 
 def _chunks(dt: Any) -> list[Any]:
     """``dt.__create_chunk_list__()``, from :data:`_chunk_cache` when it was seen before."""
-    key = (dt.device_mesh, tuple(dt.placements), dt.shape)
-    chunks = _chunk_cache.get(key)
+    by_layout = _chunk_cache.get(dt.device_mesh)
+    if by_layout is None:
+        by_layout = _chunk_cache[dt.device_mesh] = {}
+    key = (tuple(dt.placements), dt.shape)
+    chunks = by_layout.get(key)
     if chunks is None:
         chunks = dt.__create_chunk_list__()
-        if len(_chunk_cache) >= _CHUNK_CACHE_MAX:
-            _chunk_cache.clear()
-        _chunk_cache[key] = chunks
+        if len(by_layout) >= _CHUNK_CACHE_MAX:
+            by_layout.clear()
+        by_layout[key] = chunks
     return chunks
 
 
@@ -673,16 +681,20 @@ def _write_and_commit(ckpt: Checkpointer, job: RankJob, timeout: float) -> int:
         size = job.write()
         markers = await_markers(job, timeout, started)
         body = metadata_bytes(markers, job.attempt, ckpt._storage.describe(job.directory))
-        job.storage.write_bytes(job.storage.join(job.directory, METADATA_FILE), body)
         ordered = [markers[r] for r in sorted(markers)]
-        files = (*(m.file for m in ordered), METADATA_FILE)
+        metadata = metadata_file_name(job.rank, job.attempt)
+        files = (*(m.file for m in ordered), metadata)
         sizes = (*(m.size for m in ordered), len(body))
         keep = tuple(marker_name(m.rank, job.attempt, DONE) for m in ordered)
+        # Right before the metadata lands: a writer that lost the lease (frozen while the
+        # ranks wrote) writes nothing more there, and removes only its attempt's files.
+        writer.fence(job.step, (*files[:-1], *keep))
+        job.storage.write_bytes(job.storage.join(job.directory, metadata), body)
         writer.commit(job.step, files, sizes, kind=SHARDED, keep=keep)
     except FencedError:
         raise  # the root is another writer's now: leave no marker in it
     except BaseException as exc:
-        mark_failed(job.storage, job.root, job.step, exc)  # only if there is no COMMIT
+        writer.mark_failed(job.step, exc)  # only if there is no COMMIT, and the lease holds
         raise
     writer.apply_retention(ckpt.keep_last, job.step, ckpt._agreed_step)
     return size
@@ -875,5 +887,5 @@ def metadata_bytes(markers: dict[int, RankMarker], attempt: str, where: str) -> 
         version=_DCP_VERSION,
     )
     body = encode_metadata(metadata, attempt)
-    decode_metadata(body, f"{where}/{METADATA_FILE}")  # a reader's checks, before the commit
+    decode_metadata(body, f"{where} metadata")  # a reader's checks, before the commit
     return body

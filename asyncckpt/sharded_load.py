@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from . import config
 from .dcp.reader import Reader, read_storage_ids
+from .dcp.schema import tied_names, value_bytes
 from .errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -41,7 +42,7 @@ from .errors import (
 from .format import MAX_DEPTH, TensorEntry
 from .placement import Placement
 from .protocol import SHARDED, CommitRecord, step_dir
-from .reader import OpenedFile, check_devices, open_file
+from .reader import Budget, OpenedFile, check_devices, open_file
 from .root_reader import deleted_while_loading
 from .sharded import Path, dtensor_leaves, fqn_of, holds_dtensor
 from .tree import ROOT_NAME, child_path, tensor_paths, torch_dtype, unflatten
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_RANK_FILE = re.compile(r"r(\d{5,9})-[0-9a-f]{32}\.ackpt")
+_RANK_FILE = re.compile(r"r([0-9]{5,9})-[0-9a-f]{32}\.ackpt")
 #: How many versions a load of the newest version tries, when retention deletes each one
 #: while it is read, before it gives up (a trainer whose ``keep_last`` versions are all
 #: written faster than this process reads one).
@@ -67,6 +68,7 @@ def load(
     use_group: bool,
     *,
     follow_latest: bool = False,
+    max_bytes: int | None = None,
 ) -> Any:
     """Load version ``step`` on this rank: sharded, or single-file when following the newest.
 
@@ -85,6 +87,7 @@ def load(
             tensors at matching key paths receive this rank's plain values in place.
         use_group: whether this is a collective load (needed for DTensors in ``into``).
         follow_latest: the caller asked for the newest version (no step, not collective).
+        max_bytes: the memory budget of each attempt (see :class:`asyncckpt.reader.Budget`).
 
     Returns:
         The state as saved by the rank whose plain values are used, each DTensor replaced
@@ -100,6 +103,7 @@ def load(
             deleted too, :data:`FOLLOW_ATTEMPTS` times); or a file its ``COMMIT`` names
             is missing.
         ChecksumError, FormatError: a damaged or truncated file.
+        MemoryBudgetError: the version needs more than ``max_bytes`` (nothing allocated).
 
     Example:
         >>> import tempfile
@@ -111,7 +115,7 @@ def load(
     current = commit
     for _ in range(FOLLOW_ATTEMPTS):
         try:
-            return _load_step(ckpt, step, current, placement, into, use_group)
+            return _load_step(ckpt, step, current, placement, into, use_group, Budget(max_bytes))
         except (AsyncCkptError, CheckpointException) as exc:
             step = _after_deletion(ckpt, step, follow_latest, exc)
         current = ckpt._reader.commit_of(step)
@@ -129,14 +133,15 @@ def _load_step(
     placement: Placement,
     into: Any,
     use_group: bool,
+    budget: Budget,
 ) -> Any:
     """One attempt at loading ``step`` (``commit``), sharded or (after a move) not."""
     if commit is None:  # deleted again before it could be read
         raise CheckpointNotFoundError(f"step {step} under {ckpt.root} is not committed")
     if commit.kind != SHARDED:
         refuse_dtensors(step, ckpt.root, into)
-        return ckpt._reader.read(step, placement, into)
-    return _load_sharded(ckpt, commit, placement, into, use_group)
+        return ckpt._reader.read(step, placement, into, budget)
+    return _load_sharded(ckpt, commit, placement, into, use_group, budget)
 
 
 def refuse_dtensors(step: int, root: str, into: Any) -> None:
@@ -165,11 +170,17 @@ def _after_deletion(ckpt: Checkpointer, step: int, follow_latest: bool, exc: Bas
 
 
 def _load_sharded(
-    ckpt: Checkpointer, commit: CommitRecord, placement: Placement, into: Any, use_group: bool
+    ckpt: Checkpointer,
+    commit: CommitRecord,
+    placement: Placement,
+    into: Any,
+    use_group: bool,
+    budget: Budget,
 ) -> Any:
     storage = ckpt._storage
     directory = step_dir(storage, ckpt._root, commit.step)
-    reader = Reader.at(storage, directory)
+    named = commit.metadata_file  # the metadata of exactly this version, as COMMIT names it
+    reader = Reader.at(storage, directory, named, budget)
     metadata = _read(reader.read_metadata)
     dtensors = {path: dt for path, _key, dt in dtensor_leaves(into)}
     if dtensors and not use_group:
@@ -179,13 +190,15 @@ def _load_sharded(
         )
     if dtensors:
         flat = {fqn_of(path): dt for path, dt in dtensors.items()}
-        _dcp_load(flat, Reader.at(storage, directory), ckpt._group, no_dist=False)
+        _dcp_load(flat, Reader.at(storage, directory, named, budget), ckpt._group, no_dist=False)
         loaded: dict[Path, Any] = dict(dtensors)
     else:
-        loaded = _consolidated(metadata, Reader.at(storage, directory), placement, into)
+        reader = Reader.at(storage, directory, named, budget)
+        loaded = _consolidated(metadata, reader, placement, into, budget, reader.checkpoint_id)
     opened, name = _rank_file(ckpt, commit, directory)
-    skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
-    plain = read_plain(opened, skip, placement, into, set(loaded))
+    with opened:
+        skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
+        plain = read_plain(opened, skip, placement, into, set(loaded), budget)
     return _substituted(plain, loaded, opened.name)
 
 
@@ -211,27 +224,42 @@ def _dcp_load(state: dict[str, Any], reader: Reader, group: Any, no_dist: bool) 
 
 
 def _consolidated(
-    metadata: Metadata, reader: Reader, placement: Placement, into: Any
+    metadata: Metadata,
+    reader: Reader,
+    placement: Placement,
+    into: Any,
+    budget: Budget,
+    name: str,
 ) -> dict[Path, torch.Tensor]:
-    """Every tensor of the version, whole, by its path in the saved state."""
+    """Every tensor of the version, whole, by its path in the saved state.
+
+    Names stored alike (a tied weight) share one tensor, allocated once, as a single-file
+    load gives tied tensors back; a name with a target in ``into`` loads into it.
+    """
     targets = tensor_paths(into) if into is not None else {}
     device = torch.device("cpu") if callable(placement.map_location) else None
     full: dict[str, torch.Tensor] = {}
     paths: dict[Path, torch.Tensor] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
+    for names in tied_names(metadata):
+        md = metadata.state_dict_metadata[names[0]]
         if not isinstance(md, TensorStorageMetadata):
             continue
-        path = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
-        target = targets.get(_key_path(path))
-        if target is None:
-            where = device or placement.device_for("cpu")
-            target = torch.empty(md.size, dtype=md.properties.dtype, device=where)
-        elif (target.shape, target.dtype) != (md.size, md.properties.dtype):
-            raise ValueError(
-                f"cannot load {fqn} into the given tensor: saved {md.properties.dtype} "
-                f"{tuple(md.size)}, target {target.dtype} {tuple(target.shape)}"
-            )
-        full[fqn] = paths[path] = target
+        shared: torch.Tensor | None = None
+        for fqn in names:
+            path = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
+            target = targets.get(_key_path(path))
+            if target is None:
+                if shared is None:
+                    budget.charge(name, value_bytes(metadata, fqn), f"the whole of {fqn}")
+                    where = device or placement.device_for("cpu")
+                    shared = torch.empty(md.size, dtype=md.properties.dtype, device=where)
+                target = shared
+            elif (target.shape, target.dtype) != (md.size, md.properties.dtype):
+                raise ValueError(
+                    f"cannot load {fqn} into the given tensor: saved {md.properties.dtype} "
+                    f"{tuple(md.size)}, target {target.dtype} {tuple(target.shape)}"
+                )
+            full[fqn] = paths[path] = target
     _dcp_load(full, reader, None, no_dist=True)
     return paths
 
@@ -246,7 +274,8 @@ def _key_path(path: Path) -> str:
 
 def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tuple[OpenedFile, str]:
     """This rank's file of the version, or rank 0's if the version has no file of this rank
-    (it was saved by fewer ranks); opened and checked against its committed size."""
+    (it was saved by fewer ranks); opened (the caller closes it) and checked against its
+    committed size."""
     by_rank = {}
     for name, size in zip(commit.files, commit.sizes or [None] * len(commit.files)):
         match = _RANK_FILE.fullmatch(name)
@@ -264,6 +293,7 @@ def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tupl
             f"{ckpt._storage.describe(path)}: named by step {commit.step}'s COMMIT but missing"
         ) from exc
     if size is not None and opened.size != size:
+        opened.close()
         kind = TruncatedFileError if opened.size < size else FormatError
         raise kind(f"{opened.name}: {opened.size} bytes, but {size} were committed")
     return opened, name
@@ -275,6 +305,7 @@ def read_plain(
     placement: Placement,
     into: Any,
     replaced: set[Path],
+    budget: Budget | None = None,
 ) -> Any:
     """Rebuild a rank file's state without reading the tensors ``skip`` (DTensor chunks).
 
@@ -284,16 +315,18 @@ def read_plain(
         placement: where the tensors read go.
         into: tensors at matching key paths are loaded in place (and returned).
         replaced: paths whose values come from elsewhere: never loaded into ``into``.
+        budget: charged with the buffers read.
 
     Raises:
         ChecksumError: a chunk read is damaged (nothing in ``into`` has changed then).
+        MemoryBudgetError: the buffers would exceed ``budget``.
         ValueError: a tensor of ``into`` differs in shape or dtype from the saved one.
     """
     manifest = opened.manifest
     check_devices(opened)
     wanted = [i for i in range(len(manifest.tensors)) if i not in skip]
     sids = {manifest.tensors[i].storage for i in wanted} | {a.storage for a in manifest.arrays}
-    raw = read_storage_ids(opened, sids, config.tunable("threads", None))
+    raw = read_storage_ids(opened, sids, config.tunable("threads", None), budget)
     skipped_keys = {_key_path(p) for p in replaced}
     targets = {k: t for k, t in tensor_paths(into).items() if k not in skipped_keys}
     tensors: list[torch.Tensor | None] = [None] * len(manifest.tensors)

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import config
+from . import config, workers
 from .format import ArrayEntry, TensorEntry
 from .tree import Flattened, dtype_name
 
@@ -382,6 +382,15 @@ class SharedRegion:
 _shared_lock = threading.Lock()
 _shared: dict[int, SharedRegion] = {}  # ident -> region, while the arena lives
 _shared_ids = itertools.count(1)
+
+
+@workers.after_fork_in_child
+def _forget_parent_regions() -> None:
+    """In a forked child: the parent's shared arenas stay the parent's (kept alive by the
+    parent's pool, see ``workers.keep_from_parent``); the child registers its own."""
+    global _shared_lock
+    _shared_lock = threading.Lock()
+    _shared.clear()
 
 
 def shared_memory_supported() -> bool:

@@ -29,6 +29,7 @@ from .format import DTYPE_ITEMSIZE, MAX_DEPTH
 from .placement import known_device
 
 ROOT_NAME = "state"
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -100,7 +101,7 @@ class _Flattener:
         if kind is bytes:
             return {"bytes": base64.b64encode(obj).decode("ascii")}
         if kind is torch.Size:
-            return {"size": list(obj)}
+            return self.size(obj, path)
         if kind is torch.dtype:
             return self.dtype(obj, path)
         if kind is torch.device:
@@ -142,6 +143,13 @@ class _Flattener:
             f"dict keys must be str, int, float, bool or None, not {type(key).__qualname__}",
         )
 
+    def size(self, size: torch.Size, path: str) -> Any:
+        # A reader refuses entries outside int64 (their repr raises): never write one.
+        for n in size:
+            if not _INT64_MIN <= n <= _INT64_MAX:
+                raise UnsupportedObjectError(path, f"torch.Size entry {n} is outside int64")
+        return {"size": list(size)}
+
     def dtype(self, dtype: torch.dtype, path: str) -> Any:
         name = dtype_name(dtype)
         if name not in DTYPE_ITEMSIZE:
@@ -151,25 +159,14 @@ class _Flattener:
     def tensor(self, t: torch.Tensor, path: str) -> int:
         if id(t) in self.tensor_index:
             return self.tensor_index[id(t)]
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):
-            raise UnsupportedObjectError(
-                path,
-                f"tensor subclass {type(t).__qualname__} is not supported (DTensor and "
-                "other wrapper tensors must be converted to plain tensors first)",
-            )
-        if t.layout != torch.strided:
-            raise UnsupportedObjectError(
-                path, f"{t.layout} tensors are not supported; call .to_dense() first"
-            )
-        if t.is_quantized or dtype_name(t.dtype) not in DTYPE_ITEMSIZE:
-            raise UnsupportedObjectError(path, f"tensors of dtype {t.dtype} are not supported")
-        if t.device.type == "meta":
-            raise UnsupportedObjectError(path, "meta tensors hold no data to save")
+        _check_tensor(t, path)
         self.tensor_index[id(t)] = len(self.tensors)
         self.tensors.append((t, path))
         return len(self.tensors) - 1
 
     def array(self, a: np.ndarray[Any, Any] | np.generic, path: str) -> int:
+        if not _plain_numpy(a):
+            raise UnsupportedObjectError(path, _numpy_subclass_reason(a))
         if a.dtype.kind not in "biufc":
             raise UnsupportedObjectError(
                 path,
@@ -180,8 +177,115 @@ class _Flattener:
         return len(self.arrays) - 1
 
 
+def _check_tensor(t: torch.Tensor, path: str) -> None:
+    """Refuse a tensor whose bytes cannot be stored as a plain strided tensor's.
+
+    Every refusal names the key; torch's own errors for such tensors ("Internal error:
+    NestedTensorImpl doesn't support strides", "Cannot access storage of TensorWrapper")
+    say nothing of where the tensor was.
+    """
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedObjectError(
+            path,
+            f"tensor subclass {type(t).__qualname__} is not supported (DTensor and "
+            "other wrapper tensors must be converted to plain tensors first)",
+        )
+    if t.is_nested:
+        raise UnsupportedObjectError(
+            path, "nested tensors are not supported; store t.unbind() (a list of tensors)"
+        )
+    if _functorch_wrapped(t):
+        raise UnsupportedObjectError(
+            path,
+            "this tensor belongs to a torch.func transform (vmap, grad, ...) that has "
+            "ended; save the tensors the transform returned instead",
+        )
+    if t.layout != torch.strided:
+        raise UnsupportedObjectError(
+            path, f"{t.layout} tensors are not supported; call .to_dense() first"
+        )
+    if t.is_quantized or dtype_name(t.dtype) not in DTYPE_ITEMSIZE:
+        raise UnsupportedObjectError(path, f"tensors of dtype {t.dtype} are not supported")
+    if t.device.type == "meta":
+        raise UnsupportedObjectError(path, "meta tensors hold no data to save")
+    try:  # what staging reads; any other tensor without plain storage fails here, named
+        t.untyped_storage()
+        t.stride()
+    except (RuntimeError, NotImplementedError) as exc:
+        raise UnsupportedObjectError(path, f"its storage cannot be read ({exc})") from None
+
+
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a functorch wrapper (BatchedTensor, TensorWrapper): no storage."""
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return bool(check(t)) if callable(check) else False
+
+
+def _plain_numpy(a: np.ndarray[Any, Any] | np.generic) -> bool:
+    """An ``ndarray`` itself, or one of numpy's own scalar types (not a subclass)."""
+    if isinstance(a, np.ndarray):
+        return type(a) is np.ndarray
+    return np.dtype(type(a)).type is type(a)
+
+
+def _numpy_subclass_reason(a: Any) -> str:
+    kind = type(a)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if isinstance(a, np.ma.MaskedArray):
+        return (
+            f"{name} is a subclass of numpy.ndarray and its mask would be lost; store its "
+            "parts instead, e.g. {'data': a.data, 'mask': np.ma.getmaskarray(a)}"
+        )
+    base = "numpy.ndarray" if isinstance(a, np.ndarray) else f"numpy.{a.dtype.type.__name__}"
+    return (
+        f"{name} is a subclass of {base}; only plain numpy arrays and scalars are stored "
+        "(a subclass would come back as its base type), convert it first (np.asarray(a))"
+    )
+
+
+#: Objects that hold training state but are not data, and what to save in their place.
+_SAVE_INSTEAD: tuple[tuple[type, str], ...] = (
+    (
+        torch.nn.Module,
+        "an nn.Module; save model.state_dict() and restore it with model.load_state_dict(...)",
+    ),
+    (
+        torch.optim.Optimizer,
+        "an optimizer; save optimizer.state_dict() and restore it with "
+        "optimizer.load_state_dict(...)",
+    ),
+    (
+        torch.optim.lr_scheduler.LRScheduler,
+        "a learning-rate scheduler; save "
+        "scheduler.state_dict() and restore it with scheduler.load_state_dict(...)",
+    ),
+    (
+        torch.optim.lr_scheduler.ReduceLROnPlateau,
+        "a learning-rate scheduler; save "
+        "scheduler.state_dict() and restore it with scheduler.load_state_dict(...)",
+    ),
+    (
+        torch.amp.GradScaler,
+        "a GradScaler; save scaler.state_dict() and restore it with scaler.load_state_dict(...)",
+    ),
+    (
+        torch.Generator,
+        "a random number generator; save generator.get_state() (a tensor) "
+        "and restore it with generator.set_state(...)",
+    ),
+)
+
+
 def _unsupported_reason(obj: Any) -> str:
     kind = type(obj)
+    for base, advice in _SAVE_INSTEAD:
+        if isinstance(obj, base):
+            return f"{kind.__qualname__} is {advice}"
+    if callable(getattr(obj, "state_dict", None)):
+        return (
+            f"{kind.__qualname__} objects are not data; it has a state_dict() method: "
+            "save obj.state_dict() instead, and restore it with obj.load_state_dict(...)"
+        )
     if callable(obj):
         return f"{kind.__qualname__} objects (functions, lambdas, callables) cannot be saved"
     if isinstance(obj, (dict, list, tuple)):
@@ -251,7 +355,7 @@ class _Unflattener:
             "list": lambda v, p, d: self.items(v, p, d),
             "tuple": lambda v, p, d: tuple(self.items(v, p, d)),
             "dict": lambda v, p, d: dict(self.pairs(v, p, d)),
-            "size": lambda v, p, d: torch.Size(self.ints(v, p)),
+            "size": lambda v, p, d: self.size(v, p),
             "dtype": lambda v, p, d: self.dtype(v, p),
             "device": lambda v, p, d: self.device(v, p),
             "tensor": lambda v, p, d: self.ref(self.tensors, v, p),
@@ -324,6 +428,15 @@ class _Unflattener:
         if type(value) is not list or not all(type(v) is int for v in value):
             raise self.fail(path, "expected a list of integers")
         return value
+
+    def size(self, value: Any, path: str) -> torch.Size:
+        # torch.Size holds Python ints of any size, but one past int64 breaks its repr and
+        # every use of it: refuse it here, naming the entry.
+        ints = self.ints(value, path)
+        for n in ints:
+            if not _INT64_MIN <= n <= _INT64_MAX:
+                raise self.fail(path, f"torch.Size entry {n} is outside int64")
+        return torch.Size(ints)
 
     def dtype(self, value: Any, path: str) -> torch.dtype:
         if type(value) is not str:

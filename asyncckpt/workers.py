@@ -8,6 +8,16 @@ break a save that is still compressing when the main thread ends.
 The threads of a background write (the save thread and the encoders) lower their own
 scheduling priority by the ``writer_nice`` tunable when they start: on a CPU shared with
 training, the caller's threads then win the cores and the write fills the gaps.
+
+A forked child (a DataLoader worker, a ``multiprocessing`` fork) inherits none of these
+threads, but it does inherit the pools, the queue of pending saves and every lock, possibly
+held by a thread that does not exist there: its first ``load`` or ``save`` would wait for
+ever. The one place that knows what a child must drop is :func:`after_fork_in_child`: this
+module's pools and pending saves are forgotten first, then every hook that a module
+registered there runs, in registration order (the arena pool and failures of ``api``, the
+shared arenas of ``staging``, the writer process, the ``"auto"`` compression lock...).
+What the parent owned is kept, untouched, rather than freed in the child
+(:func:`keep_from_parent`).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from . import config, cpu
 
@@ -219,6 +229,80 @@ def wait_idle(timeout: float) -> bool:
     return all(p.wait_idle(max(0.0, deadline - time.monotonic())) for p in pools)
 
 
+#: Name prefixes of torch.distributed's native worker threads (gloo's work loops, NCCL's
+#: watchdog and heartbeat), which finish collectives and drop their tensors.
+TORCH_WORKER_THREADS: Final = ("pt_gloo", "pt_nccl")
+_QUIET_ROUNDS = 3  # consecutive polls with no such thread runnable
+_QUIET_POLL_S = 0.002
+
+
+def wait_torch_threads_quiet(timeout: float) -> bool:
+    """Wait until no native torch.distributed worker thread is running (for the exit hook).
+
+    Such a thread (a gloo process group's work loop, say) outlives
+    ``destroy_process_group()`` whenever something still holds the group: a module that was
+    sharded with ``fully_shard`` keeps its DeviceMesh in DTensor's caches, and the mesh
+    holds the group. When it finishes a collective it drops the collective's tensors, which
+    takes the GIL to release their Python objects. If the interpreter has begun finalizing
+    by then, CPython ends the thread with ``pthread_exit``, whose unwinding through torch's
+    C++ destructors calls ``std::terminate``: the process aborts (SIGABRT, "terminate
+    called without an active exception") after the script's last line ran. The window is
+    between a collective's completion and its destruction, so it opens when the thread is
+    preempted right after the last collective of the job, on a loaded machine. Called from
+    the exit hook, before finalization: each poll sleeps (so a thread waiting for the GIL
+    gets it) and then checks that no such thread is runnable; three quiet polls in a row
+    end the wait. A process without such threads returns at once (Linux only: elsewhere
+    the threads cannot be seen).
+
+    Args:
+        timeout: seconds to wait at most.
+
+    Returns:
+        True once they are quiet (or there are none), False if ``timeout`` passed first.
+
+    Example:
+        >>> wait_torch_threads_quiet(1.0)
+        True
+    """
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < _QUIET_ROUNDS:
+        threads = _torch_worker_threads()
+        if not threads:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_QUIET_POLL_S)  # the GIL is free meanwhile
+        quiet = 0 if any(_runnable(tid) for tid in threads) else quiet + 1
+    return True
+
+
+def _torch_worker_threads() -> list[str]:
+    """Thread ids of this process's native torch.distributed workers (Linux /proc)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    found = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread has just exited
+            continue
+        if name.startswith(TORCH_WORKER_THREADS):
+            found.append(tid)
+    return found
+
+
+def _runnable(tid: str) -> bool:
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return False
+
+
 def save_queue() -> DaemonPool:
     """The single thread that runs save jobs, one at a time, in submission order."""
     return pool("save", 1)
@@ -243,3 +327,53 @@ def pending() -> list[Any]:
     """The saves of this process that have not finished, oldest first."""
     with _lock:
         return sorted(_pending, key=lambda h: h.sequence)
+
+
+#: What a forked child runs, in order, after forgetting this module's own state.
+_after_fork: list[Callable[[], None]] = []
+#: The parent's pools, saves and arenas, never freed in a child (see keep_from_parent).
+_inherited: list[Any] = []
+
+
+def after_fork_in_child(reset: Callable[[], None]) -> Callable[[], None]:
+    """Run ``reset`` in every child forked from this process (a decorator).
+
+    ``reset`` drops what belongs to the parent (threads that the child does not have, and
+    locks they may have held at the fork): a new lock for each module lock, empty caches.
+
+    Returns:
+        ``reset`` itself.
+
+    Example:
+        >>> @after_fork_in_child
+        ... def _forget() -> None:
+        ...     pass
+    """
+    _after_fork.append(reset)
+    return reset
+
+
+def keep_from_parent(*objects: Any) -> None:
+    """Keep the parent's ``objects`` alive, unused, for the life of a forked child.
+
+    Freeing them in the child would run their destructors there: a pinned buffer or a CUDA
+    tensor freed in a child that cannot use the parent's CUDA context, a queued task's
+    tensors. The memory is the parent's, shared copy-on-write, and costs the child nothing
+    while it is not written.
+    """
+    _inherited.extend(objects)
+
+
+def _forget_parent() -> None:
+    """In a forked child: no pool, no pending save, fresh locks; then every registered hook."""
+    global _lock
+    _lock = threading.Lock()
+    keep_from_parent(list(_pools.values()), list(_pending))
+    _pools.clear()
+    _pending.clear()
+    for reset in _after_fork:
+        reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent)

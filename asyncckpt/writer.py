@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import datetime
 import functools
+import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
@@ -30,6 +31,7 @@ from . import autocompress, config, cpu
 from ._version import __version__
 from .autocompress import AutoRun, AutoSettings
 from .codec import EncodeReport, checksum, encode_chunk
+from .errors import AsyncCkptError
 from .format import (
     MAX_CHUNK_BYTES,
     ArrayEntry,
@@ -42,7 +44,10 @@ from .format import (
     encode_manifest,
 )
 from .storage import AtomicWriter, Storage
+from .storage.base import PublishGuard
 from .workers import pool
+
+log = logging.getLogger(__name__)
 
 #: Chunk lengths are multiples of this, so every element width divides them.
 _CHUNK_ALIGN = 16
@@ -149,6 +154,7 @@ def write_snapshot(
     path: str,
     options: WriteOptions,
     progress: Callable[[int], None] | None = None,
+    guard: PublishGuard | None = None,
 ) -> int:
     """Write ``snap`` atomically to ``path``.
 
@@ -158,21 +164,41 @@ def write_snapshot(
         path: the target file; replaced atomically, or left untouched on any failure.
         options: compression and parallelism settings.
         progress: called with the raw bytes of each chunk once it is written.
+        guard: entered around the step that publishes the file (see
+            :data:`asyncckpt.storage.base.PublishGuard`); what it raises aborts the write.
 
     Returns:
         The total size of the file in bytes.
 
     Raises:
         StorageError: the backend failed (the target is untouched).
+        ConflictError: ``guard`` refused to publish (the target is untouched).
     """
     auto = _auto_run(storage, path, options)
     with storage.atomic_write(path) as out:
         out.writeback_bytes = options.writeback_bytes
+        out.publish_guard = guard
         size = _write_body(out, snap, options, auto, progress)
         committing = cpu.ThreadClock.now()
     if auto is not None:
         auto.committed((cpu.ThreadClock.now() - committing).busy, size)
+    abort_strays(storage, path)
     return size
+
+
+def abort_strays(storage: Storage, path: str) -> None:
+    """After ``path`` was written: abort the unfinished writes of exactly that file that
+    other writers left (the multipart upload of a ``save`` killed mid-upload, which nothing
+    else would ever remove on an object store). Never raises: the file is written.
+
+    Only uploads of this key: not those of other files under its prefix. A second process
+    saving the same key at this moment loses its upload too (its save fails, instead of
+    replacing this one later).
+    """
+    try:
+        storage.abort_unfinished(path, exact=True)
+    except AsyncCkptError as exc:
+        log.warning("could not look for unfinished uploads of %s: %s", storage.describe(path), exc)
 
 
 def _auto_run(storage: Storage, path: str, options: WriteOptions) -> AutoRun | None:

@@ -57,7 +57,7 @@ from . import config, cpu, workers
 from .errors import WriterProcessError
 from .format import ArrayEntry, TensorEntry
 from .storage import Storage
-from .storage.base import TEMP_MARK
+from .storage.base import TEMP_MARK, PublishGuard
 from .writer import WriteOptions, write_snapshot
 
 if TYPE_CHECKING:
@@ -175,6 +175,7 @@ class _WriteJob:
     live_arenas: frozenset[int]  # the child unmaps every other arena it holds
     environ: dict[str, str]  # the caller's ASYNCCKPT_* settings at the time of the save
     progress: bool
+    guard: PublishGuard | None = None  # checked right before the file is published
 
 
 class WriterProcess:
@@ -274,16 +275,34 @@ class WriterProcess:
         except subprocess.TimeoutExpired:  # alive but not answering: it cannot be trusted
             self.process.kill()
             code = self.process.wait()
-        if code < 0:
-            with contextlib.suppress(ValueError):
-                how = f"was killed by {signal.Signals(-code).name}"
-        else:
-            how = f"exited with status {code}"
         self.lost = (
-            f"the writer process (pid {self.pid}) {how} while writing {where}; that file was "
-            "not replaced. The next save starts a new writer process"
+            f"the writer process (pid {self.pid}) {_death(code)} while writing {where}; that "
+            "file was not replaced. The next save starts a new writer process"
         )
         return self.lost
+
+    def usable(self) -> bool:
+        """Whether the child can take a write: not lost, and not dead since its last one
+        (a child killed between saves is replaced before the next, which then succeeds)."""
+        return self.lost is None and self.process.poll() is None
+
+
+def _death(code: int) -> str:
+    """How a child that ended with ``Popen.returncode`` ``code`` died, in words.
+
+    Example:
+        >>> _death(-9), _death(3)
+        ('was killed by SIGKILL', 'exited with status 3')
+    """
+    if code >= 0:
+        return f"exited with status {code}"
+    number = -code
+    try:
+        return f"was killed by {signal.Signals(number).name}"
+    except ValueError:  # a real-time signal has no name of its own
+        offset = number - signal.SIGRTMIN
+        name = f"SIGRTMIN+{offset}" if 0 < offset <= signal.SIGRTMAX - signal.SIGRTMIN else "?"
+        return f"was killed by signal {number} ({name})"
 
 
 def _rebuilt(answer: tuple[Any, ...], pid: int, where: str) -> BaseException:
@@ -433,7 +452,7 @@ cpu.add_writer_source(children_cpu_seconds)
 def _broken(future: Future[WriterProcess]) -> bool:
     if not future.done():
         return False
-    return future.exception() is not None or future.result().lost is not None
+    return future.exception() is not None or not future.result().usable()
 
 
 def write(
@@ -442,6 +461,7 @@ def write(
     path: str,
     options: WriteOptions,
     progress: Callable[[int], None] | None = None,
+    guard: PublishGuard | None = None,
 ) -> int:
     """``write_snapshot``, in the writer process when ``options.processes`` asks for it.
 
@@ -455,6 +475,8 @@ def write(
         path: the file; replaced atomically, or left untouched on any failure.
         options: compression and parallelism settings, and ``processes``.
         progress: called with the raw bytes of each chunk once it is written.
+        guard: entered around the publishing step, in whichever process writes (it is
+            pickled for the writer process: a drop-in save's marker check).
 
     Returns:
         The total size of the file in bytes.
@@ -481,7 +503,7 @@ def write(
     if not options.processes or reason is not None:
         if options.processes and reason is not None:
             _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead")
-        return write_snapshot(snap, storage, path, options, progress)
+        return write_snapshot(snap, storage, path, options, progress, guard)
     assert refs is not None
     failure = snap.copy_error()
     if failure is not None:
@@ -498,12 +520,13 @@ def write(
         frozenset(r.ident for r in shared_regions()),
         {k: v for k, v in os.environ.items() if k.startswith("ASYNCCKPT_")},
         progress is not None,
+        guard,
     )
     try:
         payload = pickle.dumps(("write", job), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         _warn_once(f"writer_processes=1: {storage!r} cannot be sent to a process ({exc})")
-        return write_snapshot(snap, storage, path, options, progress)
+        return write_snapshot(snap, storage, path, options, progress, guard)
     try:
         return start().result().write(payload, job, storage.describe(path), progress)
     except WriterProcessError:
@@ -566,8 +589,7 @@ def _forget_after_fork() -> None:
         future.result().close()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+workers.after_fork_in_child(_forget_after_fork)
 
 
 # ----------------------------------------------------------------------------- the child
@@ -637,7 +659,7 @@ def _serve_write(job: _WriteJob, arenas: dict[int, memoryview], channel: _Channe
         staged = [_staged(ref, arenas) for ref in job.storages]
         snap = _ChildSnapshot(job.root, job.tensors, job.arrays, staged)
         report = (lambda n: channel.send_message(("progress", n))) if job.progress else None
-        size = write_snapshot(snap, job.storage, job.path, job.options, report)
+        size = write_snapshot(snap, job.storage, job.path, job.options, report, job.guard)
     except Exception as exc:
         channel.send_message(("failed", *_portable(exc)))
     else:

@@ -34,17 +34,42 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-import asyncckpt
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (
+    MIB,
+    alternating_rounds,
+    clone_tree,
+    count_while,
+    disk_bytes,
+    filesystem_of,
+    idle_rate,
+    load_weights,
+    loadavg,
+    make_state,
+    pyplot,
+    remove,
+    savefig,
+    settle,
+    spread_summary,
+    state_bytes,
+    states_equal,
+    tensor_bytes,
+    torch_save_durable,
+    tunable_env,
+    write_json,
+    writer_processes,
+)
 
-MIB = 1 << 20
+import asyncckpt
 
 # name -> (label for the table and plot, what "blocked" means for it)
 SAVE_METHODS: dict[str, str] = {
@@ -65,147 +90,7 @@ LOAD_METHODS: dict[str, str] = {
 }
 
 
-# ----------------------------------------------------------------------------- the state
-
-
-def make_state(size_bytes: int, kind: str, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A model-like state of about ``size_bytes`` of fp32: a few big matrices, many small.
-
-    About 85 % of the bytes sit in 6 large matrices; the rest is spread over a few hundred
-    small tensors (biases, norms, embeddings of odd sizes) from 1 K to 256 K elements.
-
-    ``kind="normal"``: standard normal values (a hard case for compression).
-    ``kind="weights"``: values drawn like trained weights (std 0.02) and rounded to bf16
-    precision, as in the fp32 copy of a model trained or shipped in bf16; norm weights are
-    ones and biases zeros. Far more compressible than ``normal``.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    total = max(1, size_bytes // 4)
-    n_small = max(8, min(400, total // 4096))
-    big_elems = int(total * 0.85) // 6
-    side = max(1, int(math.sqrt(big_elems)))
-    shapes: list[tuple[str, tuple[int, ...]]] = []
-    for i in range(6):
-        shapes.append((f"layers.{i}.weight", (side, max(1, big_elems // side))))
-    left = total - sum(math.prod(s) for _, s in shapes)
-    # log-uniform small sizes, scaled so that they fill what is left
-    raw = torch.exp(torch.empty(n_small).uniform_(math.log(1024), math.log(262144), generator=gen))
-    sizes = (raw / raw.sum() * max(left, n_small)).long().clamp_(min=1).tolist()
-    for i, n in enumerate(sizes):
-        role = ("bias", "norm.weight", "norm.bias", "extra")[i % 4]
-        shapes.append((f"blocks.{i}.{role}", (int(n),)))
-
-    state: dict[str, torch.Tensor] = {}
-    for name, shape in shapes:
-        t = torch.empty(shape, dtype=torch.float32)
-        if kind == "normal":
-            t.normal_(generator=gen)
-        elif name.endswith("norm.weight"):
-            t.fill_(1.0)
-        elif name.endswith("bias"):
-            t.zero_()
-        else:
-            t.normal_(0.0, 0.02, generator=gen)
-            t.copy_(t.to(torch.bfloat16))
-        state[name] = t
-    return state
-
-
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
-
-
 # ----------------------------------------------------------------------------- helpers
-
-
-def fsync_path(path: str) -> None:
-    """fsync a file, or every file in a directory tree and the directories themselves."""
-    if os.path.isdir(path):
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            fd = os.open(root, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    else:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def torch_save_durable(state: dict[str, torch.Tensor], path: str) -> float:
-    """Seconds for ``torch.save`` of ``state`` to ``path``, the file and its directory
-    fsynced (the baseline every durable ratio divides by)."""
-    t = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(os.path.dirname(path))
-    return time.perf_counter() - t
-
-
-def disk_bytes(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(
-            os.path.getsize(os.path.join(root, f))
-            for root, _, files in os.walk(path)
-            for f in files
-        )
-    return os.path.getsize(path)
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
-        os.remove(path)
-
-
-def filesystem_of(path: str) -> str:
-    """The mount point and type of the filesystem holding ``path`` (Linux), else ''."""
-    best = ("", "")
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mount = parts[1]
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best[0]):
-                    best = (mount, parts[2])
-    except OSError:
-        return ""
-    return f"{best[1]} at {best[0]}" if best[0] else ""
-
-
-def states_equal(a: Any, b: dict[str, torch.Tensor]) -> bool:
-    return (
-        isinstance(a, dict)
-        and a.keys() == b.keys()
-        and all(
-            isinstance(a[k], torch.Tensor) and a[k].dtype == v.dtype and torch.equal(a[k], v)
-            for k, v in b.items()
-        )
-    )
 
 
 class Recorder:
@@ -246,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*experimental.*")
 
     size = int(args.size_mib * MIB)
-    load_before = _loadavg()
+    load_before = loadavg()
     busy_before = _cpu_busy()
     if load_before and load_before[0] > 0.5:
         print(
@@ -415,10 +300,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             one_round(record=True, verify=False)
         print("paired durable rounds ...", flush=True)
         paired = paired_durable(state, tmp, max(2, args.repeats), save_torch)
-        print("first save of a fresh process, with and without reserve ...", flush=True)
+        print("first save of a fresh process: plain, reserve, Checkpointer ...", flush=True)
         first = first_save(args, 1 if args.quick else 3)
-        print("pure-Python speed during background saves ...", flush=True)
-        speed = python_speed(state, tmp, save_torch, 1 if args.quick else 3)
+        print(f"pure-Python speed during background saves ({args.speed_mib:g} MiB) ...")
+        speed_state = state if args.speed_mib == args.size_mib else None
+        if speed_state is None:
+            speed_state = make_state(int(args.speed_mib * MIB), args.kind, seed=2)
+        speed = python_speed(speed_state, tmp, 1 if args.quick else 3, not args.quick)
+        del speed_state
+        print(f'compression="auto" against zstd and none ({args.auto_mib:g} MiB) ...', flush=True)
+        auto = auto_vs_codecs(tmp, int(args.auto_mib * MIB), max(2, args.repeats))
         print("durable on a real training state (MiniLM + Adam) ...", flush=True)
         real = real_state_durable(tmp, 0 if args.quick else 1 << 30, max(2, args.repeats))
     finally:
@@ -431,9 +322,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     res["durable_paired"] = paired
     res["first_save"] = first
     res["python_speed"] = speed
+    res["auto_small"] = auto
     res["real_state"] = real
     res["machine"]["loadavg_before"] = load_before
-    res["machine"]["loadavg_after"] = _loadavg()
+    res["machine"]["loadavg_after"] = loadavg()
     busy_after = _cpu_busy()
     if busy_before is not None and busy_after is not None:
         # CPU seconds that other processes used while this benchmark ran
@@ -473,13 +365,6 @@ def _cpu_busy() -> tuple[float, float, float, float] | None:
     return busy, t.user + t.system, kthreads / hz, time.monotonic()
 
 
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def _record_cold(
     rec: Recorder,
     path: str,
@@ -496,21 +381,6 @@ def _record_cold(
 
 
 # ----------------------------------------------------------------------------- durable, paired
-
-
-def settle(path: str | None = None) -> None:
-    """Delete ``path`` and let the disk settle before the next timed save.
-
-    On this machine ``/`` is ext4 mounted with ``discard``: unlinking a 1 GiB file queues
-    discards that run at the next journal commit, i.e. during the *next* method's fsync,
-    and writeback of other processes' files lands wherever it lands. ``os.sync`` twice and
-    a short pause move that work out of every timed window (see docs/benchmarks.md).
-    """
-    if path is not None:
-        remove(path)
-    os.sync()
-    time.sleep(0.2)
-    os.sync()
 
 
 def paired_durable(
@@ -583,22 +453,6 @@ def paired_durable(
     return paired_summary(raw)
 
 
-def alternating_rounds(
-    methods: dict[str, Callable[[str], float]], rounds: int, prefix: str
-) -> dict[str, list[float]]:
-    """Seconds of each method per round: every method once per round, the order reversed
-    every other round, each save to ``prefix + name`` with :func:`settle` before and after."""
-    raw: dict[str, list[float]] = {m: [] for m in methods}
-    order = list(methods)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            path = prefix + name
-            settle(path)
-            raw[name].append(methods[name](path))
-            settle(path)
-    return raw
-
-
 def paired_summary(raw: dict[str, list[float]]) -> dict[str, Any]:
     """Per-round ratios to ``raw["torch_save"]``: median, spread, and the two methods' gap."""
     ratios = {
@@ -611,15 +465,6 @@ def paired_summary(raw: dict[str, list[float]]) -> dict[str, Any]:
     for c in ("none", "zstd"):
         a, b = out[f"save_{c}_x_torch_save"], out[f"checkpointer_{c}_x_torch_save"]
         out[f"agreement_{c}"] = abs(a - b) / max(a, b)  # 0: the two methods agree exactly
-    return out
-
-
-def spread_summary(raw: dict[str, list[float]], suffix: str) -> dict[str, Any]:
-    """``{name+suffix: median, name+suffix+"_spread": [min, max]}`` for every list."""
-    out: dict[str, Any] = {}
-    for name, xs in raw.items():
-        out[f"{name}{suffix}"] = statistics.median(xs)
-        out[f"{name}{suffix}_spread"] = [min(xs), max(xs)]
     return out
 
 
@@ -641,10 +486,7 @@ def real_training_state(
     Returns:
         The state, and a description (source, steps, bytes, replicas).
     """
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_codec
-
-    weights, source = bench_codec.load_weights()
+    weights, source = load_weights()
     gen = torch.Generator().manual_seed(seed)
     params = {
         k: v.clone().requires_grad_(True) for k, v in weights.items() if v.is_floating_point()
@@ -664,9 +506,9 @@ def real_training_state(
         "model": {k: (params[k].detach() if k in params else v) for k, v in weights.items()},
         "optimizer": opt.state_dict(),
     }
-    one_bytes = _tensor_bytes(one)
+    one_bytes = tensor_bytes(one)
     replicas = max(1, math.ceil(min_bytes / one_bytes))
-    state = {f"replica{i}": _clone_tree(one) for i in range(replicas)}
+    state = {f"replica{i}": clone_tree(one) for i in range(replicas)}
     desc = {
         "source": source["kind"],
         "adam_steps": steps,
@@ -675,26 +517,6 @@ def real_training_state(
         "raw_bytes": one_bytes * replicas,
     }
     return state, desc
-
-
-def _tensor_bytes(tree: Any) -> int:
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(_tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
-    return 0
-
-
-def _clone_tree(tree: Any) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _clone_tree(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_clone_tree(v) for v in tree]
-    return tree
 
 
 def real_state_durable(
@@ -747,15 +569,20 @@ def real_state_durable(
 # ----------------------------------------------------------------------------- first save
 
 
-def first_save(args: argparse.Namespace, repeats: int) -> dict[str, Any]:
-    """The first save's stall in fresh processes, with and without ``asyncckpt.api.reserve``.
+#: --first-save modes: asyncckpt.save as a user calls it (no hint), the same after
+#: ``asyncckpt.reserve(state)``, and ``Checkpointer.save`` (no hint).
+FIRST_SAVE_MODES = ("plain", "reserve", "checkpointer")
 
-    Each run is its own interpreter (so nothing is warm), alternating the two modes; the
-    stall is divided by a copy into preallocated buffers measured in that process.
+
+def first_save(args: argparse.Namespace, repeats: int) -> dict[str, Any]:
+    """The first save's stall in fresh processes: plain, after ``reserve``, Checkpointer.
+
+    Each run is its own interpreter (so nothing is warm), the modes alternating; the stall
+    is divided by a copy into preallocated buffers measured in that process.
     """
     import subprocess
 
-    raw: dict[str, list[float]] = {"plain": [], "reserve": []}
+    raw: dict[str, list[float]] = {m: [] for m in FIRST_SAVE_MODES}
     for _ in range(repeats):
         for mode in raw:
             cmd = [sys.executable, os.path.abspath(__file__), "--first-save", mode]
@@ -784,10 +611,16 @@ def first_save_child(args: argparse.Namespace) -> int:
             thread.join()  # the background work is done by the time training reaches a save
     tmp = tempfile.mkdtemp(prefix="bench_first-", dir=args.tmp_dir)
     try:
+        ckpt = asyncckpt.Checkpointer(tmp) if args.first_save == "checkpointer" else None
         t = time.perf_counter()
-        handle = asyncckpt.save(state, os.path.join(tmp, "first.ackpt"))
+        if ckpt is not None:
+            handle = ckpt.save(1, state)
+        else:
+            handle = asyncckpt.save(state, os.path.join(tmp, "first.ackpt"))
         blocked = time.perf_counter() - t
         handle.result()
+        if ckpt is not None:
+            ckpt.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps({"copy_s": copy_s, "blocked_s": blocked, "blocked_x_copy": blocked / copy_s}))
@@ -797,31 +630,8 @@ def first_save_child(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- Python speed
 
 
-@contextlib.contextmanager
-def tunable_env(name: str, value: int) -> Iterator[None]:
-    """Saves started inside use ``value`` for the tunable ``name`` (``ASYNCCKPT_<NAME>``)."""
-    var = f"ASYNCCKPT_{name.upper()}"
-    old = os.environ.get(var)
-    os.environ[var] = str(value)
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[var]
-        else:
-            os.environ[var] = old
-
-
-def writer_processes(value: int) -> contextlib.AbstractContextManager[None]:
-    """Saves started inside write in a writer process (1) or on threads (0)."""
-    return tunable_env("writer_processes", value)
-
-
 def python_speed(
-    state: dict[str, torch.Tensor],
-    tmp: str,
-    save_torch: Callable[[str], tuple[float, float]],
-    repeats: int,
+    state: dict[str, torch.Tensor], tmp: str, repeats: int, processes: bool = True
 ) -> dict[str, Any]:
     """How fast the calling thread runs pure Python while a save finishes in the background.
 
@@ -829,38 +639,31 @@ def python_speed(
     holds is stall. The main thread counts loop iterations from the moment the save call
     returns until the file is durable; the rate is divided by the rate of the same loop on
     an idle process, measured just before (idle, method, idle, method, ...; the order of
-    methods reversed every other repeat). ``*_lost_s``: the caller's seconds of work lost
-    per save, ``(1 - ratio) x window``; ``*_window_s``: the window itself, the time to
-    durable beside a busy Python thread (a threaded writer waits for the GIL after every
-    call that released it). ``*_process``: ``writer_processes=1``.
+    methods reversed every other repeat). ``asyncckpt_default``: ``asyncckpt.save`` with
+    every default, the row held against the target. ``*_lost_s``: the caller's seconds of
+    work lost per save, ``(1 - ratio) x window``; ``*_window_s``: the window itself, the
+    time to durable beside a busy Python thread. ``*_process``: ``writer_processes=1`` (left
+    out when ``processes`` is false, as in ``--quick``).
     """
-    import threading
-
     from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
-    def count_while(busy: Callable[[], bool]) -> tuple[float, float]:
-        """(iterations per second, seconds) while ``busy()``."""
-        n, t = 0, time.perf_counter()
-        while busy():
-            for _ in range(1000):
-                n += 1
-        elapsed = time.perf_counter() - t
-        return n / elapsed, elapsed
-
-    def idle_rate() -> float:
-        end = time.perf_counter() + 0.5
-        return count_while(lambda: time.perf_counter() < end)[0]
-
-    def asyncckpt_save(compression: str, processes: int = 0) -> Callable[[str], Callable[[], bool]]:
+    def asyncckpt_save(
+        compression: str | None, processes: int | None = None
+    ) -> Callable[[str], Callable[[], bool]]:
         def start(path: str) -> Callable[[], bool]:
-            with writer_processes(processes):
-                handle = asyncckpt.save(state, path, compression=compression)
+            with contextlib.ExitStack() as env:
+                if processes is not None:
+                    env.enter_context(writer_processes(processes))
+                if compression is None:  # what a user gets
+                    handle = asyncckpt.save(state, path)
+                else:
+                    handle = asyncckpt.save(state, path, compression=compression)
             return lambda: not handle.done()
 
         return start
 
     def torch_save_thread(path: str) -> Callable[[], bool]:
-        thread = threading.Thread(target=save_torch, args=(path,))
+        thread = threading.Thread(target=torch_save_durable, args=(state, path))
         thread.start()
         return thread.is_alive
 
@@ -870,15 +673,19 @@ def python_speed(
         return lambda: not upload.done()
 
     methods = {
-        "asyncckpt_zstd": asyncckpt_save("zstd"),
-        "asyncckpt_none": asyncckpt_save("none"),
-        "asyncckpt_zstd_process": asyncckpt_save("zstd", processes=1),
-        "asyncckpt_none_process": asyncckpt_save("none", processes=1),
+        "asyncckpt_default": asyncckpt_save(None),
+        "asyncckpt_zstd": asyncckpt_save("zstd", 0),
+        "asyncckpt_none": asyncckpt_save("none", 0),
         "torch_save_thread": torch_save_thread,
         "dcp_async_save": dcp_async,
     }
-    # The writer process starts (and imports torch) on its first save: not part of a round.
-    asyncckpt_save("none", processes=1)(os.path.join(tmp, "speed_warmup"))
+    if processes:
+        methods["asyncckpt_zstd_process"] = asyncckpt_save("zstd", processes=1)
+        methods["asyncckpt_none_process"] = asyncckpt_save("none", processes=1)
+        # The writer process starts (and imports torch) on its first save: not in a round.
+        asyncckpt_save("none", processes=1)(os.path.join(tmp, "speed_warmup"))
+        asyncckpt.wait()
+    asyncckpt_save(None)(os.path.join(tmp, "speed_warmup"))  # the default's arena
     asyncckpt.wait()
     raw: dict[str, list[float]] = {m: [] for m in methods}
     lost: dict[str, list[float]] = {m: [] for m in methods}
@@ -896,6 +703,8 @@ def python_speed(
     # The ratio is over the write's window, so a faster writer concentrates the same
     # interference into less time; the caller's seconds lost per save do not depend on that.
     return {
+        "state_bytes": state_bytes(state),
+        "repeats": repeats,
         "raw_x_idle": raw,
         **spread_summary(raw, "_x_idle"),
         "raw_lost_s": lost,
@@ -903,6 +712,50 @@ def python_speed(
         "raw_window_s": window,
         **spread_summary(window, "_window_s"),
     }
+
+
+# ----------------------------------------------------------------------------- compression="auto"
+
+
+def auto_vs_codecs(tmp: str, size_bytes: int, rounds: int) -> dict[str, Any]:
+    """Durable ÷ ``torch.save``+fsync of ``compression="auto"``, ``"zstd"`` and ``"none"``
+    on a small (128 MiB) N(0,1) state, in paired rounds on a settled disk.
+
+    ``auto_x_best``: per round, auto's ratio over the better of zstd's and none's; its median
+    is held against "auto is never worse than the better fixed codec by more than 10 %".
+    """
+    state = make_state(size_bytes, "normal", seed=1)
+
+    def save(compression: str) -> Callable[[str], float]:
+        def go(path: str) -> float:
+            t = time.perf_counter()
+            asyncckpt.save(state, path, compression=compression).result()
+            return time.perf_counter() - t
+
+        return go
+
+    methods: dict[str, Callable[[str], float]] = {
+        "torch_save": lambda q: torch_save_durable(state, q),
+        "save_auto": save("auto"),
+        "save_zstd": save("zstd"),
+        "save_none": save("none"),
+    }
+    for name in ("save_none", "save_auto"):  # the arena; auto learns this disk's rates
+        methods[name](os.path.join(tmp, "auto_warm"))
+        settle(os.path.join(tmp, "auto_warm"))
+    raw = alternating_rounds(methods, rounds, os.path.join(tmp, "auto_"))
+    ratios = {
+        m: [a / b for a, b in zip(xs, raw["torch_save"])]
+        for m, xs in raw.items()
+        if m != "torch_save"
+    }
+    best = [min(z, n) for z, n in zip(ratios["save_zstd"], ratios["save_none"])]
+    ratios["auto_over_best"] = [a / b for a, b in zip(ratios["save_auto"], best)]
+    out = {"state_bytes": state_bytes(state), "rounds": rounds, "raw_s": raw}
+    out.update(spread_summary(ratios, "_x_torch_save"))
+    out["auto_x_best"] = out.pop("auto_over_best_x_torch_save")
+    out["auto_x_best_spread"] = out.pop("auto_over_best_x_torch_save_spread")
+    return out
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -1062,11 +915,7 @@ def print_table(res: dict[str, Any]) -> None:
 
 
 def plot(res: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     saves = [(k, e) for k, e in res["save"].items() if "error" not in e]
     loads = [(k, e) for k, e in res["load"].items() if "error" not in e]
     fig, (ax1, ax2) = plt.subplots(
@@ -1143,28 +992,83 @@ def plot(res: dict[str, Any], path: str) -> None:
             color="#a00",
         )
     fig.tight_layout(rect=(0, 0.02, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    savefig(fig, path)
+
+
+#: Labels of the pure-Python row's methods, in the plot and the report alike.
+SPEED_LABELS = {
+    "asyncckpt_default": "asyncckpt.save (defaults)",
+    "asyncckpt_zstd": "asyncckpt.save zstd, threads",
+    "asyncckpt_none": "asyncckpt.save none, threads",
+    "asyncckpt_zstd_process": "asyncckpt.save zstd, writer process",
+    "asyncckpt_none_process": "asyncckpt.save none, writer process",
+    "torch_save_thread": "torch.save + fsync in a thread",
+    "dcp_async_save": "DCP async_save",
+}
+
+
+def plot_python_speed(speed: dict[str, Any], path: str) -> None:
+    """The pure-Python row per method: the caller's speed ÷ idle (median, spread)."""
+    plt = pyplot()
+    names = [m for m in SPEED_LABELS if f"{m}_x_idle" in speed]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(names) + 1.6))
+    ys = list(range(len(names)))[::-1]
+    vals = [speed[f"{m}_x_idle"] for m in names]
+    lo = [v - speed[f"{m}_x_idle_spread"][0] for m, v in zip(names, vals)]
+    hi = [speed[f"{m}_x_idle_spread"][1] - v for m, v in zip(names, vals)]
+    colors = ["#d95f02" if m.startswith("asyncckpt") else "#7570b3" for m in names]
+    ax.barh(ys, vals, 0.6, xerr=[lo, hi], color=colors, capsize=3)
+    top = max(1.1, 1.05 * max(v + h for v, h in zip(vals, hi)))
+    for y, v, m in zip(ys, vals, names):
+        ax.text(0.02 * top, y, f"{v:.2f}×", va="center", fontsize=8, color="white")
+        window = speed.get(f"{m}_window_s")
+        if window is not None:  # a column right of the axes, never over a bar
+            ax.annotate(
+                f"{window:.2f} s",
+                (1.02, y),
+                xycoords=("axes fraction", "data"),
+                va="center",
+                fontsize=8,
+                annotation_clip=False,
+            )
+    ax.set_yticks(ys, [SPEED_LABELS[m] for m in names], fontsize=8)
+    ax.axvline(0.95, color="k", ls="--", lw=1)
+    ax.annotate(
+        "target ≥ 0.95×",
+        (0.95, 1.0),
+        xycoords=("data", "axes fraction"),
+        xytext=(0, 3),
+        textcoords="offset points",
+        ha="center",
+        fontsize=8,
+    )
+    ax.set_xlim(0, top)
+    ax.set_xlabel("caller's pure-Python speed while the save writes ÷ idle (higher is better)")
+    size = speed.get("state_bytes")
+    ax.set_title(
+        "pure-Python speed beside a background save"
+        + (f", {size / MIB:.0f} MiB" if size else "")
+        + " (right: seconds to durable)",
+        fontsize=10,
+        pad=16,
+    )
+    fig.tight_layout()
+    savefig(fig, path)
 
 
 def only(args: argparse.Namespace) -> int:
     """``--only``: one part of the benchmark, its JSON printed on the last line."""
     tmp = tempfile.mkdtemp(prefix="bench_save-", dir=args.tmp_dir)
-    load_before = _loadavg()
+    load_before = loadavg()
     try:
         if args.only == "real_state":
             res = real_state_durable(tmp, 0 if args.quick else 1 << 30, max(2, args.repeats))
         else:
-            state = make_state(int(args.size_mib * MIB), args.kind)
-
-            def save_torch(path: str) -> tuple[float, float]:
-                dt = torch_save_durable(state, path)
-                return dt, dt
-
-            res = python_speed(state, tmp, save_torch, args.repeats)
+            state = make_state(int(args.speed_mib * MIB), args.kind)
+            res = python_speed(state, tmp, args.repeats)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    res["loadavg"] = [load_before, _loadavg()]
+    res["loadavg"] = [load_before, loadavg()]
     res["writer_nice"] = asyncckpt.config.tunable("writer_nice", None)
     res["threads"] = asyncckpt.config.tunable("threads", None)
     print(json.dumps(res))
@@ -1175,6 +1079,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mib", type=float, default=1024.0, help="state size (default 1024)")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
+    ap.add_argument(
+        "--speed-mib", type=float, default=512.0, help="state of the pure-Python row (512)"
+    )
+    ap.add_argument(
+        "--auto-mib", type=float, default=128.0, help='state of the compression="auto" row'
+    )
     ap.add_argument("--quick", action="store_true", help="smoke test: 64 MiB, 1 repeat")
     ap.add_argument(
         "--kind",
@@ -1186,7 +1096,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tmp-dir", default=None, help="where to write (default: system temp)")
     ap.add_argument(
         "--first-save",
-        choices=["plain", "reserve"],
+        choices=list(FIRST_SAVE_MODES),
         default=None,
         help="internal: time only the first save of this process and print it as JSON",
     )
@@ -1200,6 +1110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mib, args.repeats = 64.0, 1
+        args.speed_mib, args.auto_mib = 64.0, 16.0
     if args.repeats < 1 or args.size_mib <= 0:
         ap.error("--repeats and --size-mib must be positive")
     return args
@@ -1215,12 +1126,11 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     json_path = os.path.join(args.out, "bench_save.json")
     png_path = os.path.join(args.out, "bench_save.png")
-    with open(json_path, "w") as f:
-        json.dump(res, f, indent=2)
-        f.write("\n")
+    write_json(res, json_path)
     print_table(res)
     try:
         plot(res, png_path)
+        plot_python_speed(res["python_speed"], os.path.join(args.out, "python_speed.png"))
     except Exception as exc:  # the JSON is the result; a plotting failure must not hide it
         print(f"plot failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -63,7 +63,9 @@ from asyncckpt.testing import FaultPlan
 from asyncckpt.tree import flatten
 
 HERE = Path(__file__).resolve().parent
-MIB = 1 << 20
+sys.path.insert(0, str(HERE))
+from common import MIB, pyplot, rss_bytes, savefig, write_json  # noqa: E402
+
 STEP = 1
 
 
@@ -286,28 +288,23 @@ def sim_part(args: argparse.Namespace) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- FSDP2
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 class _PeakRss:
     """Samples this process's RSS every 2 ms on a thread; keeps the peak."""
 
     def __init__(self) -> None:
-        self.peak = _rss()
+        self.peak = rss_bytes()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.002):
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, rss_bytes())
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
-        return max(self.peak, _rss())
+        return max(self.peak, rss_bytes())
 
 
 def _dir_bytes(path: Path) -> int:
@@ -380,7 +377,7 @@ def _fsdp_rank(
     dist.barrier()
 
     # Checkpointer.save: memory from before its first save; the second save is timed.
-    base = _rss()
+    base = rss_bytes()
     sampler = _PeakRss()
     ckpt = Checkpointer(work / "ckpt", keep_last=1)
     timings = []
@@ -540,15 +537,12 @@ def _fsdp_summary(recs: list[dict[str, Any]], layers: int, width: int) -> dict[s
 
 def plot(res: dict[str, Any], path: Path) -> None:
     """Requests per rank and commit latency against rank count (sim); FSDP stalls."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sim = res.get("sim")
     fsdp = res.get("fsdp")
     panels = (2 if sim else 0) + (1 if fsdp else 0)
-    fig, axes = plt.subplots(1, max(1, panels), figsize=(5 * max(1, panels), 4))
+    fig, axes = plt.subplots(1, max(1, panels), figsize=(5.5 * max(1, panels), 4.4))
     axes = list(axes) if panels > 1 else [axes]
     i = 0
     if sim:
@@ -584,13 +578,14 @@ def plot(res: dict[str, Any], path: Path) -> None:
         x = range(len(labels))
         ax.bar([v - 0.2 for v in x], stall, 0.4, label="stall (slowest rank)")
         ax.bar([v + 0.2 for v in x], durable, 0.4, label="to durable")
-        ax.set_xticks(list(x), labels, rotation=15)
+        # each label on short lines: four long method names side by side never collide
+        wrapped = [n.replace(" (", "\n(").replace(" via ", "\nvia ") for n in labels]
+        ax.set_xticks(list(x), wrapped, fontsize=8)
         ax.set_ylabel("seconds")
         ax.set_title(f"FSDP2, {fsdp['world']} gloo ranks, {fsdp['state_bytes'] / MIB:.0f} MiB")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    savefig(fig, path, dpi=110)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -618,9 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fsdp part failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             res["fsdp_error"] = f"{type(exc).__name__}: {exc}"
             status = 1
-    with open(out / "bench_sharded.json", "w") as f:
-        json.dump(res, f, indent=2)
-        f.write("\n")
+    write_json(res, out / "bench_sharded.json")
     plot(res, out / "bench_sharded.png")
     print(f"wrote {out / 'bench_sharded.json'} and {out / 'bench_sharded.png'}")
     return status

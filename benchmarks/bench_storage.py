@@ -26,9 +26,11 @@ Usage::
         [--parallel 8] [--dtype mixed|fp32|bf16] [--slow-backend memory|moto]
         [--baseline-mib 1024] [--out benchmarks/results]
 
-It also compares asyncckpt with boto3's s3transfer (``upload_file``/``download_file``, same
-threads and part size) on the same bytes, on moto and on SeaweedFS (when ``weed`` is
-installed), reporting asyncckpt's throughput as a multiple of s3transfer's.
+It also compares asyncckpt with boto3's s3transfer (``upload_file``/``download_file``), each
+with the defaults a user gets, on the same bytes, on SeaweedFS (when ``weed`` is installed)
+at ``--baseline-mib`` sizes (64, 128 and 1024 MiB) and on moto at the smallest, reporting
+asyncckpt's throughput as a multiple of s3transfer's; beside them on SeaweedFS, the peers a
+user would pick for S3: s3torchconnector's DCP writer and reader, and tensorizer's S3 stream.
 
 Writes ``bench_storage.json`` and ``bench_storage.png`` under ``--out`` and prints a table.
 """
@@ -36,6 +38,7 @@ Writes ``bench_storage.json`` and ``bench_storage.png`` under ``--out`` and prin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,21 +47,18 @@ import sys
 import time
 import traceback
 import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import MIB, pyplot, savefig, write_json
+
 import asyncckpt
 from asyncckpt.storage import resolve
-from asyncckpt.testing import (
-    FaultPlan,
-    MotoServer,
-    SeaweedServer,
-    fake_aws_environment,
-    find_weed,
-)
+from asyncckpt.testing import FaultPlan, MotoServer, fake_aws_environment
 
-MIB = 1 << 20
 BUCKET = "asyncckpt-bench"
 LINKS = ("moto", "slow")
 COMPRESSIONS = ("none", "zstd")
@@ -164,85 +164,203 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def baseline(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
-    """asyncckpt vs boto3's s3transfer on the same bytes, on moto and on SeaweedFS.
+@contextlib.contextmanager
+def _defaults() -> Iterator[None]:
+    """Inside: no ``ASYNCCKPT_*`` tunable that this script set (the defaults a user gets)."""
+    saved = {
+        k: os.environ.pop(k)
+        for k in ("ASYNCCKPT_PART_BYTES", "ASYNCCKPT_PART_CONCURRENCY")
+        if k in os.environ
+    }
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
-    s3transfer (``upload_file``/``download_file``, ``--parallel`` threads, ``--part-mib``
-    parts) moves the raw tensor bytes as one file; asyncckpt saves and loads the same tensors
-    (zstd, ``--parallel`` parts in flight). Reported: seconds, and asyncckpt's throughput as
-    a multiple of s3transfer's (``t(s3transfer) / t(asyncckpt)``; above 1 is faster).
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def s3transfer_pair(client: Any, src: str, dst: str, key: str) -> tuple[float, float]:
+    """Seconds of boto3's ``upload_file`` and ``download_file`` with their defaults."""
+    up = _timed(lambda: client.upload_file(src, BUCKET, key))
+    down = _timed(lambda: client.download_file(BUCKET, key, dst))
+    return up, down
+
+
+def s3torchconnector_pair(
+    state: dict[str, torch.Tensor], endpoint: str, key: str
+) -> dict[str, Any]:
+    """Seconds of ``dcp.save``/``dcp.load`` through s3torchconnector's DCP writer and reader.
+
+    Their S3 client takes no endpoint from the writer's arguments: the writer's client is
+    replaced by one for the local server (path-style addressing, as SeaweedFS needs).
+    """
+    import torch.distributed.checkpoint as dcp
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+    from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+    cfg = S3ClientConfig(force_path_style=True)
+    url = f"s3://{BUCKET}/{key}"
+    writer = S3StorageWriter("us-east-1", url, s3client_config=cfg)
+    writer.fs._client = S3Client("us-east-1", endpoint=endpoint, s3client_config=cfg)
+    up = _timed(lambda: dcp.save(state, storage_writer=writer, no_dist=True))
+    reader = S3StorageReader("us-east-1", url, s3client_config=cfg)
+    reader.fs._client = S3Client("us-east-1", endpoint=endpoint, s3client_config=cfg)
+    into = {k: torch.empty_like(v) for k, v in state.items()}
+    down = _timed(lambda: dcp.load(into, storage_reader=reader, no_dist=True))
+    if not same(into, state):
+        raise AssertionError(f"s3torchconnector {url}: loaded data differs")
+    return {"save_s": up, "load_s": down}
+
+
+def tensorizer_pair(state: dict[str, torch.Tensor], endpoint: str, key: str) -> dict[str, Any]:
+    """Seconds of tensorizer's S3 stream: ``TensorSerializer`` into ``open_stream(..., "wb")``
+    (a temporary file uploaded on close) and ``TensorDeserializer`` from a read stream."""
+    from tensorizer import TensorDeserializer, TensorSerializer, stream_io
+
+    kw = {
+        "s3_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
+        "s3_secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"],
+        "s3_endpoint": endpoint.removeprefix("http://"),
+        "force_http": True,
+    }
+    url = f"s3://{BUCKET}/{key}.tensors"
+
+    def save() -> None:
+        serializer = TensorSerializer(stream_io.open_stream(url, "wb", **kw))
+        serializer.write_state_dict(state)
+        serializer.close()
+
+    got: dict[str, torch.Tensor] = {}
+
+    def load() -> None:
+        reader = TensorDeserializer(stream_io.open_stream(url, "rb", **kw), device="cpu")
+        got.update({k: v.clone() for k, v in reader.items()})
+        reader.close()
+
+    up, down = _timed(save), _timed(load)
+    if not same(got, state):
+        raise AssertionError(f"tensorizer {url}: loaded data differs")
+    return {"save_s": up, "load_s": down}
+
+
+def baseline(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]:
+    """asyncckpt vs boto3's s3transfer (and, on SeaweedFS, the S3 peers) on the same bytes.
+
+    Everything runs with the defaults a user gets: ``asyncckpt.save``/``load`` without
+    arguments or ``ASYNCCKPT_*`` tunables, s3transfer's default ``TransferConfig``, the
+    peers' default configuration. s3transfer moves the raw tensor bytes as one file.
+    Reported per server and size: seconds, and each method's throughput as a multiple of
+    s3transfer's (``t(s3transfer) / t(method)``; above 1 is faster).
     """
     import tempfile
 
     import boto3
-    from boto3.s3.transfer import TransferConfig
 
-    state = make_state(int(args.baseline_mib * MIB), args.dtype)
-    nbytes = raw_bytes(state)
-    part = int(args.part_mib * MIB)
-    transfer = TransferConfig(
-        multipart_threshold=part, multipart_chunksize=part, max_concurrency=args.parallel
-    )
-    servers: dict[str, Any] = {"moto": lambda: MotoServer(min_part_bytes=min(5 * MIB, part))}
+    from asyncckpt.testing import MotoServer, SeaweedServer, find_weed
+
+    sizes = sorted(args.baseline_mib)
+    servers: dict[str, tuple[Any, list[float]]] = {"moto": (MotoServer, sizes[:1])}
     if find_weed() is not None:
-        servers["seaweedfs"] = SeaweedServer
+        servers["seaweedfs"] = (SeaweedServer, sizes)
     else:
         print("  baseline: no `weed` binary; SeaweedFS skipped", flush=True)
-    os.environ["ASYNCCKPT_PART_CONCURRENCY"] = str(args.parallel)
-    out: dict[str, Any] = {"raw_bytes": nbytes, "servers": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        src, dst = os.path.join(tmp, "raw.bin"), os.path.join(tmp, "back.bin")
-        with open(src, "wb") as f:
-            for t in state.values():
-                f.write(t.view(torch.uint8).numpy().tobytes())
-        for name, factory in servers.items():
-            try:
-                with factory() as server:
-                    server.create_bucket(BUCKET)
-                    opts = server.storage_options
-                    client = boto3.client(
-                        "s3", endpoint_url=server.endpoint_url, region_name="us-east-1"
+    out: dict[str, Any] = {"sizes_mib": sizes, "servers": {}}
+    for name, (factory, server_sizes) in servers.items():
+        try:
+            with factory() as server, tempfile.TemporaryDirectory() as tmp, _defaults():
+                server.create_bucket(BUCKET)
+                client = boto3.client(
+                    "s3", endpoint_url=server.endpoint_url, region_name="us-east-1"
+                )
+                per_size: dict[str, Any] = {}
+                for mib in server_sizes:
+                    per_size[f"{mib:g}"] = _one_size(
+                        server, client, tmp, mib, name == "seaweedfs", args, errors
                     )
-                    key = f"baseline-{uuid.uuid4().hex[:6]}"
-                    t0 = time.perf_counter()
-                    client.upload_file(src, BUCKET, f"{key}.bin", Config=transfer)
-                    up = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    client.download_file(BUCKET, f"{key}.bin", dst, Config=transfer)
-                    down = time.perf_counter() - t0
-                    ours = measure(state, f"s3://{BUCKET}", opts, "zstd", args.repeats)
-                    entry = {
-                        "s3transfer_upload_s": up,
-                        "s3transfer_download_s": down,
-                        "save_s": ours["save_s"],
-                        "load_s": ours["load_s"],
-                        "save_vs_s3transfer": up / ours["save_s"],
-                        "load_vs_s3transfer": down / ours["load_s"],
-                    }
-                    out["servers"][name] = entry
-                    print(
-                        f"  {name:9s} s3transfer up {up:.3f} s down {down:.3f} s | asyncckpt "
-                        f"save {entry['save_s']:.3f} s ({entry['save_vs_s3transfer']:.2f}x) "
-                        f"load {entry['load_s']:.3f} s ({entry['load_vs_s3transfer']:.2f}x)",
-                        flush=True,
-                    )
-            except Exception as exc:  # record, keep measuring the rest
-                errors[f"baseline/{name}"] = "".join(traceback.format_exception(exc))[-2000:]
+                # the figures at the smallest size, kept under their old names
+                out["servers"][name] = {**per_size[f"{server_sizes[0]:g}"], "sizes": per_size}
+        except Exception as exc:  # record, keep measuring the rest
+            errors[f"baseline/{name}"] = "".join(traceback.format_exception(exc))[-2000:]
     return out
+
+
+def _one_size(
+    server: Any,
+    client: Any,
+    tmp: str,
+    mib: float,
+    peers: bool,
+    args: argparse.Namespace,
+    errors: dict[str, str],
+) -> dict[str, Any]:
+    """Every method at one size on one server."""
+    state = make_state(int(mib * MIB), args.dtype)
+    src, dst = os.path.join(tmp, "raw.bin"), os.path.join(tmp, "back.bin")
+    with open(src, "wb") as f:
+        for t in state.values():
+            f.write(t.view(torch.uint8).numpy().tobytes())
+    key = f"baseline-{uuid.uuid4().hex[:6]}"
+    up, down = s3transfer_pair(client, src, dst, f"{key}.bin")
+    ours = measure(state, f"s3://{BUCKET}", server.storage_options, None, args.repeats)
+    entry: dict[str, Any] = {
+        "raw_bytes": raw_bytes(state),
+        "s3transfer_upload_s": up,
+        "s3transfer_download_s": down,
+        "save_s": ours["save_s"],
+        "load_s": ours["load_s"],
+        "stored_bytes": ours["stored_bytes"],
+        "save_vs_s3transfer": up / ours["save_s"],
+        "load_vs_s3transfer": down / ours["load_s"],
+        "peers": {},
+    }
+    print(
+        f"  {mib:6g} MiB s3transfer up {up:.3f} s down {down:.3f} s | asyncckpt save "
+        f"{entry['save_s']:.3f} s ({entry['save_vs_s3transfer']:.2f}x) load "
+        f"{entry['load_s']:.3f} s ({entry['load_vs_s3transfer']:.2f}x)",
+        flush=True,
+    )
+    if peers:
+        for peer, fn in (
+            ("s3torchconnector DCP", s3torchconnector_pair),
+            ("tensorizer S3 stream", tensorizer_pair),
+        ):
+            try:
+                got = fn(state, server.endpoint_url, f"{key}-{peer.split()[0]}")
+                got["save_vs_s3transfer"] = up / got["save_s"]
+                got["load_vs_s3transfer"] = down / got["load_s"]
+                entry["peers"][peer] = got
+                print(
+                    f"  {mib:6g} MiB {peer}: save {got['save_s']:.3f} s, load {got['load_s']:.3f}"
+                    " s",
+                    flush=True,
+                )
+            except Exception as exc:  # a peer that does not run here is a row that says so
+                entry["peers"][peer] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+                errors.setdefault(f"peer/{peer}", entry["peers"][peer]["error"])
+    return entry
 
 
 def measure(
     state: dict[str, torch.Tensor],
     prefix: str,
     opts: dict[str, Any],
-    compression: str,
+    compression: str | None,
     repeats: int,
 ) -> dict[str, Any]:
+    """Median seconds to save (durable) and to load ``state`` at ``prefix``; ``compression``
+    None: the default."""
     saves, loads, stored = [], [], 0
+    codec = {} if compression is None else {"compression": compression}
     for _ in range(repeats):
-        url = f"{prefix}/{compression}-{uuid.uuid4().hex[:8]}.ackpt"
+        url = f"{prefix}/{compression or 'default'}-{uuid.uuid4().hex[:8]}.ackpt"
         t0 = time.perf_counter()
-        info = asyncckpt.save(state, url, compression=compression, storage_options=opts).result()
+        info = asyncckpt.save(state, url, storage_options=opts, **codec).result()
         saves.append(time.perf_counter() - t0)
         stored = info.stats.stored_bytes or 0
         t0 = time.perf_counter()
@@ -339,10 +457,7 @@ def print_table(res: dict[str, Any]) -> None:
 
 
 def plot(res: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, link in zip(axes, LINKS):
@@ -373,8 +488,7 @@ def plot(res: dict[str, Any], path: str) -> None:
         f"{res['config']['part_mib']:g} MiB parts, single vs {res['config']['parallel']} in flight"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    savefig(fig, path, dpi=110)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -397,14 +511,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--baseline-mib",
         type=float,
-        default=1024.0,
-        help="size for the s3transfer comparison on moto and SeaweedFS (default 1024)",
+        nargs="+",
+        default=[64.0, 128.0, 1024.0],
+        help="sizes for the s3transfer comparison on SeaweedFS (moto: the smallest)",
     )
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mib, args.repeats, args.part_mib = 24.0, 1, 5.0
-        args.baseline_mib = min(args.baseline_mib, 16.0)
+        args.baseline_mib = [8.0, 16.0]
     return args
 
 
@@ -415,8 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = os.path.join(args.out, "bench_storage.json")
     png_path = os.path.join(args.out, "bench_storage.png")
     res["note"] = closing_note(res)
-    with open(json_path, "w") as f:
-        json.dump(res, f, indent=2)
+    write_json(res, json_path)
     print_table(res)
     if res["results"]["moto"] or res["results"]["slow"]:
         plot(res, png_path)

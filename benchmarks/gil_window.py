@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_save import make_state, settle, writer_processes
+from common import make_state, pyplot, savefig, settle, writer_processes
 
 import asyncckpt
 
@@ -79,11 +79,7 @@ def measure(size_bytes: int, repeats: int, tmp: str) -> dict[str, float]:
 
 
 def plot(result: dict[str, float], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = sorted({k.rsplit("_", 2)[0] for k in result if k.endswith("_wait_s")})
     fig, ax = plt.subplots(figsize=(9, 4))
     for offset, caller in ((-0.2, "wait"), (0.2, "spin")):
@@ -98,8 +94,7 @@ def plot(result: dict[str, float], path: str) -> None:
     ax.set_title("Background save beside a busy Python thread: threads vs writer process")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    savefig(fig, path)
 
 
 def main() -> int:

@@ -24,7 +24,7 @@ def positive(x: object) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(280)
 def test_bench_storage_quick(tmp_path: Path) -> None:
     pytest.importorskip("moto.server")
     out = tmp_path / "results"
@@ -32,7 +32,7 @@ def test_bench_storage_quick(tmp_path: Path) -> None:
         [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=170,
+        timeout=270,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -52,7 +52,18 @@ def test_bench_storage_quick(tmp_path: Path) -> None:
     assert positive(res["wire_time_s"]["slow"])
     assert res["results"]["slow"]["zstd/single"]["ratio"] < 1  # compression did something
     assert "MB/s per request" in res["note"]
-    for server in res["baseline"]["servers"].values():  # moto, and SeaweedFS when installed
+    servers = res["baseline"]["servers"]
+    for server in servers.values():  # moto, and SeaweedFS when installed
         for key in ("save_vs_s3transfer", "load_vs_s3transfer", "s3transfer_upload_s"):
             assert positive(server[key])
-    assert "moto" in res["baseline"]["servers"]
+    assert "moto" in servers and list(servers["moto"]["sizes"]) == ["8"]  # the smallest only
+    if "seaweedfs" in servers:
+        # issue 22: every size, and the S3 peers beside s3transfer on the same bytes
+        assert list(servers["seaweedfs"]["sizes"]) == ["8", "16"]
+        for mib, entry in servers["seaweedfs"]["sizes"].items():
+            assert entry["raw_bytes"] == int(mib) << 20
+            assert positive(entry["load_vs_s3transfer"]) and positive(entry["stored_bytes"])
+            assert set(entry["peers"]) == {"s3torchconnector DCP", "tensorizer S3 stream"}
+            for peer, got in entry["peers"].items():
+                assert "error" not in got, (peer, got)
+                assert positive(got["load_vs_s3transfer"]) and positive(got["save_s"]), peer

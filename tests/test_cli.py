@@ -238,7 +238,8 @@ def test_verify_names_every_damaged_chunk_and_its_keys(
     root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = data_file(root, 30)
-    manifest = open_file(*resolve(path, None)).manifest
+    with open_file(*resolve(path, None)) as opened:
+        manifest = opened.manifest
     keys = {"state['model']['weight']", "state['optim']['state'][0]['exp_avg_sq']"}
     storages = {t.key: t.storage for t in manifest.tensors}
     damaged = {}
@@ -282,6 +283,43 @@ def test_verify_fails_on_a_truncated_file(root: Path, capsys: pytest.CaptureFixt
     assert code == 1 and "1 of 1 file damaged" in one_line(err)
     code, _, _ = main(capsys, "verify", f"{root}@30")
     assert code == 0
+
+
+def _with_edited_manifest(path: Path, edit: Any) -> None:
+    """Rewrite the manifest of the file at ``path`` through ``edit(doc)``, footer matching."""
+    from asyncckpt.format import FOOTER_SIZE, encode_footer
+
+    data = path.read_bytes()
+    offset, length = struct.unpack("<QQ", data[-FOOTER_SIZE:][:16])
+    doc = json.loads(data[offset : offset + length])
+    edit(doc)
+    body = json.dumps(doc).encode()
+    path.write_bytes(data[:offset] + body + encode_footer(offset, body))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["arrays"][0].__setitem__(1, "<f4\n"), "unsupported numpy dtype '<f4\\\\n'"),
+        (
+            lambda d: d["root"]["dict"].append(["s", {"size": [2, 2**70]}]),
+            "torch.Size entry 1180591620717411303424 is outside int64",
+        ),
+    ],
+    ids=["dtype-newline", "size-2**70"],
+)
+def test_verify_fails_on_what_load_would_refuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Any, message: str
+) -> None:
+    """A manifest that validation once let through ("sound") but load could not use."""
+    path = tmp_path / "x.ackpt"
+    asyncckpt.save({"a": np.zeros(3, dtype=np.float32)}, path).result()
+    _with_edited_manifest(path, edit)
+    code, out, err = main(capsys, "verify", path)
+    assert code == 1 and "1 of 1 file damaged" in one_line(err)
+    assert out.startswith("BAD") and message.replace("\\\\", "\\") in out
+    with pytest.raises(asyncckpt.errors.FormatError, match=r"x\.ackpt"):
+        asyncckpt.load(path)
 
 
 def test_verify_of_a_step_that_is_not_committed(
@@ -638,7 +676,8 @@ def test_commands_on_s3(
     # damage the newest version in the bucket: verify names the chunk and the key
     fs = s3_server.filesystem()
     key = next(p for p in fs.ls(f"{s3_root}/30") if p.endswith(".ackpt"))
-    manifest = open_file(*resolve(f"s3://{key}", options)).manifest
+    with open_file(*resolve(f"s3://{key}", options)) as opened:
+        manifest = opened.manifest
     chunk = manifest.chunks[manifest.storages[manifest.tensors[0].storage].first_chunk]
     data = bytearray(fs.cat_file(key))
     data[chunk.offset] ^= 1

@@ -4,7 +4,9 @@ A subprocess saves states of a few tens of MB, each tagged with its iteration, o
 to one path that already holds an older file. The test kills it with SIGKILL at random
 moments. After each kill the target must load (every checksum verified) and be bit for bit
 the state of one iteration: the last one the child reported durable, or the one after it.
-Anything else beside the target must be a temp file named with ``.acktmp-``.
+Anything else beside the target must be a temp file named with ``.acktmp-``; a save marker
+(``.ackpending``) left by a save in flight makes a load give up at once, naming the killed
+writer, until it is deleted.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import pytest
 import torch
 
 import asyncckpt
+from asyncckpt.errors import CheckpointTimeoutError
+from asyncckpt.protocol import PENDING_SUFFIX
 from asyncckpt.storage import TEMP_MARK
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,7 +108,7 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _run_and_kill(path: Path, mode: str, delay: float) -> list[str]:
+def _run_and_kill(path: Path, mode: str, delay: float) -> tuple[list[str], int]:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(path), mode],
@@ -129,7 +133,7 @@ def _run_and_kill(path: Path, mode: str, delay: float) -> list[str]:
             child.kill()
             child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL, err
-    return out.split()
+    return out.split(), child.pid
 
 
 @pytest.mark.slow
@@ -145,10 +149,17 @@ def test_kill_9_never_leaves_a_partial_checkpoint(tmp_path: Path, mode: str) -> 
         folder.mkdir()
         target = folder / "ckpt.ackpt"
         shutil.copyfile(old, target)
-        words = _run_and_kill(target, mode, rng.uniform(0.0, 2.5))
+        words, pid = _run_and_kill(target, mode, rng.uniform(0.0, 2.5))
         reported = [int(n) for w, n in zip(words[::2], words[1::2]) if w in ("durable", "queued")]
         last = reported[-1] if reported else -1
 
+        marker = folder / ("ckpt.ackpt" + PENDING_SUFFIX)
+        if marker.exists():  # killed while a save was in flight: its marker is left, and a
+            # load gives up at once (the writer was on this machine and is gone) rather than
+            # return what may be an older file; deleting the marker clears it, as it says
+            with pytest.raises(CheckpointTimeoutError, match=rf"pid {pid} .*delete {marker}"):
+                asyncckpt.load(target)
+            marker.unlink()
         loaded = asyncckpt.load(target)  # verifies every checksum
         it = loaded["iteration"]
         if mode == "durable":

@@ -228,11 +228,11 @@ def _load_during_write(rank: int, world: int, store: Any, workdir: Path) -> None
     else:
         real_wait = asyncckpt.root_reader.wait_for_step
 
-        def wait_for_step(storage: Any, base: str, step: int, timeout: Any) -> None:
+        def wait_for_step(storage: Any, base: str, step: int, timeout: Any, **kw: Any) -> None:
             # entering the poll: the step must not be committed yet (the write is held)
             assert read_commit(storage, base, step) is None, f"step {step} already committed"
             _signal(workdir, f"polling-{step}")
-            real_wait(storage, base, step, timeout)
+            real_wait(storage, base, step, timeout, **kw)
 
         asyncckpt.root_reader.wait_for_step = wait_for_step  # type: ignore[assignment]
         _await(workdir, "committed-1")
@@ -369,8 +369,8 @@ def _save_load_loop_keep_one(rank: int, world: int, store: Any, workdir: Path) -
     if rank == 1:
         real_wait = asyncckpt.root_reader.wait_for_step
 
-        def wait_for_step(st: Any, root: str, step: int, timeout: Any) -> None:
-            real_wait(st, root, step, timeout)
+        def wait_for_step(st: Any, root: str, step: int, timeout: Any, **kw: Any) -> None:
+            real_wait(st, root, step, timeout, **kw)
             if step + 1 < steps:
                 _await(workdir, f"saved-{step + 1}")
 
@@ -528,9 +528,9 @@ def _writer_killed_during_collective_load(rank: int, world: int, store: Any, wor
         raise AssertionError("the writer should have been killed")
     real_wait = asyncckpt.root_reader.wait_for_step
 
-    def wait_for_step(storage: Any, base: str, step: int, timeout: Any) -> None:
+    def wait_for_step(storage: Any, base: str, step: int, timeout: Any, **kw: Any) -> None:
         _signal(workdir, f"polling-{step}")
-        real_wait(storage, base, step, timeout)
+        real_wait(storage, base, step, timeout, **kw)
 
     asyncckpt.root_reader.wait_for_step = wait_for_step  # type: ignore[assignment]
     dist.barrier()
@@ -546,3 +546,56 @@ def _writer_killed_during_collective_load(rank: int, world: int, store: Any, wor
 def test_collective_load_gives_up_when_the_writer_is_killed_mid_save(tmp_path: Path) -> None:
     run_ranks("_writer_killed_during_collective_load", 2, tmp_path, killed=(0,))
     assert (tmp_path / "rank1.done").exists()
+
+
+# --------------------------------------------------------------------------- FAILED per attempt
+
+
+def _collective_load_beside_an_earlier_jobs_failure(
+    rank: int, world: int, store: Any, workdir: Path
+) -> None:
+    """A restarted job saves step 2 again and loads it collectively, while the FAILED marker
+    of the earlier job's save of step 2 is still in the step directory."""
+    import asyncckpt.protocol
+
+    ckpt = Checkpointer(workdir / "ckpt")
+    if rank == 0:
+        real_recover = ckpt._writer._recover
+
+        def recover() -> None:  # the lease is taken; the earlier job's FAILED is still there
+            _await(workdir, "rank1-polled")
+            real_recover()
+
+        ckpt._writer._recover = recover  # type: ignore[method-assign]
+    else:
+        real_read = asyncckpt.protocol.read_version_file
+
+        def read_version_file(*args: Any) -> Any:
+            _signal(workdir, "rank1-polled")  # this rank's poll went past its FAILED check
+            return real_read(*args)
+
+        asyncckpt.protocol.read_version_file = read_version_file  # type: ignore[assignment]
+    ckpt.save(2, _rank_state(0, 2))
+    got = ckpt.load()  # every rank gets step 2, or every rank raises
+    assert (got["rank"], got["step"]) == (0, 2), got
+    ckpt.close()
+    dist.barrier()
+
+
+@pytest.mark.timeout(180)
+def test_a_collective_load_is_not_ended_by_an_earlier_jobs_failed_marker(tmp_path: Path) -> None:
+    old = Checkpointer(tmp_path / "ckpt")  # the earlier job: step 1, a failed save of step 2
+    old.save(1, _rank_state(0, 1)).result(timeout=120)
+    real_open = old._storage.open_atomic
+
+    def failing_open(path: str) -> AtomicWriter:
+        if path.endswith(".ackpt"):
+            raise OSError(28, "injected: the old job's disk is full")
+        return real_open(path)
+
+    old._storage.open_atomic = failing_open  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="injected"):
+        old.save(2, _rank_state(0, 2)).result(timeout=120)
+    old.close()
+    assert (tmp_path / "ckpt" / "2" / "FAILED").exists()
+    run_ranks("_collective_load_beside_an_earlier_jobs_failure", 2, tmp_path)

@@ -22,7 +22,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
-from asyncckpt.errors import AsyncCkptError, StorageError
+from asyncckpt.errors import AsyncCkptError, CheckpointTimeoutError, StorageError
 from asyncckpt.storage import FsspecStorage, resolve
 from asyncckpt.storage.objectstore import ObjectStorage
 from asyncckpt.testing import (
@@ -194,11 +194,58 @@ def test_sigkill_during_s3_save_keeps_previous_version(
             assert uploads_under(s3_server, s3_root) == []
         assert_state(reader.load(), 22)
     else:
-        assert_state(asyncckpt.load(f"{s3_root}/m.ackpt", storage_options=opts), 1)
+        # The killed save's marker is left: a load gives up at once (its writer ran on this
+        # machine and is gone) instead of returning what is now an older file.
+        url = f"{s3_root}/m.ackpt"
+        with pytest.raises(CheckpointTimeoutError, match=rf"pid {proc.pid} .*m\.ackpt\.ackpending"):
+            asyncckpt.load(url, storage_options=opts)
         storage, root = resolve(s3_root, opts)
+        storage.delete(storage.join(root, "m.ackpt.ackpending"))  # as the error says
+        assert_state(asyncckpt.load(url, storage_options=opts), 1)
         assert isinstance(storage, ObjectStorage)
         assert storage.abort_uploads(root) == 1
     assert uploads_under(s3_server, s3_root) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_saving_a_key_again_aborts_the_upload_a_killed_save_left(
+    s3_root: str, s3_server: Any
+) -> None:
+    """A drop-in save SIGKILLed mid-multipart leaves its upload; the next save of that key
+    (here a single PUT) aborts it, and only it: uploads of other keys under the prefix, one
+    of them a longer key that starts with this one, stay."""
+    opts = s3_server.storage_options
+    storage, root = resolve(s3_root, opts)
+    assert isinstance(storage, ObjectStorage)
+    others = [storage.join(root, name) for name in ("m.ackpt2", "sub/m.ackpt")]
+    for path in others:
+        storage.call("start upload", path, "create_multipart_upload", Key=None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, "save", s3_root, s3_server.endpoint_url],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line.strip() == "MID-UPLOAD", line
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    prefix = root.removeprefix(f"{S3_BUCKET}/")
+    keys = sorted(k.removeprefix(f"{prefix}/") for k, _ in uploads_under(s3_server, s3_root))
+    assert keys == ["m.ackpt", "m.ackpt2", "sub/m.ackpt"]  # the killed save's, and the others
+    asyncckpt.save({"tiny": 1}, f"{s3_root}/m.ackpt", storage_options=opts).result()
+    keys = sorted(k.removeprefix(f"{prefix}/") for k, _ in uploads_under(s3_server, s3_root))
+    assert keys == ["m.ackpt2", "sub/m.ackpt"]
+    assert asyncckpt.load(f"{s3_root}/m.ackpt", storage_options=opts) == {"tiny": 1}
+    assert storage.abort_uploads(root) == 2
 
 
 # -- the fault wrapper itself -------------------------------------------------------------

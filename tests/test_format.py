@@ -31,6 +31,7 @@ from asyncckpt.format import (
     MAGIC,
     MAX_CHUNK_BYTES,
     MAX_DEPTH,
+    MAX_EXPANSION,
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
     ArrayEntry,
@@ -575,9 +576,45 @@ _manifest_docs = st.fixed_dictionaries(
 def test_fuzz_decode_manifest_json(doc: Any) -> None:
     manifest = _decode_body(json.dumps(doc).encode())
     if manifest is not None:  # whatever passed validation is internally consistent
+        owned = []
         for s in manifest.storages:
             span = manifest.chunks[s.first_chunk : s.first_chunk + s.num_chunks]
             assert sum(c.raw_len for c in span) == s.nbytes
+            owned += range(s.first_chunk, s.first_chunk + s.num_chunks)
+        assert owned == list(range(len(manifest.chunks)))  # each chunk once, in order
+        # so the decoded size is bounded by the chunks' stored bytes
+        stored = sum(c.stored_len for c in manifest.chunks)
+        assert sum(s.nbytes for s in manifest.storages) <= stored * MAX_EXPANSION
+
+
+@FUZZ
+@given(
+    sizes=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+    shares=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), max_size=3),
+)
+def test_fuzz_storages_that_do_not_partition_the_chunks(
+    sizes: list[int], shares: list[tuple[int, int]]
+) -> None:
+    """Storages of ``sizes`` chunks each, then some storages pointed at another's run: the
+    parser accepts exactly the tables where every chunk belongs to one storage, in order."""
+    chunks = [Chunk(16 + i, 1, 1, "raw", 0) for i in range(sum(sizes))]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    runs = [(starts[i], sizes[i]) for i in range(len(sizes))]
+    for a, b in shares:
+        if a < len(runs) and b < len(runs) and runs[b][1] == runs[a][1]:
+            runs[a] = runs[b]  # same length, so the size equation still holds
+    storages = tuple(StorageEntry(n, 1, "cpu", first, n) for first, n in runs)
+    body = encode_manifest(Manifest(tuple(chunks), storages, (), (), None))
+    nonempty = [(f, n) for f, n in runs if n]
+    partition = [f for f, _ in nonempty] == [
+        sum(n for _, n in nonempty[:i]) for i in range(len(nonempty))
+    ]
+    partition = partition and sum(n for _, n in nonempty) == len(chunks)
+    if partition:
+        assert _decode_body(body) is not None
+    else:
+        with pytest.raises(FormatError, match=r"storage|belong to no storage"):
+            decode_manifest(body, Footer(1 << 20, len(body), zlib.crc32(body)), "f")
 
 
 # --------------------------------------------------------------------------- fuzzing: load
@@ -791,6 +828,13 @@ MUTATIONS: dict[str, _Mutation] = {
     "storage chunk count past the table": lambda d: _set(
         d, ("storages", 0, 4), len(d["chunks"]) + 1
     ),
+    # every chunk in exactly one storage, storages in chunk order (sharing one chunk
+    # between storages made a 1 KiB file decode to 64 MiB)
+    "storages share a chunk": lambda d: _set(d, ("storages", 1, 3), d["storages"][0][3]),
+    "storages out of chunk order": lambda d: _set(d, ("storages", 0, 3), d["storages"][0][3] + 1),
+    "a chunk of no storage": lambda d: d["chunks"].append([16, 0, 0, "raw", 0]),
+    "chunks share file bytes": lambda d: _set(d, ("chunks", 1, 0), d["chunks"][0][0]),
+    "empty chunk claims bytes": _fields("chunks", 0, f1=0, f2=1),
     # tensors (tensor 0 is state['w']: float32 [8, 8] over a 256-byte storage)
     "tensor with 7 fields": lambda d: d["tensors"][0].pop(),
     "tensor is an object": _put("tensors", 0, value={}),
@@ -846,6 +890,10 @@ MUTATIONS: dict[str, _Mutation] = {
     "array dtype <i3": _put("arrays", 0, 1, value="<i3"),
     "array dtype <u0": _fields("arrays", 0, f1="<u0", f2=[0]),
     "array dtype number": _put("arrays", 0, 1, value=2),
+    # a `$`-anchored pattern matched before a final newline: every dtype string is matched
+    # in full
+    "array dtype with a newline": _put("arrays", 0, 1, value="<i2\n"),
+    "array dtype with a leading space": _put("arrays", 0, 1, value=" <i2"),
     "array shape mismatch": _put("arrays", 0, 2, value=[5]),
     "array shape negative": _put("arrays", 0, 2, value=[-4]),
     "array shape string": _put("arrays", 0, 2, value="4"),
@@ -859,6 +907,9 @@ MUTATIONS: dict[str, _Mutation] = {
     "root bytes bad": _put("root", value={"bytes": "!"}),
     "root unhashable tuple key": _put("root", value={"dict": [[{"tuple": [{"list": []}]}, 1]]}),
     "root device overflow": _put("root", value={"device": 2**70}),
+    "root size 2**70": _put("root", value={"size": [2, 2**70]}),
+    "root size 2**63": _put("root", value={"size": [2**63]}),
+    "root size -2**63-1": _put("root", value={"size": [-(2**63) - 1]}),
     "root device unknown": _put("root", value={"device": "gpu"}),
     "root dtype unknown": _put("root", value={"dtype": "float128"}),
     "root JSON float": _put("root", value=1.5),

@@ -1,4 +1,4 @@
-"""Local files: writeback started while a file is written (``writeback_mib``)."""
+"""Local files: writeback started while a file is written (``writeback_mib``); links."""
 
 from __future__ import annotations
 
@@ -149,3 +149,17 @@ def test_writeback_is_resolved_when_the_save_starts(
     opening.set()
     handle.result()
     assert handed_over, "the save started with writeback every 1 MiB"
+
+
+def test_delete_tree_of_a_link_removes_the_link_only(tmp_path: Path) -> None:
+    target = tmp_path / "other" / "5"
+    target.mkdir(parents=True)
+    (target / "COMMIT").write_text("{}")
+    link = tmp_path / "run" / "5"
+    link.parent.mkdir()
+    link.symlink_to(target, target_is_directory=True)
+    storage = LocalStorage()
+    assert storage.is_link(str(link)) and not storage.is_link(str(target))
+    storage.delete_tree(str(link))
+    assert not os.path.lexists(link) and (target / "COMMIT").exists()
+    storage.delete_tree(str(link))  # gone: not an error

@@ -136,3 +136,45 @@ def test_only_the_writer_process_channel_unpickles() -> None:
         if unpickling.search(path.read_text(encoding="utf-8"))
     )
     assert users == ["writer_process.py"]
+
+
+def _torch_load_callers(package: Path) -> list[str]:
+    """Modules that call ``torch.load`` (or ``torch.serialization.load``), found in their
+    syntax tree: docstrings and messages that mention it do not count."""
+    import ast
+
+    def calls_torch_load(node: ast.AST) -> bool:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            return False
+        owner = ast.unparse(node.func.value)
+        return node.func.attr == "load" and owner in ("torch", "torch.serialization")
+
+    return sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if any(calls_torch_load(n) for n in ast.walk(ast.parse(path.read_text("utf-8"))))
+    )
+
+
+def test_torch_load_runs_only_where_the_docs_say() -> None:
+    """docs/FORMAT.md §11 names every place that unpickles: besides the writer process's
+    socket, only ``asyncckpt convert`` (and ``bench``) reading a ``torch.save`` source, and
+    ``convert`` of an ``asyncckpt.dcp`` directory's bytes items, both ``weights_only=True``.
+    No module of the load path calls ``torch.load`` or imports those two."""
+    package = Path(asyncckpt.__file__).parent
+    assert _torch_load_callers(package) == ["cli/formats.py", "consolidate.py"]
+    for name in ("cli/formats.py", "consolidate.py"):
+        source = (package / name).read_text(encoding="utf-8")
+        calls = re.findall(r"\btorch\.load\((.*?)\)\s*$", source, re.M)
+        assert calls and all("weights_only=True" in c for c in calls), (name, calls)
+    importers = sorted(
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if re.search(r"^from \.+(consolidate|cli\.formats|formats) import", path.read_text(), re.M)
+    )
+    assert all(name.startswith("cli/") for name in importers), importers
+    formats = (REPO / "docs" / "FORMAT.md").read_text(encoding="utf-8")
+    section = formats.split("## 11. Why no pickle", 1)[1].split("\n## ", 1)[0]
+    for place in ("writer process", "asyncckpt convert", "weights_only=True", "bytes items"):
+        assert place in section, place
+    assert "nothing read from storage is ever unpickled" not in formats

@@ -147,6 +147,37 @@ def test_checkpointer_on_s3(s3_root: str, s3_server: Any) -> None:
     assert uploads_under(s3_server, s3_root) == []
 
 
+@pytest.mark.parametrize("segment", ["//", "/./", "/../"], ids=["empty", "dot", "dotdot"])
+def test_a_root_with_an_ambiguous_path_segment_is_refused(
+    s3_root: str, s3_server: Any, segment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SeaweedFS stores ``runs//exp1`` as ``runs/exp1`` but lists it as given: every step
+    would be invisible (no versions, no retention, no recovery, no gc). Refused instead."""
+    from asyncckpt.cli import main
+
+    opts = s3_server.storage_options
+    url = f"{s3_root}/runs{segment}exp1"
+    with pytest.raises(StorageError, match="segment"):
+        Checkpointer(url, keep_last=1, storage_options=opts)
+    with pytest.raises(StorageError, match="segment"):
+        asyncckpt.save(state(1), f"{url}/one.ackpt", storage_options=opts)
+    endpoint = f"endpoint_url={opts['endpoint_url']}"
+    assert main(["ls", url, "-o", endpoint]) == 1
+    assert "segment" in capsys.readouterr().err
+    storage, base = resolve(s3_root, opts)
+    assert storage.list_dir(base) == []  # nothing was written anywhere
+
+
+def test_a_trailing_slash_names_the_same_root(s3_root: str, s3_server: Any) -> None:
+    opts = s3_server.storage_options
+    with Checkpointer(f"{s3_root}/runs/exp1/", keep_last=1, storage_options=opts) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state(step))
+    reader = Checkpointer(f"{s3_root}/runs/exp1", storage_options=opts, read_only=True)
+    assert reader.versions() == [2]  # retention saw step 1: one root, listed as written
+    assert_state(reader.load(), 2)
+
+
 # -- multipart ----------------------------------------------------------------------------------
 
 

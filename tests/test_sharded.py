@@ -54,6 +54,7 @@ from asyncckpt.protocol import (
     read_commit,
 )
 from asyncckpt.sharded import Piece, RankMarker, holds_dtensor, metadata_bytes
+from asyncckpt.storage import resolve
 from tests import ranks, state_checks
 
 pytestmark = [
@@ -201,7 +202,10 @@ def test_four_ranks_round_trip_bit_exact_with_per_rank_plain_values(four: Path) 
     commit = read_commit(*_root(four), 2)
     assert commit is not None and commit.kind == SHARDED
     files = [p.name for p in _rank_files(step)]
-    assert list(commit.files) == [*files, ".metadata"] and len(files) == 4
+    # The metadata is named by the save's attempt, like every file of the save (issue 19).
+    metadata = files[0].removesuffix(".ackpt") + ".metadata"
+    assert commit.metadata_file == metadata and not (step / ".metadata").exists()
+    assert list(commit.files) == [*files, metadata] and len(files) == 4
     assert [f[:6] for f in files] == ["r00000", "r00001", "r00002", "r00003"]
     assert list(commit.sizes) == [(step / f).stat().st_size for f in commit.files]
     assert len(_rank_files(step, ".done")) == 4  # the completion markers stay
@@ -228,7 +232,7 @@ def test_a_replicated_dtensor_is_written_once(four: Path) -> None:
     assert stored["dist.rep2d"] == [0, 1]  # mesh (2, 2), [Replicate(), Shard(0)]: row 0
     assert stored["model.0.weight"] == [0, 1, 2, 3]  # FSDP: every rank its own shard
     assert stored["model.2.bias"] == [0, 1, 2]  # 5 rows on 4 ranks: the last shard is empty
-    meta = json.loads((step / ".metadata").read_text())
+    meta = json.loads(_rank_files(step, ".metadata")[0].read_text())
     items = [i for i in meta["items"] if i[0] == "dist.rep2d"]
     assert sorted(i[1] for i in items) == [[0, 0], [2, 0]]  # two chunks, each stored once
     # A rank that stores nothing of a replicated tensor keeps None in its own file's tree.
@@ -255,6 +259,40 @@ def test_one_process_without_a_group_loads_the_full_state(four: Path) -> None:
     again = Checkpointer(four / "ckpt").load(1, into=into)
     assert again["model"]["0.weight"] is into["model"]["0.weight"]
     assert not torch.equal(into["model"]["0.weight"], want["model"]["0.weight"])  # step 1
+
+
+@pytest.mark.timeout(300)
+def test_dcp_reader_finds_a_versions_metadata_through_its_commit(four: Path) -> None:
+    import asyncckpt.dcp
+
+    step = four / "ckpt" / "2"
+    assert not (step / ".metadata").exists()
+    metadata = asyncckpt.dcp.Reader(step).read_metadata()  # as docs/sharded.md says
+    assert metadata.state_dict_metadata["model.0.weight"].size == (32, 8)
+
+
+@pytest.mark.timeout(300)
+def test_a_root_whose_commit_names_dot_metadata_still_loads(four: Path, tmp_path: Path) -> None:
+    """Roots written before the metadata was named by its attempt: COMMIT names .metadata."""
+    import asyncckpt.dcp
+    from asyncckpt.cli import main
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(four / "ckpt", root)
+    for step in (1, 2):
+        directory = root / str(step)
+        (named,) = _rank_files(directory, ".metadata")
+        named.rename(directory / ".metadata")
+        doc = json.loads((directory / "COMMIT").read_text())
+        doc["files"] = [".metadata" if f == named.name else f for f in doc["files"]]
+        (directory / "COMMIT").write_text(json.dumps(doc))
+    commit = read_commit(*resolve(str(root), None), 2)
+    assert commit is not None and commit.metadata_file == ".metadata"
+    loaded = Checkpointer(root).load()
+    state_checks.assert_same(loaded, torch.load(four / "full.pt", weights_only=True))
+    metadata = asyncckpt.dcp.Reader(root / "2").read_metadata()
+    assert metadata.state_dict_metadata["model.0.weight"].size == (32, 8)
+    assert main(["convert", f"{root}@2", str(tmp_path / "full.ackpt")]) == 0
 
 
 @pytest.mark.timeout(300)
@@ -351,6 +389,15 @@ def test_a_sharded_commit_marker_names_rank_files_and_the_metadata() -> None:
     with pytest.raises(UnreadableRecordError):  # a kind this asyncckpt does not know
         commit_from({**doc, "kind": "incremental"}, 3, "x")
     assert CommitRecord(3, ("r00000-a.ackpt",), "w").kind == SINGLE
+
+
+def test_a_sharded_commit_names_exactly_one_metadata_file() -> None:
+    rank_file, named = f"r00000-{_ATTEMPT}.ackpt", f"r00000-{_ATTEMPT}.metadata"
+    doc = {"step": 3, "kind": SHARDED, "sizes": [], "writer": "w"}
+    assert commit_from({**doc, "files": [rank_file, named]}, 3, "x").metadata_file == named
+    for files in ([rank_file], [rank_file, named, ".metadata"], [rank_file, "x.metadata"]):
+        with pytest.raises(UnreadableRecordError):
+            commit_from({**doc, "files": files}, 3, "x")
 
 
 def test_metadata_refuses_inconsistent_markers() -> None:

@@ -233,6 +233,8 @@ class _MyList(list[int]):
         ({"h": 10**5000}, "state['h']", "digits"),
         ({"z": "a\ud800"}, "state['z']", "surrogates"),
         ({"a\udfff": 1}, "state", "surrogates"),
+        ({"s": torch.Size([1, 2**70])}, "state['s']", "outside int64"),
+        ({"s": torch.Size([2**63])}, "state['s']", "outside int64"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -282,6 +284,144 @@ def test_unsupported_tensors_are_refused(make: Any, words: str) -> None:
     assert words in str(err)
 
 
+def _vmapped_leaked() -> torch.Tensor:
+    """A functorch BatchedTensor that escaped its ``vmap`` (kept from inside the call)."""
+    kept: list[torch.Tensor] = []
+    torch.vmap(lambda x: kept.append(x) or x)(torch.ones(2, 3))
+    return kept[0]
+
+
+def _grad_leaked() -> torch.Tensor:
+    """A functorch TensorWrapper that escaped its ``torch.func.grad``."""
+    kept: list[torch.Tensor] = []
+    torch.func.grad(lambda x: kept.append(x) or x.sum())(torch.ones(2))
+    return kept[0]
+
+
+def _fake() -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode().from_tensor(torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+        (
+            lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged),
+            "NestedTensor",
+        ),
+        (lambda: torch.nn.Parameter(torch.nested.nested_tensor([torch.ones(2)])), "nested"),
+        (_vmapped_leaked, "torch.func"),
+        (_grad_leaked, "torch.func"),
+        (_fake, "FakeTensor"),
+        (lambda: torch.eye(4).to_sparse_bsr((2, 2)), "sparse_bsr"),
+        (lambda: torch.ones(2, 2).to_mkldnn(), "mkldnn"),
+    ],
+    ids=["nested", "jagged", "nested_parameter", "vmap", "grad", "fake", "bsr", "mkldnn"],
+)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_exotic_tensors_are_refused_naming_the_key(make: Any, words: str) -> None:
+    err = _refused({"opt": [{"t": make()}]})
+    assert err.key_path == "state['opt'][0]['t']"
+    assert words in str(err)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.tensor([1 + 2j, 3 - 1j]).conj(),  # a lazy conjugate
+        lambda: torch.tensor([1 + 2j]).conj().imag,  # a negative view
+        lambda: torch._neg_view(torch.tensor([1.0, 2.0])),
+    ],
+    ids=["conj", "conj_imag", "neg_view"],
+)
+def test_conjugate_and_negative_views_save_their_values(make: Any) -> None:
+    import io
+
+    import asyncckpt
+
+    t = make()
+    buffer = io.BytesIO()
+    asyncckpt.save({"t": t}, buffer)
+    assert torch.equal(asyncckpt.load(io.BytesIO(buffer.getvalue()))["t"], t)
+
+
+class _Array(np.ndarray):  # type: ignore[type-arg]
+    pass
+
+
+class _Float(np.float64):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: np.ma.masked_array([1.0, 2.0], mask=[False, True]), "MaskedArray"),
+        (lambda: np.matrix([[1, 2], [3, 4]]), "matrix"),
+        (lambda: np.arange(3).view(_Array), "_Array"),
+        (lambda: np.ma.masked_array([1.0], mask=[True])[0], "MaskedConstant"),
+        (lambda: _Float(1.5), "_Float"),
+    ],
+    ids=["masked", "matrix", "own_subclass", "masked_constant", "scalar_subclass"],
+)
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix
+def test_numpy_subclasses_are_refused_naming_the_key(make: Any, words: str) -> None:
+    err = _refused({"stats": {"a": make()}})
+    assert err.key_path == "state['stats']['a']"
+    assert words in str(err) and "subclass" in str(err)
+
+
+def test_plain_numpy_arrays_and_scalars_are_still_stored() -> None:
+    flat = flatten({"a": np.arange(3), "s": np.float32(2.5), "b": np.bool_(True)})
+    assert [type(a) for a, _, _ in flat.arrays] == [np.ndarray] * 3
+
+
+class _WithState:
+    def state_dict(self) -> dict[str, int]:
+        return {"n": 1}
+
+
+def _module() -> torch.nn.Module:
+    return torch.nn.Linear(2, 2)
+
+
+def _optimizer() -> torch.optim.Optimizer:
+    return torch.optim.SGD(_module().parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (_module, "model.state_dict()"),
+        (lambda: torch.nn.Sequential(_module()), "model.state_dict()"),
+        (_optimizer, "optimizer.state_dict()"),
+        (lambda: torch.optim.lr_scheduler.StepLR(_optimizer(), 1), "scheduler.state_dict()"),
+        (
+            lambda: torch.optim.lr_scheduler.ReduceLROnPlateau(_optimizer()),
+            "scheduler.state_dict()",
+        ),
+        (lambda: torch.amp.GradScaler("cpu"), "scaler.state_dict()"),
+        (_WithState, "state_dict()"),
+        (lambda: torch.Generator().manual_seed(1), "get_state()"),
+    ],
+    ids=["module", "sequential", "optimizer", "scheduler", "plateau", "scaler", "any", "rng"],
+)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_training_objects_say_what_to_save_instead(make: Any, words: str) -> None:
+    err = _refused({"model": make()})
+    assert err.key_path == "state['model']"
+    assert words in str(err)
+    assert "callables" not in str(err)
+
+
+def test_a_module_passed_whole_is_named_as_the_state() -> None:
+    err = _refused(torch.nn.Linear(2, 2))
+    assert err.key_path == "state" and "Linear" in str(err) and "state_dict()" in str(err)
+
+
 def test_refusal_comes_before_any_table_entry_is_used() -> None:
     # flatten is all-or-nothing: a bad leaf after good tensors still raises.
     with pytest.raises(UnsupportedObjectError):
@@ -329,6 +469,9 @@ _A = [np.arange(2)]
         {"size": [1.5]},
         {"size": "2"},
         {"size": [True]},
+        {"size": [2**63]},
+        {"size": [1, 2**70]},
+        {"size": [-(2**63) - 1]},
         {"dtype": "float128"},
         {"dtype": "Tensor"},
         {"dtype": 1},
@@ -351,6 +494,13 @@ _A = [np.arange(2)]
 def test_malformed_nodes_raise_format_error(node: Any) -> None:
     with pytest.raises(FormatError):
         unflatten(node, _T, _A, "ckpt.ackpt")
+
+
+def test_int64_sizes_round_trip() -> None:
+    """The bounds of a torch.Size entry are those of int64, both of them included."""
+    size = torch.Size([2**63 - 1, -(2**63), -1, 0])
+    flat = flatten({"s": size})
+    assert unflatten(flat.root, [], [], "x")["s"] == size
 
 
 def test_malformed_node_error_names_file_and_path() -> None:

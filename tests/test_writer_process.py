@@ -61,6 +61,8 @@ class GatedFileSystem(DirFileSystem):  # type: ignore[misc]
             Path(f"{self.gate}/started").write_text(str(os.getpid()))
             deadline = time.monotonic() + 120
             while not os.path.exists(f"{self.gate}/release") and time.monotonic() < deadline:
+                if os.path.exists(f"{self.gate}/exit"):  # the writer process ends itself
+                    os._exit(int(Path(f"{self.gate}/exit").read_text()))
                 time.sleep(0.01)
         return opened
 
@@ -158,9 +160,13 @@ def test_checkpointer_writes_commits_and_retires_with_the_child(
 
 
 def test_a_write_error_in_the_child_is_raised_once_by_the_handle(
-    in_process: None, tmp_path: Path, blocker: Path
+    in_process: None, tmp_path: Path
 ) -> None:
-    handle = asyncckpt.save(state(), blocker / "x.ackpt")
+    # A directory where the file should go: the save marker beside it is written (by this
+    # process), the child writes the temp file, and only the child's rename fails.
+    blocker = tmp_path / "x.ackpt"
+    blocker.mkdir()
+    handle = asyncckpt.save(state(), blocker)
     with pytest.raises(StorageError) as caught:
         handle.result(timeout=120)
     assert str(blocker) in str(caught.value)
@@ -204,6 +210,67 @@ def test_a_killed_child_fails_that_save_only(in_process: None, tmp_path: Path) -
         ckpt.save(3, state(3.0)).result(timeout=120)  # a new child
         assert child().pid != pid
         assert ckpt.latest() == 3 and ckpt.load()["meta"]["value"] == 3.0
+
+
+#: Ways for the writer process to die in the middle of a write, and what the error says.
+DEATHS = [
+    pytest.param(signal.SIGKILL, r"was killed by SIGKILL", id="SIGKILL"),
+    pytest.param(signal.SIGTERM, r"was killed by SIGTERM", id="SIGTERM"),
+    pytest.param(
+        signal.SIGRTMIN + 6,
+        rf"was killed by signal {signal.SIGRTMIN + 6} \(SIGRTMIN\+6\)",
+        id="SIGRTMIN+6",
+    ),
+    pytest.param("exit 3", r"exited with status 3", id="exit-3"),
+]
+
+
+def _end_writer(gate: Path, death: int | str) -> int:
+    """End the writer process held in a write by ``death`` (a signal, or ``"exit N"``)."""
+    wait_for(gate / "started")
+    pid = int((gate / "started").read_text())
+    assert pid == child().pid
+    if isinstance(death, str):
+        (gate / "exit").write_text(death.split()[1])
+    else:
+        os.kill(pid, death)
+    return pid
+
+
+@pytest.mark.parametrize(("death", "said"), DEATHS)
+def test_any_death_of_the_child_fails_the_save_and_the_next_save_starts_a_new_one(
+    in_process: None, tmp_path: Path, death: int | str, said: str
+) -> None:
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    (gate / "release").touch()
+    url, options = f"gated://{tmp_path / 'a.ackpt'}", {"gate": str(gate)}
+    asyncckpt.save(state(1.0), url, storage_options=options).result(timeout=120)
+    (gate / "release").unlink()
+    handle = asyncckpt.save(state(2.0), url, storage_options=options)
+    pid = _end_writer(gate, death)
+    with pytest.raises(WriterProcessError, match=rf"pid {pid}\) {said} while writing"):
+        handle.result(timeout=120)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ackpt", "gate"]  # no temp file
+    assert asyncckpt.load(tmp_path / "a.ackpt")["meta"]["value"] == 1.0
+    (gate / "exit").unlink(missing_ok=True)
+    (gate / "release").touch()
+    for value in (3.0, 4.0):  # every later save works, in one new child
+        asyncckpt.save(state(value), url, storage_options=options).result(timeout=120)
+        assert asyncckpt.load(tmp_path / "a.ackpt")["meta"]["value"] == value
+    assert child().pid != pid
+
+
+def test_a_child_that_died_between_saves_is_replaced_before_the_next_one(
+    in_process: None, tmp_path: Path
+) -> None:
+    asyncckpt.save(state(1.0), tmp_path / "a.ackpt").result(timeout=120)
+    first = child()
+    os.kill(first.pid, signal.SIGRTMIN + 6)
+    first.process.wait(60)
+    asyncckpt.save(state(2.0), tmp_path / "a.ackpt").result(timeout=120)  # no failure
+    assert child().pid != first.pid
+    assert asyncckpt.load(tmp_path / "a.ackpt")["meta"]["value"] == 2.0
 
 
 def test_a_memory_filesystem_stays_on_threads(

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
-from .. import config
+from .. import config, pending
 from ..errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -33,6 +33,7 @@ from ..protocol import (
     failure_of,
     latest_step,
     read_commit,
+    read_commit_strict,
     step_dir,
 )
 from ..reader import OpenedFile, open_file
@@ -155,6 +156,38 @@ def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
             node = child
         node[leaf] = value
     return options
+
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size as a user writes it: ``4096``, ``64MiB``, ``1.5G`` (binary units).
+
+    Raises:
+        argparse.ArgumentTypeError: not a size (the parser reports a usage error).
+
+    Example:
+        >>> parse_bytes("64MiB"), parse_bytes("1.5g"), parse_bytes("4096")
+        (67108864, 1610612736, 4096)
+    """
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?", text.strip().lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes such as 4096, 512MiB or 8GiB, got {text!r}"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def add_max_bytes(parser: argparse.ArgumentParser, what: str) -> None:
+    """Add ``--max-bytes`` (the memory budget of a load, as ``asyncckpt.load`` takes it)."""
+    parser.add_argument(
+        "--max-bytes",
+        type=parse_bytes,
+        metavar="SIZE",
+        help=f"{what} a file whose decoded data needs more memory than SIZE (e.g. 8GiB), "
+        "before allocating any of it",
+    )
 
 
 # -- output ---------------------------------------------------------------------------------
@@ -300,7 +333,7 @@ def locate(spec: str, options: dict[str, Any]) -> FileRef | RootRef:
         return FileRef(storage, path)
     if kind == "root":
         return RootRef(storage, path)
-    match = re.fullmatch(r"(.+)@(\d{1,18})", spec)
+    match = re.fullmatch(r"(.+)@([0-9]{1,18})", spec)
     if match:
         storage, path = resolve(match.group(1), options)
         kind = kind_of(storage, path)
@@ -311,7 +344,23 @@ def locate(spec: str, options: dict[str, Any]) -> FileRef | RootRef:
                 f"asyncckpt: {match.group(1)} is a file; @STEP selects a version of a "
                 "checkpoint root"
             )
-    raise CheckpointNotFoundError(f"{display(storage, path)}: no such file or checkpoint root")
+    note = pending_note(storage, path)
+    raise CheckpointNotFoundError(
+        f"{display(storage, path)}: no such file or checkpoint root"
+        + (f" yet ({note})" if note else "")
+    )
+
+
+def pending_note(storage: Storage, path: str) -> str | None:
+    """A line about a drop-in save of file ``path`` in flight (its marker), if there is one.
+
+    Example:
+        >>> pending_note(LocalStorage(), "/nonexistent/model.ackpt") is None
+        True
+    """
+    with contextlib.suppress(AsyncCkptError):
+        return pending.describe_pending(storage, path)
+    return None
 
 
 def files_of(root: RootRef, step: int) -> list[FileRef]:
@@ -413,7 +462,8 @@ def _committed_sizes(
     for name in files:
         path = storage.join(directory, name)
         try:
-            opened = open_file(storage, path)
+            with open_file(storage, path) as opened:
+                manifest = opened.manifest
         except AsyncCkptError as exc:
             info["problem"] = str(exc)
             raw = None
@@ -422,7 +472,7 @@ def _committed_sizes(
             except AsyncCkptError:
                 stored = None
             continue
-        raw = None if raw is None else raw + sum(s.nbytes for s in opened.manifest.storages)
+        raw = None if raw is None else raw + sum(s.nbytes for s in manifest.storages)
         stored = None if stored is None else stored + opened.size
     info["raw_bytes"] = raw
     info["stored_bytes"] = stored
@@ -430,19 +480,17 @@ def _committed_sizes(
 
 
 def version_info(storage: Storage, root: str, step: int, latest: int | None) -> dict[str, Any]:
-    """What ``ls`` shows of one version: state, time, files, raw and stored bytes, problem."""
-    commit = read_commit(storage, root, step)
-    info: dict[str, Any] = {
-        "step": step,
-        "state": "committed" if commit is not None else "incomplete",
-        "latest": step == latest,
-        "time": None,
-        "files": [],
-        "raw_bytes": None,
-        "stored_bytes": None,
-        "ratio": None,
-        "problem": None,
-    }
+    """What ``ls`` shows of one version: state, time, files, raw and stored bytes, problem.
+
+    The state is ``committed``, ``incomplete`` (no ``COMMIT``) or ``unreadable`` (a
+    ``COMMIT`` this asyncckpt cannot understand: readers skip it, nothing deletes it).
+    """
+    try:
+        commit = read_commit_strict(storage, root, step)
+    except FormatError as exc:  # damaged, oversized, or from a newer protocol
+        return {**_empty_info(step, "unreadable"), "problem": str(exc)}
+    info = _empty_info(step, "committed" if commit is not None else "incomplete")
+    info["latest"] = step == latest
     if commit is None:
         _incomplete_info(storage, root, step, info)
         return info
@@ -452,6 +500,20 @@ def version_info(storage: Storage, root: str, step: int, latest: int | None) -> 
     info["kind"] = commit.kind
     _committed_sizes(storage, directory, [n for n in commit.files if n.endswith(".ackpt")], info)
     return info
+
+
+def _empty_info(step: int, state: str) -> dict[str, Any]:
+    return {
+        "step": step,
+        "state": state,
+        "latest": False,
+        "time": None,
+        "files": [],
+        "raw_bytes": None,
+        "stored_bytes": None,
+        "ratio": None,
+        "problem": None,
+    }
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,17 @@ from ..consolidate import (
 from ..dcp.schema import METADATA_NAME
 from ..progress import format_bytes
 from ..protocol import SHARDED, latest_step, read_commit, step_dir
+from ..reader import Budget
 from ..storage import Storage, resolve
 from ..tree import child_path
+from ..writer import abort_strays
 from .common import (
     EXIT_OK,
     FileRef,
     RootRef,
     Subparsers,
     UsageError,
+    add_max_bytes,
     display,
     emit,
     kind_of,
@@ -74,6 +77,7 @@ def add_parser(sub: Subparsers) -> None:
         help="for an asyncckpt DST (default zstd)",
     )
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    add_max_bytes(p, "refuse (an asyncckpt or sharded SRC)")
     p.set_defaults(run=cmd_convert)
 
 
@@ -157,7 +161,7 @@ def _read(args: argparse.Namespace, src: FileRef, fmt: str) -> tuple[Any, dict[s
     """The state in ``src`` and, for safetensors, its metadata."""
     with progress(args, src.storage.size(src.path), f"read {fmt}") as bar:
         if fmt == "ackpt":
-            return load_ackpt(src, bar.update), None
+            return load_ackpt(src, bar.update, args.max_bytes), None
         if fmt == "torch":
             return load_torch(src, bar.update), None
         return read_safetensors(src.storage, src.path, bar.update)
@@ -175,11 +179,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     dst_format = format_of(args.dst, args.dst_format, "DST")
     dst_storage, dst_path = resolve(args.dst, args.options)
     sharded = _sharded_source(args)
+    if sharded is not None:
+        with sharded:
+            if not args.force and kind_of(dst_storage, dst_path) != "missing":
+                raise UsageError(
+                    f"asyncckpt convert: {args.dst} exists; pass --force to replace it"
+                )
+            assert dst_format is not None
+            return _convert_sharded(args, sharded, dst_format, dst_storage, dst_path)
     if not args.force and kind_of(dst_storage, dst_path) != "missing":
         raise UsageError(f"asyncckpt convert: {args.dst} exists; pass --force to replace it")
-    if sharded is not None:
-        assert dst_format is not None
-        return _convert_sharded(args, sharded, dst_format, dst_storage, dst_path)
     src, src_format = _source(args)
     size = src.storage.size(src.path)
     obj, metadata = _read(args, src, src_format)
@@ -194,6 +203,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             written = save_torch(obj, dst_storage, dst_path, bar.update)
         else:
             written = save_ackpt(obj, dst_storage, dst_path, args.compression, bar.update)
+    abort_strays(dst_storage, dst_path)  # a convert killed mid-upload to DST left one
     dst_name = display(dst_storage, dst_path)
     doc = {
         "src": src.name,
@@ -247,6 +257,10 @@ def _convert_sharded(
     :mod:`asyncckpt.consolidate`)."""
     tree = select(src.skeleton, args.key, src.name)
     count, nbytes, largest = src.raw_bytes(tree)
+    if dst_format == "torch":  # torch.save pickles one object: all of it is built first
+        Budget(args.max_bytes).charge(src.name, nbytes, "the whole state (torch.save output)")
+    else:  # streamed: one tensor at a time
+        Budget(args.max_bytes).charge(src.name, largest, "its largest tensor")
     sizes = {loc.file: loc.file_size for loc in src.metadata.storage_data.values()}
     with progress(args, nbytes, f"write {dst_format}") as bar:
         if dst_format == "safetensors":
@@ -263,6 +277,7 @@ def _convert_sharded(
         else:
             options = write_options(args.compression)
             written = write_ackpt_stream(src, tree, storage, path, options, bar.update)
+    abort_strays(storage, path)
     dst_name = display(storage, path)
     doc = {
         "src": src.name,

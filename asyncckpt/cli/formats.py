@@ -9,7 +9,7 @@ import contextlib
 import io
 import re
 from collections.abc import Callable
-from typing import IO, Any, cast
+from typing import IO, Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -18,8 +18,8 @@ from ..api import stage, write_options
 from ..errors import AsyncCkptError, FormatError
 from ..format import MAGIC
 from ..placement import Placement
-from ..reader import OpenedFile, materialize, open_file
-from ..storage import AtomicWriter, LocalStorage, Storage
+from ..reader import Budget, OpenedFile, materialize, read_file
+from ..storage import AtomicWriter, LocalStorage, ReadHandle, Storage
 from ..writer import write_snapshot
 from .common import FileRef, UsageError, threads
 
@@ -32,6 +32,8 @@ FORMATS: dict[str, tuple[str, ...]] = {
 
 #: Bytes a remote ``torch.load`` reads per request.
 _READ_BLOCK = 8 << 20
+
+T = TypeVar("T")
 
 
 def format_of(spec: str, explicit: str | None, role: str) -> str | None:
@@ -54,7 +56,7 @@ def format_of(spec: str, explicit: str | None, role: str) -> str | None:
     """
     if explicit:
         return explicit
-    base = re.sub(r"@\d+$", "", spec).rstrip("/").lower()
+    base = re.sub(r"@[0-9]+\Z", "", spec).rstrip("/").lower()
     for name, extensions in FORMATS.items():
         if base.endswith(extensions):
             return name
@@ -101,14 +103,15 @@ def reject_other_format(ref: FileRef) -> None:
         )
 
 
-def open_ackpt(ref: FileRef) -> OpenedFile:
-    """``open_file``, saying so when the file is a torch.save or safetensors file.
+def read_ackpt(ref: FileRef, work: Callable[[OpenedFile], T]) -> T:
+    """``read_file`` of an asyncckpt file, saying so when it is a torch.save or safetensors
+    file instead.
 
     Raises:
         FormatError: the file is not a valid asyncckpt file.
     """
     try:
-        return open_file(ref.storage, ref.path)
+        return read_file(ref.storage, ref.path, work)
     except FormatError:
         reject_other_format(ref)
         raise
@@ -144,6 +147,9 @@ class _Metered(Storage):
         self.progress(n)
         return n
 
+    def open_read(self, path: str) -> ReadHandle:
+        return _MeteredHandle(self.inner.open_read(path), self.progress)
+
     def exists(self, path: str) -> bool:
         return self.inner.exists(path)
 
@@ -158,6 +164,30 @@ class _Metered(Storage):
 
     def delete_tree(self, path: str) -> None:
         self.inner.delete_tree(path)
+
+    def is_link(self, path: str) -> bool:
+        return self.inner.is_link(path)
+
+
+class _MeteredHandle(ReadHandle):
+    """A handle that reports every byte read to a progress callback."""
+
+    def __init__(self, inner: ReadHandle, progress: Callable[[int], None]) -> None:
+        super().__init__(inner.name, inner.size)
+        self.inner, self.progress = inner, progress
+
+    def read_range(self, start: int, length: int) -> bytes:
+        data = self.inner.read_range(start, length)
+        self.progress(len(data))
+        return data
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        n = self.inner.read_into(start, out)
+        self.progress(n)
+        return n
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 class _CountingWriter:
@@ -229,18 +259,30 @@ class RangeReader(io.RawIOBase):
         return n
 
 
-def load_ackpt(ref: FileRef, progress: Callable[[int], None] | None = None) -> Any:
+def load_ackpt(
+    ref: FileRef, progress: Callable[[int], None] | None = None, max_bytes: int | None = None
+) -> Any:
     """Load an asyncckpt file on the CPU.
 
     Args:
         ref: the file.
         progress: called with the number of bytes read, as they are read.
+        max_bytes: the memory budget for its decoded data (as ``asyncckpt.load`` takes it).
 
     Returns:
         The saved object.
+
+    Raises:
+        MemoryBudgetError: the file needs more than ``max_bytes``.
     """
     storage = ref.storage if progress is None else _Metered(ref.storage, progress)
-    return materialize(open_file(storage, ref.path), Placement("cpu"), threads())
+    budget = Budget(max_bytes)
+    return read_file(
+        storage,
+        ref.path,
+        lambda opened: materialize(opened, Placement("cpu"), threads(), None, budget),
+        budget,
+    )
 
 
 def _numpy_globals() -> list[Any]:

@@ -1,4 +1,8 @@
-"""``asyncckpt gc ROOT --keep-last N``: retention, as the Checkpointer applies it."""
+"""``asyncckpt gc ROOT --keep-last N``: retention, as the Checkpointer applies it.
+
+What goes is decided by :func:`asyncckpt.protocol.deletion_plan`, the rule the writer's
+retention and recovery use, from the same listing (:func:`asyncckpt.protocol.list_steps`).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,13 @@ from typing import Any
 
 from ..progress import format_bytes
 from ..protocol import (
-    committed_steps,
+    UNREADABLE,
+    RetentionPolicy,
+    StepEntry,
     delete_version,
+    deletion_plan,
+    list_steps,
     read_version_file,
-    retention_plan,
-    step_dirs,
 )
 from ..storage import Storage, is_temp_name
 from .common import (
@@ -39,7 +45,8 @@ def add_parser(sub: Subparsers) -> None:
         "Apply the Checkpointer's retention rules (its keep_last): keep the newest N committed "
         "versions and the one the version file names, delete older committed versions and "
         "leftovers of interrupted saves older than it. Never touches anything newer than the "
-        "version file's step (a save in progress).",
+        "version file's step (a save in progress), nor a step whose COMMIT this asyncckpt "
+        "cannot read (damaged, or from a newer asyncckpt).",
     )
     p.add_argument("root", metavar="ROOT")
     p.add_argument(
@@ -61,13 +68,15 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def _delete_versions(
-    storage: Storage, root: str, plan: list[int], dry_run: bool, lines: list[str]
+    storage: Storage, root: str, plan: list[StepEntry], dry_run: bool, lines: list[str]
 ) -> list[dict[str, Any]]:
     goes = []
     verb = "would delete" if dry_run else "deleted"
-    for step in plan:
-        info = version_info(storage, root, step, None)
-        goes.append({"step": step, "state": info["state"], "stored_bytes": info["stored_bytes"]})
+    for entry in plan:
+        info = version_info(storage, root, entry.step, None)
+        goes.append(
+            {"step": entry.step, "state": info["state"], "stored_bytes": info["stored_bytes"]}
+        )
     for g in goes:
         size = "" if g["stored_bytes"] is None else f", {format_bytes(g['stored_bytes'])}"
         lines.append(f"{verb} step {g['step']} ({g['state']}{size})")
@@ -109,18 +118,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
     ref = need_root(locate(args.root, args.options), args.root)
     storage, root = ref.storage, ref.path
     record = read_version_file(storage, root)
-    dirs = step_dirs(storage, root)
+    entries = list_steps(storage, root)
     pinned = record.step if record is not None else None
-    plan = retention_plan(committed_steps(storage, root), dirs, args.keep_last, pinned)
+    plan = deletion_plan(entries, RetentionPolicy(keep_last=args.keep_last), pinned)
     lines = []
     if pinned is None:
         lines.append(
             f"the version file under {ref.name} is missing or damaged: nothing is deleted "
             "(open the root with a Checkpointer, or let the next save, rewrite it)"
         )
+    unreadable = [e for e in entries if e.state == UNREADABLE]
+    lines += [f"kept step {e.step}: its COMMIT cannot be read ({e.problem})" for e in unreadable]
     goes = _delete_versions(storage, root, plan, args.dry_run, lines)
     removed_temps = _delete_temps(storage, root, args, lines)
-    kept = [s for s in dirs if s not in plan]
+    doomed = {e.step for e in plan}
+    kept = [e.step for e in entries if e.step not in doomed]
     freed = sum(g["stored_bytes"] or 0 for g in goes)
     lines.append(
         f"{'would free' if args.dry_run else 'freed'} {format_bytes(freed)}; kept step(s) "
@@ -136,6 +148,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         "delete": goes,
         "temp_files": removed_temps,
         "kept": kept,
+        "unreadable": [e.step for e in unreadable],
         "freed_bytes": freed,
     }
     emit(args, doc, lines)

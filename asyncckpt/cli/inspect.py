@@ -11,21 +11,24 @@ import torch
 
 from ..format import DTYPE_ITEMSIZE, FORMAT_VERSION, Manifest
 from ..progress import format_bytes
+from ..reader import Budget
 from ..tree import child_path
 from .common import (
     EXIT_OK,
     DataRef,
     Subparsers,
+    add_max_bytes,
     emit,
     locate,
     manifest_tree,
     new_command,
+    pending_note,
     plural,
     short_time,
     single_file,
     table,
 )
-from .formats import open_ackpt
+from .formats import read_ackpt
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -38,6 +41,7 @@ def add_parser(sub: Subparsers) -> None:
         "shapes, sizes, saved devices and codecs. ROOT alone means its latest version.",
     )
     p.add_argument("target", metavar="PATH|ROOT[@STEP]")
+    add_max_bytes(p, "fail on")
     p.set_defaults(run=cmd_inspect)
 
 
@@ -175,12 +179,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     Returns:
         The exit status (0).
+
+    Raises:
+        MemoryBudgetError: loading the file would need more than ``--max-bytes``.
     """
     ref = single_file(locate(args.target, args.options))
-    opened = open_ackpt(ref)
-    manifest = opened.manifest
-    rows = entries(manifest, manifest_tree(opened))
+    manifest, tree, size = read_ackpt(ref, lambda o: (o.manifest, manifest_tree(o), o.size))
+    rows = entries(manifest, tree)
     raw = sum(s.nbytes for s in manifest.storages)
+    Budget(args.max_bytes).charge(ref.name, raw, "its storages")
     stored = sum(c.stored_len for c in manifest.chunks)
     codec_counts: dict[str, int] = {}
     for c in manifest.chunks:
@@ -188,7 +195,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     doc = {
         "file": ref.name,
         "step": ref.step,
-        "size": opened.size,
+        "size": size,
         "format_version": FORMAT_VERSION,
         "meta": manifest.meta,
         "raw_bytes": raw,
@@ -200,10 +207,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "chunks": len(manifest.chunks),
         "codecs": codec_counts,
         "entries": rows,
+        "pending": pending_note(ref.storage, ref.path),
     }
     lines = _summary(doc, manifest.meta)
     lines += table(
         ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "CODEC"], _table_rows(rows)
     )
+    if doc["pending"]:
+        lines.append(f"note: {doc['pending']}; this is the file as it was before that save")
     emit(args, doc, lines)
     return EXIT_OK

@@ -11,11 +11,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codec import checksum, decode_chunk
-from ..errors import AsyncCkptError, CheckpointNotFoundError, FormatError
-from ..format import Manifest
+from ..errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    FileReplacedError,
+    FormatError,
+    MemoryBudgetError,
+)
 from ..progress import format_bytes
 from ..protocol import committed_steps, read_version_file, step_dirs
-from ..reader import open_file
+from ..reader import Budget, OpenedFile, read_file
 from ..storage import Storage
 from .common import (
     EXIT_OK,
@@ -24,6 +29,7 @@ from .common import (
     RootRef,
     Subparsers,
     UsageError,
+    add_max_bytes,
     chosen_step,
     display,
     emit,
@@ -31,6 +37,7 @@ from .common import (
     locate,
     manifest_tree,
     new_command,
+    pending_note,
     plural,
     progress,
 )
@@ -53,6 +60,7 @@ def add_parser(sub: Subparsers) -> None:
     )
     p.add_argument("target", metavar="PATH|ROOT[@STEP]")
     p.add_argument("--all", action="store_true", help="verify every committed version of ROOT")
+    add_max_bytes(p, "report as too large")
     p.set_defaults(run=cmd_verify)
 
 
@@ -77,6 +85,8 @@ class FileReport:
     stored_bytes: int = 0
     bad_chunks: list[BadChunk] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    #: Loading it would need more memory than ``--max-bytes`` (its chunks were not read).
+    too_large: bool = False
 
     @property
     def ok(self) -> bool:
@@ -93,16 +103,16 @@ class FileReport:
             "stored_bytes": self.stored_bytes,
             "bad_chunks": [b.__dict__ for b in self.bad_chunks],
             "errors": self.errors,
+            "too_large": self.too_large,
         }
 
 
 class _ChunkChecker:
     """Checks the chunks of one opened file and knows which keys each chunk holds."""
 
-    def __init__(
-        self, storage: Storage, path: str, manifest: Manifest, progress: Callable[[int], None]
-    ) -> None:
-        self.storage, self.path, self.manifest, self.progress = storage, path, manifest, progress
+    def __init__(self, opened: OpenedFile, progress: Callable[[int], None]) -> None:
+        self.handle, self.manifest, self.progress = opened.handle, opened.manifest, progress
+        manifest = opened.manifest
         self.keys: dict[int, list[str]] = {}
         for t in manifest.tensors:
             self.keys.setdefault(t.storage, []).append(t.key)
@@ -128,7 +138,9 @@ class _ChunkChecker:
         sid = self.owner.get(index)
         itemsize = self.manifest.storages[sid].itemsize if sid is not None else 1
         try:
-            stored = self.storage.read_range(self.path, chunk.offset, chunk.stored_len)
+            stored = self.handle.read_range(chunk.offset, chunk.stored_len)
+        except FileReplacedError:
+            raise  # not this chunk's fault: the whole file is verified again
         except AsyncCkptError as exc:
             return f"read failed: {exc}"
         finally:
@@ -181,6 +193,7 @@ def verify_file(
     threads: int | None = None,
     progress: Callable[[int], None] | None = None,
     step: int | None = None,
+    max_bytes: int | None = None,
 ) -> FileReport:
     """Read a whole file and check everything, collecting *every* problem.
 
@@ -194,6 +207,8 @@ def verify_file(
         threads: parallel chunk readers (default: the ``threads`` tunable).
         progress: called with the number of bytes read, as they are read.
         step: the version the file belongs to, for the report.
+        max_bytes: a file whose load would need more memory for its decoded data is
+            reported as too large (``too_large``), without reading its chunks.
 
     Returns:
         The report; ``report.ok`` is True only when nothing is wrong.
@@ -205,25 +220,46 @@ def verify_file(
         >>> verify_file(*resolve("memory://v/one.ackpt", None)).ok
         True
     """
-    report = FileReport(display(storage, path), step)
+    name = display(storage, path)
+    workers = max(1, threads or _default_threads())
+    meter = progress or (lambda n: None)
     try:
-        opened = open_file(storage, path)
+        return read_file(
+            storage, path, lambda opened: _verify(opened, name, step, meter, workers, max_bytes)
+        )
     except AsyncCkptError as exc:
+        report = FileReport(name, step)
         report.errors.append(str(exc))
         return report
+
+
+def _verify(
+    opened: OpenedFile,
+    name: str,
+    step: int | None,
+    meter: Callable[[int], None],
+    workers: int,
+    max_bytes: int | None,
+) -> FileReport:
+    """:func:`verify_file` of a file opened (one attempt at it)."""
+    report = FileReport(name, step)
     manifest = opened.manifest
     report.size = opened.size
     report.chunks = len(manifest.chunks)
     report.raw_bytes = sum(s.nbytes for s in manifest.storages)
     report.stored_bytes = sum(c.stored_len for c in manifest.chunks)
-    meter = progress or (lambda n: None)
     meter(max(0, opened.size - report.stored_bytes))
+    try:
+        Budget(max_bytes).charge(report.file, report.raw_bytes, "its storages")
+    except MemoryBudgetError as exc:
+        report.errors.append(str(exc))
+        report.too_large = True
+        return report
     try:
         manifest_tree(opened)
     except FormatError as exc:
         report.errors.append(str(exc))
-    workers = max(1, threads or _default_threads())
-    _check_all(_ChunkChecker(storage, path, manifest, meter), workers, report)
+    _check_all(_ChunkChecker(opened, meter), workers, report)
     return report
 
 
@@ -278,11 +314,13 @@ def _report_lines(reports: list[FileReport], warnings: list[str]) -> list[str]:
         for b in r.bad_chunks:
             lines.append(f"     chunk {b.chunk}: {b.detail}; keys: {_show_keys(b.keys)}")
     lines += [f"note: {w}" for w in warnings]
-    bad = [r for r in reports if not r.ok]
+    bad = [r for r in reports if not r.ok and not r.too_large]
+    large = [r for r in reports if r.too_large]
     chunks = sum(len(r.bad_chunks) for r in bad)
     lines.append(
-        f"{len(reports) - len(bad)} of {plural(len(reports), 'file')} sound"
+        f"{len(reports) - len(bad) - len(large)} of {plural(len(reports), 'file')} sound"
         + (f"; {len(bad)} damaged ({plural(chunks, 'bad chunk')})" if bad else "")
+        + (f"; {len(large)} too large for --max-bytes, not read" if large else "")
     )
     return lines
 
@@ -303,6 +341,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             raise UsageError(f"asyncckpt: --all needs a checkpoint root; {args.target} is a file")
         reject_other_format(ref)
         files = [ref]
+        note = pending_note(ref.storage, ref.path)
+        if note:
+            warnings.append(f"{note}; this checks the file as it was before that save")
     else:
         files = _root_files(ref, args.all, warnings)
     total = 0
@@ -310,14 +351,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with contextlib.suppress(AsyncCkptError):
             total += f.storage.size(f.path)
     with progress(args, total, "verify") as bar:
-        reports = [verify_file(f.storage, f.path, progress=bar.update, step=f.step) for f in files]
+        reports = [
+            verify_file(
+                f.storage, f.path, progress=bar.update, step=f.step, max_bytes=args.max_bytes
+            )
+            for f in files
+        ]
     bad = [r for r in reports if not r.ok]
     doc = {"ok": not bad, "files": [r.as_dict() for r in reports], "warnings": warnings}
     emit(args, doc, _report_lines(reports, warnings))
-    if bad:
-        chunks = sum(len(r.bad_chunks) for r in bad)
+    damaged = [r for r in bad if not r.too_large]
+    if damaged:
+        chunks = sum(len(r.bad_chunks) for r in damaged)
         raise CommandFailed(
-            f"verify: {len(bad)} of {plural(len(reports), 'file')} damaged "
+            f"verify: {len(damaged)} of {plural(len(reports), 'file')} damaged "
             f"({plural(chunks, 'bad chunk')}); load an older version or restore these files"
+        )
+    if bad:
+        raise CommandFailed(
+            f"verify: {len(bad)} of {plural(len(reports), 'file')} would need more memory "
+            f"than --max-bytes {args.max_bytes:,} to load; not read"
         )
     return EXIT_OK

@@ -37,7 +37,7 @@ from ..errors import (
     TruncatedFileError,
 )
 from ..format import TensorEntry
-from ..reader import OpenedFile, check_sizes, open_file
+from ..reader import Budget, OpenedFile, check_sizes, open_file
 from ..staging import byte_view
 from ..storage import Storage, is_temp_name
 from ..tree import torch_dtype
@@ -69,9 +69,14 @@ class Reader(CheckpointLocation, StorageReader):
         url: the checkpoint directory: a local path or any fsspec URL.
             ``dcp.load(..., checkpoint_id=...)`` replaces it.
         storage_options: keyword arguments for the fsspec filesystem.
+        max_bytes: at most this many bytes of buffers for decoded data per load (a whole
+            stored tensor decoded straight into its target needs none); a load that would
+            need more raises :class:`~asyncckpt.errors.MemoryBudgetError` before
+            allocating. None: no limit besides what the files' sizes bound.
 
     Raises:
         TypeError: ``url`` is not a path or URL.
+        ValueError: ``max_bytes`` is negative.
 
     Example:
         >>> import os, tempfile, torch, warnings
@@ -87,19 +92,34 @@ class Reader(CheckpointLocation, StorageReader):
     """
 
     def __init__(
-        self, url: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+        self,
+        url: str | os.PathLike[str],
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        max_bytes: int | None = None,
     ) -> None:
         StorageReader.__init__(self)
         CheckpointLocation.__init__(self, url, storage_options)
         self._load_id = uuid.uuid4().hex
         self._locations: dict[MetadataIndex, ItemLocation] = {}
+        self._max_bytes = max_bytes
+        self._budget = Budget(max_bytes)
 
     @classmethod
-    def at(cls, storage: Storage, path: str) -> Reader:
+    def at(
+        cls,
+        storage: Storage,
+        path: str,
+        metadata: str | None = None,
+        budget: Budget | None = None,
+    ) -> Reader:
         """A reader of the checkpoint directory ``path`` on an already opened ``storage``.
 
         For callers that resolved the storage themselves (``Checkpointer`` reading a
-        sharded version); the reader pickles as ``storage.describe(path)``.
+        sharded version, whose ``COMMIT`` names its ``metadata``); the reader pickles as
+        ``storage.describe(path)``. ``budget``, if given, is charged with this reader's
+        buffers (shared with the caller's other reads), for every load, instead of a
+        budget of its own.
 
         Example:
             >>> from asyncckpt.storage import resolve
@@ -108,6 +128,9 @@ class Reader(CheckpointLocation, StorageReader):
         """
         reader = cls(storage.describe(path))
         reader._storage, reader._path = storage, path
+        reader._metadata_name = metadata
+        if budget is not None:
+            reader._budget, reader._max_bytes = budget, None
         return reader
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -116,6 +139,8 @@ class Reader(CheckpointLocation, StorageReader):
         if checkpoint_id:
             self._open(checkpoint_id)
         self._load_id = uuid.uuid4().hex
+        if self._max_bytes is not None:  # a budget of its own: each load has all of it
+            self._budget = Budget(self._max_bytes)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Read and validate the commit object.
@@ -130,9 +155,10 @@ class Reader(CheckpointLocation, StorageReader):
             CheckpointNotFoundError: nothing was saved at the URL.
             FormatError: the commit object is malformed, oversized or from a newer schema.
         """
-        name = self._storage.describe(self.metadata_path)
+        path = self.committed_metadata_path()
+        name = self._storage.describe(path)
         try:
-            data = self._storage.read_bytes(self.metadata_path, MAX_METADATA_BYTES)
+            data = self._storage.read_bytes(path, MAX_METADATA_BYTES)
         except CheckpointNotFoundError:
             raise self._not_committed() from None
         metadata = decode_metadata(data, name)
@@ -198,6 +224,7 @@ class Reader(CheckpointLocation, StorageReader):
             IncompleteCheckpointError: a file the commit names is missing.
             FormatError: a file is not the one committed (size, tensor table), or an item
                 does not fit the tensor stored for it.
+            MemoryBudgetError: the buffers would exceed ``max_bytes``.
         """
         per_file: dict[str, list[ReadItem]] = collections.defaultdict(list)
         for req in plan.items:
@@ -207,8 +234,8 @@ class Reader(CheckpointLocation, StorageReader):
             per_file[where.file].append(req)
         threads = config.tunable("threads", None)
         for name, reqs in per_file.items():
-            opened = self._open_data_file(name, self._locations[reqs[0].storage_index])
-            self._load_file(opened, reqs, planner, threads)
+            with self._open_data_file(name, self._locations[reqs[0].storage_index]) as opened:
+                self._load_file(opened, reqs, planner, threads)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -220,7 +247,7 @@ class Reader(CheckpointLocation, StorageReader):
         items = [self._item(opened, req, planner) for req in reqs]
         direct = _direct_destinations(opened, items)
         spans = _spans(opened, [item for item in items if item.entry.storage not in direct])
-        buffers = _read_spans(opened, spans, direct, threads)
+        buffers = _read_spans(opened, spans, direct, threads, self._budget)
         for item in items:
             sid = item.entry.storage
             if item.target is not None and sid in direct:
@@ -267,6 +294,7 @@ class Reader(CheckpointLocation, StorageReader):
         return _Item(req, entry, offsets, lengths, target)
 
     def _open_data_file(self, name: str, where: ItemLocation) -> OpenedFile:
+        """A data file, opened (the caller closes it) and checked against its size."""
         path = self._storage.join(self._path, name)
         try:
             opened = open_file(self._storage, path)
@@ -276,6 +304,7 @@ class Reader(CheckpointLocation, StorageReader):
                 f"{METADATA_NAME} but missing; the checkpoint was partly deleted"
             ) from exc
         if opened.size != where.file_size:
+            opened.close()
             kind = TruncatedFileError if opened.size < where.file_size else FormatError
             raise kind(
                 f"{opened.name}: {opened.size} bytes, but {where.file_size} were committed; "
@@ -432,13 +461,16 @@ def _slice(buf: torch.Tensor, base: int, item: _Item) -> torch.Tensor:
     return t.set_(buf.untyped_storage(), first - base // dtype.itemsize, item.lengths, entry.stride)
 
 
-def read_storage_ids(opened: OpenedFile, sids: set[int], threads: int) -> dict[int, torch.Tensor]:
+def read_storage_ids(
+    opened: OpenedFile, sids: set[int], threads: int, budget: Budget | None = None
+) -> dict[int, torch.Tensor]:
     """Read, verify and decode only the storages ``sids`` of a file, in parallel chunks.
 
     Args:
         opened: the file.
         sids: indices into its storage table.
         threads: reader threads.
+        budget: charged with the buffers before any is allocated.
 
     Returns:
         ``{storage index: 1-D uint8 CPU tensor of its bytes}``.
@@ -453,8 +485,8 @@ def read_storage_ids(opened: OpenedFile, sids: set[int], threads: int) -> dict[i
         >>> from asyncckpt.storage import resolve
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"a": torch.arange(3), "b": torch.ones(2)}, path).result()
-        >>> opened = open_file(*resolve(path, None))
-        >>> {sid: buf.numel() for sid, buf in read_storage_ids(opened, {1}, 2).items()}
+        >>> with open_file(*resolve(path, None)) as opened:
+        ...     {sid: buf.numel() for sid, buf in read_storage_ids(opened, {1}, 2).items()}
         {1: 8}
     """
     storages = opened.manifest.storages
@@ -467,11 +499,15 @@ def read_storage_ids(opened: OpenedFile, sids: set[int], threads: int) -> dict[i
         )
         for sid in ordered
     }
-    return _read_spans(opened, spans, {}, threads)
+    return _read_spans(opened, spans, {}, threads, budget)
 
 
 def _read_spans(
-    opened: OpenedFile, spans: dict[int, _Span], direct: dict[int, torch.Tensor], threads: int
+    opened: OpenedFile,
+    spans: dict[int, _Span],
+    direct: dict[int, torch.Tensor],
+    threads: int,
+    budget: Budget | None = None,
 ) -> dict[int, torch.Tensor]:
     """Read, verify and decode chunks in parallel: every chunk of each storage in ``direct``
     into its given bytes, and the chunks of ``spans`` into new buffers (returned, by storage).
@@ -479,12 +515,17 @@ def _read_spans(
     Raises:
         FormatError: the file's sizes are impossible.
         ChecksumError: a chunk is damaged (the first one found).
+        MemoryBudgetError: the new buffers would exceed ``budget``.
     """
     manifest = opened.manifest
     check_sizes(opened)  # bounds every allocation below by the file's size
     jobs: dict[int, tuple[_Span, torch.Tensor | None]]
     jobs = {sid: (_whole(opened, sid), out) for sid, out in direct.items()}
     jobs.update((sid, (span, None)) for sid, span in spans.items())
+    if budget is not None:
+        chunks = manifest.chunks
+        fresh = sum(chunks[i].raw_len for span in spans.values() for i in range(*span[:2]))
+        budget.charge(opened.name, fresh, "buffers for its chunks")
     buffers: dict[int, torch.Tensor] = {}
     workers = pool("read", threads)
     pending: collections.deque[ThreadFuture[None]] = collections.deque()
@@ -535,7 +576,7 @@ def _read_chunk(opened: OpenedFile, index: int, sid: int, out: memoryview) -> No
     chunk = opened.manifest.chunks[index]
     # A raw chunk is read straight into its place; it is checked there before use.
     stored = out if chunk.codec == "raw" else _stored_scratch(chunk.stored_len)
-    got = opened.storage.read_into(opened.path, chunk.offset, stored)
+    got = opened.read_into(chunk.offset, stored)
     keys = opened.manifest.keys_of_storage
     if got != chunk.stored_len:
         detail = f"only {got} of {chunk.stored_len} bytes could be read"

@@ -54,8 +54,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from .._version import __version__
 from ..errors import FormatError, UnsupportedObjectError
-from ..format import DTYPE_ITEMSIZE, FOOTER_SIZE, HEADER_SIZE, MAX_MANIFEST_BYTES, MAX_NDIM
-from ..reader import MAX_EXPANSION
+from ..format import (
+    DTYPE_ITEMSIZE,
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    MAX_EXPANSION,
+    MAX_MANIFEST_BYTES,
+    MAX_NDIM,
+)
 from ..tree import dtype_name, torch_dtype
 
 #: Name of the commit object inside a checkpoint directory (or prefix). It is DCP's own
@@ -245,6 +251,126 @@ def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
     }
 
 
+#: Coverage is checked on the grid that the chunks' edges cut the tensor into, up to this
+#: many cells (one byte each); past it, chunk against chunk, up to this many chunks.
+_MAX_GRID_CELLS: Final = 1 << 24
+_MAX_PAIRWISE_CHUNKS: Final = 1 << 14
+
+
+def overlapping_chunks(
+    size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], name: str
+) -> tuple[int, int] | None:
+    """Two chunks that overlap, or None; ``chunks`` are ``(offsets, sizes)`` inside ``size``
+    whose volumes add up to the tensor's.
+
+    With the volumes adding up, the chunks are pairwise disjoint exactly when they cover
+    every element, so the check marks, on the grid the chunks' edges cut the tensor into,
+    the cells each chunk covers: a cell left unmarked means an overlap elsewhere. That
+    costs one byte per cell, and a sharded save (any mesh of ``Shard`` placements) cuts the
+    tensor into about as many cells as it has chunks. A grid of more than
+    :data:`_MAX_GRID_CELLS` cells is checked chunk against chunk instead (numpy, one row
+    per chunk), for at most :data:`_MAX_PAIRWISE_CHUNKS` chunks.
+
+    Raises:
+        FormatError: the layout is too irregular to check within these bounds.
+
+    Example:
+        >>> overlapping_chunks((4,), [((0,), (2,)), ((2,), (2,))], "m")
+        >>> overlapping_chunks((4,), [((0,), (2,)), ((1,), (2,))], "m")
+        (0, 1)
+    """
+    import numpy as np
+
+    boxes = [(i, off, sz) for i, (off, sz) in enumerate(chunks) if math.prod(sz)]
+    if len(boxes) < 2:
+        return None
+    edges = [
+        np.unique([0, n, *(o[d] for _, o, _ in boxes), *(o[d] + s[d] for _, o, s in boxes)])
+        for d, n in enumerate(size)
+    ]
+    cells = math.prod(len(e) - 1 for e in edges)
+    if cells <= _MAX_GRID_CELLS:
+        grid = np.zeros([len(e) - 1 for e in edges], dtype=np.bool_)
+        for _, off, sz in boxes:
+            at = tuple(
+                slice(int(np.searchsorted(e, o)), int(np.searchsorted(e, o + s)))
+                for e, o, s in zip(edges, off, sz)
+            )
+            grid[at] = True
+        if grid.all():
+            return None
+        return _first_overlap(boxes)
+    if len(boxes) > _MAX_PAIRWISE_CHUNKS:
+        raise FormatError(
+            f"{name}: {len(boxes)} chunks on a grid of {cells} cells: too irregular to check "
+            "that they do not overlap"
+        )
+    return _first_overlap(boxes)
+
+
+def _first_overlap(
+    boxes: list[tuple[int, tuple[int, ...], tuple[int, ...]]],
+) -> tuple[int, int] | None:
+    """The first pair of ``(index, offsets, sizes)`` boxes that share an element."""
+    import numpy as np
+
+    lo = np.array([off for _, off, _ in boxes], dtype=np.int64).reshape(len(boxes), -1)
+    hi = lo + np.array([sz for _, _, sz in boxes], dtype=np.int64).reshape(len(boxes), -1)
+    for k in range(len(boxes) - 1):
+        hits = np.all((lo[k + 1 :] < hi[k]) & (lo[k] < hi[k + 1 :]), axis=1)
+        if hits.any():
+            return boxes[k][0], boxes[k + 1 + int(np.argmax(hits))][0]
+    return None
+
+
+def _identity(metadata: Metadata, fqn: str) -> tuple[Any, ...]:
+    """What makes value ``fqn`` the same value as another: its type, shape and where each
+    of its chunks is stored."""
+    md = metadata.state_dict_metadata[fqn]
+    locations: Mapping[MetadataIndex, ItemLocation] = metadata.storage_data
+    if not isinstance(md, TensorStorageMetadata):
+        where = locations[MetadataIndex(fqn)]
+        return ("bytes", where.file, where.entry, where.nbytes)
+    pieces = []
+    for chunk in md.chunks:
+        where = locations[MetadataIndex(fqn, chunk.offsets)]
+        pieces.append((tuple(chunk.offsets), tuple(chunk.sizes), where.file, where.entry))
+    return ("tensor", md.properties.dtype, tuple(md.size), tuple(pieces))
+
+
+def tied_names(metadata: Metadata) -> list[list[str]]:
+    """The names of ``metadata``'s values, grouped by what is stored for them.
+
+    Names in one group are stored alike (same dtype and size, every chunk in the same file
+    entry): they are one value under several names, a tied weight as a sharded save stores
+    it. Loads build each group once.
+
+    Example:
+        >>> import os, tempfile, torch, warnings
+        >>> import torch.distributed.checkpoint as dcp
+        >>> import asyncckpt.dcp
+        >>> url = os.path.join(tempfile.mkdtemp(), "c")
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     _ = dcp.save({"a": torch.ones(2)}, storage_writer=asyncckpt.dcp.Writer(url))
+        >>> tied_names(asyncckpt.dcp.Reader(url).read_metadata())
+        [['a']]
+    """
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for fqn in metadata.state_dict_metadata:
+        groups.setdefault(_identity(metadata, fqn), []).append(fqn)
+    return list(groups.values())
+
+
+def value_bytes(metadata: Metadata, fqn: str) -> int:
+    """The bytes value ``fqn`` takes once loaded (a tensor whole, or a bytes object)."""
+    md = metadata.state_dict_metadata[fqn]
+    if isinstance(md, TensorStorageMetadata):
+        return math.prod(md.size) * DTYPE_ITEMSIZE[dtype_name(md.properties.dtype)]
+    where: ItemLocation = metadata.storage_data[MetadataIndex(fqn)]
+    return where.nbytes
+
+
 # ------------------------------------------------------------------------------- decode
 
 
@@ -344,13 +470,31 @@ class _Decoder:
                 raise self.fail(f"{fqn!r} is described twice")
             sdm[fqn] = self.storage(fqn, md)
         locations = self.items(self.list_(doc.get("items"), "items"), files, sdm)
-        return Metadata(
+        metadata = Metadata(
             state_dict_metadata=sdm,
             planner_data=self.planner_data(doc.get("planner_data")),
             storage_data=locations,
             storage_meta=self.storage_meta(doc.get("storage_meta")),
             version=self.str_(doc.get("dcp_version"), "dcp_version", optional=True),
         )
+        self.bounded(metadata, sum(size for _, size in files))
+        return metadata
+
+    def bounded(self, metadata: Metadata, file_bytes: int) -> None:
+        """Refuse metadata whose values claim more bytes than its files can decode to.
+
+        A consolidated load allocates every tensor whole from its ``size``: each item is
+        bounded by its file, but many names may point at one stored entry. Names stored
+        alike (ties: one shard stored under several names, as a sharded save does) are one
+        value (:func:`tied_names`), counted and built once; everything else counts in full.
+        """
+        claimed = sum(value_bytes(metadata, names[0]) for names in tied_names(metadata))
+        limit = file_bytes * MAX_EXPANSION
+        if claimed > limit:
+            raise self.fail(
+                f"its tensors and bytes objects claim {claimed} bytes, more than its data "
+                f"files ({file_bytes} bytes) can decode to ({limit} bytes at most)"
+            )
 
     def file(self, i: int, rec: Any) -> tuple[str, int]:
         name, size = self.list_(rec, f"files[{i}]", 2)
@@ -394,12 +538,34 @@ class _Decoder:
             if any(o + s > n for o, s, n in zip(off, sz, size)):
                 raise self.fail(f"{fqn!r} chunk {j} reaches past the tensor's size {size}")
             chunks.append(ChunkStorageMetadata(torch.Size(off), torch.Size(sz)))
-        # A load allocates the whole tensor from `size`; its chunks (each backed by stored
-        # bytes, checked in `items`) must account for that many elements, so a small
-        # crafted file cannot make a reader allocate an arbitrary amount.
-        if sum(math.prod(c.sizes) for c in chunks) < math.prod(size):
-            raise self.fail(f"{fqn!r}: its chunks do not cover its size {size}")
+        self.tiling(fqn, size, chunks)
         return TensorStorageMetadata(props, torch.Size(size), chunks)
+
+    def tiling(self, fqn: str, size: tuple[int, ...], chunks: list[ChunkStorageMetadata]) -> None:
+        """Refuse chunks that do not tile the tensor: each element in exactly one chunk.
+
+        A load allocates the whole tensor from ``size`` and fills it chunk by chunk: an
+        element no chunk covers would be handed out as uninitialized memory (or left as it
+        was in a target), and a chunk listed twice or overlapping another would hide such a
+        gap from a volume count alone.
+        """
+        numel = math.prod(size)
+        held = sum(math.prod(c.sizes) for c in chunks)
+        if held != numel:
+            kind = "leave a gap" if held < numel else "overlap"
+            raise self.fail(
+                f"{fqn!r}: its chunks do not cover it exactly: they hold {held} elements, "
+                f"the tensor {numel} (size {list(size)}), so they {kind}"
+            )
+        clash = overlapping_chunks(
+            size, [(tuple(c.offsets), tuple(c.sizes)) for c in chunks], self.name
+        )
+        if clash is not None:
+            i, j = clash
+            raise self.fail(
+                f"{fqn!r}: chunks {i} and {j} overlap (offsets {list(chunks[i].offsets)} and "
+                f"{list(chunks[j].offsets)}), so part of the tensor is never written"
+            )
 
     def items(
         self,

@@ -13,15 +13,22 @@ import os
 import threading
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 
 from ..errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
+from ..workers import after_fork_in_child
 
 TEMP_MARK = ".acktmp-"
 #: The storage option that lets an object store without conditional writes be used anyway.
 UNSAFE_UNCONDITIONAL_WRITES = "unsafe_unconditional_writes"
 _MAX_TAGGED_BYTES = 1 << 20
 _WRITE_ATTEMPTS = 3
+
+#: Entered around the step that makes a written file visible at its target (the rename, the
+#: final PUT or CompleteMultipartUpload); raising there aborts the write and leaves the
+#: target alone. Drop-in saves set one (``asyncckpt.pending``) to check their save marker.
+PublishGuard = Callable[[], AbstractContextManager[None]]
 
 
 def temp_name(path: str) -> str:
@@ -42,6 +49,14 @@ class AtomicWriter(ABC):
     #: writing them to disk (``writeback_mib``); 0: only the commit's fsync does. A save
     #: sets it from the tunables it resolved when it started; other backends ignore it.
     writeback_bytes: int = 0
+    #: Checked around the publishing step by :meth:`commit` (see :data:`PublishGuard`).
+    publish_guard: PublishGuard | None = None
+
+    def publishing(self) -> AbstractContextManager[None]:
+        """The context :meth:`commit` makes the file visible in: the guard's, if one is set."""
+        if self.publish_guard is None:
+            return contextlib.nullcontext()
+        return self.publish_guard()
 
     @abstractmethod
     def write(self, data: bytes | memoryview) -> None:
@@ -54,6 +69,66 @@ class AtomicWriter(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Discard everything written; never raises."""
+
+
+class ReadHandle(ABC):
+    """One file opened for reading: every read sees the same version of the file.
+
+    A load reads a file's header, footer, manifest and chunks through one handle, so a file
+    replaced meanwhile (an atomic ``save`` by another process) cannot give it the manifest
+    of one version and the chunks of another. How the version is pinned is the backend's:
+    an open descriptor (local disk), a snapshot (``memory://``), the ETag of the object
+    (object stores, where a read of a replaced object raises
+    :class:`~asyncckpt.errors.FileReplacedError`). Reads may run in parallel threads.
+    Close it (or use it as a context manager) when done; closing twice is harmless.
+
+    Attributes:
+        name: the file as a user would write it (for messages).
+        size: its size in bytes, of the pinned version.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+
+    @abstractmethod
+    def read_range(self, start: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``start`` (fewer only past the end of the file).
+
+        Raises:
+            FileReplacedError: the file is no longer the version this handle pinned and the
+                backend cannot read that one any more.
+            StorageError: the backend failed.
+        """
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        """Fill ``out`` from ``start``; returns the number of bytes read."""
+        data = self.read_range(start, len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:  # noqa: B027 (a handle that holds nothing has nothing to do)
+        """Release what the handle holds (a descriptor, a snapshot); idempotent."""
+
+    def __enter__(self) -> ReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _PathHandle(ReadHandle):
+    """A handle that reads by path each time: for storages without a way to pin a file."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        super().__init__(storage.describe(path), storage.size(path))
+        self.storage, self.path = storage, path
+
+    def read_range(self, start: int, length: int) -> bytes:
+        return self.storage.read_range(self.path, start, length)
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        return self.storage.read_into(self.path, start, out)
 
 
 class Storage(ABC):
@@ -102,6 +177,18 @@ class Storage(ABC):
         out[: len(data)] = data
         return len(data)
 
+    def open_read(self, path: str) -> ReadHandle:
+        """Open ``path`` for reading, pinned to its current version (see :class:`ReadHandle`).
+
+        A file is read through one handle when its parts must agree (a load: manifest and
+        chunks); small records read whole (``COMMIT``, ``VERSION``) use :meth:`read_range`.
+        This default reads by path every time, pinning nothing: backends override it.
+
+        Raises:
+            CheckpointNotFoundError: the file is missing.
+        """
+        return _PathHandle(self, path)
+
     @abstractmethod
     def exists(self, path: str) -> bool: ...
 
@@ -109,13 +196,14 @@ class Storage(ABC):
     def delete(self, path: str) -> None:
         """Remove a file; a missing file is not an error."""
 
-    def abort_unfinished(self, path: str) -> None:
-        """Abort unfinished writes below directory ``path`` that a listing does not show
-        (multipart uploads on an object store, which a killed writer can leave behind).
+    def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
+        """Abort unfinished writes below directory ``path`` (with ``exact``, of the file
+        ``path`` itself) that a listing does not show: multipart uploads on an object
+        store, which a killed writer can leave behind.
 
         Local and generic filesystems show such writes as temp files, so this does nothing.
         """
-        del path
+        del path, exact
 
     @abstractmethod
     def create_exclusive(self, path: str, data: bytes) -> None:
@@ -131,7 +219,19 @@ class Storage(ABC):
 
     @abstractmethod
     def delete_tree(self, path: str) -> None:
-        """Remove ``path`` and everything below it; a missing path is not an error."""
+        """Remove ``path`` and everything below it; a missing path is not an error.
+
+        A ``path`` that is a symbolic link is removed as a link: deleting never follows one.
+        """
+
+    def is_link(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (only local disk has them).
+
+        Whoever deletes inside a directory asks first: deleting through a link would
+        delete what it points to, another run's files (see ``delete_tree``).
+        """
+        del path
+        return False
 
     def read_bytes(self, path: str, limit: int) -> bytes:
         """The whole of a small file.
@@ -148,6 +248,61 @@ class Storage(ABC):
     def join(self, *parts: str) -> str:
         """Join path parts with ``/``."""
         return "/".join(p.rstrip("/") for p in parts if p)
+
+    # -- save markers (asyncckpt.pending): small files rewritten in place ------------------
+
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        """A small file's bytes, in one request where the backend allows; None if missing.
+
+        Raises:
+            FormatError: the file is larger than ``limit`` bytes.
+        """
+        try:
+            return self.read_bytes(path, limit)
+        except CheckpointNotFoundError:
+            return None
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        """Write a small file directly at ``path``: no temp file, no rename, no fsync.
+
+        Cheap enough for the caller's stall, and not atomic: a reader may see the file
+        empty or cut short meanwhile (markers are read as "being rewritten" then). Local
+        disk opens and writes the file; other filesystems write it in one request (on an
+        object store one PUT, which is whole).
+
+        Args:
+            path: the file.
+            data: its new content.
+            replacing: the tag this call returned when it last wrote ``path``: write only if
+                the file still has it. Object stores make the PUT conditional on it
+                (``If-Match``); elsewhere the file is read and compared first, which is
+                exact only while the caller holds :meth:`marker_lock`.
+
+        Returns:
+            The file's new tag.
+
+        Raises:
+            ConflictError: ``replacing`` was given and the file no longer has it.
+            StorageError: the backend failed.
+        """
+        if replacing is not None:
+            self._check_marker_tag(path, replacing)
+        self.write_bytes(path, data)
+        return content_tag(data)
+
+    def _check_marker_tag(self, path: str, tag: str) -> None:
+        current = self.read_marker(path, _MAX_TAGGED_BYTES)
+        if current is None or content_tag(current) != tag:
+            raise ConflictError(f"{self.describe(path)} was replaced or removed by another writer")
+
+    def marker_lock(self, path: str) -> AbstractContextManager[None]:
+        """Exclude every other marker update (write, check, delete) of ``path``.
+
+        Local disk: an ``flock`` on the parent directory, which excludes the processes of
+        this machine (and of an NFS or Lustre client only where flock is coherent there).
+        Elsewhere there is no cross-process lock: a lock within this process only.
+        """
+        return _process_lock(self, path)
 
     # -- compare-and-swap of small files (the version file) ----------------------------------
 
@@ -183,7 +338,7 @@ class Storage(ABC):
 
     def _write_under_lock(self, path: str, data: bytes) -> None:
         """``write_bytes`` for a compare-and-swap, whose temp file another writer's clean-up
-        of leftovers (``remove_temp_files``) may delete mid-write: then write it again.
+        of leftover temp files may delete mid-write: then write it again.
         The caller holds the lock, so no other compare-and-swap runs meanwhile."""
         for attempt in range(_WRITE_ATTEMPTS):
             try:
@@ -204,6 +359,26 @@ class Storage(ABC):
 
 
 _create_lock = threading.Lock()
+_marker_locks_lock = threading.Lock()
+_marker_locks: dict[tuple[str, str], threading.Lock] = {}
+
+
+@contextlib.contextmanager
+def _process_lock(storage: Storage, path: str) -> Iterator[None]:
+    """A lock of this process for one file (its entry stays: markers are few)."""
+    key = (type(storage).__name__, storage.describe(path))
+    with _marker_locks_lock:
+        lock = _marker_locks.setdefault(key, threading.Lock())
+    with lock:
+        yield
+
+
+@after_fork_in_child
+def _free_create_lock() -> None:
+    """In a forked child: a thread of the parent may have held the lock at the fork. It is
+    released in place, not replaced: ``storage.generic`` holds the same object."""
+    if _create_lock.locked():
+        _create_lock.release()
 
 
 def content_tag(data: bytes) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import io
 import logging
 import threading
 from typing import Any, Literal
@@ -39,8 +40,17 @@ import fsspec
 from fsspec.asyn import AsyncFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from ..errors import ConflictError
-from .base import AtomicWriter, Storage, _create_lock, errors_as, temp_name
+from ..errors import CheckpointNotFoundError, ConflictError, FormatError
+from ..workers import after_fork_in_child
+from .base import (
+    AtomicWriter,
+    ReadHandle,
+    Storage,
+    _create_lock,
+    content_tag,
+    errors_as,
+    temp_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +67,13 @@ _UNSUPPORTED = (NotImplementedError, TypeError, ValueError)
 
 _warned_lock = threading.Lock()
 _warned: set[type[Any]] = set()
+
+
+@after_fork_in_child
+def _renew_warned_lock() -> None:
+    """In a forked child: a thread of the parent may have held the lock at the fork."""
+    global _warned_lock
+    _warned_lock = threading.Lock()
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
@@ -196,6 +213,13 @@ class FsspecStorage(Storage):
             data: bytes = self.fs.cat_file(path, start=start, end=start + length)
             return data
 
+    def open_read(self, path: str) -> ReadHandle:
+        """The file opened once: on ``memory://`` a snapshot of its bytes (a file moved over
+        ``path`` meanwhile is a new object; the old one is not changed), elsewhere the
+        filesystem's file object, as pinned as the backend makes it (see docs/PROTOCOL.md).
+        """
+        return _FsspecHandle(self, path)
+
     def exists(self, path: str) -> bool:
         with errors_as(self, path, "stat"):
             return bool(self.fs.exists(path))
@@ -203,6 +227,24 @@ class FsspecStorage(Storage):
     def delete(self, path: str) -> None:
         with errors_as(self, path, "delete"), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
+
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        try:
+            with errors_as(self, path, "read"):
+                data: bytes = self.fs.cat_file(path, start=0, end=limit + 1)
+        except CheckpointNotFoundError:
+            return None
+        if len(data) > limit:
+            raise FormatError(f"{self.describe(path)}: larger than {limit} bytes")
+        return data
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        if replacing is not None:
+            self._check_marker_tag(path, replacing)
+        self._makedirs_for(path)
+        with errors_as(self, path, "write"):
+            self.fs.pipe_file(path, data)  # one request; no temp file, no move
+        return content_tag(data)
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         # The process-wide lock and the existence check make this exact between threads
@@ -263,6 +305,76 @@ class FsspecStorage(Storage):
                 self.fs.rm(path, recursive=True)
 
 
+#: Serializes seek-then-read on file objects that cannot read a range by themselves: the
+#: object may be shared (``memory://`` hands every opener the same one).
+_seek_lock = threading.Lock()
+
+
+class _FsspecHandle(ReadHandle):
+    """One fsspec file object for the handle's life.
+
+    Reads take the cheapest way the object offers: slices of a snapshot (an in-memory
+    file, ``memory://``), the object's own ranged fetch (fsspec's buffered files: gcsfs,
+    adlfs, HTTP; no shared position, so reads run in parallel), else seek and read under
+    a lock.
+    """
+
+    def __init__(self, storage: FsspecStorage, path: str) -> None:
+        self.storage, self.path = storage, path
+        self._snapshot: memoryview | None = None
+        with errors_as(storage, path, "open"):
+            self.file = storage.fs.open(path, "rb")
+        try:
+            with errors_as(storage, path, "read"):
+                size = self._measure()
+        except BaseException:
+            self.close()
+            raise
+        super().__init__(storage.describe(path), size)
+
+    def _measure(self) -> int:
+        if isinstance(self.file, io.BytesIO):
+            # memory://: its bytes, never copied. A file moved over the path is a new
+            # object, so this one keeps the version opened (getvalue() would share the
+            # buffer too, but make the next getbuffer(), used by its size, copy it).
+            self._snapshot = self.file.getbuffer()
+            return len(self._snapshot)
+        size = getattr(self.file, "size", None)
+        if type(size) is int:
+            return size
+        with _seek_lock:
+            return int(self.file.seek(0, io.SEEK_END))
+
+    def read_range(self, start: int, length: int) -> bytes:
+        if self._snapshot is not None:
+            return bytes(self._snapshot[start : start + max(0, length)])
+        length = max(0, min(length, self.size - start))
+        if not length:
+            return b""
+        with errors_as(self.storage, self.path, "read"):
+            if isinstance(self.file, AbstractBufferedFile):
+                data: bytes = self.file._fetch_range(start, start + length)
+                return data
+            with _seek_lock:
+                self.file.seek(start)
+                return bytes(self.file.read(length))
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        if self._snapshot is None:
+            return super().read_into(start, out)
+        part = self._snapshot[start : start + len(out)]
+        out[: len(part)] = part
+        return len(part)
+
+    def close(self) -> None:
+        if self._snapshot is not None:
+            with contextlib.suppress(BufferError):  # let the file object be resized again
+                self._snapshot.release()
+            self._snapshot = None
+        with contextlib.suppress(Exception):
+            self.file.close()
+
+
 def _discard(file: Any) -> None:
     """Throw away a file opened for writing without publishing it; never raises."""
     with contextlib.suppress(Exception):
@@ -295,7 +407,8 @@ class _DeferredWriter(AtomicWriter):
         try:
             with errors_as(self.storage, self.target, "commit"):
                 self.file.close()  # uploads what is buffered; publishes nothing yet
-                self.file.commit()
+                with self.publishing():
+                    self.file.commit()
             self.done = True
         except BaseException:
             self.abort()
@@ -326,7 +439,8 @@ class _MoveWriter(AtomicWriter):
         try:
             with errors_as(self.storage, self.target, "commit"):
                 self.file.close()
-                self.storage.fs.mv(self.temp, self.target)
+                with self.publishing():
+                    self.storage.fs.mv(self.temp, self.target)
         except BaseException:
             self.abort()
             raise

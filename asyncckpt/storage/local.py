@@ -11,16 +11,29 @@ import contextlib
 import ctypes
 import errno
 import functools
+import logging
 import os
 import shutil
 import sys
 import time
+import weakref
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
 from .. import config
-from ..errors import ConflictError, StorageError
-from .base import AtomicWriter, Storage, content_tag, errors_as, temp_name
+from ..errors import ConflictError, FormatError, StorageError
+from .base import (
+    AtomicWriter,
+    ReadHandle,
+    Storage,
+    _process_lock,
+    content_tag,
+    errors_as,
+    temp_name,
+)
+
+log = logging.getLogger(__name__)
 
 
 class LocalStorage(Storage):
@@ -36,26 +49,17 @@ class LocalStorage(Storage):
             return os.stat(path).st_size
 
     def read_range(self, path: str, start: int, length: int) -> bytes:
-        with errors_as(self, path, "read"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                return os.pread(fd, length, start)
-            finally:
-                os.close(fd)
+        with self.open_read(path) as handle:
+            return handle.read_range(start, length)
 
     def read_into(self, path: str, start: int, out: memoryview) -> int:
-        with errors_as(self, path, "read"):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                done = 0
-                while done < len(out):
-                    n = os.preadv(fd, [out[done:]], start + done)
-                    if n == 0:
-                        break
-                    done += n
-                return done
-            finally:
-                os.close(fd)
+        with self.open_read(path) as handle:
+            return handle.read_into(start, out)
+
+    def open_read(self, path: str) -> ReadHandle:
+        """One descriptor for the handle's life: a file renamed over ``path`` meanwhile (an
+        atomic save) leaves the version it opened readable, as ``torch.load`` reads it."""
+        return _LocalHandle(self, path)
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
@@ -90,11 +94,55 @@ class LocalStorage(Storage):
 
     def delete_tree(self, path: str) -> None:
         with errors_as(self, path, "delete"), contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(path)
+            if os.path.islink(path):
+                os.unlink(path)  # the link only: never what it points to
+            else:
+                shutil.rmtree(path)  # unlinks links below it, never follows them
             fsync_dir(os.path.dirname(path) or ".")
+
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(path)
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
+
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        with errors_as(self, path, "read"):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                return None
+            try:
+                data = os.pread(fd, limit + 1, 0)
+            finally:
+                os.close(fd)
+        if len(data) > limit:
+            raise FormatError(f"{path}: larger than {limit} bytes")
+        return data
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        if replacing is not None:
+            self._check_marker_tag(path, replacing)
+        # Written over the old bytes, then cut to length: never truncated to zero first,
+        # which ext4 (auto_da_alloc) answers with a flush on close (~1 ms, not 10 us). A
+        # reader in between sees new bytes followed by old ones: not JSON, so "rewriting".
+        with errors_as(self, path, "write"):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            except FileNotFoundError:  # the first file of a new directory
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                view, at = memoryview(data), 0
+                while at < len(view):
+                    at += os.pwrite(fd, view[at:], at)
+                os.ftruncate(fd, len(data))
+            finally:
+                os.close(fd)
+        return content_tag(data)
+
+    def marker_lock(self, path: str) -> AbstractContextManager[None]:
+        return _directory_locked(self, path)
 
     def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
         # The lock file excludes every process that uses this protocol on this machine (and
@@ -107,6 +155,51 @@ class LocalStorage(Storage):
         return content_tag(data)
 
 
+class _LocalHandle(ReadHandle):
+    """A file open for reading by descriptor, read with ``pread``/``preadv`` (thread-safe:
+    no shared file position)."""
+
+    def __init__(self, storage: LocalStorage, path: str) -> None:
+        self.storage, self.path = storage, path
+        with errors_as(storage, path, "open"):
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            with errors_as(storage, path, "stat"):
+                size = os.fstat(fd).st_size
+        except BaseException:
+            os.close(fd)
+            raise
+        super().__init__(storage.describe(path), size)
+        self.fd = fd
+        # A handle dropped without close() (a caller that kept only the manifest) still
+        # gives its descriptor back when it is collected.
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def read_range(self, start: int, length: int) -> bytes:
+        parts: list[bytes] = []
+        with errors_as(self.storage, self.path, "read"):
+            while length > 0:
+                part = os.pread(self.fd, length, start)
+                if not part:
+                    break
+                parts.append(part)
+                start, length = start + len(part), length - len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        done = 0
+        with errors_as(self.storage, self.path, "read"):
+            while done < len(out):
+                n = os.preadv(self.fd, [out[done:]], start + done)
+                if n == 0:
+                    break
+                done += n
+        return done
+
+    def close(self) -> None:
+        self._closer()
+
+
 @contextlib.contextmanager
 def _flocked(storage: Storage, lock_path: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_path``, waiting at most ``lock_timeout_ms``.
@@ -115,31 +208,91 @@ def _flocked(storage: Storage, lock_path: str) -> Iterator[None]:
     turns into a clear error instead of a hang; the lock is only held for a read and an
     atomic rename, so a healthy holder never comes near the limit.
     """
-    import fcntl
-
-    deadline = time.monotonic() + config.tunable("lock_timeout_ms", None) / 1000
     with errors_as(storage, lock_path, "lock"):
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        delay = 0.001
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                    raise StorageError(f"{lock_path}: flock failed: {exc}") from exc
-                if time.monotonic() >= deadline:
-                    raise StorageError(
-                        f"{lock_path}: still locked by another process after "
-                        f"{config.tunable('lock_timeout_ms', None)} ms (a writer frozen while "
-                        "committing?)"
-                    ) from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
+        _flock(fd, lock_path)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def _flock(fd: int, what: str) -> None:
+    """Take an exclusive ``flock`` on ``fd``, waiting at most ``lock_timeout_ms``.
+
+    Raises:
+        StorageError: still locked by another holder after the timeout, or flock failed.
+    """
+    import fcntl
+
+    deadline = time.monotonic() + config.tunable("lock_timeout_ms", None) / 1000
+    delay = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                raise StorageError(f"{what}: flock failed: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise StorageError(
+                    f"{what}: still locked by another process after "
+                    f"{config.tunable('lock_timeout_ms', None)} ms (a writer frozen while "
+                    "committing?)"
+                ) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
+#: flock errors that mean "not supported here" (NFS emulates flock with POSIX locks, which
+#: a directory opened read-only cannot take), not "held by someone else".
+_FLOCK_UNSUPPORTED = frozenset({errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL})
+_warned_no_dir_lock: set[str] = set()
+
+
+@contextlib.contextmanager
+def _directory_locked(storage: Storage, path: str) -> Iterator[None]:
+    """An ``flock`` on the directory of ``path`` (the directory is created if need be).
+
+    Where a directory cannot be flocked (some NFS mounts), a lock of this process instead,
+    with one warning per directory: exclusion between processes is then lost (see
+    docs/PROTOCOL.md, "Drop-in save and load across processes").
+    """
+    import fcntl
+
+    directory = os.path.dirname(path) or "."
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
+    with errors_as(storage, path, "lock"):
+        try:
+            fd = os.open(directory, flags)
+        except FileNotFoundError:  # the first save into a new directory
+            os.makedirs(directory, exist_ok=True)
+            fd = os.open(directory, flags)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in _FLOCK_UNSUPPORTED:
+                _warn_no_dir_lock(directory, exc)
+                with _process_lock(storage, path):
+                    yield
+                return
+            _flock(fd, directory)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _warn_no_dir_lock(directory: str, exc: OSError) -> None:
+    if directory in _warned_no_dir_lock:
+        return
+    _warned_no_dir_lock.add(directory)
+    log.warning(
+        "%s: cannot flock the directory (%s); save markers there are exclusive only "
+        "within this process (docs/PROTOCOL.md)",
+        directory,
+        exc.strerror or exc,
+    )
 
 
 class _LocalWriter(AtomicWriter):
@@ -181,7 +334,8 @@ class _LocalWriter(AtomicWriter):
             with errors_as(LocalStorage(), self.target, "commit"):
                 os.fsync(self.file.fileno())
                 self.file.close()
-                os.replace(self.temp, self.target)
+                with self.publishing():
+                    os.replace(self.temp, self.target)
                 fsync_dir(os.path.dirname(self.target) or ".")
         except BaseException:
             self.abort()

@@ -50,11 +50,12 @@ from ..errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
     ConflictError,
+    FileReplacedError,
     FormatError,
     StorageError,
 )
 from ..workers import pool
-from .base import AtomicWriter, Storage, temp_name
+from .base import AtomicWriter, ReadHandle, Storage, temp_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -245,6 +246,33 @@ def classify(exc: BaseException) -> _Failure:
     if isinstance(exc, OSError) and exc.errno in _RETRY_ERRNOS:
         return _Failure("retry", None, None, message)
     return _Failure("fatal", None, None, message)
+
+
+def _denied(exc: BaseException) -> bool:
+    """Whether a request failed with 403 Access Denied (as its chained cause says)."""
+    cause = exc.__cause__
+    if cause is None:
+        return False
+    return isinstance(cause, PermissionError) or classify(cause).status == 403
+
+
+_unreadable_lock = threading.Lock()
+_unreadable: set[str] = set()
+
+
+def _warn_markers_unreadable(label: str, bucket: str, exc: BaseException) -> None:
+    with _unreadable_lock:
+        if bucket in _unreadable:
+            return
+        _unreadable.add(bucket)
+    log.warning(
+        "%s%s: save markers cannot be read (%s); loads there do not wait for other "
+        "processes' saves in flight. Allow s3:ListBucket (S3 then answers 404 for a "
+        "missing marker) and s3:GetObject on *.ackpending (docs/PROTOCOL.md §8)",
+        label,
+        bucket,
+        exc,
+    )
 
 
 class RangeNotSatisfiable(StorageError):
@@ -566,6 +594,45 @@ class ObjectStorage(Storage):
                 return
             raise ConflictError(f"{self.describe(path)} already exists") from None
 
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        bucket, key = self.split(path)
+        try:
+            data: bytes = self.request(
+                "read",
+                path,
+                lambda: self.fs.cat_file(f"{bucket}/{key}", start=0, end=limit + 1),
+            )
+        except CheckpointNotFoundError:  # the common case: one GET, no HEAD of the bucket
+            return None
+        except RangeNotSatisfiable:  # an empty object
+            return b""
+        except StorageError as exc:
+            # Without s3:ListBucket, S3 answers a GET of a missing key with 403, not 404:
+            # a reader allowed to read the data must not fail on a marker it cannot see.
+            if not _denied(exc):
+                raise
+            _warn_markers_unreadable(self.label, bucket, exc)
+            return None
+        if len(data) > limit:
+            raise FormatError(f"{self.describe(path)}: larger than {limit} bytes")
+        return data
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        # One PUT (whole or nothing); with ``replacing``, conditional on the ETag (If-Match),
+        # so a heartbeat can never bring back a marker that was deleted or replaced.
+        condition: dict[str, Any] = {} if replacing is None else {"IfMatch": replacing}
+        try:
+            return str(self.put(path, data, None, **condition)["ETag"])
+        except (ConflictError, CheckpointNotFoundError):
+            if replacing is None:
+                raise
+            found = self.read_tagged(path, max(len(data), _MAX_TAGGED_BYTES))
+            if found is not None and found[0] == data:  # our own write, response lost
+                return found[1]
+            raise ConflictError(
+                f"{self.describe(path)} was replaced or removed by another writer"
+            ) from None
+
     def read_tagged(self, path: str, limit: int) -> tuple[bytes, str] | None:
         head = self._head(path)
         if head is None:
@@ -719,6 +786,14 @@ class ObjectStorage(Storage):
             raise self._not_found(path) from exc
         return data
 
+    def open_read(self, path: str) -> ReadHandle:
+        """The object as it is now: its size and ETag from one ``HeadObject``, and every
+        ranged read sent with ``If-Match`` on that ETag (and the ETag of each response
+        compared with it, for stores that ignore the header). A read of an object replaced
+        since raises :class:`~asyncckpt.errors.FileReplacedError`; the load starts over.
+        """
+        return _ObjectHandle(self, path)
+
     def read_bytes(self, path: str, limit: int) -> bytes:
         data = self.read_range(path, 0, limit + 1)  # one request, not a HEAD and a GET
         if len(data) > limit:
@@ -774,8 +849,8 @@ class ObjectStorage(Storage):
         with contextlib.suppress(CheckpointNotFoundError):
             self.call("delete", path, "delete_object", Key=None)
 
-    def abort_unfinished(self, path: str) -> None:
-        self.abort_uploads(path)
+    def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
+        self.abort_uploads(path, exact=exact)
 
     def delete_tree(self, path: str) -> None:
         bucket, key = self.split(path)
@@ -845,6 +920,87 @@ class ObjectStorage(Storage):
                     UploadId=upload_id,
                 )
         return len(found)
+
+
+class _ObjectHandle(ReadHandle):
+    """An object pinned to its ETag: ranged ``GetObject`` requests with ``If-Match``."""
+
+    def __init__(self, storage: ObjectStorage, path: str) -> None:
+        head = storage._head(path)
+        if head is None:
+            raise storage._not_found(path)
+        super().__init__(storage.describe(path), int(head["ContentLength"]))
+        self.storage, self.path = storage, path
+        self.etag = str(head.get("ETag") or "") or None
+
+    def read_range(self, start: int, length: int) -> bytes:
+        if length <= 0 or start >= self.size:
+            return b""
+        bucket, key = self.storage.split(self.path)
+        end = min(start + length, self.size)
+        try:
+            data, etag = self.storage.request(
+                "read",
+                self.path,
+                lambda: ranged_get(self.storage.fs, bucket, key, start, end, self.etag),
+            )
+        except ConflictError as exc:  # 412: If-Match failed, another object is there now
+            raise self._replaced("the store refused to read it (412 Precondition Failed)") from exc
+        except RangeNotSatisfiable as exc:  # 416: a shorter object is there now
+            raise self._replaced("a read past the end of the new object failed (416)") from exc
+        except CheckpointNotFoundError as exc:
+            raise self.storage._not_found(self.path) from exc
+        if self.etag is not None and etag is not None and etag != self.etag:
+            raise self._replaced(f"a read returned ETag {etag}")
+        return data
+
+    def _replaced(self, how: str) -> FileReplacedError:
+        return FileReplacedError(
+            self.name,
+            f"the object was replaced while it was being loaded (its ETag was {self.etag}; {how})",
+        )
+
+
+def ranged_get(
+    fs: Any, bucket: str, key: str, start: int, end: int, if_match: str | None
+) -> tuple[bytes, str | None]:
+    """Bytes ``[start, end)`` of object ``bucket/key``, only while its ETag is ``if_match``.
+
+    One ``GetObject`` with ``Range`` and ``If-Match`` (when ``if_match`` is given): a store
+    that honours it answers 412 for an object replaced since. A filesystem that defines
+    ``asyncckpt_ranged_get(bucket, key, start, end, if_match)`` (the fault wrapper, the
+    in-memory S3) serves it; s3fs is called directly (its ``cat_file`` takes no request
+    headers); anything else gets a plain ranged ``cat_file``, unpinned.
+
+    Returns:
+        The bytes, and the response's ETag (None where the filesystem does not say).
+    """
+    own = getattr(fs, "asyncckpt_ranged_get", None)
+    if own is not None:
+        result: tuple[bytes, str | None] = own(bucket, key, start, end, if_match)
+        return result
+    if callable(getattr(fs, "_call_s3", None)) and getattr(fs, "loop", None) is not None:
+        from fsspec.asyn import sync
+
+        result = sync(fs.loop, _s3fs_ranged_get, fs, bucket, key, start, end, if_match)
+        return result
+    data: bytes = fs.cat_file(f"{bucket}/{key}", start=start, end=end)
+    return data, None
+
+
+async def _s3fs_ranged_get(
+    fs: Any, bucket: str, key: str, start: int, end: int, if_match: str | None
+) -> tuple[bytes, str | None]:
+    condition = {"IfMatch": if_match} if if_match else {}
+    response = await fs._call_s3(
+        "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition
+    )
+    try:
+        data: bytes = await response["Body"].read()
+    finally:
+        response["Body"].close()
+    etag = response.get("ETag")
+    return data, None if etag is None else str(etag)
 
 
 class _ObjectWriter(AtomicWriter):
@@ -960,13 +1116,15 @@ class _ObjectWriter(AtomicWriter):
             raise StorageError(f"{self.storage.describe(self.path)}: already committed/aborted")
         try:
             if self.upload_id is None:
-                self.storage.put(self.path, self.buffer)
+                with self.publishing():
+                    self.storage.put(self.path, self.buffer)
             else:
                 if self.buffer:
                     self._send_part()
                 self._wait_parts()
                 self._raise_part_error()
-                self._complete()
+                with self.publishing():
+                    self._complete()
             self.finished = True
             self.buffer = bytearray()
         except BaseException:

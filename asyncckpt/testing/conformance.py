@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import CheckpointNotFoundError, ConflictError, FormatError
+from ..errors import CheckpointNotFoundError, ConflictError, FileReplacedError, FormatError
 from ..storage import Storage
 
 __all__ = ["StorageConformanceSuite"]
@@ -181,6 +181,38 @@ class StorageConformanceSuite:
         with ThreadPoolExecutor(8) as ex:
             parts = list(ex.map(lambda r: storage.read_range(path, *r), ranges))
         assert b"".join(parts) == data
+
+    # -- one version per read handle ----------------------------------------------------
+
+    def test_a_read_handle_reads_one_version(self, storage_root: tuple[Storage, str]) -> None:
+        """A file replaced under an open handle is read as it was, or not at all."""
+        storage, root = storage_root
+        path = storage.join(root, "pinned.bin")
+        old, new = _payload(20_000, 1), _payload(30_000, 2)
+        storage.write_bytes(path, old)
+        handle = storage.open_read(path)
+        try:
+            assert handle.size == len(old)
+            assert handle.read_range(0, 100) == old[:100]
+            storage.write_bytes(path, new)
+            try:
+                got: bytes | None = handle.read_range(10_000, 20_000)
+            except FileReplacedError:  # the backend cannot read the old version any more
+                got = None
+            assert got is None or got == old[10_000:]
+        finally:
+            handle.close()
+        handle.close()  # idempotent
+        with storage.open_read(path) as fresh:
+            out = bytearray(40_000)
+            assert fresh.read_into(29_000, memoryview(out)) == 1_000
+            assert bytes(out[:1_000]) == new[29_000:]
+            with ThreadPoolExecutor(8) as ex:
+                parts = list(ex.map(lambda i: fresh.read_range(i * 1000, 1000), range(30)))
+            assert b"".join(parts) == new
+            assert fresh.read_range(30_000, 10) == b""
+        with _raises(CheckpointNotFoundError):
+            storage.open_read(storage.join(root, "missing"))
 
     # -- exclusive create ---------------------------------------------------------------
 
