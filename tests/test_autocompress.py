@@ -445,6 +445,7 @@ def test_auto_writes_raw_to_a_local_disk_it_has_not_measured_yet(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Encoders about as fast as real ones, and not measured: only the storage's prior decides.
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")  # the encoders are patched here
     _slow_encoders(monkeypatch, 1e-9)
     state = {"w": _normal(2 * MIB)}
     asyncckpt.save(state, str(tmp_path / "a.ackpt"), compression="auto").result()
