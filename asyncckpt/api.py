@@ -304,9 +304,12 @@ def stage(
     ``on_layout`` lets a writer start before the copy ends (see ``staging.snapshot``).
     ``options``: those of the background write that follows; if they ask for a writer
     process, the arena is in shared memory and the process is started (if need be).
+    Without them (a write on this thread), the arena is in shared memory all the same
+    when writer processes are on: the saves that follow reuse it instead of replacing it.
     """
-    shared = options is not None and writer_process.wanted(options)
-    if shared:
+    if options is None:
+        shared = writer_process.shares_arenas()
+    elif shared := writer_process.wanted(options):
         writer_process.start()
     return snapshot(flatten(obj), _arena_pool(), overlap, on_layout, shared)
 
@@ -319,7 +322,7 @@ def save(
     _use_new_zipfile_serialization: Any = None,
     _disable_byteorder_record: Any = None,
     *,
-    compression: str = "zstd",
+    compression: str = "auto",
     storage_options: dict[str, Any] | None = None,
 ) -> SaveHandle:
     """Save ``obj`` to ``f`` in the background; return once ``obj`` is snapshotted.
@@ -345,9 +348,11 @@ def save(
         pickle_protocol: accepted and ignored, likewise.
         _use_new_zipfile_serialization: accepted and ignored (the format is asyncckpt's own).
         _disable_byteorder_record: accepted and ignored (the byte order is always recorded).
-        compression: ``"zstd"`` (default; byte-grouped for floats), ``"none"``, or
-            ``"auto"`` (compress a byte plane only when the write time it saves exceeds its
-            encode time, as measured; see the user guide).
+        compression: ``"auto"`` (default: compress a byte plane only where the write
+            time it saves exceeds its encode time on the cores the rest of the machine
+            leaves idle, as measured; see the user guide), ``"zstd"`` (byte-grouped for
+            floats, every plane that shrinks; the smallest file, the same bytes for the
+            same state) or ``"none"``.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
 
     Returns:

@@ -1,11 +1,17 @@
 """``compression="auto"``: what a process learns about its storage and its encoders.
 
 The save thread measures the seconds it spends in ``out.write`` and in the commit per stored
-byte, per storage target (a local device, a bucket, a URL's top directory), remembered for
-the process's later saves; encoder threads measure the seconds they spend regrouping and
-compressing per raw byte. :func:`asyncckpt.codec.choose_planes` turns those rates into a
-choice per byte plane. Until a target has been measured its bandwidth is taken to be
-``auto_prior_write_mb_s``, which is low: a process starts by compressing, and learns.
+byte (on the CPU or blocked in I/O; not its waits for a busy core, which are the CPU's
+doing, not the storage's), per storage target (a local device, a bucket, a URL's top
+directory), remembered for the process's later saves; encoder threads measure the CPU
+seconds they spend regrouping and compressing per raw byte; and each save measures how many
+cores the rest of the machine left idle (:func:`asyncckpt.cpu.spare_cores`).
+:func:`asyncckpt.codec.choose_planes` turns those into a choice per byte plane: compress
+where the store is the bottleneck and the CPU has room, write raw where training needs the
+cores. Until a target has been measured its bandwidth is assumed: ``auto_prior_local_mb_s``
+(fast) for a local disk, so a training job's first saves do not compress for nothing;
+``auto_prior_write_mb_s`` (low) for object stores, network filesystems and the rest, where
+bytes cost more than CPU: a process starts by compressing there, and learns.
 
 Example:
     >>> settings = AutoSettings.resolve()
@@ -38,6 +44,7 @@ class AutoSettings:
         margin: hysteresis, as a fraction (``auto_margin_pct`` / 100).
         always: plane ratio compressed whatever the rates (``auto_always_pct`` / 100).
         prior_write_s: seconds per byte assumed for an unmeasured storage target.
+        prior_local_write_s: the same for a local disk (not a network filesystem).
         prior_encode_s: seconds per byte assumed for an encoder thread to regroup, and to
             compress, before it is measured.
         window: bytes that measured rates average over (``auto_window_mib``).
@@ -47,6 +54,7 @@ class AutoSettings:
     margin: float
     always: float
     prior_write_s: float
+    prior_local_write_s: float
     prior_encode_s: float
     window: int
     explore_bytes: int
@@ -63,6 +71,7 @@ class AutoSettings:
             margin=config.tunable("auto_margin_pct", None) / 100,
             always=config.tunable("auto_always_pct", None) / 100,
             prior_write_s=1e-6 / config.tunable("auto_prior_write_mb_s", None),
+            prior_local_write_s=1e-6 / config.tunable("auto_prior_local_mb_s", None),
             prior_encode_s=1e-6 / config.tunable("auto_prior_encode_mb_s", None),
             window=config.tunable("auto_window_mib", None) << 20,
             explore_bytes=config.tunable("auto_explore_mib", None) << 20,
@@ -96,8 +105,9 @@ class Rate:
 class _Target:
     """What ``"auto"`` learned about one storage target: its speed and its last choices."""
 
-    def __init__(self, settings: AutoSettings) -> None:
-        self.write = Rate(settings.window, settings.prior_write_s)  # in out.write
+    def __init__(self, settings: AutoSettings, local: bool = False) -> None:
+        prior = settings.prior_local_write_s if local else settings.prior_write_s
+        self.write = Rate(settings.window, prior)  # in out.write
         self.commit = Rate(settings.window)  # in the commit (fsync, upload completion)
         self.choices: dict[tuple[int, int], bool] = {}  # (width, plane) -> compressed
         self.held_back = 0  # bytes the rates kept raw since the last exploration
@@ -156,7 +166,68 @@ def target_key(storage: Storage, path: str) -> tuple[str, ...]:
     return (type(storage).__name__,)
 
 
-def for_write(storage: Storage, path: str, settings: AutoSettings, threads: int) -> AutoRun:
+def is_local_disk(storage: Storage, path: str) -> bool:
+    """Whether ``path`` is a local file on a local disk, not on a network filesystem.
+
+    Example:
+        >>> from asyncckpt.storage import resolve
+        >>> is_local_disk(*resolve("memory://x/y.ackpt", None))
+        False
+    """
+    if not isinstance(storage, LocalStorage):
+        return False
+    kind = _filesystem_type(path)
+    return kind not in _NETWORK_FILESYSTEMS and not kind.startswith("fuse")
+
+
+#: Filesystems whose bytes travel over a network: compressing them pays like on S3.
+_NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ceph",
+        "glusterfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "9p",
+        "afs",
+        "ocfs2",
+        "gfs2",
+        "panfs",
+        "wekafs",
+    }
+)
+
+
+def _filesystem_type(path: str) -> str:
+    """The type of the filesystem mounted at the longest mount point above ``path`` (Linux;
+    ``""`` where ``/proc/self/mounts`` cannot say)."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return ""
+    full = os.path.realpath(os.path.abspath(path))
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = full == point or full.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind
+
+
+def for_write(
+    storage: Storage,
+    path: str,
+    settings: AutoSettings,
+    threads: int,
+    spare_cores: float | None = None,
+) -> AutoRun:
     """The chooser and meter for one write with ``compression="auto"`` to ``path``.
 
     Args:
@@ -164,6 +235,8 @@ def for_write(storage: Storage, path: str, settings: AutoSettings, threads: int)
         path: the file about to be written.
         settings: the resolved tunables.
         threads: encoder threads of this write.
+        spare_cores: CPU cores the rest of the machine left idle when the save started
+            (:func:`asyncckpt.cpu.spare_cores`; None: unknown).
 
     Returns:
         An :class:`AutoRun` sharing what the process learned about the target so far.
@@ -171,14 +244,18 @@ def for_write(storage: Storage, path: str, settings: AutoSettings, threads: int)
     global _encoders
     key = target_key(storage, path)
     with _auto_lock:
-        target = _targets.pop(key, None) or _Target(settings)
+        target = _targets.pop(key, None)
+    if target is None:
+        target = _Target(settings, is_local_disk(storage, path))  # reads the mount table
+    with _auto_lock:
+        target = _targets.pop(key, None) or target
         _targets[key] = target  # most recently used last
         while len(_targets) > _MAX_TARGETS:
             del _targets[next(iter(_targets))]
         encoders = _encoders = _encoders or _Encoders(settings)
         for rate in (target.write, target.commit, encoders.compress, encoders.group):
             rate.window = settings.window
-    return AutoRun(target, encoders, settings, threads)
+    return AutoRun(target, encoders, settings, threads, spare_cores)
 
 
 class AutoRun:
@@ -189,18 +266,26 @@ class AutoRun:
     """
 
     def __init__(
-        self, target: _Target, encoders: _Encoders, settings: AutoSettings, threads: int
+        self,
+        target: _Target,
+        encoders: _Encoders,
+        settings: AutoSettings,
+        threads: int,
+        spare_cores: float | None = None,
     ) -> None:
         self.target = target
         self.encoders = encoders
         self.settings = settings
         self.threads = threads
+        self.spare_cores = spare_cores
 
     def rates(self) -> Rates:
         """The current estimates (the caller holds ``_auto_lock``)."""
         write = self.target.write.value + self.target.commit.value
         encoders = self.encoders
-        return Rates(write, encoders.compress.value, encoders.group.value, self.threads)
+        return Rates(
+            write, encoders.compress.value, encoders.group.value, self.threads, self.spare_cores
+        )
 
     def choose(
         self, width: int, ratios: tuple[float | None, ...], nbytes: int = 0

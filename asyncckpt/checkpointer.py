@@ -77,7 +77,7 @@ class Checkpointer:
         root: local directory or fsspec URL holding one directory per step.
         keep_last: keep only the newest N committed versions (None keeps all). Older ones
             are deleted only after a newer one is committed; the version file's is never.
-        compression: ``"zstd"`` (default), ``"none"`` or ``"auto"``, as for
+        compression: ``"auto"`` (default), ``"zstd"`` or ``"none"``, as for
             :func:`asyncckpt.save`.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
         process_group: the group whose ranks share this root (default: the default group,
@@ -108,7 +108,7 @@ class Checkpointer:
         root: str | os.PathLike[str],
         *,
         keep_last: int | None = None,
-        compression: str = "zstd",
+        compression: str = "auto",
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
         writer_rank: int = 0,

@@ -20,7 +20,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from time import perf_counter
+from time import thread_time
 
 import numpy as np
 import zstandard
@@ -103,13 +103,14 @@ def check_compression(compression: str) -> str:
 class EncodeReport:
     """What encoding one chunk cost and found; :func:`encode_chunk` fills it in.
 
-    Times are wall-clock seconds on the encoding thread, so they include waiting for a core
-    that other work holds: what the encoders can really do on a shared machine.
+    Times are CPU seconds of the encoding thread: what the encoding costs the machine,
+    whatever else runs beside it. Whether that CPU is idle or taken from training is
+    measured apart (:func:`asyncckpt.cpu.spare_cores`, :attr:`Rates.spare_cores`).
 
     Attributes:
-        group_s: seconds spent regrouping the chunk's bytes into planes.
+        group_s: CPU seconds spent regrouping the chunk's bytes into planes.
         grouped_bytes: bytes regrouped (0: the chunk was not regrouped).
-        compress_s: seconds spent compressing whole planes (probes not included).
+        compress_s: CPU seconds spent compressing whole planes (probes not included).
         compressed_bytes: raw bytes of the planes compressed whole.
         ratios: per plane, stored/raw: exact for a plane compressed whole, else the probe's
             estimate, else None.
@@ -134,35 +135,53 @@ class Rates:
     """The speeds that :func:`choose_planes` weighs, in seconds per byte.
 
     Attributes:
-        write_s: storage: seconds to write and commit one stored byte.
-        compress_s: one encoder thread: seconds to compress one byte of a plane.
-        group_s: one encoder thread: seconds to regroup one byte of a chunk into planes.
+        write_s: storage: seconds to write and commit one stored byte (the writing thread's
+            time on the CPU and blocked in I/O, not its waits for a busy core).
+        compress_s: one encoder thread: CPU seconds to compress one byte of a plane.
+        group_s: one encoder thread: CPU seconds to regroup one byte of a chunk into planes.
         threads: encoder threads working in parallel.
+        spare_cores: CPU cores the rest of the machine leaves idle (None: unknown, taken to
+            be enough for every encoder thread). Encoding beyond them takes the CPU from
+            training, so it is counted at its whole CPU time.
 
     Example:
         >>> link = Rates(write_s=5e-9, compress_s=1e-9, group_s=0.25e-9, threads=2)  # 200 MB/s
         >>> link.break_even(4)  # an fp32 plane must shrink by 20 % to pay
         0.2
+        >>> Rates(5e-9, 1e-9, 0.25e-9, threads=2, spare_cores=0.0).break_even(4)  # busy CPU
+        0.4
     """
 
     write_s: float
     compress_s: float
     group_s: float
     threads: int
+    spare_cores: float | None = None
+
+    @property
+    def parallel(self) -> float:
+        """Encoder threads that run on cores nothing else wants: ``threads`` when the spare
+        cores are unknown, else the spare cores, between 1 and ``threads``. Below one spare
+        core the encoding is paid in full, one CPU-second per second, by whatever it
+        displaces."""
+        threads = float(max(1, self.threads))
+        if self.spare_cores is None:
+            return threads
+        return max(1.0, min(threads, self.spare_cores))
 
     def break_even(self, width: int) -> float:
         """The fraction of a plane that compressing it must save to pay for itself.
 
         Compressing a plane of ``n`` bytes that keeps ``r`` of them saves ``(1 - r) * n``
-        bytes of writing and costs ``n * (compress_s + width * group_s) / threads`` seconds
-        of encoding (the whole chunk is regrouped for it, unless ``width`` is 1).
+        bytes of writing and costs ``n * (compress_s + width * group_s) / parallel``
+        seconds of encoding (the whole chunk is regrouped for it, unless ``width`` is 1).
 
         Example:
             >>> Rates(write_s=4e-9, compress_s=1e-9, group_s=0.25e-9, threads=2).break_even(4)
             0.25
         """
         group = width * self.group_s if width > 1 else 0.0
-        cost = (self.compress_s + group) / max(1, self.threads)
+        cost = (self.compress_s + group) / self.parallel
         return cost / self.write_s if self.write_s > 0 else float("inf")
 
 
@@ -177,7 +196,8 @@ def choose_planes(
     """Which planes of one chunk ``compression="auto"`` compresses (a pure function).
 
     A plane is compressed when the write time of the bytes it saves exceeds the encode time
-    it costs on the encoder threads, i.e. when it saves more than
+    it costs on the cores the encoders may use (:attr:`Rates.parallel`), i.e. when it saves
+    more than
     ``rates.break_even(len(ratios))`` of its bytes. To stay put on noisy rates, a plane's
     choice flips only when the other side wins by ``margin``. A plane kept whole by the
     probe (over :data:`INCOMPRESSIBLE`) is never compressed; one that shrinks to ``always``
@@ -290,10 +310,10 @@ def _encode_planes(
     if not any(wanted):
         return None
     head, plane = 4 * itemsize, len(raw) // itemsize
-    started = perf_counter()
+    started = thread_time()
     payload = memoryview(np.empty(head + len(raw), dtype=np.uint8))  # type: ignore[arg-type]
     group_bytes_into(raw, itemsize, payload[head:])
-    report.group_s, report.grouped_bytes = perf_counter() - started, len(raw)
+    report.group_s, report.grouped_bytes = thread_time() - started, len(raw)
     planes = [payload[head + j * plane : head + (j + 1) * plane] for j in range(itemsize)]
     chosen = [j for j in range(itemsize) if wanted[j]]
     frames = dict(zip(chosen, _compress_planes([planes[j] for j in chosen], level, report)))
@@ -320,9 +340,9 @@ def _encode_whole(
     report.ratios = (ratio,)
     if not choose(1, (ratio,))[0]:
         return None
-    started = perf_counter()
+    started = thread_time()
     packed = _compressor(level).compress(raw)
-    report.compress_s += perf_counter() - started
+    report.compress_s += thread_time() - started
     report.compressed_bytes += len(raw)
     report.ratios = (len(packed) / len(raw),)
     return packed
@@ -331,9 +351,9 @@ def _encode_whole(
 def _compress_planes(
     planes: list[memoryview], level: int, report: EncodeReport
 ) -> list[bytes | memoryview]:
-    started = perf_counter()
+    started = thread_time()
     packed = compress_frames(_compressor(level, True), planes)
-    report.compress_s += perf_counter() - started
+    report.compress_s += thread_time() - started
     report.compressed_bytes += sum(len(p) for p in planes)
     return packed
 

@@ -40,8 +40,15 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
     ),
     "auto_prior_write_mb_s": (
         100,
-        'compression="auto": write bandwidth (MB/s) assumed for a storage target not '
-        "measured yet in this process; low, so that a process starts by compressing",
+        'compression="auto": write bandwidth (MB/s) assumed for an object store, network '
+        "filesystem or other storage target not measured yet in this process; low, so "
+        "that a process starts by compressing there",
+    ),
+    "auto_prior_local_mb_s": (
+        1000,
+        'compression="auto": write bandwidth (MB/s) assumed for a local disk not measured '
+        "yet in this process; high, so that a job's first saves to a fast disk do not "
+        "compress for nothing",
     ),
     "auto_prior_encode_mb_s": (
         1000,
@@ -54,7 +61,7 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         "writes and encodes (a prior counts as one window)",
     ),
     "auto_explore_mib": (
-        256,
+        4096,
         'compression="auto": while the rates say raw, one chunk per this many MiB held '
         "back is compressed anyway, so that what compression costs stays measured",
     ),
@@ -72,10 +79,11 @@ DEFAULTS: Final[dict[str, tuple[int, str]]] = {
         "the cores they share with a write, which fills the gaps",
     ),
     "writer_processes": (
-        0,
-        "0: background writes run on threads of this process; 1: in a child process that "
-        "maps the snapshot's shared-memory arena (Linux), so the write never takes this "
-        "process's GIL (see the user guide, 'Writing in a separate process')",
+        1,
+        "1: background writes run in a child process that maps the snapshot's "
+        "shared-memory arena (Linux; elsewhere, and for storages that live in this "
+        "process's memory, on threads), so the write never takes this process's GIL; 0: on "
+        "threads of this process (see the user guide, 'Writing in a separate process')",
     ),
     "writeback_mib": (
         32,

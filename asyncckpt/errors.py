@@ -12,6 +12,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
+class AsyncCkptWarning(UserWarning):
+    """Every warning asyncckpt issues, so that users can filter them as one class.
+
+    Example:
+        >>> import warnings
+        >>> warnings.simplefilter("ignore", AsyncCkptWarning)
+    """
+
+
 class AsyncCkptError(Exception):
     """Base class of every error raised by asyncckpt."""
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final, TypeVar
 
-from . import config
+from . import config, cpu
 
 T = TypeVar("T")
 
@@ -110,6 +110,7 @@ class DaemonPool:
         self.threads = threads
         self.nice = nice
         self._unfinished = 0  # tasks queued or running, references not yet dropped
+        self.cpu_s = 0.0  # CPU seconds its threads have spent in tasks
         self._idle = threading.Condition()
         for i in range(threads):
             threading.Thread(target=self._run, name=f"asyncckpt-{name}-{i}", daemon=True).start()
@@ -138,6 +139,7 @@ class DaemonPool:
             _restore_priority()
         while True:
             future, fn, args = self._tasks.get()
+            started = time.thread_time()
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
@@ -150,6 +152,7 @@ class DaemonPool:
             # thread that takes the GIL during finalization is unwound, which aborts).
             del future, fn, args
             with self._idle:
+                self.cpu_s += time.thread_time() - started
                 self._unfinished -= 1
                 self._idle.notify_all()
 
@@ -184,6 +187,21 @@ def pool(name: str, threads: int) -> DaemonPool:
             nice = config.tunable("writer_nice", None) if name in WRITER_POOLS else 0
             _pools[key] = DaemonPool(threads, name, nice)
         return _pools[key]
+
+
+def writer_cpu_seconds() -> float:
+    """CPU seconds the background writer's threads (:data:`WRITER_POOLS`) have spent so far.
+
+    Example:
+        >>> writer_cpu_seconds() >= 0.0
+        True
+    """
+    with _lock:
+        pools = [p for (name, _), p in _pools.items() if name in WRITER_POOLS]
+    return sum(p.cpu_s for p in pools)
+
+
+cpu.add_writer_source(writer_cpu_seconds)
 
 
 def wait_idle(timeout: float) -> bool:

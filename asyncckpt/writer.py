@@ -10,6 +10,9 @@ arena, and if the copy fails the file is aborted (the target is left untouched).
 
 With ``compression="auto"`` the writer also times its writes and its encoders, and
 :mod:`asyncckpt.autocompress` chooses per byte plane from what was measured.
+
+Nothing here imports torch: the writer process runs this module without it (see
+:mod:`asyncckpt.writer_process`), reading staged bytes through :class:`StagedBytes`.
 """
 
 from __future__ import annotations
@@ -19,28 +22,27 @@ import datetime
 import functools
 import logging
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-import torch
-
-from . import autocompress, config
+from . import autocompress, config, cpu
 from ._version import __version__
 from .autocompress import AutoRun, AutoSettings
 from .codec import EncodeReport, checksum, encode_chunk
 from .errors import AsyncCkptError
 from .format import (
     MAX_CHUNK_BYTES,
+    ArrayEntry,
     Chunk,
     Manifest,
     StorageEntry,
+    TensorEntry,
     encode_footer,
     encode_header,
     encode_manifest,
 )
-from .staging import Snapshot, StagedStorage, byte_view
 from .storage import AtomicWriter, Storage
 from .storage.base import PublishGuard
 from .workers import pool
@@ -56,6 +58,63 @@ _Slice = tuple[memoryview, int, bool]
 #: Consecutive small chunks are encoded and written together up to this many bytes; the
 #: write joins their payloads while holding the GIL, so a batch stays well under a chunk.
 _BATCH_BYTES = 4 << 20
+
+
+class StagedBytes(Protocol):
+    """One staged storage as the writer reads it (``staging.StagedStorage``, or the writer
+    process's view of a shared arena)."""
+
+    @property
+    def itemsize(self) -> int:
+        """Byte-group width for the codec."""
+
+    @property
+    def is_float(self) -> bool:
+        """Whether the bytes are floating-point elements."""
+
+    @property
+    def device(self) -> str:
+        """Where the bytes came from."""
+
+    @property
+    def nbytes(self) -> int:
+        """The storage's length in bytes."""
+
+    def view(self) -> memoryview:
+        """The staged bytes."""
+
+
+class StagedState(Protocol):
+    """A staged state as the writer reads it (``staging.Snapshot``, or the writer
+    process's)."""
+
+    @property
+    def root(self) -> Any:
+        """The object tree (JSON nodes)."""
+
+    @property
+    def tensors(self) -> Sequence[TensorEntry]:
+        """The tensor table."""
+
+    @property
+    def arrays(self) -> Sequence[ArrayEntry]:
+        """The array table."""
+
+    @property
+    def storages(self) -> Sequence[StagedBytes]:
+        """The staged storages, in file order."""
+
+    def wait_staged(self, index: int, end: int) -> None:
+        """Block until bytes ``[0, end)`` of ``storages[index]`` are in host memory."""
+
+    def copied(self) -> bool:
+        """Whether every byte of the state is in host memory."""
+
+
+def _torch_version() -> str:
+    """The version of the torch that this process saves from (recorded in the manifest)."""
+    torch = sys.modules.get("torch")
+    return str(getattr(torch, "__version__", "")) if torch is not None else ""
 
 
 @dataclass(frozen=True)
@@ -74,6 +133,11 @@ class WriteOptions:
     writeback_bytes: int = field(
         default_factory=lambda: config.tunable("writeback_mib", None) << 20
     )
+    #: CPU cores the rest of the machine left idle when the save started (None: unknown),
+    #: for ``compression="auto"``.
+    spare_cores: float | None = field(default_factory=lambda: cpu.spare_cores())
+    #: The saving process's torch, for the manifest (a writer process has none of its own).
+    torch_version: str = field(default_factory=_torch_version)
 
 
 @dataclass(frozen=True)
@@ -85,7 +149,7 @@ class _Encoded:
 
 
 def write_snapshot(
-    snap: Snapshot,
+    snap: StagedState,
     storage: Storage,
     path: str,
     options: WriteOptions,
@@ -115,9 +179,9 @@ def write_snapshot(
         out.writeback_bytes = options.writeback_bytes
         out.publish_guard = guard
         size = _write_body(out, snap, options, auto, progress)
-        committing = time.perf_counter()
+        committing = cpu.ThreadClock.now()
     if auto is not None:
-        auto.committed(time.perf_counter() - committing, size)
+        auto.committed((cpu.ThreadClock.now() - committing).busy, size)
     abort_strays(storage, path)
     return size
 
@@ -140,12 +204,12 @@ def abort_strays(storage: Storage, path: str) -> None:
 def _auto_run(storage: Storage, path: str, options: WriteOptions) -> AutoRun | None:
     if options.compression != "auto":
         return None
-    return autocompress.for_write(storage, path, options.auto, options.threads)
+    return autocompress.for_write(storage, path, options.auto, options.threads, options.spare_cores)
 
 
 def _write_body(
     out: AtomicWriter,
-    snap: Snapshot,
+    snap: StagedState,
     options: WriteOptions,
     auto: AutoRun | None,
     progress: Callable[[int], None] | None,
@@ -158,7 +222,7 @@ def _write_body(
     offset = write_chunks(
         out, offset, snap.storages, options, chunks, progress, snap.wait_staged, auto, snap.copied
     )
-    return offset + _write_manifest(out, offset, snap, chunks)
+    return offset + _write_manifest(out, offset, snap, chunks, options.torch_version)
 
 
 def _no_wait(index: int, end: int) -> None:
@@ -173,7 +237,7 @@ def _all_copied() -> bool:
 def write_chunks(
     out: AtomicWriter,
     offset: int,
-    storages: list[StagedStorage],
+    storages: Sequence[StagedBytes],
     options: WriteOptions,
     chunks: list[Chunk],
     progress: Callable[[int], None] | None = None,
@@ -187,11 +251,12 @@ def write_chunks(
     ``ready`` and ``copied`` follow a copy still going on (see :func:`_encode_all`).
     """
     for batch in _encode_all(storages, options, ready, auto, copied):
-        started = time.perf_counter()
+        started = cpu.ThreadClock.now() if auto is not None else None
         payload = batch[0].payload if len(batch) == 1 else b"".join(e.payload for e in batch)
         out.write(payload)
-        if auto is not None:
-            auto.wrote(time.perf_counter() - started, len(payload))
+        if auto is not None and started is not None:
+            # Not the time spent waiting for a busy core: that is the CPU's, not the store's.
+            auto.wrote((cpu.ThreadClock.now() - started).busy, len(payload))
         for enc in batch:
             chunks.append(Chunk(offset, len(enc.payload), enc.raw_len, enc.codec, enc.crc32))
             offset += len(enc.payload)
@@ -200,12 +265,12 @@ def write_chunks(
     return offset
 
 
-def _write_manifest(out: AtomicWriter, offset: int, snap: Snapshot, chunks: list[Chunk]) -> int:
+def _write_manifest(
+    out: AtomicWriter, offset: int, snap: StagedState, chunks: list[Chunk], torch_version: str
+) -> int:
     entries, first = [], 0
     for staged, count in zip(snap.storages, _chunk_counts(snap.storages, chunks)):
-        entries.append(
-            StorageEntry(staged.data.numel(), staged.itemsize, staged.device, first, count)
-        )
+        entries.append(StorageEntry(staged.nbytes, staged.itemsize, staged.device, first, count))
         first += count
     manifest = Manifest(
         chunks=tuple(chunks),
@@ -216,7 +281,7 @@ def _write_manifest(out: AtomicWriter, offset: int, snap: Snapshot, chunks: list
         byteorder=sys.byteorder,
         meta={
             "library": f"asyncckpt {__version__}",
-            "torch": torch.__version__,
+            "torch": torch_version,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         },
     )
@@ -227,10 +292,10 @@ def _write_manifest(out: AtomicWriter, offset: int, snap: Snapshot, chunks: list
     return len(body) + len(footer)
 
 
-def _chunk_counts(storages: list[StagedStorage], chunks: list[Chunk]) -> Iterator[int]:
+def _chunk_counts(storages: Sequence[StagedBytes], chunks: list[Chunk]) -> Iterator[int]:
     it = iter(chunks)
     for staged in storages:
-        remaining, count = staged.data.numel(), 0
+        remaining, count = staged.nbytes, 0
         while remaining:
             remaining -= next(it).raw_len
             count += 1
@@ -238,7 +303,7 @@ def _chunk_counts(storages: list[StagedStorage], chunks: list[Chunk]) -> Iterato
 
 
 def _slices(
-    storages: list[StagedStorage],
+    storages: Sequence[StagedBytes],
     chunk_bytes: int,
     ready: Callable[[int, int], None] = _no_wait,
 ) -> Iterator[_Slice]:
@@ -246,7 +311,7 @@ def _slices(
     chunk_bytes = min(chunk_bytes, MAX_CHUNK_BYTES)  # readers refuse longer chunks
     step = max(_CHUNK_ALIGN, chunk_bytes - chunk_bytes % _CHUNK_ALIGN)
     for index, staged in enumerate(storages):
-        view = byte_view(staged.data)
+        view = staged.view()
         if not len(view):
             ready(index, 0)  # device copies of an empty storage still have to be waited on
         for start in range(0, len(view), step):
@@ -256,7 +321,7 @@ def _slices(
 
 
 def _encode_all(
-    storages: list[StagedStorage],
+    storages: Sequence[StagedBytes],
     options: WriteOptions,
     ready: Callable[[int, int], None] = _no_wait,
     auto: AutoRun | None = None,

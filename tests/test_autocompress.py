@@ -1,10 +1,10 @@
 """``compression="auto"``: the decision rule as a pure function, and the writer around it.
 
 The rule (``asyncckpt.codec.choose_planes``) is tested with injected rates. The writer tests
-inject the encoders' speeds too (their measurement is switched off) and let only the storage
-be measured: a link throttled by ``FaultPlan`` can only be slower than its limit, and an
-in-memory filesystem is far faster than the rates injected, so no test depends on how fast
-this machine happens to be.
+inject the encoders' speeds and the spare cores too (their measurement is switched off) and
+let only the storage be measured: a link throttled by ``FaultPlan`` can only be slower than
+its limit, and an in-memory filesystem is far faster than the rates injected, so no test
+depends on how fast or how busy this machine happens to be.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
-from asyncckpt import autocompress
+from asyncckpt import autocompress, cpu
 from asyncckpt.api import write_options
 from asyncckpt.checkpointer import Checkpointer
 from asyncckpt.cli.verify import verify_file
@@ -45,8 +45,11 @@ CHUNK = 2 * MIB
 
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Each test starts from a process that has learned nothing, with small chunks."""
+    """Each test starts from a process that has learned nothing, with small chunks, and
+    does not depend on how busy this machine is (the spare cores are unknown unless a test
+    says otherwise)."""
     monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(CHUNK))
+    monkeypatch.setattr(cpu, "spare_cores", lambda: None)
     autocompress.reset()
     yield
     autocompress.reset()
@@ -408,3 +411,70 @@ def test_targets_are_devices_buckets_and_top_directories(tmp_path: Any) -> None:
     assert key("memory://one/a/b.ackpt") == key("memory://one/c.ackpt")
     assert key("memory://one/a.ackpt") != key("memory://two/a.ackpt")
     assert key("memory://one/a.ackpt") != key(str(tmp_path / "one" / "a.ackpt"))
+
+
+# -- the CPU budget: busy cores make compression pay only on slow storage ---------------------
+
+
+def test_a_busy_cpu_counts_the_encoding_at_its_whole_cpu_time() -> None:
+    idle = Rates(write_s=2e-9, compress_s=1e-9, group_s=0.25e-9, threads=2, spare_cores=2.0)
+    busy = Rates(write_s=2e-9, compress_s=1e-9, group_s=0.25e-9, threads=2, spare_cores=0.0)
+    assert idle.break_even(4) == pytest.approx(0.5)  # (1 + 4 * 0.25) / 2 / 2
+    assert busy.break_even(4) == pytest.approx(1.0)  # the same, on one core's worth
+    assert _choose(FP32_NORMAL, idle) == (False, False, False, True)
+    assert _choose(FP32_NORMAL, busy) == (False,) * 4
+
+
+def test_encoders_use_the_spare_cores_up_to_their_threads() -> None:
+    def parallel(spare: float | None, threads: int = 4) -> float:
+        return Rates(1e-9, 1e-9, 1e-9, threads, spare_cores=spare).parallel
+
+    assert parallel(None) == 4.0  # unknown: every thread has a core
+    assert parallel(2.5) == 2.5
+    assert parallel(9.0) == 4.0
+    assert parallel(0.3) == 1.0  # below one core: paid in full, never more
+
+
+def test_a_slow_link_is_compressed_even_on_a_busy_cpu() -> None:
+    link = Rates(write_s=10e-9, compress_s=1e-9, group_s=0.25e-9, threads=2, spare_cores=0.0)
+    assert _choose(FP32_NORMAL, link) == (False, False, False, True)
+
+
+@pytest.mark.timeout(120)
+def test_auto_writes_raw_to_a_local_disk_it_has_not_measured_yet(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Encoders about as fast as real ones, and not measured: only the storage's prior decides.
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")  # the encoders are patched here
+    _slow_encoders(monkeypatch, 1e-9)
+    state = {"w": _normal(2 * MIB)}
+    asyncckpt.save(state, str(tmp_path / "a.ackpt"), compression="auto").result()
+    assert _codecs(str(tmp_path / "a.ackpt")) == ["raw"] * 4
+    # An object store or network filesystem is assumed slow until measured: compressed.
+    asyncckpt.save(state, "memory://first/a.ackpt", compression="auto").result()
+    assert _codecs("memory://first/a.ackpt") == ["zstd-bytegroup"] * 4
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("spare", "codec"), [(2.0, "zstd-bytegroup"), (0.0, "raw")])
+def test_auto_compresses_only_while_the_cpu_has_room(
+    memory_root: str, monkeypatch: pytest.MonkeyPatch, spare: float, codec: str
+) -> None:
+    _slow_encoders(monkeypatch, 1e-9)
+    monkeypatch.setenv("ASYNCCKPT_AUTO_PRIOR_WRITE_MB_S", "200")  # 5 ns per byte
+    monkeypatch.setenv("ASYNCCKPT_AUTO_WINDOW_MIB", "4096")  # the prior outweighs 8 MiB
+    monkeypatch.setattr(cpu, "spare_cores", lambda: spare)
+    asyncckpt.save({"w": _normal(2 * MIB)}, f"{memory_root}/a.ackpt", compression="auto").result()
+    assert _codecs(f"{memory_root}/a.ackpt") == [codec] * 4
+
+
+def test_local_disks_and_network_filesystems_are_told_apart(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage, path = resolve(str(tmp_path / "x.ackpt"), None)
+    assert autocompress.is_local_disk(storage, path)
+    monkeypatch.setattr(autocompress, "_filesystem_type", lambda path: "nfs4")
+    assert not autocompress.is_local_disk(storage, path)
+    monkeypatch.setattr(autocompress, "_filesystem_type", lambda path: "fuse.s3fs")
+    assert not autocompress.is_local_disk(storage, path)
+    assert not autocompress.is_local_disk(*resolve("memory://x/y.ackpt", None))

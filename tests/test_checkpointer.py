@@ -1016,6 +1016,9 @@ def _pieces(step: int) -> dict[str, torch.Tensor]:
 
 
 def _small_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The write follows the copy piece by piece on threads (a writer process, the default,
+    # is handed the snapshot once the copy has ended).
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")
     monkeypatch.setattr(staging, "_COPY_STEP", 64 << 10)
     monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(64 << 10))
     # No heartbeat rewrites the lease record while a test compares listings.

@@ -104,7 +104,7 @@ def made_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Committed steps 10, 20, 30 (the version file names 30); step 15 is a leftover of an
     interrupted save and step 40 a save in progress (data, no ``COMMIT``)."""
     root = tmp_path_factory.mktemp("cli") / "run"
-    with asyncckpt.Checkpointer(root) as ckpt:
+    with asyncckpt.Checkpointer(root, compression="zstd") as ckpt:  # codecs shown below
         for step in STEPS:
             ckpt.save(step, state_at(step))
     data = next((root / "10").glob("*.ackpt"))

@@ -81,9 +81,13 @@ def _hold_local_publish(hold: str, gate: str | None, delay: float) -> None:
     """Slow down or hold every local data-file commit of this process, before it publishes.
 
     ``delay``: sleep that long; ``gate``: wait for ``<gate>/release``; ``block``: wait for
-    ever (the process is to be killed there).
+    ever (the process is to be killed there). The hook patches this process's writer, so the
+    writes stay on this process's threads (a writer process would not see it).
     """
     from asyncckpt.storage import local
+
+    if hold != "none":
+        os.environ["ASYNCCKPT_WRITER_PROCESSES"] = "0"
 
     real = local._LocalWriter.commit
 
@@ -296,15 +300,18 @@ class _Net(nn.Module):
         return self.body(x)
 
 
-def _tutorial(rank: int, world: int, workdir: Path, overwrite: bool) -> None:
+def _tutorial(rank: int, world: int, workdir: Path, overwrite: bool, slow_disk: bool) -> None:
     """The recipe of PyTorch's DDP tutorial ("Save and Load Checkpoints"), with only
-    ``torch.save``/``torch.load`` swapped for ``asyncckpt.save``/``asyncckpt.load``."""
+    ``torch.save``/``torch.load`` swapped for ``asyncckpt.save``/``asyncckpt.load``.
+
+    ``slow_disk``: rank 0's writes are held for a second (on its threads), so the load
+    surely begins before the file is there; else the defaults (the writer process)."""
     path = str(workdir / "model.checkpoint")
     if overwrite:  # an older, smaller, different state is there already
         if rank == 0:
             asyncckpt.save(_Net(8).state_dict(), path).result()
         dist.barrier()
-    if rank == 0:
+    if rank == 0 and slow_disk:
         _hold_local_publish("delay", None, 1.0)  # a slow disk: the write outlasts the barrier
     torch.manual_seed(rank)
     model = DistributedDataParallel(_Net(512))  # rank 0's initial weights, broadcast
@@ -327,9 +334,12 @@ def _tutorial(rank: int, world: int, workdir: Path, overwrite: bool) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("slow_disk", [True, False], ids=["slow-disk", "defaults"])
 @pytest.mark.parametrize("overwrite", [False, True], ids=["new-file", "overwrite"])
-def test_ddp_tutorial_recipe_on_two_gloo_ranks(tmp_path: Path, overwrite: bool) -> None:
-    ranks.run(__name__, "_tutorial", 2, tmp_path, overwrite, timeout=240)
+def test_ddp_tutorial_recipe_on_two_gloo_ranks(
+    tmp_path: Path, overwrite: bool, slow_disk: bool
+) -> None:
+    ranks.run(__name__, "_tutorial", 2, tmp_path, overwrite, slow_disk, timeout=240)
     assert sorted(os.listdir(tmp_path)) == ["model.checkpoint"]
 
 

@@ -120,6 +120,8 @@ def faults(
     monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Faults]:
     if request.param == "local":
+        # The faults are injected into this process: its writes must run here, on threads.
+        monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")
         f = Faults("local", str(tmp_path))
 
         def local_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:

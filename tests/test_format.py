@@ -120,10 +120,11 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def sample(scratch: Path) -> tuple[bytes, dict[str, Any]]:
-    """A checkpoint of :func:`_state` as bytes, and the state it holds."""
+    """A checkpoint of :func:`_state` as bytes, and the state it holds (zstd: the codecs do
+    not depend on what ``"auto"``, the default, has measured)."""
     state = _state()
     path = scratch / "sample.ackpt"
-    asyncckpt.save(state, path).result()
+    asyncckpt.save(state, path, compression="zstd").result()
     return path.read_bytes(), state
 
 

@@ -23,7 +23,9 @@ MIB = 1 << 20
 
 @pytest.fixture
 def handed_over(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Every range the writers ask the kernel to write back, passed on to the real call."""
+    """Every range the writers ask the kernel to write back, passed on to the real call
+    (writes on threads: a writer process would not be seen)."""
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")
     ranges: list[tuple[int, int]] = []
     real = local.start_writeback
 
@@ -98,6 +100,7 @@ def test_io_error_from_writeback_fails_the_save_and_leaves_no_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(local, "_sync_file_range", lambda: failing_libc_call(errno.EIO))
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")  # the failure is injected here
     monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "1")
     target = tmp_path / "w.ackpt"
     with pytest.raises(StorageError, match=r"w\.ackpt.*write failed: Input/output error"):

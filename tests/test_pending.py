@@ -211,6 +211,7 @@ def test_the_check_refuses_once_another_save_replaced_the_marker(
 def test_a_save_whose_marker_was_replaced_fails_and_leaves_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")  # the commit is patched here
     path = tmp_path / "model.ackpt"
     asyncckpt.save({"v": torch.zeros(4)}, path).result()
     from asyncckpt.storage import local
@@ -496,15 +497,19 @@ def test_load_waits_while_the_marker_changes_and_returns_once_it_is_gone(
 
 
 def test_a_marker_an_object_store_denies_reading_is_taken_as_none(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, moto: Any
 ) -> None:
-    """S3 answers a GET of a missing key with 403 to a reader without s3:ListBucket."""
-    from asyncckpt.testing import Fault, FaultPlan
+    """S3 answers a GET of a missing key with 403 to a reader without s3:ListBucket.
 
-    url = f"s3mem://denied-{tmp_path.name}/m.ackpt"
-    asyncckpt.save({"v": torch.ones(2)}, url).result()
+    On moto: s3mem:// lives in this process's memory, where a save leaves no marker."""
+    from asyncckpt.testing import Fault, FaultPlan
+    from tests.conftest import S3_BUCKET
+
+    url = f"s3://{S3_BUCKET}/denied-{tmp_path.name}/m.ackpt"
+    asyncckpt.save({"v": torch.ones(2)}, url, storage_options=moto.storage_options).result()
     plan = FaultPlan([Fault("cat_file", nth=1, kind="denied")])  # the marker's GET only
-    loaded = asyncckpt.load(f"faulty::{url}", storage_options={"faulty": {"plan": plan}})
+    options = {"faulty": {"plan": plan}, "s3": moto.storage_options}
+    loaded = asyncckpt.load(f"faulty::{url}", storage_options=options)
     assert loaded["v"].tolist() == [1.0, 1.0]
     assert plan.fired(kind="denied") and plan.fired()[0].path.endswith(MARKER)
     assert "save markers cannot be read" in caplog.text

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import gc
+import itertools
+import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -176,6 +179,7 @@ def test_chunks_are_encoded_during_the_copy_only_with_enough_cpus(
 ) -> None:
     from asyncckpt import writer
 
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")  # the pipeline runs on threads
     monkeypatch.setenv("ASYNCCKPT_PIPELINE_MIN_CPUS", min_cpus)
     monkeypatch.setattr(staging, "_COPY_STEP", 64 << 10)
     monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(64 << 10))
@@ -359,3 +363,47 @@ def test_a_failed_write_keeps_the_arena_until_the_copy_ends(
     with pytest.raises(StorageError, match="disk full"):
         handle.result(timeout=60)
     assert seen_during_copy == [False]
+
+
+def _resident_bytes(buffer: torch.Tensor) -> int:
+    """Bytes of the mapping holding ``buffer`` that are in memory (Linux smaps)."""
+    address, rss, inside = buffer.data_ptr(), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "Rss:":
+            rss += int(line.split()[1]) << 10
+    return rss
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.parametrize("advice", ["populate", "fallback"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_new_arena_is_faulted_in_on_several_threads(
+    monkeypatch: Any, advice: str, shared: bool
+) -> None:
+    if shared and not staging.shared_memory_supported():
+        pytest.skip("no memfd")
+    if advice == "fallback":  # an advice the kernel refuses: every page is written instead
+        monkeypatch.setattr(staging, "_MADV_POPULATE_WRITE", 12345)
+    monkeypatch.setattr(staging, "_FAULT_SLICE", 1 << 20)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    ranges: list[tuple[int, int]] = []
+    threads: set[threading.Thread] = set()
+    real = staging._fault_range
+
+    def recording(region: Any, start: int, length: int) -> None:
+        ranges.append((start, length))
+        threads.add(threading.current_thread())
+        real(region, start, length)
+
+    monkeypatch.setattr(staging, "_fault_range", recording)
+    buffer = staging._allocate(6 << 20, shared)
+    ranges.sort()
+    assert len(ranges) == 3 and len(threads) == 3
+    assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranges))
+    assert sum(n for _, n in ranges) == buffer.numel() == 6 << 20
+    assert _resident_bytes(buffer) >= buffer.numel()
+    assert int(buffer.sum()) == 0

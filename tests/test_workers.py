@@ -81,6 +81,7 @@ def test_zero_leaves_the_threads_alone(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("fresh_pools")
 def test_a_save_runs_its_encoders_lowered(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("ASYNCCKPT_WRITER_NICE", "4")
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")  # the encoders of this process
     monkeypatch.setenv("ASYNCCKPT_THREADS", "3")  # a pool size no other test creates first
     state = {"w": torch.randn(1 << 16)}
     asyncckpt.save(state, str(tmp_path / "a.ackpt")).result()

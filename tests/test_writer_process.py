@@ -28,6 +28,7 @@ from fsspec.implementations.local import LocalFileSystem
 import asyncckpt
 from asyncckpt import Checkpointer, config, writer_process
 from asyncckpt.errors import StorageError, WriterProcessError
+from asyncckpt.format import FOOTER_SIZE, decode_footer, decode_manifest
 from asyncckpt.staging import shared_memory_supported, shared_regions
 from asyncckpt.storage.base import TEMP_MARK
 
@@ -422,3 +423,29 @@ def test_a_cause_that_does_not_unpickle_ends_the_chain_there() -> None:
     back = writer_process._rebuilt(("failed", *writer_process._portable(exc)), 42, "x.ackpt")
     assert isinstance(back, StorageError) and str(back) == "x.ackpt: write failed"
     assert back.__cause__ is None
+
+
+def test_the_child_writes_without_importing_torch(tmp_path: Path) -> None:
+    """The child starts in a fraction of a second with a small footprint: it writes from
+    the shared arena without torch, and the file records the caller's torch."""
+    done = _script(
+        """
+        import sys, torch, asyncckpt
+        from pathlib import Path
+        from asyncckpt import writer_process
+        state = {"w": torch.randn(1 << 18), "ids": torch.arange(100), "step": 3}
+        asyncckpt.save(state, sys.argv[1] + "/a.ackpt").result()
+        child = writer_process.current()
+        maps = Path(f"/proc/{child.pid}/maps").read_text()
+        print("torch" if "libtorch" in maps else "no torch", child.jobs)
+        loaded = asyncckpt.load(sys.argv[1] + "/a.ackpt")
+        assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 3
+        """,
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["no", "torch", "1"]
+    data = (tmp_path / "a.ackpt").read_bytes()
+    footer = decode_footer(data[-FOOTER_SIZE:], len(data), "a.ackpt")
+    body = data[footer.manifest_offset : footer.manifest_offset + footer.manifest_length]
+    assert decode_manifest(body, footer, "a.ackpt").meta["torch"] == torch.__version__

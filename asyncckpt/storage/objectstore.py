@@ -407,6 +407,8 @@ class ObjectStorage(Storage):
             )
         self.fs = fs
         self.label = label
+        # An in-memory store (the test suite's s3mem://) cannot be written by another process.
+        self.process_local = bool(getattr(fs, "process_local", False))
         self._explicit: dict[str, int | None] = {
             "part_bytes": part_bytes,
             "part_concurrency": part_concurrency,

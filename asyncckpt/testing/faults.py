@@ -333,6 +333,8 @@ class FaultyFileSystem(ChainedFileSystem):  # type: ignore[misc]
         self.fs = fs
         self.plan = plan if plan is not None else FaultPlan(**plan_options)
         self.wraps_object_store = is_object_store(fs)
+        #: A wrapped store whose objects live in this process's memory stays in it.
+        self.process_local = bool(getattr(fs, "process_local", False))
         self._s3 = callable(getattr(fs, "call_s3", None))
         if self._s3:
             self.call_s3 = self._call_s3
@@ -566,6 +568,8 @@ class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
 
     protocol = "s3mem"
     wraps_object_store = True
+    #: Its objects live in this process: a writer process would write into its own copy.
+    process_local = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
