@@ -15,10 +15,10 @@ Example:
 
 import logging
 
-from ._version import __version__
-from .api import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
-from .checkpointer import Checkpointer
-from .errors import AsyncCkptError
+from asyncckpt._api.checkpointer import Checkpointer
+from asyncckpt._api.dropin import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
+from asyncckpt._version import __version__
+from asyncckpt.errors import AsyncCkptError
 
 # A library prints nothing unless the application configures logging.
 logging.getLogger(__name__).addHandler(logging.NullHandler())

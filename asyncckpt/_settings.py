@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AsyncCkptWarning
+from asyncckpt.errors import AsyncCkptWarning
 
 #: Prefix of the environment variables that set tunables.
 ENV_PREFIX = "ASYNCCKPT_"

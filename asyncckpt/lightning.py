@@ -42,12 +42,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "asyncckpt.lightning needs the `lightning` package: pip install 'asyncckpt[lightning]'"
     ) from exc
 
-from . import api
-from .errors import FormatError, UnsupportedObjectError
-from .format import MAX_DEPTH
-from .placement import MapLocation
-from .storage import resolve
-from .tree import ROOT_NAME, child_path
+from asyncckpt._api import dropin as api
+from asyncckpt._device import MapLocation
+from asyncckpt._format.container import MAX_DEPTH
+from asyncckpt._format.tree import ROOT_NAME, child_path
+from asyncckpt._storage import resolve
+from asyncckpt.errors import FormatError, UnsupportedObjectError
 
 __all__ = [
     "PROJECTION_KEY",

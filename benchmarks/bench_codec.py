@@ -8,7 +8,7 @@ comparable to the targets.
 Measured in one run, against baselines on the same bytes:
 
 * stored / raw of a real ``asyncckpt.save`` file (header and manifest included), and of the
-  chunk payloads alone, encoded by ``asyncckpt.codec.encode_chunk`` exactly as the writer
+  chunk payloads alone, encoded by ``asyncckpt._format.codec.encode_chunk`` exactly as the writer
   chunks the state (``ASYNCCKPT_CHUNK_BYTES``);
 * stored / raw of plain zstd (same level) over the same chunks, and over the whole state as
   one stream; of ZipNN when the ``zipnn`` package is importable (otherwise the figures quoted
@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import MIB, load_weights, loadavg, machine_info, pyplot, savefig, write_json
 
-ALIGN = 16  # the writer's chunk alignment (asyncckpt.writer._CHUNK_ALIGN)
+ALIGN = 16  # the writer's chunk alignment (asyncckpt._engine.encode._CHUNK_ALIGN)
 
 #: The issue's targets: (figure, comparison, target).
 TARGETS = {
@@ -88,7 +88,7 @@ def encode_all(
     chunks: list[tuple[memoryview, int, bool]], pool: ThreadPoolExecutor, level: int
 ) -> list[tuple[str, int]]:
     """asyncckpt's per-chunk work on ``pool``: encode, then CRC-32 the payload."""
-    from asyncckpt.codec import checksum, encode_chunk
+    from asyncckpt._format.codec import checksum, encode_chunk
 
     def one(item: tuple[memoryview, int, bool]) -> tuple[str, int]:
         raw, itemsize, is_float = item
@@ -158,7 +158,7 @@ def measure(
     import zstandard
 
     import asyncckpt
-    from asyncckpt import config
+    from asyncckpt import _config as config
 
     level = config.tunable("zstd_level", None)
     chunk_bytes = config.tunable("chunk_bytes", None)
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _tunables() -> dict[str, int]:
-    from asyncckpt import config
+    from asyncckpt import _config as config
 
     return {
         "zstd_level": config.tunable("zstd_level", None),

@@ -6,7 +6,7 @@ processes"). This measures, in one process, for a small state (many saves, so th
 marker's own cost is not lost in the copy):
 
 * ``stall_*``: the median time ``save`` blocks the caller with the marker and without it
-  (markers switched off with ``asyncckpt.pending.disabled()``), rounds alternating so that
+  (markers switched off with ``asyncckpt._versions.pending.disabled()``), rounds alternating so that
   drift hits both alike; ``stall_added_ms`` is their difference;
 * ``durable_*``: the same for the time until the file is durable (the marker adds a check
   before the rename and a delete after it);
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 import asyncckpt
-from asyncckpt import pending
-from asyncckpt.storage import resolve
+from asyncckpt._storage import resolve
+from asyncckpt._versions import pending
 from asyncckpt.testing import SeaweedServer, fake_aws_environment, find_weed
 
 BUCKET = "bench-dropin"

@@ -606,7 +606,7 @@ def first_save_child(args: argparse.Namespace) -> int:
     copy_s = time.perf_counter() - t
     del buffers
     if args.first_save == "reserve":
-        thread = asyncckpt.api.reserve(state)  # as a training script would, after building
+        thread = asyncckpt._api.dropin.reserve(state)  # as a training script would, after building
         if thread is not None:
             thread.join()  # the background work is done by the time training reaches a save
     tmp = tempfile.mkdtemp(prefix="bench_first-", dir=args.tmp_dir)
@@ -1069,8 +1069,8 @@ def only(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     res["loadavg"] = [load_before, loadavg()]
-    res["writer_nice"] = asyncckpt.config.tunable("writer_nice", None)
-    res["threads"] = asyncckpt.config.tunable("threads", None)
+    res["writer_nice"] = asyncckpt._config.tunable("writer_nice", None)
+    res["threads"] = asyncckpt._config.tunable("threads", None)
     print(json.dumps(res))
     return 0
 

@@ -7,8 +7,8 @@ Two parts, one JSON (``bench_sharded.json``) and one figure (``bench_sharded.png
   fault-injection filesystem (``faulty::memory://``), each through its *own* link: a
   :class:`~asyncckpt.testing.FaultPlan` per rank adds a per-request latency and limits
   the rank's bandwidth. The code is asyncckpt's own, called without a process group:
-  every rank runs :meth:`asyncckpt.sharded.RankJob.write` (heartbeat, atomic file write,
-  completion marker), and rank 0 runs :func:`asyncckpt.sharded._write_and_commit` on a
+  every rank runs :meth:`asyncckpt._api.sharded_save.RankJob.write` (heartbeat, atomic file write,
+  completion marker), and rank 0 runs :func:`asyncckpt._api.sharded_save._write_and_commit` on a
   real :class:`~asyncckpt.Checkpointer` (its own file, polling for every marker, building
   ``.metadata``, the lease-fenced ``COMMIT``). Only the staging (``stage``) and the
   attempt token (normally broadcast once) are done by the script. Reported per rank
@@ -53,14 +53,15 @@ from typing import Any
 import fsspec
 import torch
 
-from asyncckpt import Checkpointer, config
-from asyncckpt.api import write_options
-from asyncckpt.protocol import read_commit
-from asyncckpt.sharded import Piece, RankJob, _write_and_commit
-from asyncckpt.staging import ArenaPool, snapshot
-from asyncckpt.storage import resolve
+from asyncckpt import Checkpointer
+from asyncckpt import _config as config
+from asyncckpt._api.dropin import write_options
+from asyncckpt._api.sharded_save import Piece, RankJob, _write_and_commit
+from asyncckpt._engine.snapshot import ArenaPool, snapshot
+from asyncckpt._format.tree import flatten
+from asyncckpt._storage import resolve
+from asyncckpt._versions.protocol import read_commit
 from asyncckpt.testing import FaultPlan
-from asyncckpt.tree import flatten
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

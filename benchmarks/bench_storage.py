@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import MIB, pyplot, savefig, write_json
 
 import asyncckpt
-from asyncckpt.storage import resolve
+from asyncckpt._storage import resolve
 from asyncckpt.testing import FaultPlan, MotoServer, fake_aws_environment
 
 BUCKET = "asyncckpt-bench"
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "part_mib": args.part_mib,
             "parallel": args.parallel,
             "slow_backend": args.slow_backend,
-            "threads": asyncckpt.config.tunable("threads", None),
+            "threads": asyncckpt._config.tunable("threads", None),
         },
         "results": results,
         "baseline": baseline(args, errors),

@@ -23,7 +23,7 @@ machine is shared.
 ``--writer`` picks how the background write shares the CPU (issue 12, "training
 interference"); the figures of different variants come from separate runs:
 
-* ``default``: the library's defaults (``writer_nice`` and ``threads`` in asyncckpt.config);
+* ``default``: the library's defaults (``writer_nice`` and ``threads`` in asyncckpt._config);
 * ``nice0``: writer threads at the caller's priority (the behaviour before issue 12);
 * ``nice``: writer threads niced by ``--nice`` (``ASYNCCKPT_WRITER_NICE``);
 * ``threads1``: one encode thread (``ASYNCCKPT_THREADS=1``), not niced;
@@ -312,9 +312,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "state_bytes": state_bytes,
             "state_mib": round(state_bytes / MIB, 1),
             "torch_threads": torch.get_num_threads(),
-            "asyncckpt_threads": asyncckpt.config.tunable("threads", None),
+            "asyncckpt_threads": asyncckpt._config.tunable("threads", None),
             "writer": args.writer,
-            "writer_nice": asyncckpt.config.tunable("writer_nice", None),
+            "writer_nice": asyncckpt._config.tunable("writer_nice", None),
             "pace_ms": args.pace_ms if args.writer == "pace" else 0,
             "quick": args.quick,
         },
@@ -538,7 +538,7 @@ def apply_writer_variant(args: argparse.Namespace) -> None:
         os.environ[key] = str(args.nice) if value is None else value
     if args.writer != "pace":
         return
-    from asyncckpt import writer
+    from asyncckpt._engine import encode as writer
 
     encode = writer._encode_one
     pause = args.pace_ms / 1000

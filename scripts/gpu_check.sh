@@ -90,7 +90,7 @@ if [ ${#missing[@]} -gt 0 ] && ! "$PY" -m pip install --quiet --no-index --no-de
 fi
 
 say "the package (from the source tree)"
-if ! "$PY" -c 'import asyncckpt, asyncckpt.dcp, asyncckpt.writer_process; print("asyncckpt", asyncckpt.__version__, "from", asyncckpt.__file__)'; then
+if ! "$PY" -c 'import asyncckpt, asyncckpt.dcp, asyncckpt._engine.writer_process; print("asyncckpt", asyncckpt.__version__, "from", asyncckpt.__file__)'; then
     echo "gpu_check: asyncckpt does not import with this torch" >&2
     exit 2
 fi

@@ -9,11 +9,14 @@ from typing import Any
 import fsspec
 import pytest
 
+import asyncckpt.testing  # noqa: F401  (registers the faulty:// and s3mem:// filesystems)
+
 
 @pytest.fixture
 def arena_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A fresh host-arena pool, as in a new process; returns the sizes it allocates."""
-    from asyncckpt import api, staging
+    from asyncckpt._api import dropin as api
+    from asyncckpt._engine import snapshot as staging
 
     monkeypatch.setattr(api, "_arenas", None)
     allocated: list[int] = []

@@ -33,16 +33,18 @@ from hypothesis.extra import numpy as npst
 from torch import nn
 
 import asyncckpt
-import asyncckpt.api
-from asyncckpt import staging, tree, writer
+import asyncckpt._api.dropin
+from asyncckpt._engine import encode as writer
+from asyncckpt._engine import snapshot as staging
+from asyncckpt._format import tree
+from asyncckpt._format.container import DTYPE_ITEMSIZE
+from asyncckpt._storage import TEMP_MARK, resolve
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     UnsupportedObjectError,
 )
-from asyncckpt.format import DTYPE_ITEMSIZE
-from asyncckpt.storage import TEMP_MARK, resolve
 
 # Every dtype the format knows that this torch build has (complex32 is "experimental").
 DTYPES: list[torch.dtype] = [
@@ -166,13 +168,13 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Hold every background write until the event is set (set at teardown at the latest)."""
     event = threading.Event()
-    real = asyncckpt.writer_process.write
+    real = asyncckpt._engine.writer_process.write
 
     def gated(*args: Any, **kwargs: Any) -> int:
         assert event.wait(60), "test never opened the gate"
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(asyncckpt.writer_process, "write", gated)
+    monkeypatch.setattr(asyncckpt._engine.writer_process, "write", gated)
     yield event
     event.set()
     asyncckpt.wait()
@@ -615,7 +617,7 @@ def _write_as_if_from(obj: Any, path: str, devices: list[str]) -> None:
         assert len(snap.storages) == len(devices)
         snap.storages = [dataclasses.replace(s, device=d) for s, d in zip(snap.storages, devices)]
         storage, inner = resolve(path, None)
-        writer.write_snapshot(snap, storage, inner, asyncckpt.api.write_options("zstd"))
+        writer.write_snapshot(snap, storage, inner, asyncckpt._api.dropin.write_options("zstd"))
     finally:
         snap.lease.release()
 

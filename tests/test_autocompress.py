@@ -1,6 +1,6 @@
 """``compression="auto"``: the decision rule as a pure function, and the writer around it.
 
-The rule (``asyncckpt.codec.choose_planes``) is tested with injected rates. The writer tests
+The rule (``asyncckpt._format.codec.choose_planes``) is tested with injected rates. The writer tests
 inject the encoders' speeds and the spare cores too (their measurement is switched off) and
 let only the storage be measured: a link throttled by ``FaultPlan`` can only be slower than
 its limit, and an in-memory filesystem is far faster than the rates injected, so no test
@@ -22,11 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
-from asyncckpt import autocompress, cpu
-from asyncckpt.api import write_options
-from asyncckpt.checkpointer import Checkpointer
-from asyncckpt.cli.verify import verify_file
-from asyncckpt.codec import (
+from asyncckpt._api.checkpointer import Checkpointer
+from asyncckpt._api.dropin import write_options
+from asyncckpt._engine import autocompress, cpu
+from asyncckpt._format.codec import (
     INCOMPRESSIBLE,
     EncodeReport,
     Rates,
@@ -34,8 +33,9 @@ from asyncckpt.codec import (
     decode_chunk,
     encode_chunk,
 )
-from asyncckpt.format import FOOTER_SIZE, Manifest, decode_footer, decode_manifest
-from asyncckpt.storage import resolve
+from asyncckpt._format.container import FOOTER_SIZE, Manifest, decode_footer, decode_manifest
+from asyncckpt._storage import resolve
+from asyncckpt.cli.verify import verify_file
 from asyncckpt.testing.faults import FaultPlan
 
 MIB = 1 << 20

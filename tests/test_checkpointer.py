@@ -23,19 +23,15 @@ import pytest
 import torch
 
 import asyncckpt
-import asyncckpt.checkpointer
-import asyncckpt.root_reader
-from asyncckpt import Checkpointer, api, staging, workers
-from asyncckpt.api import raise_unobserved_failure
-from asyncckpt.errors import (
-    AsyncCkptError,
-    CheckpointNotFoundError,
-    CheckpointTimeoutError,
-    ConflictError,
-    IncompleteCheckpointError,
-    UnsupportedObjectError,
-)
-from asyncckpt.protocol import (
+import asyncckpt._api.checkpointer
+import asyncckpt._versions.reading
+from asyncckpt import Checkpointer
+from asyncckpt import _threads as workers
+from asyncckpt._api import dropin as api
+from asyncckpt._api.dropin import raise_unobserved_failure
+from asyncckpt._engine import snapshot as staging
+from asyncckpt._storage import TEMP_MARK, AtomicWriter, Storage, resolve
+from asyncckpt._versions.protocol import (
     CommitRecord,
     VersionRecord,
     create_commit,
@@ -44,7 +40,14 @@ from asyncckpt.protocol import (
     retention_plan,
     write_version_file,
 )
-from asyncckpt.storage import TEMP_MARK, AtomicWriter, Storage, resolve
+from asyncckpt.errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    ConflictError,
+    IncompleteCheckpointError,
+    UnsupportedObjectError,
+)
 
 # --------------------------------------------------------------------------- helpers
 
@@ -647,13 +650,13 @@ def test_load_waits_for_a_step_saved_in_the_background(
 ) -> None:
     committed_root(any_root, [1])
     polling = threading.Event()
-    real_wait = asyncckpt.root_reader.wait_for_step
+    real_wait = asyncckpt._versions.reading.wait_for_step
 
     def wait_for_step(*args: Any, **kwargs: Any) -> None:
         polling.set()
         real_wait(*args, **kwargs)
 
-    monkeypatch.setattr(asyncckpt.root_reader, "wait_for_step", wait_for_step)
+    monkeypatch.setattr(asyncckpt._versions.reading, "wait_for_step", wait_for_step)
     other = reader(any_root)
     results: list[Any] = []
 
@@ -767,13 +770,13 @@ def test_two_writers_racing_on_one_step(
     second = Checkpointer(any_root)
     gate = gated(first)
     h1 = first.save(5, make_state(5))  # its write is held until second has checked step 5
-    real_stage = asyncckpt.checkpointer.stage
+    real_stage = asyncckpt._api.checkpointer.stage
 
     def stage(*args: Any, **kwargs: Any) -> Any:
         gate.set()
         return real_stage(*args, **kwargs)
 
-    monkeypatch.setattr(asyncckpt.checkpointer, "stage", stage)
+    monkeypatch.setattr(asyncckpt._api.checkpointer, "stage", stage)
     h2 = second.save(5, make_state(55))
     assert h1.exception(timeout=60) is None
     with pytest.raises(ConflictError):
@@ -898,13 +901,15 @@ def test_follow_latest_load_moves_to_newest_when_its_version_is_deleted(
     if when == "after-latest":
         monkeypatch.setattr(other, "latest", _retire_on_first_call(writer, other.latest, 2))
     elif when == "before-read":  # chosen as latest, deleted before its commit is re-read
-        real = asyncckpt.root_reader.read_commit
+        real = asyncckpt._versions.reading.read_commit
         monkeypatch.setattr(
-            asyncckpt.root_reader, "read_commit", _retire_on_first_call(writer, real, 2)
+            asyncckpt._versions.reading, "read_commit", _retire_on_first_call(writer, real, 2)
         )
     else:  # the footer and manifest were read, then the file went away
-        real = asyncckpt.reader.open_file
-        monkeypatch.setattr(asyncckpt.reader, "open_file", _retire_on_first_call(writer, real, 2))
+        real = asyncckpt._engine.decode.open_file
+        monkeypatch.setattr(
+            asyncckpt._engine.decode, "open_file", _retire_on_first_call(writer, real, 2)
+        )
     got = other.load()
     assert writer.versions() == [2]  # step 1 really was deleted under the loader
     # A load reads the file it opened to the end (one handle: a descriptor, a snapshot),
@@ -921,7 +926,7 @@ def test_explicit_step_deleted_while_loading_is_an_error(
     writer.save(1, make_state(1))
     writer.wait()
     other = reader(any_root)
-    module = asyncckpt.root_reader if when == "after-wait" else asyncckpt.reader
+    module = asyncckpt._versions.reading if when == "after-wait" else asyncckpt._engine.decode
     name = "wait_for_step" if when == "after-wait" else "open_file"
     real = getattr(module, name)
     monkeypatch.setattr(module, name, _retire_on_first_call(writer, real, 2))
@@ -1065,7 +1070,7 @@ def test_lease_and_write_start_before_the_copy_ends(
             events.append("data file open")
         real_copy(self, dst, src)
 
-    real_stage = asyncckpt.checkpointer.stage
+    real_stage = asyncckpt._api.checkpointer.stage
 
     def stage(*args: Any, **kwargs: Any) -> Any:
         snap = real_stage(*args, **kwargs)
@@ -1073,7 +1078,7 @@ def test_lease_and_write_start_before_the_copy_ends(
         return snap
 
     monkeypatch.setattr(staging.DeviceCopies, "copy", copy)
-    monkeypatch.setattr(asyncckpt.checkpointer, "stage", stage)
+    monkeypatch.setattr(asyncckpt._api.checkpointer, "stage", stage)
     handle = ckpt.save(1, state)
     for value in state.values():  # save has returned: the snapshot is complete
         value.fill_(-1.0)

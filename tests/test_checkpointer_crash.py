@@ -29,9 +29,10 @@ from typing import Any
 import pytest
 import torch
 
-from asyncckpt import Checkpointer, root_writer
-from asyncckpt.protocol import read_commit, read_version_file
-from asyncckpt.storage import TEMP_MARK, resolve
+from asyncckpt import Checkpointer
+from asyncckpt._storage import TEMP_MARK, resolve
+from asyncckpt._versions import writing as root_writer
+from asyncckpt._versions.protocol import read_commit, read_version_file
 
 pytestmark = pytest.mark.slow
 

@@ -32,11 +32,11 @@ import torch
 
 import asyncckpt
 from asyncckpt import cli
+from asyncckpt._engine.decode import open_file
+from asyncckpt._progress import Progress, format_bytes
+from asyncckpt._storage import resolve
+from asyncckpt._versions.protocol import VERSION_FILE
 from asyncckpt.errors import ChecksumError
-from asyncckpt.progress import Progress, format_bytes
-from asyncckpt.protocol import VERSION_FILE
-from asyncckpt.reader import open_file
-from asyncckpt.storage import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = (10, 20, 30)
@@ -287,7 +287,7 @@ def test_verify_fails_on_a_truncated_file(root: Path, capsys: pytest.CaptureFixt
 
 def _with_edited_manifest(path: Path, edit: Any) -> None:
     """Rewrite the manifest of the file at ``path`` through ``edit(doc)``, footer matching."""
-    from asyncckpt.format import FOOTER_SIZE, encode_footer
+    from asyncckpt._format.container import FOOTER_SIZE, encode_footer
 
     data = path.read_bytes()
     offset, length = struct.unpack("<QQ", data[-FOOTER_SIZE:][:16])
@@ -700,7 +700,11 @@ def test_each_completed_save_logs_one_info_line_with_its_stats(
     while not [r for r in caplog.records if str(path) in r.getMessage()]:
         assert time.monotonic() < deadline, "no log line for the save"
         time.sleep(0.01)
-    lines = [r for r in caplog.records if r.name == "asyncckpt.api" and str(path) in r.getMessage()]
+    lines = [
+        r
+        for r in caplog.records
+        if r.name == "asyncckpt._api.dropin" and str(path) in r.getMessage()
+    ]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     message = lines[0].getMessage()
     stats = info.stats

@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 
 import asyncckpt
 from asyncckpt import cli
+from asyncckpt._convert.safetensors import ALIASES_KEY, read_safetensors, untie
+from asyncckpt._storage import resolve
 from asyncckpt.cli.formats import RangeReader, load_torch
-from asyncckpt.cli.safetensors_io import ALIASES_KEY, read_safetensors, untie
-from asyncckpt.storage import resolve
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:

@@ -12,7 +12,7 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncckpt.codec import (
+from asyncckpt._format.codec import (
     check_compression,
     checksum,
     compress_frames,
@@ -21,8 +21,8 @@ from asyncckpt.codec import (
     group_bytes,
     ungroup_bytes,
 )
+from asyncckpt._format.container import CODECS
 from asyncckpt.errors import FormatError
-from asyncckpt.format import CODECS
 
 
 def _roundtrip(raw: bytes, *, itemsize: int, is_float: bool, compression: str = "zstd") -> str:
@@ -338,7 +338,7 @@ def test_check_compression() -> None:
 
 
 def test_noisy_planes_are_stored_raw_without_compressing_them_whole() -> None:
-    from asyncckpt import codec
+    from asyncckpt._format import codec
 
     rng = np.random.default_rng(0)
     noise = memoryview(rng.integers(0, 256, 1 << 20, dtype=np.uint8).tobytes())
@@ -368,7 +368,7 @@ def test_noisy_planes_are_stored_raw_without_compressing_them_whole() -> None:
 def test_planes_are_probed_without_regrouping_the_whole_chunk(dtype: type, scale: float) -> None:
     """The probe samples element ranges and regroups only those, yet finds what probing
     each regrouped plane finds."""
-    from asyncckpt import codec
+    from asyncckpt._format import codec
 
     rng = np.random.default_rng(5)
     raw = memoryview((rng.standard_normal(1 << 20) * scale).astype(dtype).tobytes())
@@ -380,7 +380,7 @@ def test_planes_are_probed_without_regrouping_the_whole_chunk(dtype: type, scale
 
 
 def test_incompressible_chunk_is_not_regrouped() -> None:
-    from asyncckpt.codec import EncodeReport
+    from asyncckpt._format.codec import EncodeReport
 
     raw = memoryview(np.random.default_rng(9).integers(0, 256, 1 << 22, dtype=np.uint8).tobytes())
     report = EncodeReport()

@@ -30,10 +30,11 @@ from torch import nn
 
 import asyncckpt
 import asyncckpt.dcp
-from asyncckpt import Checkpointer, cli, config
-from asyncckpt.consolidate import ShardedSource, safetensors_header
-from asyncckpt.reader import open_file
-from asyncckpt.storage import resolve
+from asyncckpt import Checkpointer, cli
+from asyncckpt import _config as config
+from asyncckpt._convert.consolidate import ShardedSource, safetensors_header
+from asyncckpt._engine.decode import open_file
+from asyncckpt._storage import resolve
 from tests import ranks, state_checks
 
 pytestmark = [
@@ -193,7 +194,7 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(
     doc = run(capsys, *args)
     monkeypatch.undo()
     assert counter.peak > 0  # the counter saw the allocations
-    # A thread of asyncckpt.workers' pools keeps its last task's arguments until it takes
+    # A thread of asyncckpt._threads' pools keeps its last task's arguments until it takes
     # the next task: a reader thread a view of a chunk buffer, an encoder thread a view of
     # a whole tensor. So up to one of each per thread lingers besides the ones in use
     # (bounded by the thread count, never by the checkpoint).

@@ -17,19 +17,19 @@ import pytest
 import torch
 
 import asyncckpt
+from asyncckpt._format.container import (
+    FOOTER_SIZE,
+    HEADER_SIZE,
+    Manifest,
+    decode_footer,
+    decode_manifest,
+)
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
     ChecksumError,
     FormatError,
     TruncatedFileError,
-)
-from asyncckpt.format import (
-    FOOTER_SIZE,
-    HEADER_SIZE,
-    Manifest,
-    decode_footer,
-    decode_manifest,
 )
 
 

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 import asyncckpt
+from asyncckpt._storage import TEMP_MARK
+from asyncckpt._versions.protocol import PENDING_SUFFIX
 from asyncckpt.errors import CheckpointTimeoutError
-from asyncckpt.protocol import PENDING_SUFFIX
-from asyncckpt.storage import TEMP_MARK
 
 REPO = Path(__file__).resolve().parents[1]
 TRIALS_PER_MODE = 5

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import api
+from asyncckpt._api import dropin as api
 
 pytestmark = [
     pytest.mark.cuda,

@@ -40,10 +40,12 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 import asyncckpt
+import asyncckpt._engine.decode
 import asyncckpt.dcp
-import asyncckpt.reader
+from asyncckpt._format.container import FOOTER_SIZE, HEADER_SIZE
+from asyncckpt._format.index import decode_metadata
+from asyncckpt._storage import resolve
 from asyncckpt.dcp import METADATA_NAME, Reader, Writer
-from asyncckpt.dcp.schema import decode_metadata
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     ChecksumError,
@@ -51,8 +53,6 @@ from asyncckpt.errors import (
     FormatError,
     IncompleteCheckpointError,
 )
-from asyncckpt.format import FOOTER_SIZE, HEADER_SIZE
-from asyncckpt.storage import resolve
 from tests import ranks, state_checks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -185,7 +185,8 @@ def test_uncompressed_round_trip(tmp_path: Path) -> None:
     state_checks.assert_same(_load(_zeros_like(_state()), url), state)
     (data,) = _data_files(Path(url))
     codecs = {
-        c.codec for c in asyncckpt.reader.open_file(*resolve(str(data), None)).manifest.chunks
+        c.codec
+        for c in asyncckpt._engine.decode.open_file(*resolve(str(data), None)).manifest.chunks
     }
     assert codecs == {"raw"}
 
@@ -424,7 +425,7 @@ def _read_block(
 
 def _chunks_of(data: Path, entry: int = 0) -> list[Any]:
     """The chunks (offset, stored length, ...) of tensor ``entry``'s storage, in order."""
-    manifest = asyncckpt.reader.open_file(*resolve(str(data), None)).manifest
+    manifest = asyncckpt._engine.decode.open_file(*resolve(str(data), None)).manifest
     storage = manifest.storages[manifest.tensors[entry].storage]
     first = storage.first_chunk
     return [(first + i, manifest.chunks[first + i]) for i in range(storage.num_chunks)]

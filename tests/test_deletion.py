@@ -4,7 +4,7 @@
   retention, not in its recovery, not in a sweep, not after a failure (no ``FAILED``);
 * deleting never follows a symbolic link: a step directory that links to another run's
   step is removed as a link, in retention and in recovery;
-* one rule (:func:`asyncckpt.protocol.deletion_plan`, fed by ``list_steps``) for the
+* one rule (:func:`asyncckpt._versions.protocol.deletion_plan`, fed by ``list_steps``) for the
   writer's retention and recovery and ``asyncckpt gc``: a step whose ``COMMIT`` cannot be
   read (damaged, newer protocol) is never deleted, even by ``gc``;
 * a ``COMMIT`` naming a file with a NUL byte (or any name a file cannot have) is an
@@ -26,11 +26,11 @@ from typing import Any
 
 import pytest
 
-import asyncckpt.protocol
-import asyncckpt.root_writer
+import asyncckpt._versions.protocol
+import asyncckpt._versions.writing
 from asyncckpt import Checkpointer
-from asyncckpt.errors import CheckpointTimeoutError, ConflictError
-from asyncckpt.protocol import (
+from asyncckpt._storage import AtomicWriter, resolve
+from asyncckpt._versions.protocol import (
     COMMITTED,
     UNCOMMITTED,
     UNREADABLE,
@@ -42,8 +42,8 @@ from asyncckpt.protocol import (
     list_steps,
     read_failure,
 )
-from asyncckpt.root_writer import RootWriter
-from asyncckpt.storage import AtomicWriter, resolve
+from asyncckpt._versions.writing import RootWriter
+from asyncckpt.errors import CheckpointTimeoutError, ConflictError
 from tests.test_checkpointer import (
     _drain_saves,  # noqa: F401 (an autouse fixture)
     _GatedWriter,
@@ -140,7 +140,7 @@ def test_a_fenced_writer_whose_version_stands_does_not_sweep_its_step(
     old = Checkpointer(root)
     old.save(1, make_state(1)).result(timeout=60)
     new = Checkpointer(root)
-    real_publish = asyncckpt.root_writer.publish_version
+    real_publish = asyncckpt._versions.writing.publish_version
     foreign = "2/r00000-0ddba11c0ffe.ackpt"
 
     def publish_version(storage: Any, base: str, rec: Any, tag: Any) -> str:
@@ -149,7 +149,7 @@ def test_a_fenced_writer_whose_version_stands_does_not_sweep_its_step(
             put(root, foreign, b"the new writer's save of step 2, in flight")
         return real_publish(storage, base, rec, tag)
 
-    monkeypatch.setattr(asyncckpt.root_writer, "publish_version", publish_version)
+    monkeypatch.setattr(asyncckpt._versions.writing, "publish_version", publish_version)
     old.save(2, make_state(2)).result(timeout=60)  # its version stands (exactly one wins)
     assert foreign in files(root)
     assert_state(reader(root).load(), 2)
@@ -368,13 +368,13 @@ def test_a_waiter_ignores_an_earlier_jobs_failed_marker_of_the_same_step(
     # wrote it late; or the new writer's recovery has not removed it yet).
     put(any_root, "2/FAILED", record(step=2, error="old disk full", writer="0ldj0b", epoch=1))
     polled = threading.Event()  # the waiter went past its FAILED check once
-    real = asyncckpt.protocol.read_version_file
+    real = asyncckpt._versions.protocol.read_version_file
 
     def read_version_file(*args: Any) -> Any:
         polled.set()
         return real(*args)
 
-    monkeypatch.setattr(asyncckpt.protocol, "read_version_file", read_version_file)
+    monkeypatch.setattr(asyncckpt._versions.protocol, "read_version_file", read_version_file)
     outcome: list[Any] = []
 
     def wait() -> None:

@@ -30,17 +30,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import asyncckpt.checkpointer
-import asyncckpt.root_reader
+import asyncckpt._api.checkpointer
+import asyncckpt._versions.reading
 from asyncckpt import Checkpointer
+from asyncckpt._storage import TEMP_MARK, AtomicWriter, resolve
+from asyncckpt._versions.protocol import read_commit, read_version_file
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     IncompleteCheckpointError,
     StorageError,
 )
-from asyncckpt.protocol import read_commit, read_version_file
-from asyncckpt.storage import TEMP_MARK, AtomicWriter, resolve
 from tests import ranks
 
 pytestmark = pytest.mark.slow
@@ -226,7 +226,7 @@ def _load_during_write(rank: int, world: int, store: Any, workdir: Path) -> None
         releaser.join(120)
         assert handle.done()
     else:
-        real_wait = asyncckpt.root_reader.wait_for_step
+        real_wait = asyncckpt._versions.reading.wait_for_step
 
         def wait_for_step(storage: Any, base: str, step: int, timeout: Any, **kw: Any) -> None:
             # entering the poll: the step must not be committed yet (the write is held)
@@ -234,7 +234,7 @@ def _load_during_write(rank: int, world: int, store: Any, workdir: Path) -> None
             _signal(workdir, f"polling-{step}")
             real_wait(storage, base, step, timeout, **kw)
 
-        asyncckpt.root_reader.wait_for_step = wait_for_step  # type: ignore[assignment]
+        asyncckpt._versions.reading.wait_for_step = wait_for_step  # type: ignore[assignment]
         _await(workdir, "committed-1")
         _await(workdir, "writing-2")
         assert ckpt.versions() == [1]
@@ -367,14 +367,14 @@ def _save_load_loop_keep_one(rank: int, world: int, store: Any, workdir: Path) -
     steps = 4
     ckpt = Checkpointer(workdir / "ckpt", keep_last=1)
     if rank == 1:
-        real_wait = asyncckpt.root_reader.wait_for_step
+        real_wait = asyncckpt._versions.reading.wait_for_step
 
         def wait_for_step(st: Any, root: str, step: int, timeout: Any, **kw: Any) -> None:
             real_wait(st, root, step, timeout, **kw)
             if step + 1 < steps:
                 _await(workdir, f"saved-{step + 1}")
 
-        asyncckpt.root_reader.wait_for_step = wait_for_step  # type: ignore[assignment]
+        asyncckpt._versions.reading.wait_for_step = wait_for_step  # type: ignore[assignment]
     for step in range(steps):
         if rank == 0:
             handle = ckpt.save(step, _rank_state(0, step))
@@ -526,13 +526,13 @@ def _writer_killed_during_collective_load(rank: int, world: int, store: Any, wor
         threading.Thread(target=die, daemon=True).start()
         ckpt.load()  # agrees on its pending step 2, then waits for its own save
         raise AssertionError("the writer should have been killed")
-    real_wait = asyncckpt.root_reader.wait_for_step
+    real_wait = asyncckpt._versions.reading.wait_for_step
 
     def wait_for_step(storage: Any, base: str, step: int, timeout: Any, **kw: Any) -> None:
         _signal(workdir, f"polling-{step}")
         real_wait(storage, base, step, timeout, **kw)
 
-    asyncckpt.root_reader.wait_for_step = wait_for_step  # type: ignore[assignment]
+    asyncckpt._versions.reading.wait_for_step = wait_for_step  # type: ignore[assignment]
     dist.barrier()
     # The default timeout is the group's (120 s); the message shows the dead writer's lease
     # ended the wait, not the timeout.
@@ -556,7 +556,7 @@ def _collective_load_beside_an_earlier_jobs_failure(
 ) -> None:
     """A restarted job saves step 2 again and loads it collectively, while the FAILED marker
     of the earlier job's save of step 2 is still in the step directory."""
-    import asyncckpt.protocol
+    import asyncckpt._versions.protocol
 
     ckpt = Checkpointer(workdir / "ckpt")
     if rank == 0:
@@ -568,13 +568,13 @@ def _collective_load_beside_an_earlier_jobs_failure(
 
         ckpt._writer._recover = recover  # type: ignore[method-assign]
     else:
-        real_read = asyncckpt.protocol.read_version_file
+        real_read = asyncckpt._versions.protocol.read_version_file
 
         def read_version_file(*args: Any) -> Any:
             _signal(workdir, "rank1-polled")  # this rank's poll went past its FAILED check
             return real_read(*args)
 
-        asyncckpt.protocol.read_version_file = read_version_file  # type: ignore[assignment]
+        asyncckpt._versions.protocol.read_version_file = read_version_file  # type: ignore[assignment]
     ckpt.save(2, _rank_state(0, 2))
     got = ckpt.load()  # every rank gets step 2, or every rank raises
     assert (got["rank"], got["step"]) == (0, 2), got

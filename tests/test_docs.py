@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncckpt._config import DEFAULTS
 from asyncckpt.cli import build_parser
-from asyncckpt.config import DEFAULTS
 
 REPO = Path(__file__).resolve().parents[1]
 DOC_NAMES = ("guide.md", "s3.md", "lightning.md", "sharded.md")

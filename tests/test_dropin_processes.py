@@ -41,8 +41,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import asyncckpt
+from asyncckpt._storage import TEMP_MARK, resolve
 from asyncckpt.errors import CheckpointTimeoutError, ConflictError
-from asyncckpt.storage import TEMP_MARK, resolve
 from tests import ranks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def _hold_local_publish(hold: str, gate: str | None, delay: float) -> None:
     ever (the process is to be killed there). The hook patches this process's writer, so the
     writes stay on this process's threads (a writer process would not see it).
     """
-    from asyncckpt.storage import local
+    from asyncckpt._storage import local
 
     if hold != "none":
         os.environ["ASYNCCKPT_WRITER_PROCESSES"] = "0"
@@ -132,7 +132,7 @@ def writer_main(spec_json: str) -> None:
     spec = json.loads(spec_json)
     path, options = spec["path"], spec.get("options")
     if spec.get("host"):  # pretend to run elsewhere: loaders cannot check this pid
-        from asyncckpt import pending
+        from asyncckpt._versions import pending
 
         real = pending.this_machine()
         fake = pending.Machine(spec["host"], real.pid_ns, real.boot)

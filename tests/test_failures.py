@@ -1,7 +1,7 @@
 """Background failures are never lost, never raised twice, and never damage the target.
 
 Faults are injected where a real backend would fail: the local writer's ``open``/``os``
-calls inside ``asyncckpt.storage.local``, and the methods of fsspec's (cached) memory filesystem.
+calls inside ``asyncckpt._storage.local``, and the methods of fsspec's (cached) memory filesystem.
 So the library's own error translation (``OSError`` -> ``StorageError`` chained with
 ``from``) and clean-up run exactly as they would on a full disk or a failing server.
 """
@@ -28,9 +28,9 @@ import pytest
 import torch
 
 import asyncckpt
-import asyncckpt.storage.local
+import asyncckpt._storage.local
+from asyncckpt._storage import TEMP_MARK, is_temp_name
 from asyncckpt.errors import AsyncCkptError, StorageError
-from asyncckpt.storage import TEMP_MARK, is_temp_name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ class _FailingFile:
 
 
 class _OsProxy:
-    """``os`` as seen by ``asyncckpt.storage.local``, with a rename that can fail."""
+    """``os`` as seen by ``asyncckpt._storage.local``, with a rename that can fail."""
 
     def __init__(self, faults: Faults) -> None:
         self._faults = faults
@@ -128,8 +128,8 @@ def faults(
             handle = builtins.open(file, mode, *args, **kwargs)  # noqa: SIM115
             return _FailingFile(handle, f) if _opens_temp_for_writing(file, mode) else handle
 
-        monkeypatch.setattr(asyncckpt.storage.local, "open", local_open, raising=False)
-        monkeypatch.setattr(asyncckpt.storage.local, "os", _OsProxy(f))
+        monkeypatch.setattr(asyncckpt._storage.local, "open", local_open, raising=False)
+        monkeypatch.setattr(asyncckpt._storage.local, "os", _OsProxy(f))
     else:
         f = Faults("memory", memory_root)
         fs = fsspec.filesystem("memory")  # the cached instance that memory:// URLs resolve to
@@ -259,7 +259,7 @@ def test_every_unobserved_failure_is_raised_in_turn() -> None:
     import threading
     import time
 
-    from asyncckpt import api
+    from asyncckpt._api import dropin as api
 
     gate = threading.Event()
 
@@ -387,17 +387,17 @@ _EXIT_SCRIPT = textwrap.dedent(
     import logging, sys, time
     import torch
     import asyncckpt
-    import asyncckpt.writer
+    import asyncckpt._engine.encode
 
     logging.basicConfig(level=logging.INFO)  # the library itself prints nothing
 
-    real = asyncckpt.writer.encode_chunk
+    real = asyncckpt._engine.encode.encode_chunk
 
     def slow(*args, **kwargs):  # keep the save pending when the interpreter exits
         time.sleep(0.2)
         return real(*args, **kwargs)
 
-    asyncckpt.writer.encode_chunk = slow
+    asyncckpt._engine.encode.encode_chunk = slow
     g = torch.Generator().manual_seed(0)
     state = {
         "w": torch.randn(2_000_000, generator=g),

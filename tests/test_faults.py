@@ -22,9 +22,9 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
+from asyncckpt._storage import FsspecStorage, resolve
+from asyncckpt._storage.objectstore import ObjectStorage
 from asyncckpt.errors import AsyncCkptError, CheckpointTimeoutError, StorageError
-from asyncckpt.storage import FsspecStorage, resolve
-from asyncckpt.storage.objectstore import ObjectStorage
 from asyncckpt.testing import (
     FAULT_KINDS,
     S3_OPERATIONS,

@@ -81,7 +81,8 @@ def test_a_forked_child_saves_and_loads_while_the_parents_save_is_in_flight(
     done = _script(
         _PARENT
         + """
-        from asyncckpt import api, workers
+        from asyncckpt._api import dropin as api
+        from asyncckpt import _threads as workers
         from asyncckpt.testing import FaultPlan
 
         inside, go_on = threading.Event(), threading.Event()

@@ -22,9 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
-from asyncckpt.codec import decode_chunk
-from asyncckpt.errors import AsyncCkptError, ChecksumError, FormatError, TruncatedFileError
-from asyncckpt.format import (
+from asyncckpt._format.codec import decode_chunk
+from asyncckpt._format.container import (
     FOOTER_SIZE,
     FORMAT_VERSION,
     HEADER_SIZE,
@@ -47,6 +46,7 @@ from asyncckpt.format import (
     encode_header,
     encode_manifest,
 )
+from asyncckpt.errors import AsyncCkptError, ChecksumError, FormatError, TruncatedFileError
 
 FUZZ = settings(
     max_examples=120,
@@ -434,8 +434,8 @@ def test_chunks_follow_chunk_bytes(
 
 
 def test_writer_never_exceeds_max_chunk_bytes() -> None:
-    from asyncckpt.staging import StagedStorage
-    from asyncckpt.writer import _slices
+    from asyncckpt._engine.encode import _slices
+    from asyncckpt._engine.snapshot import StagedStorage
 
     big = torch.empty(MAX_CHUNK_BYTES + 32, dtype=torch.uint8)  # never touched
     lengths = [len(v) for v, _, _ in _slices([StagedStorage(big, 4, True, "cpu")], 1 << 31)]

@@ -14,9 +14,9 @@ import pytest
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
 
+from asyncckpt._storage import FsspecStorage, Storage, generic, resolve
+from asyncckpt._storage.generic import choose_write_strategy, has_conditional_create
 from asyncckpt.errors import ConflictError, StorageError
-from asyncckpt.storage import FsspecStorage, Storage, generic, resolve
-from asyncckpt.storage.generic import choose_write_strategy, has_conditional_create
 from asyncckpt.testing import StorageConformanceSuite
 
 
@@ -248,7 +248,7 @@ def test_create_falls_back_once_with_a_warning(caplog: pytest.LogCaptureFixture)
     generic._warned.discard(NoCreateFS)
     fs = _fresh(NoCreateFS)
     storage = FsspecStorage(fs)
-    with caplog.at_level(logging.WARNING, logger="asyncckpt.storage.generic"):
+    with caplog.at_level(logging.WARNING, logger="asyncckpt._storage.generic"):
         storage.create_exclusive("/c/a", b"1")
         storage.create_exclusive("/c/b", b"2")
         FsspecStorage(_fresh(NoCreateFS)).create_exclusive("/c/a", b"3")

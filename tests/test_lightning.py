@@ -29,6 +29,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import asyncckpt
+from asyncckpt._storage import is_temp_name
+from asyncckpt._versions.protocol import PENDING_SUFFIX
 from asyncckpt.errors import FormatError, UnsupportedObjectError
 from asyncckpt.lightning import (
     PROJECTION_KEY,
@@ -36,8 +38,6 @@ from asyncckpt.lightning import (
     from_plain,
     to_plain,
 )
-from asyncckpt.protocol import PENDING_SUFFIX
-from asyncckpt.storage import is_temp_name
 
 
 class Mode(enum.Enum):

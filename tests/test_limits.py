@@ -1,7 +1,7 @@
 """What a crafted file can make a reader do: names, sizes and memory, bounded before use.
 
-Files are built with the pure functions of ``asyncckpt.format`` (and DCP metadata by hand),
-so each test says exactly what is crafted.
+Files are built with the pure functions of ``asyncckpt._format.container`` (and DCP metadata
+by hand), so each test says exactly what is crafted.
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ import zstandard
 from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncckpt
-from asyncckpt import Checkpointer, cli, consolidate, sharded_load
-from asyncckpt import reader as reader_module
-from asyncckpt.consolidate import ShardedSource
-from asyncckpt.dcp import Reader, Writer, schema
-from asyncckpt.dcp import reader as dcp_reader
-from asyncckpt.dcp.schema import METADATA_NAME, decode_metadata
-from asyncckpt.errors import FormatError, MemoryBudgetError
-from asyncckpt.format import (
+from asyncckpt import Checkpointer, cli
+from asyncckpt._api import sharded_load
+from asyncckpt._api.sharded_load import _RANK_FILE
+from asyncckpt._convert import consolidate
+from asyncckpt._convert.consolidate import ShardedSource
+from asyncckpt._engine import decode as reader_module
+from asyncckpt._engine.decode import MAX_EXPANSION
+from asyncckpt._format import index as schema
+from asyncckpt._format.container import (
     FOOTER_SIZE,
     Chunk,
     Footer,
@@ -41,9 +42,11 @@ from asyncckpt.format import (
     encode_header,
     encode_manifest,
 )
-from asyncckpt.reader import MAX_EXPANSION
-from asyncckpt.sharded_load import _RANK_FILE
-from asyncckpt.storage import resolve
+from asyncckpt._format.index import METADATA_NAME, decode_metadata
+from asyncckpt._storage import resolve
+from asyncckpt._versions import dcp_reader
+from asyncckpt.dcp import Reader, Writer
+from asyncckpt.errors import FormatError, MemoryBudgetError
 from tests import ranks
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import reader
+from asyncckpt._engine import decode as reader
 
 
 def _model() -> torch.nn.Module:

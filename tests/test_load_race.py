@@ -26,9 +26,10 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import cli, reader
+from asyncckpt import cli
+from asyncckpt._engine import decode as reader
+from asyncckpt._storage import resolve
 from asyncckpt.errors import ChecksumError, FileReplacedError, FormatError
-from asyncckpt.storage import resolve
 from asyncckpt.testing import FaultPlan
 
 REPO = Path(__file__).resolve().parents[1]

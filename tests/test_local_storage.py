@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import asyncckpt
-import asyncckpt.storage.local as local
+import asyncckpt._storage.local as local
+from asyncckpt._storage import LocalStorage, is_temp_name
 from asyncckpt.errors import StorageError
-from asyncckpt.storage import LocalStorage, is_temp_name
 
 MIB = 1 << 20
 

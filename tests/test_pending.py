@@ -1,5 +1,5 @@
-"""Drop-in save markers (``asyncckpt.pending``): the record, the storage methods behind it,
-the publish check, the heartbeat, dead-writer detection and the wait in ``load``.
+"""Drop-in save markers (``asyncckpt._versions.pending``): the record, the storage methods behind
+it, the publish check, the heartbeat, dead-writer detection and the wait in ``load``.
 
 The behaviour across real processes is in ``tests/test_dropin_processes.py``; these tests
 drive the pieces in one process, writing "other writers'" markers by hand.
@@ -20,17 +20,18 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import cli, pending
-from asyncckpt.errors import CheckpointTimeoutError, ConflictError, StorageError
-from asyncckpt.protocol import (
+from asyncckpt import cli
+from asyncckpt._storage import LocalStorage, Storage, resolve
+from asyncckpt._storage.base import TEMP_MARK
+from asyncckpt._versions import pending
+from asyncckpt._versions.protocol import (
     MAX_PENDING_BYTES,
     PendingRecord,
     decode_pending,
     encode_pending,
     encode_record,
 )
-from asyncckpt.storage import LocalStorage, Storage, resolve
-from asyncckpt.storage.base import TEMP_MARK
+from asyncckpt.errors import CheckpointTimeoutError, ConflictError, StorageError
 
 MARKER = ".ackpending"
 
@@ -118,7 +119,7 @@ def test_marker_methods_on_every_backend(tmp_path: Path) -> None:
 def test_the_local_marker_lock_excludes_another_process(tmp_path: Path) -> None:
     path = str(tmp_path / "m.ackpt.ackpending")
     code = (
-        "import sys; from asyncckpt.storage import LocalStorage\n"
+        "import sys; from asyncckpt._storage import LocalStorage\n"
         "with LocalStorage().marker_lock(sys.argv[1]):\n"
         "    print('locked', flush=True); sys.stdin.read()"
     )
@@ -214,7 +215,7 @@ def test_a_save_whose_marker_was_replaced_fails_and_leaves_the_file(
     monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")  # the commit is patched here
     path = tmp_path / "model.ackpt"
     asyncckpt.save({"v": torch.zeros(4)}, path).result()
-    from asyncckpt.storage import local
+    from asyncckpt._storage import local
 
     real = local._LocalWriter.commit
 
@@ -253,7 +254,7 @@ def test_a_marker_that_cannot_be_written_fails_the_handle(
 def test_the_check_runs_in_the_writer_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncckpt.staging import shared_memory_supported
+    from asyncckpt._engine.snapshot import shared_memory_supported
 
     if not shared_memory_supported():
         pytest.skip("the writer process needs memfd")

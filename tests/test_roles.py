@@ -20,9 +20,9 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
+from asyncckpt._storage import resolve
+from asyncckpt._versions.protocol import parse_step, read_version_file
 from asyncckpt.errors import AsyncCkptError, ConflictError, StorageError
-from asyncckpt.protocol import parse_step, read_version_file
-from asyncckpt.storage import resolve
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -187,7 +187,7 @@ def test_load_of_a_file_whose_save_failed_raises_that_failure(
     path = str(tmp_path / "m.ackpt")
     asyncckpt.save(state(1), path).result(timeout=60)
     gate = threading.Event()
-    from asyncckpt import writer_process
+    from asyncckpt._engine import writer_process
 
     real = writer_process.write
 
@@ -221,7 +221,7 @@ def test_commit_failure_while_the_next_save_stages_is_raised_by_wait(
         real_commit(step, files, sizes)
 
     monkeypatch.setattr(ckpt._writer, "commit", commit)
-    import asyncckpt.checkpointer as module
+    import asyncckpt._api.checkpointer as module
 
     real_stage = module.stage
 
@@ -243,7 +243,7 @@ def test_commit_failure_while_the_next_save_stages_is_raised_by_wait(
 EXIT_SCRIPT = """
 import sys, torch, asyncckpt
 from asyncckpt.errors import StorageError
-from asyncckpt import writer_process
+from asyncckpt._engine import writer_process
 def fail(*a, **k):
     raise StorageError(sys.argv[1] + ": injected: no space left on device")
 writer_process.write = fail
@@ -410,7 +410,7 @@ def test_lost_responses_on_the_wire_to_commit_and_version(s3_root: str, s3_serve
 
 def test_a_new_writer_removes_temp_files_of_older_lease_writes(tmp_path: Path) -> None:
     # A writer killed while (re)writing its lease record leaves a temp file in _lease/.
-    from asyncckpt.storage import TEMP_MARK
+    from asyncckpt._storage import TEMP_MARK
 
     root = tmp_path / "ckpt"
     with Checkpointer(root) as first:

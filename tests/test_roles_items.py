@@ -14,10 +14,12 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import config, overlap, reader
+from asyncckpt import _config as config
+from asyncckpt._device import Placement
+from asyncckpt._engine import decode as reader
+from asyncckpt._engine import overlap
+from asyncckpt._format.container import FOOTER_SIZE, decode_footer, encode_footer
 from asyncckpt.errors import ChecksumError, FormatError
-from asyncckpt.format import FOOTER_SIZE, decode_footer, encode_footer
-from asyncckpt.placement import Placement
 
 # -- 1. storages that alias one buffer are de-duplicated by byte range ------------------------
 

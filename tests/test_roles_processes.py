@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from asyncckpt import Checkpointer
-from asyncckpt.protocol import read_version_file
-from asyncckpt.storage import resolve
+from asyncckpt._storage import resolve
+from asyncckpt._versions.protocol import read_version_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 REPO = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ ZOMBIE = (
     COMMON
     + """
 root, where, signal_file = sys.argv[1], sys.argv[2], sys.argv[3]
-from asyncckpt import root_writer
+from asyncckpt._versions import writing as root_writer
 ckpt = Checkpointer(root)
 for step in (1, 2):
     ckpt.save(step, state(step)).result()
@@ -299,7 +299,7 @@ EVALUATOR_OF_STEP = (
     COMMON
     + """
 root, out, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
-from asyncckpt import protocol
+from asyncckpt._versions import protocol
 real = protocol.read_version_file
 def read_version_file(*args):
     open(out + ".polled", "w").close()  # it went past the FAILED check of a poll
@@ -323,7 +323,7 @@ def test_an_evaluator_waits_through_an_earlier_jobs_failed_marker(
 
     import torch
 
-    from asyncckpt.storage import AtomicWriter
+    from asyncckpt._storage import AtomicWriter
 
     root, out = str(tmp_path / "run"), str(tmp_path / "eval")
     old = Checkpointer(root)  # the earlier job: step 1, then a failed save of step 2
@@ -377,7 +377,7 @@ SHARDED_WRITER = (
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from asyncckpt import sharded
+from asyncckpt._api import sharded_save as sharded
 root, who, signal_file, group_file = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 options = json.loads(sys.argv[5]) or None
 dist.init_process_group("gloo", init_method="file://" + group_file, rank=0, world_size=1)

@@ -26,19 +26,19 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
-from asyncckpt.errors import (
-    AsyncCkptError,
-    CheckpointNotFoundError,
-    ConflictError,
-    StorageError,
-)
-from asyncckpt.storage import resolve
-from asyncckpt.storage.objectstore import (
+from asyncckpt._storage import resolve
+from asyncckpt._storage.objectstore import (
     ObjectStorage,
     RetryPolicy,
     classify,
     multipart_etag,
     redact,
+)
+from asyncckpt.errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    ConflictError,
+    StorageError,
 )
 from asyncckpt.testing import Fault, FaultPlan
 from tests.conftest import (
@@ -287,7 +287,7 @@ def test_retries_are_bounded_by_attempts(
 
 def test_retries_are_bounded_by_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """The deadline, driven by a fake clock: no real waiting, no timing in the assertion."""
-    from asyncckpt.storage import objectstore
+    from asyncckpt._storage import objectstore
 
     now = [0.0]
     monkeypatch.setattr(objectstore, "_clock", lambda: now[0])

@@ -38,14 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncckpt import Checkpointer
-from asyncckpt.errors import (
-    CheckpointTimeoutError,
-    ChecksumError,
-    FormatError,
-    IncompleteCheckpointError,
-)
-from asyncckpt.format import HEADER_SIZE
-from asyncckpt.protocol import (
+from asyncckpt._api.sharded_save import Piece, RankMarker, holds_dtensor, metadata_bytes
+from asyncckpt._format.container import HEADER_SIZE
+from asyncckpt._storage import resolve
+from asyncckpt._versions.protocol import (
     SHARDED,
     SINGLE,
     CommitRecord,
@@ -53,8 +49,12 @@ from asyncckpt.protocol import (
     commit_from,
     read_commit,
 )
-from asyncckpt.sharded import Piece, RankMarker, holds_dtensor, metadata_bytes
-from asyncckpt.storage import resolve
+from asyncckpt.errors import (
+    CheckpointTimeoutError,
+    ChecksumError,
+    FormatError,
+    IncompleteCheckpointError,
+)
 from tests import ranks, state_checks
 
 pytestmark = [
@@ -214,7 +214,7 @@ def test_four_ranks_round_trip_bit_exact_with_per_rank_plain_values(four: Path) 
 
 
 def _root(workdir: Path) -> tuple[Any, str]:
-    from asyncckpt.storage import resolve
+    from asyncckpt._storage import resolve
 
     return resolve(str(workdir / "ckpt"), None)
 
@@ -320,7 +320,7 @@ def test_two_ranks_round_trip_then_three(tmp_path: Path) -> None:
 
 
 def _save_then_load_in_writer_processes(rank: int, world: int, workdir: Path, root: str) -> None:
-    from asyncckpt import writer_process
+    from asyncckpt._engine import writer_process
 
     os.environ["ASYNCCKPT_WRITER_PROCESSES"] = "1"
     _save_then_load(rank, world, workdir, root)
@@ -337,7 +337,7 @@ def test_two_ranks_write_their_shards_in_writer_processes(tmp_path: Path) -> Non
 
 
 def _rank_killed_mid_save(rank: int, world: int, workdir: Path) -> None:
-    import asyncckpt.sharded
+    import asyncckpt._api.sharded_save
 
     os.environ["ASYNCCKPT_LEASE_RENEW_MS"] = "100"
     os.environ["ASYNCCKPT_LEASE_EXPIRY_MS"] = "2000"
@@ -352,7 +352,7 @@ def _rank_killed_mid_save(rank: int, world: int, workdir: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # its progress marker exists; its file not
             raise AssertionError("unreachable")
 
-        asyncckpt.sharded.writer_process.write = die  # type: ignore[assignment]
+        asyncckpt._api.sharded_save.writer_process.write = die  # type: ignore[assignment]
     handle = ckpt.save(2, _state(model, optim, 2.0, rank))
     if rank == 0:
         with pytest.raises(CheckpointTimeoutError, match="rank 1 has not recorded progress"):
@@ -427,8 +427,8 @@ def _retire_on_first_call(root: Path, stash: Path, real: Any) -> Any:
     """Wrap ``real``: its first call first does what a trainer with ``keep_last=1`` does to
     ``root`` while a reader loads step 1: commit step 2 (put back from ``stash``), then
     retire step 1 (``COMMIT`` first, as retention does)."""
-    from asyncckpt.protocol import delete_version
-    from asyncckpt.storage import resolve
+    from asyncckpt._storage import resolve
+    from asyncckpt._versions.protocol import delete_version
 
     calls: list[int] = []
 
@@ -450,14 +450,14 @@ _RETIRE_AT = ["step_dir", "_dcp_load", "open_file"]
 def _root_at_step_1(four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str) -> Path:
     """A copy of the 4-rank root whose step 2 is not there yet, and a hook in the sharded
     load at ``at`` that commits step 2 and retires step 1 when it is first reached."""
-    import asyncckpt.sharded_load
+    import asyncckpt._api.sharded_load
 
     root, stash = tmp_path / "ckpt", tmp_path / "stash"
     shutil.copytree(four / "ckpt", root)
     (root / "2").rename(stash)  # VERSION names 2, not committed: latest() falls back to 1
     assert Checkpointer(root).latest() == 1
-    real = getattr(asyncckpt.sharded_load, at)
-    monkeypatch.setattr(asyncckpt.sharded_load, at, _retire_on_first_call(root, stash, real))
+    real = getattr(asyncckpt._api.sharded_load, at)
+    monkeypatch.setattr(asyncckpt._api.sharded_load, at, _retire_on_first_call(root, stash, real))
     return root
 
 
@@ -466,8 +466,8 @@ def _root_at_step_1(four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 def test_a_newest_sharded_load_follows_when_retention_deletes_its_version(
     four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str
 ) -> None:
-    from asyncckpt import sharded_load
-    from asyncckpt.placement import Placement
+    from asyncckpt._api import sharded_load
+    from asyncckpt._device import Placement
 
     root = _root_at_step_1(four, tmp_path, monkeypatch, at)
     ckpt = Checkpointer(root)
@@ -493,7 +493,7 @@ def test_a_version_retired_before_its_commit_is_read_is_followed(
 ) -> None:
     # The evaluator picks step 1; retention retires it before its COMMIT is read: the load
     # moves to the newest version, which is sharded (a single-file read would refuse it).
-    from asyncckpt.root_reader import RootReader
+    from asyncckpt._versions.reading import RootReader
 
     root, stash = tmp_path / "ckpt", tmp_path / "stash"
     shutil.copytree(four / "ckpt", root)
@@ -518,8 +518,8 @@ def test_an_explicit_sharded_step_deleted_while_loading_is_an_error(
 
 @pytest.mark.timeout(300)
 def test_a_damaged_version_is_not_mistaken_for_a_retired_one(four: Path, tmp_path: Path) -> None:
-    from asyncckpt import sharded_load
-    from asyncckpt.placement import Placement
+    from asyncckpt._api import sharded_load
+    from asyncckpt._device import Placement
 
     shutil.copytree(four / "ckpt", tmp_path / "ckpt")
     _rank_files(tmp_path / "ckpt" / "1")[2].unlink()  # COMMIT stays: not retention's work
@@ -534,7 +534,7 @@ def test_a_damaged_version_is_not_mistaken_for_a_retired_one(four: Path, tmp_pat
 
 
 def _rank_dies_before_its_first_beat(rank: int, world: int, workdir: Path, how: str) -> None:
-    import asyncckpt.sharded
+    import asyncckpt._api.sharded_save
 
     os.environ["ASYNCCKPT_LEASE_RENEW_MS"] = "100"
     os.environ["ASYNCCKPT_LEASE_EXPIRY_MS"] = "2000"
@@ -551,7 +551,7 @@ def _rank_dies_before_its_first_beat(rank: int, world: int, workdir: Path, how: 
         def die(*args: Any, **kwargs: Any) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # in save(), before any marker
 
-        asyncckpt.sharded._Heartbeat.start = die  # type: ignore[method-assign]
+        asyncckpt._api.sharded_save._Heartbeat.start = die  # type: ignore[method-assign]
     handle = ckpt.save(2, state)
     if rank == 0:
         # Well before the group's timeout (120 s): lease_expiry_ms after the writer started.
@@ -581,8 +581,8 @@ def test_a_rank_dead_before_its_first_marker_fails_the_save_after_lease_expiry(
 
 def _writer_job(tmp_path: Path, world: int) -> Any:
     """The writer rank's (rank 0's) job of step 5, its own completion marker written."""
-    from asyncckpt.sharded import DONE, RankJob
-    from asyncckpt.storage import resolve
+    from asyncckpt._api.sharded_save import DONE, RankJob
+    from asyncckpt._storage import resolve
 
     storage, root = resolve(str(tmp_path), None)
     job = RankJob(storage, root, 5, _ATTEMPT, 0, world, None, [], None)  # type: ignore[arg-type]
@@ -592,8 +592,8 @@ def _writer_job(tmp_path: Path, world: int) -> Any:
 
 
 def _write_done(job: Any, rank: int) -> None:
-    from asyncckpt.protocol import data_file_name
-    from asyncckpt.sharded import DONE
+    from asyncckpt._api.sharded_save import DONE
+    from asyncckpt._versions.protocol import data_file_name
 
     marker = RankMarker(rank, data_file_name(rank, _ATTEMPT), 0, ())
     job.storage.write_bytes(job.path(DONE, rank), marker.encode(job.step, _ATTEMPT))
@@ -602,7 +602,7 @@ def _write_done(job: Any, rank: int) -> None:
 def test_the_writer_gives_up_on_a_rank_that_never_writes_a_marker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncckpt.sharded import await_markers
+    from asyncckpt._api.sharded_save import await_markers
 
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "500")
@@ -618,7 +618,7 @@ def test_a_rank_slow_to_start_is_not_declared_dead(
     import threading
     import time
 
-    from asyncckpt.sharded import _Heartbeat, await_markers
+    from asyncckpt._api.sharded_save import _Heartbeat, await_markers
 
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "1500")
@@ -678,7 +678,7 @@ def test_two_ranks_round_trip_on_s3(tmp_path: Path, s3_root: str, s3_server: Any
     assert commit is not None and commit.kind == SHARDED and len(commit.files) == 3
     loaded = ckpt.load()  # one process, no group: the consolidated state
     state_checks.assert_same(loaded, torch.load(tmp_path / "full.pt", weights_only=True))
-    from asyncckpt.storage import resolve
+    from asyncckpt._storage import resolve
 
     storage, path = resolve(f"{s3_root}/2", options)
     names = storage.list_dir(path)

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import api, staging, writer_process
+from asyncckpt._api import dropin as api
+from asyncckpt._engine import snapshot as staging
+from asyncckpt._engine import writer_process
+from asyncckpt._engine.snapshot import ArenaPool
 from asyncckpt.errors import StorageError
-from asyncckpt.staging import ArenaPool
 
 
 def _rss_bytes() -> int:
@@ -177,7 +179,7 @@ def test_write_starts_before_the_copy_ends_and_save_returns_a_full_snapshot(
 def test_chunks_are_encoded_during_the_copy_only_with_enough_cpus(
     tmp_path: Path, monkeypatch: Any, min_cpus: str, pipelined: bool
 ) -> None:
-    from asyncckpt import writer
+    from asyncckpt._engine import encode as writer
 
     monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "0")  # the pipeline runs on threads
     monkeypatch.setenv("ASYNCCKPT_PIPELINE_MIN_CPUS", min_cpus)
@@ -310,7 +312,7 @@ def test_acquire_waits_for_a_reservation_in_progress(monkeypatch: Any) -> None:
 def test_api_reserve_sizes_the_arena_from_the_state() -> None:
     state = {"a": torch.zeros(1000), "b": torch.zeros(3)}
     assert (
-        staging.arena_bytes(asyncckpt.tree.flatten(state)) == 4032 + 64
+        staging.arena_bytes(asyncckpt._format.tree.flatten(state)) == 4032 + 64
     )  # each storage cache-line aligned
     thread = api.reserve(state)
     if thread is not None:

@@ -14,8 +14,8 @@ from typing import Any
 import fsspec
 import pytest
 
-from asyncckpt.storage import FsspecStorage, LocalStorage, Storage, resolve
-from asyncckpt.storage.objectstore import ObjectStorage
+from asyncckpt._storage import FsspecStorage, LocalStorage, Storage, resolve
+from asyncckpt._storage.objectstore import ObjectStorage
 from asyncckpt.testing import FaultyFileSystem, StorageConformanceSuite
 from tests.conftest import S3_TEST_PART_BYTES
 

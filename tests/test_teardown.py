@@ -24,7 +24,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from asyncckpt import sharded, workers
+from asyncckpt import _threads as workers
+from asyncckpt._api import sharded_save as sharded
 
 REPO = Path(__file__).resolve().parents[1]
 WORLD = 3

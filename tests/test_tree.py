@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncckpt._format.container import MAX_DEPTH
+from asyncckpt._format.tree import dtype_name, flatten, torch_dtype, unflatten
 from asyncckpt.errors import AsyncCkptError, FormatError, UnsupportedObjectError
-from asyncckpt.format import MAX_DEPTH
-from asyncckpt.tree import dtype_name, flatten, torch_dtype, unflatten
 
 
 def _same(a: Any, b: Any) -> bool:

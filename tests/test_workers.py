@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import config, workers
+from asyncckpt import _config as config
+from asyncckpt import _threads as workers
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="per-thread niceness is a Linux feature"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import writer
+from asyncckpt._engine import encode as writer
 
 
 def _slice(n: int) -> tuple[memoryview, int, bool]:

@@ -26,11 +26,13 @@ from fsspec.implementations.dirfs import DirFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 import asyncckpt
-from asyncckpt import Checkpointer, config, writer_process
+from asyncckpt import Checkpointer
+from asyncckpt import _config as config
+from asyncckpt._engine import writer_process
+from asyncckpt._engine.snapshot import shared_memory_supported, shared_regions
+from asyncckpt._format.container import FOOTER_SIZE, decode_footer, decode_manifest
+from asyncckpt._storage.base import TEMP_MARK
 from asyncckpt.errors import StorageError, WriterProcessError
-from asyncckpt.format import FOOTER_SIZE, decode_footer, decode_manifest
-from asyncckpt.staging import shared_memory_supported, shared_regions
-from asyncckpt.storage.base import TEMP_MARK
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -277,7 +279,7 @@ def test_a_memory_filesystem_stays_on_threads(
     in_process: None, memory_root: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     before = jobs_so_far()
-    with caplog.at_level(logging.WARNING, logger="asyncckpt.writer_process"):
+    with caplog.at_level(logging.WARNING, logger="asyncckpt._engine.writer_process"):
         writer_process._warned.clear()
         asyncckpt.save(state(4.0), f"{memory_root}/x.ackpt").result(timeout=120)
     assert asyncckpt.load(f"{memory_root}/x.ackpt")["meta"]["value"] == 4.0
@@ -292,7 +294,7 @@ def test_a_storage_that_cannot_be_pickled_stays_on_threads(
 
     url = f"faulty::file://{tmp_path / 'x.ackpt'}"
     options = {"faulty": {"plan": FaultPlan([])}}  # holds a lock: it cannot be pickled
-    with caplog.at_level(logging.WARNING, logger="asyncckpt.writer_process"):
+    with caplog.at_level(logging.WARNING, logger="asyncckpt._engine.writer_process"):
         writer_process._warned.clear()
         asyncckpt.save(state(5.0), url, storage_options=options).result(timeout=120)
     assert asyncckpt.load(tmp_path / "x.ackpt")["meta"]["value"] == 5.0
@@ -356,7 +358,7 @@ def test_a_forked_worker_neither_uses_nor_breaks_the_writer_process(tmp_path: Pa
     done = _script(
         """
         import os, sys, torch, asyncckpt
-        from asyncckpt import writer_process
+        from asyncckpt._engine import writer_process
         asyncckpt.save({"w": torch.ones(10)}, sys.argv[1] + "/a.ackpt").result()
         pid = writer_process.current().pid
         worker = os.fork()  # as a DataLoader worker is forked, lives, and exits
@@ -379,7 +381,7 @@ def test_a_script_that_saves_and_exits_leaves_a_whole_file_and_no_child(tmp_path
     done = _script(
         """
         import sys, torch, asyncckpt
-        from asyncckpt import writer_process
+        from asyncckpt._engine import writer_process
         asyncckpt.save({"w": torch.arange(1 << 20)}, sys.argv[1] + "/a.ackpt")
         print(writer_process.start().result().pid, flush=True)
         """,
@@ -432,7 +434,7 @@ def test_the_child_writes_without_importing_torch(tmp_path: Path) -> None:
         """
         import sys, torch, asyncckpt
         from pathlib import Path
-        from asyncckpt import writer_process
+        from asyncckpt._engine import writer_process
         state = {"w": torch.randn(1 << 18), "ids": torch.arange(100), "step": 3}
         asyncckpt.save(state, sys.argv[1] + "/a.ackpt").result()
         child = writer_process.current()

@@ -20,12 +20,13 @@ stderr.
 Modules, each importing only those listed after it: :mod:`~asyncckpt.cli.main` (parser and
 entry point); one per command group (:mod:`~asyncckpt.cli.ls`, :mod:`~asyncckpt.cli.inspect`,
 :mod:`~asyncckpt.cli.verify`, :mod:`~asyncckpt.cli.gc`, :mod:`~asyncckpt.cli.convert`,
-:mod:`~asyncckpt.cli.bench`); the file formats (:mod:`~asyncckpt.cli.safetensors_io`,
+:mod:`~asyncckpt.cli.bench`); the file formats (:mod:`~asyncckpt._convert.safetensors`,
 :mod:`~asyncckpt.cli.formats`); and :mod:`~asyncckpt.cli.common` (errors, options, output,
 locating checkpoints).
 """
 
-from .common import (
+from asyncckpt._convert.safetensors import SafetensorsError, read_safetensors, write_safetensors
+from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -37,10 +38,9 @@ from .common import (
     parse_storage_options,
     plural,
 )
-from .formats import FORMATS, format_of, load_ackpt, load_torch, save_ackpt, save_torch
-from .main import build_parser, main
-from .safetensors_io import SafetensorsError, read_safetensors, write_safetensors
-from .verify import BadChunk, FileReport, verify_file
+from asyncckpt.cli.formats import FORMATS, format_of, load_ackpt, load_torch, save_ackpt, save_torch
+from asyncckpt.cli.main import build_parser, main
+from asyncckpt.cli.verify import BadChunk, FileReport, verify_file
 
 __all__ = [
     "EXIT_FAILURE",

@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from ..errors import AsyncCkptError
-from ..progress import Progress, format_bytes
-from ..storage import Storage, resolve
-from .common import (
+from asyncckpt._progress import Progress, format_bytes
+from asyncckpt._storage import Storage, resolve
+from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
     Subparsers,
@@ -31,7 +30,8 @@ from .common import (
     table,
     threads,
 )
-from .formats import load_torch, save_torch
+from asyncckpt.cli.formats import load_torch, save_torch
+from asyncckpt.errors import AsyncCkptError
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -119,7 +119,7 @@ class _Bench:
 
     def one_round(self, bar: Progress, label: str, buffers: list[torch.Tensor]) -> None:
         """Time each operation once."""
-        from .. import api
+        from asyncckpt._api import dropin as api
 
         ackpt_url = _url_join(self.folder_url, "state.ackpt")
         pt = FileRef(self.storage, self.storage.join(self.folder, "state.pt"))
@@ -150,7 +150,7 @@ class _Bench:
 
     def run(self) -> None:
         """All rounds, then the folder is removed (unless ``--keep``)."""
-        from .. import api
+        from asyncckpt._api import dropin as api
 
         buffers = [torch.empty_like(t) for t in self.state.values()]
         for buf, t in zip(buffers, self.state.values()):  # fault the pages in before timing

@@ -18,15 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
-from .. import config, pending
-from ..errors import (
-    AsyncCkptError,
-    CheckpointNotFoundError,
-    FormatError,
-    IncompleteCheckpointError,
-)
-from ..progress import Progress
-from ..protocol import (
+from asyncckpt import _config as config
+from asyncckpt._engine.decode import OpenedFile, open_file
+from asyncckpt._format.tree import unflatten
+from asyncckpt._progress import Progress
+from asyncckpt._storage import LocalStorage, Storage, resolve
+from asyncckpt._versions import pending
+from asyncckpt._versions.protocol import (
     COMMIT_FILE,
     FAILED_FILE,
     committed_steps,
@@ -36,9 +34,12 @@ from ..protocol import (
     read_commit_strict,
     step_dir,
 )
-from ..reader import OpenedFile, open_file
-from ..storage import LocalStorage, Storage, resolve
-from ..tree import unflatten
+from asyncckpt.errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    FormatError,
+    IncompleteCheckpointError,
+)
 
 log = logging.getLogger(__name__)
 

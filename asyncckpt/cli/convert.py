@@ -7,21 +7,28 @@ from typing import Any
 
 import torch
 
-from ..api import write_options
-from ..consolidate import (
+from asyncckpt._api.dropin import write_options
+from asyncckpt._convert.consolidate import (
     ShardedSource,
     materialize_all,
     write_ackpt_stream,
     write_safetensors_stream,
 )
-from ..dcp.schema import METADATA_NAME
-from ..progress import format_bytes
-from ..protocol import SHARDED, latest_step, read_commit, step_dir
-from ..reader import Budget
-from ..storage import Storage, resolve
-from ..tree import child_path
-from ..writer import abort_strays
-from .common import (
+from asyncckpt._convert.safetensors import (
+    SafetensorsError,
+    _metadata,
+    flat_tensors,
+    read_safetensors,
+    write_safetensors,
+)
+from asyncckpt._engine.decode import Budget
+from asyncckpt._engine.encode import abort_strays
+from asyncckpt._format.index import METADATA_NAME
+from asyncckpt._format.tree import child_path
+from asyncckpt._progress import format_bytes
+from asyncckpt._storage import Storage, resolve
+from asyncckpt._versions.protocol import SHARDED, latest_step, read_commit, step_dir
+from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
     RootRef,
@@ -37,13 +44,14 @@ from .common import (
     progress,
     single_file,
 )
-from .formats import FORMATS, format_of, load_ackpt, load_torch, save_ackpt, save_torch, sniff
-from .safetensors_io import (
-    SafetensorsError,
-    _metadata,
-    flat_tensors,
-    read_safetensors,
-    write_safetensors,
+from asyncckpt.cli.formats import (
+    FORMATS,
+    format_of,
+    load_ackpt,
+    load_torch,
+    save_ackpt,
+    save_torch,
+    sniff,
 )
 
 
@@ -254,7 +262,7 @@ def _convert_sharded(
     args: argparse.Namespace, src: ShardedSource, dst_format: str, storage: Storage, path: str
 ) -> int:
     """Consolidate a sharded checkpoint into one file, tensor by tensor (see
-    :mod:`asyncckpt.consolidate`)."""
+    :mod:`asyncckpt._convert.consolidate`)."""
     tree = select(src.skeleton, args.key, src.name)
     count, nbytes, largest = src.raw_bytes(tree)
     if dst_format == "torch":  # torch.save pickles one object: all of it is built first

@@ -1,6 +1,6 @@
 """Checkpoint file formats the command line reads and writes: which format a file is, and
 ``torch.save`` and asyncckpt files in and out (safetensors is in
-:mod:`asyncckpt.cli.safetensors_io`).
+:mod:`asyncckpt._convert.safetensors`).
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from typing import IO, Any, TypeVar, cast
 import numpy as np
 import torch
 
-from ..api import stage, write_options
-from ..errors import AsyncCkptError, FormatError
-from ..format import MAGIC
-from ..placement import Placement
-from ..reader import Budget, OpenedFile, materialize, read_file
-from ..storage import AtomicWriter, LocalStorage, ReadHandle, Storage
-from ..writer import write_snapshot
-from .common import FileRef, UsageError, threads
+from asyncckpt._api.dropin import stage, write_options
+from asyncckpt._device import Placement
+from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
+from asyncckpt._engine.encode import write_snapshot
+from asyncckpt._format.container import MAGIC
+from asyncckpt._storage import AtomicWriter, LocalStorage, ReadHandle, Storage
+from asyncckpt.cli.common import FileRef, UsageError, threads
+from asyncckpt.errors import AsyncCkptError, FormatError
 
 #: Checkpoint formats ``convert`` knows, and the file extensions that select them.
 FORMATS: dict[str, tuple[str, ...]] = {
@@ -217,7 +217,7 @@ class RangeReader(io.RawIOBase):
 
     Example:
         >>> import fsspec, io
-        >>> from asyncckpt.storage import resolve
+        >>> from asyncckpt._storage import resolve
         >>> fsspec.filesystem("memory").pipe_file("/rr/x", b"0123456789")
         >>> storage, path = resolve("memory://rr/x", None)
         >>> f = io.BufferedReader(RangeReader(storage, path))

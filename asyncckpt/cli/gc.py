@@ -1,7 +1,7 @@
 """``asyncckpt gc ROOT --keep-last N``: retention, as the Checkpointer applies it.
 
-What goes is decided by :func:`asyncckpt.protocol.deletion_plan`, the rule the writer's
-retention and recovery use, from the same listing (:func:`asyncckpt.protocol.list_steps`).
+What goes is decided by :func:`asyncckpt._versions.protocol.deletion_plan`, the rule the writer's
+retention and recovery use, from the same listing (:func:`asyncckpt._versions.protocol.list_steps`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..progress import format_bytes
-from ..protocol import (
+from asyncckpt._progress import format_bytes
+from asyncckpt._storage import Storage, is_temp_name
+from asyncckpt._versions.protocol import (
     UNREADABLE,
     RetentionPolicy,
     StepEntry,
@@ -19,8 +20,7 @@ from ..protocol import (
     list_steps,
     read_version_file,
 )
-from ..storage import Storage, is_temp_name
-from .common import (
+from asyncckpt.cli.common import (
     EXIT_OK,
     Subparsers,
     UsageError,

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from ..format import DTYPE_ITEMSIZE, FORMAT_VERSION, Manifest
-from ..progress import format_bytes
-from ..reader import Budget
-from ..tree import child_path
-from .common import (
+from asyncckpt._engine.decode import Budget
+from asyncckpt._format.container import DTYPE_ITEMSIZE, FORMAT_VERSION, Manifest
+from asyncckpt._format.tree import child_path
+from asyncckpt._progress import format_bytes
+from asyncckpt.cli.common import (
     EXIT_OK,
     DataRef,
     Subparsers,
@@ -28,7 +28,7 @@ from .common import (
     single_file,
     table,
 )
-from .formats import read_ackpt
+from asyncckpt.cli.formats import read_ackpt
 
 
 def add_parser(sub: Subparsers) -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..progress import format_bytes
-from ..protocol import latest_step, read_version_file, step_dirs
-from ..storage import is_temp_name
-from .common import (
+from asyncckpt._progress import format_bytes
+from asyncckpt._storage import is_temp_name
+from asyncckpt._versions.protocol import latest_step, read_version_file, step_dirs
+from asyncckpt.cli.common import (
     EXIT_OK,
     Subparsers,
     emit,

@@ -14,10 +14,9 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from .._version import __version__
-from ..errors import AsyncCkptError
-from . import bench, convert, gc, inspect, ls, verify
-from .common import (
+from asyncckpt._version import __version__
+from asyncckpt.cli import bench, convert, gc, inspect, ls, verify
+from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
@@ -28,6 +27,7 @@ from .common import (
     log,
     parse_storage_options,
 )
+from asyncckpt.errors import AsyncCkptError
 
 #: The subcommands, in the order ``--help`` lists them.
 COMMANDS = (ls, inspect, verify, gc, convert, bench)

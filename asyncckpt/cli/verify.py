@@ -10,19 +10,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..codec import checksum, decode_chunk
-from ..errors import (
-    AsyncCkptError,
-    CheckpointNotFoundError,
-    FileReplacedError,
-    FormatError,
-    MemoryBudgetError,
-)
-from ..progress import format_bytes
-from ..protocol import committed_steps, read_version_file, step_dirs
-from ..reader import Budget, OpenedFile, read_file
-from ..storage import Storage
-from .common import (
+from asyncckpt._engine.decode import Budget, OpenedFile, read_file
+from asyncckpt._format.codec import checksum, decode_chunk
+from asyncckpt._progress import format_bytes
+from asyncckpt._storage import Storage
+from asyncckpt._versions.protocol import committed_steps, read_version_file, step_dirs
+from asyncckpt.cli.common import (
     EXIT_OK,
     CommandFailed,
     FileRef,
@@ -41,8 +34,15 @@ from .common import (
     plural,
     progress,
 )
-from .common import threads as _default_threads
-from .formats import reject_other_format
+from asyncckpt.cli.common import threads as _default_threads
+from asyncckpt.cli.formats import reject_other_format
+from asyncckpt.errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    FileReplacedError,
+    FormatError,
+    MemoryBudgetError,
+)
 
 #: How many bytes of chunks ``verify_file`` holds at once, at most (or one chunk if larger).
 _VERIFY_BUDGET = 512 << 20
@@ -215,7 +215,7 @@ def verify_file(
 
     Example:
         >>> import torch, asyncckpt
-        >>> from asyncckpt.storage import resolve
+        >>> from asyncckpt._storage import resolve
         >>> _ = asyncckpt.save({"w": torch.ones(3)}, "memory://v/one.ackpt").result()
         >>> verify_file(*resolve("memory://v/one.ackpt", None)).ok
         True

@@ -12,8 +12,8 @@ every rank's file is durable. Loading never unpickles the metadata and verifies 
 it reads. ``docs/sharded.md`` describes the layout and the commit rule.
 """
 
-from .reader import Reader
-from .schema import METADATA_NAME, ItemLocation
-from .writer import Writer
+from asyncckpt._format.index import METADATA_NAME, ItemLocation
+from asyncckpt._versions.dcp_reader import Reader
+from asyncckpt.dcp.writer import Writer
 
 __all__ = ["METADATA_NAME", "ItemLocation", "Reader", "Writer"]

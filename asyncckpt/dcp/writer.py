@@ -33,22 +33,22 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import config
-from ..api import write_options
-from ..errors import AsyncCkptError, ConflictError, IncompleteCheckpointError
-from ..format import TensorEntry
-from ..staging import ArenaPool, DeviceCopies, Snapshot, StagedStorage
-from ..tree import dtype_name
-from ..workers import pool
-from ..writer import write_snapshot
-from .location import CheckpointLocation
-from .schema import (
+from asyncckpt import _config as config
+from asyncckpt._api.dropin import write_options
+from asyncckpt._engine.encode import write_snapshot
+from asyncckpt._engine.snapshot import ArenaPool, DeviceCopies, Snapshot, StagedStorage
+from asyncckpt._format.container import TensorEntry
+from asyncckpt._format.index import (
     ItemLocation,
     data_file_name,
     encode_metadata,
     is_data_file_name,
     item_key,
 )
+from asyncckpt._format.tree import dtype_name
+from asyncckpt._threads import pool
+from asyncckpt._versions.dcp_location import CheckpointLocation
+from asyncckpt.errors import AsyncCkptError, ConflictError, IncompleteCheckpointError
 
 #: The version of DCP's metadata this writer produces (the one FileSystemWriter records).
 DCP_VERSION = "1.0.0"

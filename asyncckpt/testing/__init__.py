@@ -10,7 +10,7 @@ Usable from any project's tests:
   and :class:`SeaweedServer`; and :class:`FaultProxy`, an HTTP proxy in front of either
   that holds requests or loses their responses on the wire.
 * :mod:`~asyncckpt.testing.conformance` — :class:`StorageConformanceSuite`, the tests
-  every :class:`~asyncckpt.storage.Storage` backend passes.
+  every :class:`~asyncckpt._storage.Storage` backend passes.
 
 Modules depend downwards only: ``conformance`` and ``servers`` do not import each other,
 and ``faults`` imports neither.
@@ -24,8 +24,12 @@ Example:
 
 from __future__ import annotations
 
-from .conformance import StorageConformanceSuite
-from .faults import (
+import contextlib
+
+import fsspec
+
+from asyncckpt.testing.conformance import StorageConformanceSuite
+from asyncckpt.testing.faults import (
     FAULT_KINDS,
     S3_OPERATIONS,
     TRANSIENT_KINDS,
@@ -36,7 +40,7 @@ from .faults import (
     MemoryS3FileSystem,
     random_faults,
 )
-from .servers import (
+from asyncckpt.testing.servers import (
     FAKE_ACCESS_KEY,
     FAKE_SECRET_KEY,
     FaultProxy,
@@ -69,3 +73,9 @@ __all__ = [
     "find_weed",
     "random_faults",
 ]
+
+# The test filesystems are fsspec protocols only where asyncckpt.testing is imported (a
+# writer process unpickling one imports it too), not for every user of the package.
+for _name, _cls in (("faulty", FaultyFileSystem), ("s3mem", MemoryS3FileSystem)):
+    with contextlib.suppress(ValueError):
+        fsspec.register_implementation(_name, _cls)

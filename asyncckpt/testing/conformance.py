@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from ..errors import CheckpointNotFoundError, ConflictError, FileReplacedError, FormatError
-from ..storage import Storage
+from asyncckpt._storage import Storage
+from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FileReplacedError, FormatError
 
 __all__ = ["StorageConformanceSuite"]
 
@@ -38,7 +38,7 @@ def _raises(kind: type[BaseException] | tuple[type[BaseException], ...]) -> Iter
 
 
 class StorageConformanceSuite:
-    """Behaviour every :class:`~asyncckpt.storage.Storage` backend must have.
+    """Behaviour every :class:`~asyncckpt._storage.Storage` backend must have.
 
     Subclass it in a ``test_*.py`` module and define a ``storage_root`` fixture that returns
     ``(storage, root)``: a backend and an empty directory (prefix) in it, unique per test.

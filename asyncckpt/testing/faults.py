@@ -13,7 +13,7 @@
 
   Operation names are the wrapped filesystem's method names (``open``, ``write``,
   ``close``, ``cat_file``, ``pipe_file``, ``mv``, ``ls`` ...) and, for S3, the S3 API call
-  names that :class:`~asyncckpt.storage.objectstore.ObjectStorage` issues (``put_object``,
+  names that :class:`~asyncckpt._storage.objectstore.ObjectStorage` issues (``put_object``,
   ``create_multipart_upload``, ``upload_part``, ``complete_multipart_upload``,
   ``abort_multipart_upload``, ``head_object``, ``list_objects_v2``, ``delete_objects`` ...;
   ranged reads are ``cat_file``).
@@ -41,7 +41,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.chained import ChainedFileSystem
 
-from ..storage.objectstore import is_object_store, ranged_get
+from asyncckpt._storage.objectstore import is_object_store, ranged_get
 
 __all__ = [
     "FAULT_KINDS",
@@ -70,7 +70,7 @@ FAULT_KINDS = (
 #: Kinds a well-behaved client retries.
 TRANSIENT_KINDS = ("slowdown", "server-error", "reset", "timeout", "truncate", "lost-response")
 
-#: The S3 calls :class:`~asyncckpt.storage.objectstore.ObjectStorage` makes, plus ranged reads.
+#: The S3 calls :class:`~asyncckpt._storage.objectstore.ObjectStorage` makes, plus ranged reads.
 S3_OPERATIONS = (
     "put_object",
     "create_multipart_upload",
@@ -555,7 +555,7 @@ def _s3_error(code: str, status: int, message: str, op: str, **extra: str) -> Ba
 
 
 class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
-    """The S3 calls :class:`~asyncckpt.storage.objectstore.ObjectStorage` makes, served from memory.
+    """The S3 calls :class:`~asyncckpt._storage.objectstore.ObjectStorage` makes, from memory.
 
     For simulations, not for tests of S3 behaviour (use :class:`MotoServer` for those): put
     it behind a :class:`FaultyFileSystem` to model a link's latency and bandwidth without a

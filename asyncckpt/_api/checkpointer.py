@@ -1,0 +1,685 @@
+"""``Checkpointer``: versioned, multi-rank checkpoints under one root.
+
+Replaces "save on rank 0, ``dist.barrier()``, load with ``map_location``": the writer rank
+saves in the background; ``load`` on any rank returns only committed versions, placed on the
+loading rank's own device, and no rank sits in a collective while a write is in progress
+(the one collective, a broadcast of a step number, happens before any waiting).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncckpt._api import sharded_load
+from asyncckpt._api import sharded_save as sharded
+from asyncckpt._api.dropin import (
+    SaveHandle,
+    completed_handle,
+    raise_unobserved_failure,
+    reserve,
+    stage,
+    stage_and_submit,
+    write_options,
+)
+from asyncckpt._device import MapLocation, Placement
+from asyncckpt._engine import overlap, writer_process
+from asyncckpt._engine.decode import Budget
+from asyncckpt._engine.encode import WriteOptions
+from asyncckpt._engine.snapshot import Snapshot
+from asyncckpt._format.codec import check_compression
+from asyncckpt._storage import resolve
+from asyncckpt._versions.protocol import SHARDED, data_file_name, read_commit, step_dir
+from asyncckpt._versions.reading import RootReader
+from asyncckpt._versions.writing import FencedError, RootWriter
+from asyncckpt.errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    ConflictError,
+    FormatError,
+    IncompleteCheckpointError,
+    StorageError,
+)
+
+log = logging.getLogger(__name__)
+
+#: Errors a collective load can report from the writer rank to the others, by index.
+_COLLECTIVE_ERRORS: tuple[type[AsyncCkptError], ...] = (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    StorageError,
+    FormatError,
+    ConflictError,
+    IncompleteCheckpointError,
+    CheckpointTimeoutError,
+)
+_NO_STEP = -1
+
+
+class Checkpointer:
+    """Versioned checkpoints of a training run under ``root``, safe across ranks and jobs.
+
+    Constructing one, :meth:`latest`, :meth:`versions` and :meth:`load` never change
+    anything under the root, on any rank: any number of readers (an evaluator polling the
+    root, a notebook) can run beside the job that saves. The first :meth:`save` takes the
+    root's writer lease, taking it over from any earlier writer, which is fenced from then
+    on (its later commits fail with :class:`~asyncckpt.errors.ConflictError`).
+
+    Args:
+        root: local directory or fsspec URL holding one directory per step.
+        keep_last: keep only the newest N committed versions (None keeps all). Older ones
+            are deleted only after a newer one is committed; the version file's is never.
+        compression: ``"auto"`` (default), ``"zstd"`` or ``"none"``, as for
+            :func:`asyncckpt.save`.
+        storage_options: keyword arguments for the fsspec filesystem of a URL.
+        process_group: the group whose ranks share this root (default: the default group,
+            when ``torch.distributed`` is initialized).
+        writer_rank: the rank (within the group) that writes; other ranks only load.
+        overlap: let ``save`` return once device-to-host copies are *queued*, so they
+            overlap the next forward and backward; call :meth:`protect` on the optimizer and
+            the model so their next ``step()``/forward waits for the copies. Without CUDA
+            this changes nothing.
+        read_only: a reader: :meth:`save` raises at once.
+
+    Raises:
+        ValueError: a bad ``keep_last`` or ``compression``.
+        StorageError: the root's URL cannot be resolved.
+
+    Example:
+        >>> import torch, asyncckpt, tempfile
+        >>> with asyncckpt.Checkpointer(tempfile.mkdtemp(), keep_last=2) as ckpt:
+        ...     for step in (10, 20, 30):
+        ...         _ = ckpt.save(step, {"w": torch.full((2,), step)})
+        ...     ckpt.wait()
+        ...     print(ckpt.versions(), ckpt.load()["w"].tolist())
+        [20, 30] [30, 30]
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int | None = None,
+        compression: str = "auto",
+        storage_options: dict[str, Any] | None = None,
+        process_group: Any = None,
+        writer_rank: int = 0,
+        overlap: bool = False,
+        read_only: bool = False,
+    ) -> None:
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise ValueError(f"keep_last must be None or a positive int, got {keep_last!r}")
+        self.compression = check_compression(compression)
+        self.keep_last = keep_last
+        self._storage, self._root = resolve(root, storage_options)
+        self._group = process_group
+        self.writer_rank = writer_rank
+        self.read_only = read_only
+        self.overlap = overlap
+        self._token = uuid.uuid4().hex[:12]
+        self._reader = RootReader(self._storage, self._root)
+        self._writer = RootWriter(self._storage, self._root, self._token)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, SaveHandle]] = []
+        self._last_step: int | None = None
+        self._closed = False
+        self._last_snapshot: Snapshot | None = None
+        self._agreed_step: int | None = None
+
+    @property
+    def root(self) -> str:
+        """The root as a user would write it."""
+        return self._storage.describe(self._root)
+
+    @property
+    def _distributed(self) -> bool:
+        # Resolved on every use, not at construction: a Checkpointer may be built before
+        # init_process_group.
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group (0 without an initialized process group)."""
+        return dist.get_rank(self._group) if self._distributed else 0
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process is the group's writer rank (it may still be read-only)."""
+        return self.rank == self.writer_rank
+
+    # -- writing ------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any) -> SaveHandle:
+        """Snapshot ``state`` and write it as version ``step`` in the background.
+
+        On ranks other than ``writer_rank`` this copies nothing and returns a completed
+        handle, so every rank can run the same code. On the writer rank, the background job
+        starts as soon as the host arena is leased, while the copy goes on: the first save of
+        a Checkpointer takes the root's writer lease, then each chunk of the data file is
+        written once its bytes have landed (on machines with ``pipeline_min_cpus`` CPUs; on
+        fewer, once the whole copy has). ``save`` itself returns once the copy is complete.
+        A copy that fails midway is raised here and leaves nothing under the root for
+        ``step``.
+
+        A state holding ``DTensor``s (FSDP2, TP) is saved *sharded* instead, and ``save``
+        must then be called on every rank: each rank snapshots and writes its own shards and
+        plain values, and the writer rank commits once every rank's file is durable
+        (see :mod:`asyncckpt._api.sharded_save`). Its first sharded save broadcasts a token from
+        the writer rank (once per Checkpointer); nothing else is collective.
+
+        Args:
+            step: a non-negative int, greater than every step saved before under this root.
+            state: what ``asyncckpt.save`` accepts.
+
+        Returns:
+            A :class:`SaveHandle`; its ``result()`` returns once the version is committed.
+
+        Raises:
+            ConflictError: ``step`` is already committed under this root; or (from the
+                handle) another writer took the root over.
+            ValueError: ``step`` is negative, not an int, or not greater than the last one.
+            UnsupportedObjectError: ``state`` holds something that cannot be stored.
+            AsyncCkptError: the Checkpointer is read-only or closed, or WORLD_SIZE says this
+                is one of several ranks but no process group is initialized.
+            Exception: an earlier save of this process failed and nobody observed it; or
+                the copy into host memory failed (``step`` may be saved again).
+        """
+        self._check_writable()
+        if type(step) is not int or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._check_world()
+        if sharded.holds_dtensor(state):
+            return sharded.save(self, step, state)
+        if not self.is_writer:
+            return completed_handle(f"{self.root} step {step} (rank {self.rank} does not write)")
+        started = time.perf_counter()
+        self._raise_own_failure()
+        raise_unobserved_failure()
+        options = write_options(self.compression)
+        with self._lock:
+            self._check_new_step(step)
+            name = data_file_name(self.rank, self._token)
+            path = self._storage.join(step_dir(self._storage, self._root, step), name)
+            # The job starts once the arena is leased: the first save's lease and recovery,
+            # then the write, overlap the copy. With overlap=True too: the writer then waits
+            # until every device copy is queued and, per chunk, for the copies' events.
+            snap, handle = stage_and_submit(
+                lambda on_layout: stage(state, self.overlap, on_layout, options),
+                lambda snap: self._write_and_commit(step, snap, path, options),
+                self._storage.describe(path),
+                started,
+            )
+            self._last_snapshot = snap
+            self._last_step = step
+            self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
+            self._pending.append((step, handle))
+        return handle
+
+    def reserve(self, state_or_nbytes: Any) -> threading.Thread | None:
+        """Prepare the host memory of this process's saves, in a background thread.
+
+        The first save of a process otherwise allocates and faults in its host arena while
+        the caller waits, several times as long as the copy itself. Call this once the state
+        exists in full (after the first optimizer step: Adam creates its moments then); saves
+        reuse the arena. A save that starts before the reservation is done waits for it
+        instead of allocating a second arena. Nothing under the root changes.
+
+        Where ``save`` copies nothing, neither does this: a plain state (or a size) is
+        reserved on the writer rank only; a state holding DTensors reserves this rank's own
+        shards, on every rank.
+
+        Args:
+            state_or_nbytes: the state to be saved (its exact arena size is computed;
+                nothing is copied), or a size in bytes of tensor data.
+
+        Returns:
+            The background thread (``join`` it to wait), or None if there is nothing to do
+            (this rank does not save, a large enough arena exists, or all are in use).
+
+        Raises:
+            AsyncCkptError: the Checkpointer is read-only or closed.
+            UnsupportedObjectError: the state holds something that cannot be stored.
+
+        Example:
+            >>> import torch, asyncckpt, tempfile
+            >>> model = torch.nn.Linear(4, 4)
+            >>> with asyncckpt.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     _ = ckpt.reserve(model.state_dict())  # while training starts
+            ...     _ = ckpt.save(1, model.state_dict())  # its copy lands in reserved memory
+        """
+        self._check_writable()
+        if sharded.holds_dtensor(state_or_nbytes):
+            return reserve(sharded.split_state(state_or_nbytes).plain)
+        return reserve(state_or_nbytes) if self.is_writer else None
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise AsyncCkptError(f"this Checkpointer for {self.root} is read-only (read_only=True)")
+
+    def _check_world(self) -> None:
+        world = os.environ.get("WORLD_SIZE", "1")
+        if not self._distributed and world.isdigit() and int(world) > 1:
+            raise AsyncCkptError(
+                f"WORLD_SIZE={world} but torch.distributed is not initialized: every rank "
+                f"would write to {self.root}. Call torch.distributed.init_process_group() "
+                "before the first save"
+            )
+
+    def wait_for_snapshot(self) -> None:
+        """Block until the last save's device-to-host copies have landed.
+
+        Only needed with ``overlap=True``: before that, the state's tensors must not change.
+        """
+        snap = self._last_snapshot
+        if snap is not None:
+            snap.wait_copied()
+
+    def protect(self, *targets: Any) -> Any:
+        """Make everything that mutates saved state wait for the last save's copies.
+
+        For ``overlap=True``: ``optimizer.step()`` changes parameters and moments, and the
+        forward pass changes buffers in place (BatchNorm running statistics and
+        ``num_batches_tracked``); ``GradScaler.update``/``unscale_`` change its scale. Pass
+        the optimizer, the model (a forward pre-hook on it covers its submodules' buffers)
+        and the scaler, so none of them can tear the snapshot.
+
+        Args:
+            targets: optimizers, modules, ``GradScaler``s, or lists of them.
+
+        Returns:
+            One handle; ``.remove()`` undoes every hook.
+
+        Raises:
+            TypeError: a target of another type (nothing is installed).
+
+        Example:
+            >>> import torch, asyncckpt, tempfile
+            >>> model = torch.nn.Linear(2, 2)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> ckpt = asyncckpt.Checkpointer(tempfile.mkdtemp(), overlap=True)
+            >>> hook = ckpt.protect(opt, model)
+            >>> _ = ckpt.save(1, model.state_dict())
+            >>> model(torch.ones(2)).sum().backward()
+            >>> opt.step()  # waits for the snapshot's copies first
+            >>> ckpt.close()
+        """
+        return overlap.guard(list(targets), self.wait_for_snapshot)
+
+    def _check_new_step(self, step: int) -> None:
+        if read_commit(self._storage, self._root, step) is not None:
+            raise ConflictError(f"step {step} is already committed under {self.root}")
+        if self._last_step is None:  # the first save: continue from what is committed
+            self._last_step = self._reader.latest()
+        if self._last_step is not None and step <= self._last_step:
+            if read_commit(self._storage, self._root, step) is not None:  # committed meanwhile
+                raise ConflictError(f"step {step} is already committed under {self.root}")
+            raise ValueError(
+                f"steps must increase: {step} is not greater than {self._last_step}, the last "
+                f"step saved under {self.root}"
+            )
+
+    def _write_and_commit(self, step: int, snap: Snapshot, path: str, options: WriteOptions) -> int:
+        """The background job of a save: lease (first save only), write, commit, retention.
+
+        Runs while ``snap`` is still being copied; ``stage_and_submit`` frees the arena if
+        this fails.
+        """
+        writer = self._writer
+        name = path.replace("\\", "/").rsplit("/", 1)[-1]
+        # First save only; before writing, since it cleans up. If it fails, this is not the
+        # root's writer (refused, or lost a takeover race): no marker.
+        writer.acquire()
+        try:
+            size = writer_process.write(snap, self._storage, path, options)
+            snap.lease.release()  # every byte was read: the next save may copy during the commit
+            writer.commit(step, (name,), (size,))
+        except FencedError:
+            raise  # the root is another writer's now: leave no marker in it
+        except BaseException as exc:
+            if snap.copy_error() is not None:
+                self._forget_step(step)
+                raise  # save raises the copy's error, and returns no handle for this step
+            self._report_failure(step, exc)
+            raise
+        writer.apply_retention(self.keep_last, step, self._agreed_step)
+        return size
+
+    def _report_failure(self, step: int, exc: BaseException) -> None:
+        """Mark ``step`` failed for pollers (only if it has no COMMIT).
+
+        Raises:
+            ConflictError: another writer committed ``step`` while this one wrote it (its
+                commit swept our partial file): a lost race, not a storage failure.
+        """
+        if isinstance(exc, AsyncCkptError):
+            winner = read_commit(self._storage, self._root, step)
+            if winner is not None and winner.writer != self._token:
+                raise ConflictError(
+                    f"step {step} was committed under {self.root} by another writer (id "
+                    f"{winner.writer}) while this one was writing it"
+                ) from exc
+        self._writer.mark_failed(step, exc)  # names this attempt; only while the lease holds
+
+    def _forget_step(self, step: int) -> None:
+        """Remove the directory an aborted write created for ``step``, if it holds nothing.
+
+        Only if empty (a fenced writer of the same step may still have a file in it), and
+        only while this writer holds the lease.
+        """
+        self._writer.remove_empty_step(step)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until this process's pending saves are committed.
+
+        Raises:
+            CheckpointTimeoutError: a save is still running after ``timeout`` seconds.
+            Exception: the failure of a save of this Checkpointer that nobody observed yet
+                (each failure is raised once: by its handle, or here).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            pending = list(self._pending)
+        failure: BaseException | None = None
+        for _, handle in pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            seen = handle.observed
+            exc = handle.exception(left)  # marks it observed: so it is raised here, once
+            if failure is None and exc is not None and not seen:
+                failure = exc
+        with self._lock:
+            self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
+        if failure is not None:
+            raise failure
+
+    def _raise_own_failure(self) -> None:
+        """Raise the oldest unobserved failure among this Checkpointer's saves, once."""
+        with self._lock:
+            failed = [h for _, h in self._pending if h.failed() and not h.observed]
+            self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
+        if failed:
+            failed[0].result()
+
+    # -- reading ------------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None if there is none. Changes nothing."""
+        return self._reader.latest()
+
+    def versions(self) -> list[int]:
+        """Every committed step, ascending. Changes nothing."""
+        return self._reader.versions()
+
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        map_location: MapLocation = None,
+        timeout: float | None = None,
+        collective: bool | None = None,
+        into: Any = None,
+        max_bytes: int | None = None,
+    ) -> Any:
+        """Load a committed version; with a process group, every rank gets the same one.
+
+        With ``torch.distributed`` initialized (and ``collective`` not False) this is a
+        collective call: the ranks exchange the step each asked for and the writer rank's
+        choice (``step``, or the newest it has saved or committed) in one ``all_gather``,
+        then each rank waits until that step is committed (the writer on its own save,
+        others by polling storage) and reads it. If the writer fails to choose, or the ranks
+        asked for different steps, every rank raises. Without a group, ``load()`` on the
+        writer also waits for its own pending saves and returns the newest; elsewhere it
+        returns the newest committed version at once, and moves on to the newest one if
+        retention deletes it mid-read. Loading never changes anything under the root.
+
+        A sharded version (saved from DTensors) loads in two ways: with DTensors in
+        ``into`` (``get_state_dict`` of the current model, any sharding or world size),
+        collectively and in place, with this rank's own plain values (rank 0's if the
+        version was saved by fewer ranks); without, as the consolidated full state (every
+        tensor whole, rank 0's plain values, or this rank's own in a group). See
+        :mod:`asyncckpt._api.sharded_load`.
+
+        Args:
+            step: the step to load; None loads the newest.
+            map_location: as in :func:`asyncckpt.load`; None puts CPU tensors on the CPU
+                and accelerator tensors on this rank's current device.
+            timeout: seconds to wait for the step to be committed; None waits for the
+                process group's timeout in a collective load, and for ever otherwise. A
+                writer that stops renewing its lease (dead or frozen) ends the wait early.
+            collective: False to load independently even when a group is initialized.
+            into: an existing state to load into in place, as in :func:`asyncckpt.load`
+                (DTensors included, for a sharded version).
+            max_bytes: at most this many bytes of host memory for decoded data (as in
+                :func:`asyncckpt.load`; for a consolidated sharded version, the whole
+                tensors count too); None: no limit besides what the files' sizes bound.
+
+        Returns:
+            The saved state.
+
+        Raises:
+            CheckpointNotFoundError: nothing is committed under the root.
+            CheckpointTimeoutError: ``step`` was not committed within ``timeout``, or its
+                writer stopped renewing its lease.
+            IncompleteCheckpointError: the save of ``step`` failed, or the version was
+                deleted while it was being read. On the writer, the failure of its own
+                save of ``step`` is raised as it is (e.g. a StorageError).
+            ValueError: ranks of a collective load asked for different steps, or
+                DTensors in ``into`` with ``collective=False`` or a version not sharded,
+                a negative ``max_bytes``; ``step`` is negative; ``into`` shares no tensor
+                with the version.
+            MemoryBudgetError: the version needs more than ``max_bytes``; nothing was
+                allocated from it.
+            TypeError: ``step`` is neither None nor an int (e.g. ``"latest"``).
+            DeviceUnavailableError: ``map_location`` names a device this machine lacks.
+        """
+        self._check_open()
+        _check_load_step(step)
+        Budget(max_bytes)  # a bad value fails here, before any wait
+        placement = Placement(map_location)
+        use_group = self._distributed and collective is not False
+        if collective and not self._distributed:
+            raise ValueError("collective=True needs an initialized torch.distributed group")
+        writer = None  # whose save of the step is awaited: the current lease holder's
+        if use_group:
+            target, writer = self._agree_on_step(step)
+            if timeout is None:
+                timeout = _group_timeout(self._group)
+        elif step is None and self.is_writer:
+            target = self._newest_expected()  # includes this process's own pending saves
+        else:
+            target = step if step is not None else self.latest()
+        if target is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+        follow_latest = step is None and not use_group
+        self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
+        commit = self._reader.commit_of(target)
+        if follow_latest or (commit is not None and commit.kind == SHARDED):
+            # Either kind, and a version retired between choosing and reading it.
+            return sharded_load.load(
+                self,
+                target,
+                commit,
+                placement,
+                into,
+                use_group,
+                follow_latest=follow_latest,
+                max_bytes=max_bytes,
+            )
+        sharded_load.refuse_dtensors(target, self.root, into)
+        return self._reader.read(target, placement, into, Budget(max_bytes))
+
+    def _newest_expected(self) -> int | None:
+        with self._lock:
+            pending = [s for s, h in self._pending if not h.failed()]
+        committed = self.latest()
+        candidates = [s for s in [*pending, committed] if s is not None]
+        return max(candidates) if candidates else None
+
+    def _agree_on_step(self, step: int | None) -> tuple[int | None, str]:
+        """One ``all_gather`` of (the writer's choice or error, the step each rank asked, the
+        writer's token); returns the agreed step and the writer's token.
+
+        The token tells every rank whose save of the step it waits for: a ``FAILED`` marker
+        another job left for the same step is not that save's failure.
+        """
+        choice, error = _NO_STEP, None
+        if self.is_writer:
+            try:
+                found = step if step is not None else self._newest_expected()
+                choice = _NO_STEP if found is None else found
+            except AsyncCkptError as exc:  # every rank must hear of it, or they hang
+                error = exc
+                choice = -2 - _error_index(exc)
+        asked = _NO_STEP if step is None else step
+        token = int(self._token, 16) if self.is_writer else 0  # 48 bits: fits an int64
+        mine = torch.tensor(
+            [choice, asked, token], dtype=torch.int64, device=self._collective_device()
+        )
+        world = dist.get_world_size(self._group)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=self._group)
+        rows = [tuple(int(v) for v in t.tolist()) for t in gathered]
+        if error is not None:
+            raise error
+        agreed, writer = rows[self.writer_rank][0], f"{rows[self.writer_rank][2]:012x}"
+        if agreed <= -2:
+            kind = _COLLECTIVE_ERRORS[min(-2 - agreed, len(_COLLECTIVE_ERRORS) - 1)]
+            raise kind(
+                f"the writer rank ({self.writer_rank}) failed to choose the step to load "
+                f"from {self.root}; its error is in its own log"
+            )
+        asked_by = sorted({row[1] for row in rows})
+        if len(asked_by) > 1:
+            shown = ", ".join("newest" if a == _NO_STEP else str(a) for a in asked_by)
+            raise ValueError(
+                f"the ranks of a collective load of {self.root} asked for different steps "
+                f"({shown}); pass the same step on every rank"
+            )
+        if agreed >= 0:
+            # Every rank finished the previous collective load before entering this one, so
+            # only the step agreed now can still be in use by a slow rank: retention spares it.
+            self._agreed_step = agreed
+        return (None if agreed < 0 else agreed), writer
+
+    def _collective_device(self) -> torch.device:
+        if dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _wait_committed(
+        self, step: int, timeout: float | None, poll: bool, writer: str | None = None
+    ) -> None:
+        """Wait for this process's own save of ``step``, then (if ``poll``) for storage.
+
+        Without ``poll`` the step is known to be committed already (or to be this
+        process's own save); if retention removes it meanwhile, the read moves on.
+        ``writer``: the token of the writer whose save is awaited (a collective load's
+        writer rank), else the current lease holder's.
+        """
+        if self.is_writer:
+            with self._lock:
+                mine = [h for s, h in self._pending if s == step]
+            for handle in mine:
+                handle.result(timeout)
+        if poll:
+            self._reader.wait(step, timeout, writer)
+
+    # -- lifetime -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AsyncCkptError(f"this Checkpointer for {self.root} is closed")
+
+    def close(self) -> None:
+        """Wait for pending saves (raising a failure nobody observed) and stop.
+
+        A writer applies ``keep_last`` once more: the last save's retention may have spared
+        the step of the collective load before it, which no rank can still be reading now.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+            writer = self._writer
+            if writer.epoch is not None and writer.published is not None:
+                writer.apply_retention(self.keep_last, writer.published, self._agreed_step)
+        finally:
+            self._writer.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as close_exc:  # keep the original error; report the other
+            log.error("while closing after an error, a pending save failed: %s", close_exc)
+
+    def __repr__(self) -> str:
+        role = "read-only" if self.read_only else f"writer_rank={self.writer_rank}"
+        return f"Checkpointer({self.root!r}, {role})"
+
+
+def _settled(handle: SaveHandle) -> bool:
+    """Finished, and nothing left to report: succeeded, or failed and observed."""
+    return handle.done() and (not handle.failed() or handle.observed)
+
+
+def _error_index(exc: AsyncCkptError) -> int:
+    for i in range(len(_COLLECTIVE_ERRORS) - 1, -1, -1):
+        if isinstance(exc, _COLLECTIVE_ERRORS[i]):
+            return i
+    return 0
+
+
+def _group_timeout(group: Any) -> float:
+    """The process group's timeout in seconds (what a collective would wait at most)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            options = pg._get_backend(torch.device(device)).options
+            timeout = getattr(options, "_timeout", None)
+        except Exception:  # the backend for that device does not exist
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout.total_seconds()
+    backend = dist.get_backend(group)
+    return float(dist.distributed_c10d._get_default_timeout(backend).total_seconds())
+
+
+def _check_load_step(step: Any) -> None:
+    """Refuse a ``step`` that ``load`` cannot mean: only None (the newest) or an int >= 0.
+
+    Example:
+        >>> _check_load_step("latest")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: step must be None (the newest) or a non-negative int, not str 'latest'...
+    """
+    accepted = "step must be None (the newest) or a non-negative int"
+    if step is not None and type(step) is not int:
+        raise TypeError(
+            f"{accepted}, not {type(step).__qualname__} {step!r}; load() or load(step=None) "
+            "loads the newest committed version"
+        )
+    if step is not None and step < 0:
+        raise ValueError(f"{accepted}, not {step}")

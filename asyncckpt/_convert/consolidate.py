@@ -1,0 +1,536 @@
+"""Consolidate a sharded checkpoint offline, one tensor at a time.
+
+A sharded checkpoint (a sharded ``Checkpointer`` version, ``ROOT/<step>/``, or a directory
+written by :class:`asyncckpt.dcp.Writer`) stores each tensor as chunks spread over the
+ranks' files, indexed by its JSON ``.metadata``. :class:`ShardedSource` turns it into one
+whole state without ever holding more than one whole tensor:
+
+* :attr:`ShardedSource.skeleton` is the saved state with every sharded tensor replaced by
+  a zero-element *placeholder* tensor (rank 0's plain values, such as the step and RNG
+  state, are real); selecting a part (``--key``) and laying out an output file happen on
+  the skeleton, so they cost nothing.
+* :meth:`ShardedSource.full` builds one placeholder's tensor: it allocates the whole
+  tensor, reads (verifying every CRC-32) only that tensor's chunks from the rank files, one
+  chunk storage at a time, copies each into place and drops it.
+
+Writers that stream (:func:`write_ackpt_stream`, :func:`write_safetensors_stream`) ask for
+the tensors in file order and drop each once its bytes are out, so peak memory is the
+largest tensor plus the chunk buffers of one read and the writer's in-flight chunks, not
+the checkpoint. ``torch.save`` pickles one object, so :func:`materialize_all` builds the
+whole state for it; that output is the exception, documented in ``docs/sharded.md``.
+
+Example:
+    >>> import os, tempfile, torch, warnings
+    >>> import torch.distributed.checkpoint as dcp
+    >>> import asyncckpt.dcp
+    >>> from asyncckpt._storage import resolve
+    >>> url = os.path.join(tempfile.mkdtemp(), "step-1")
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     _ = dcp.save({"w": torch.ones(2, 3)}, storage_writer=asyncckpt.dcp.Writer(url))
+    >>> src = ShardedSource.open(*resolve(url, None))
+    >>> placeholder = src.skeleton["w"]
+    >>> placeholder.numel(), src.full(placeholder).sum().item()
+    (0, 6.0)
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from asyncckpt import _config as config
+from asyncckpt._api.sharded_load import _RANK_FILE, _substituted, read_plain
+from asyncckpt._api.sharded_save import Path
+from asyncckpt._device import Placement
+from asyncckpt._engine.decode import OpenedFile, check_devices, open_file
+from asyncckpt._engine.encode import WriteOptions, write_chunks
+from asyncckpt._engine.snapshot import StagedStorage, _codec_hint, byte_view
+from asyncckpt._format.container import (
+    ArrayEntry,
+    Chunk,
+    Manifest,
+    StorageEntry,
+    TensorEntry,
+    encode_footer,
+    encode_header,
+    encode_manifest,
+)
+from asyncckpt._format.index import ItemLocation, tied_names
+from asyncckpt._format.tree import dtype_name, flatten, torch_dtype
+from asyncckpt._storage import Storage
+from asyncckpt._version import __version__
+from asyncckpt._versions.dcp_reader import Reader, read_storage_ids
+from asyncckpt._versions.protocol import SHARDED, CommitRecord
+from asyncckpt.errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
+
+__all__ = [
+    "ShardedSource",
+    "materialize_all",
+    "safetensors_dtype",
+    "write_ackpt_stream",
+    "write_safetensors_stream",
+]
+
+#: torch dtype -> safetensors dtype name (the format's spelling).
+_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.complex64: "C64",
+}
+
+
+@dataclass
+class ShardedSource:
+    """A sharded checkpoint opened for consolidation (see the module docstring).
+
+    Attributes:
+        storage: where the checkpoint is.
+        directory: the directory holding the metadata and the rank files.
+        metadata: the checkpoint's DCP metadata (``storage_data``: item locations).
+        skeleton: the saved state; sharded tensors are zero-element placeholders.
+        name: how to name the checkpoint in messages.
+    """
+
+    storage: Storage
+    directory: str
+    metadata: Metadata
+    skeleton: Any
+    name: str
+    _fqn_of: dict[int, str] = field(default_factory=dict)
+    _files: dict[str, OpenedFile] = field(default_factory=dict)
+
+    @classmethod
+    def open(
+        cls, storage: Storage, directory: str, commit: CommitRecord | None = None
+    ) -> ShardedSource:
+        """Open the checkpoint in ``directory``.
+
+        Args:
+            storage: the storage backend.
+            directory: a sharded version's step directory, or an ``asyncckpt.dcp`` one.
+            commit: the version's ``COMMIT`` (a sharded ``Checkpointer`` version): rank
+                0's plain values (step, RNG, ...) are read from its file into the
+                skeleton. Without it (a ``dcp.Writer`` directory) the skeleton is built
+                from the metadata's key paths, and DCP's bytes items (non-tensor values,
+                ``torch.save`` bytes) are unpickled with ``weights_only=True``.
+
+        Returns:
+            The source; it keeps the rank files it reads open, pinned, until
+            :meth:`close` (it is a context manager).
+
+        Raises:
+            IncompleteCheckpointError: no metadata (not committed).
+            FormatError: the metadata or a rank file is malformed.
+        """
+        reader = Reader.at(storage, directory, None if commit is None else commit.metadata_file)
+        try:
+            metadata = reader.read_metadata()
+        except CheckpointNotFoundError as exc:
+            raise IncompleteCheckpointError(str(exc)) from exc
+        src = cls(storage, directory, metadata, None, storage.describe(directory))
+        placeholders: dict[Path, torch.Tensor] = {}
+        paths = metadata.planner_data or {}
+        for names in tied_names(metadata):
+            md = metadata.state_dict_metadata[names[0]]
+            if isinstance(md, TensorStorageMetadata):
+                # A distinct zero-element tensor per stored tensor: ``flatten`` and the
+                # writers tell placeholders apart by identity, and it costs no memory.
+                # Names stored alike (a tied weight) share one: it is built once, and
+                # written once by the writers, which keep ties.
+                placeholder = torch.empty(0, dtype=md.properties.dtype)
+                src._fqn_of[id(placeholder)] = names[0]
+                for fqn in names:
+                    placeholders[tuple(paths.get(fqn, (fqn,)))] = placeholder
+        try:
+            src.skeleton = src._skeleton(commit, placeholders)
+        except BaseException:
+            src.close()
+            raise
+        return src
+
+    def _skeleton(self, commit: CommitRecord | None, placeholders: dict[Path, torch.Tensor]) -> Any:
+        if commit is not None and commit.kind == SHARDED:
+            return self._with_plain(commit, placeholders)
+        paths = self.metadata.planner_data or {}
+        values: dict[Path, Any] = dict(placeholders)
+        for fqn, md in self.metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                values[tuple(paths.get(fqn, (fqn,)))] = self._bytes_item(fqn)
+        return _tree_of(values, self.name)
+
+    def close(self) -> None:
+        """Close the rank files opened so far (idempotent; a later read opens them again)."""
+        files, self._files = self._files, {}
+        for opened in files.values():
+            opened.close()
+
+    def __enter__(self) -> ShardedSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _with_plain(self, commit: CommitRecord, placeholders: dict[Path, torch.Tensor]) -> Any:
+        """Rank 0's plain state with the placeholders where its DTensors were."""
+        ranks = sorted(
+            (int(m.group(1)), name)
+            for name in commit.files
+            if (m := _RANK_FILE.fullmatch(name)) is not None
+        )
+        if not ranks:
+            raise FormatError(f"{self.name}: the COMMIT names no rank file")
+        name = ranks[0][1]
+        opened = self._opened(name, None)
+        check_devices(opened)
+        skip = {loc.entry for loc in self._locations() if loc.file == name}
+        plain = read_plain(opened, skip, Placement("cpu"), None, set())
+        return _substituted(plain, dict(placeholders), opened.name)
+
+    def _locations(self) -> Iterator[ItemLocation]:
+        data: dict[MetadataIndex, ItemLocation] = self.metadata.storage_data
+        return iter(data.values())
+
+    def _opened(self, name: str, size: int | None) -> OpenedFile:
+        """A rank file, opened once (footer and manifest) and checked against its size; it
+        stays open, pinned, until :meth:`close`."""
+        opened = self._files.get(name)
+        if opened is None:
+            path = self.storage.join(self.directory, name)
+            try:
+                opened = open_file(self.storage, path)
+            except CheckpointNotFoundError as exc:
+                raise IncompleteCheckpointError(
+                    f"{self.storage.describe(path)}: named by the metadata but missing"
+                ) from exc
+            self._files[name] = opened
+        if size is not None and opened.size != size:
+            raise FormatError(f"{opened.name}: {opened.size} bytes, but {size} were committed")
+        return opened
+
+    def _bytes_item(self, fqn: str) -> Any:
+        where = self.metadata.storage_data[MetadataIndex(fqn)]
+        raw = self._entry_bytes(where)
+        # DCP's planner stores non-tensor values as torch.save bytes; weights_only refuses
+        # anything that is not plain data, so no arbitrary pickle runs here.
+        return torch.load(io.BytesIO(raw.numpy().tobytes()), weights_only=True)
+
+    def _entry_bytes(self, where: ItemLocation) -> torch.Tensor:
+        """The tensor at ``where``, read (only its storage) and verified."""
+        opened = self._opened(where.file, where.file_size)
+        manifest = opened.manifest
+        if where.entry >= len(manifest.tensors):
+            raise FormatError(f"{opened.name}: no tensor {where.entry} in the file")
+        entry = manifest.tensors[where.entry]
+        buf = read_storage_ids(opened, {entry.storage}, config.tunable("threads", None))
+        t = torch.empty(0, dtype=torch_dtype(entry.dtype))
+        t.set_(buf[entry.storage].untyped_storage(), entry.offset, entry.shape, entry.stride)
+        if t.numel() * t.element_size() != where.nbytes:
+            raise FormatError(f"{opened.name}: tensor {where.entry} is not {where.nbytes} bytes")
+        return t
+
+    def is_placeholder(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` stands for a sharded tensor of this checkpoint."""
+        return id(t) in self._fqn_of
+
+    def spec(self, t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The dtype and shape ``t`` has once built (itself for a plain tensor)."""
+        if not self.is_placeholder(t):
+            return t.dtype, tuple(t.shape)
+        md = self.metadata.state_dict_metadata[self._fqn_of[id(t)]]
+        assert isinstance(md, TensorStorageMetadata)
+        return md.properties.dtype, tuple(md.size)
+
+    def full(self, t: torch.Tensor) -> torch.Tensor:
+        """The whole tensor a placeholder stands for (a plain tensor is returned as is).
+
+        Reads only this tensor's chunks, each chunk's storage on its own, so at most one
+        chunk buffer is alive besides the result.
+
+        Raises:
+            ChecksumError: a chunk is damaged (names file, chunk and keys).
+            FormatError: a chunk's stored shape differs from the metadata.
+        """
+        if not self.is_placeholder(t):
+            return t
+        fqn = self._fqn_of[id(t)]
+        md = self.metadata.state_dict_metadata[fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for chunk in md.chunks:
+            where = self.metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
+            piece = self._entry_bytes(where)
+            if tuple(piece.shape) != tuple(chunk.sizes) or piece.dtype != out.dtype:
+                raise FormatError(
+                    f"{self.name}: {fqn} chunk at {tuple(chunk.offsets)} is stored as "
+                    f"{piece.dtype} {tuple(piece.shape)}, the metadata says "
+                    f"{out.dtype} {tuple(chunk.sizes)}"
+                )
+            target = out
+            for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes)):
+                target = target.narrow(dim, start, length)
+            target.copy_(piece)
+            del piece, target  # the chunk buffer goes now, before the next one is read
+        return out
+
+    def tensors(self, tree: Any) -> list[torch.Tensor]:
+        """Every tensor (placeholders included) of ``tree``, in ``flatten``'s order."""
+        return [t for t, _ in flatten(tree).tensors]
+
+    def raw_bytes(self, tree: Any) -> tuple[int, int, int]:
+        """``(tensors, bytes, largest tensor's bytes)`` of ``tree`` once built."""
+        sizes = []
+        for t in self.tensors(tree):
+            dtype, shape = self.spec(t)
+            sizes.append(_numel(shape) * dtype.itemsize)
+        return len(sizes), sum(sizes), max(sizes, default=0)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _tree_of(values: dict[Path, Any], name: str) -> dict[Any, Any]:
+    """Nested dicts holding each value at its key path."""
+    tree: dict[Any, Any] = {}
+    for path, value in values.items():
+        node = tree
+        for k in path[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise FormatError(f"{name}: key paths {path} and {path[:-1]} collide")
+            node = child
+        node[path[-1]] = value
+    return tree
+
+
+def materialize_all(src: ShardedSource, tree: Any) -> Any:
+    """``tree`` with every placeholder replaced by its whole tensor (all held at once).
+
+    For ``torch.save`` output, which pickles one object: the whole state is in memory.
+    Placeholders shared between paths become one tensor.
+    """
+    built: dict[int, torch.Tensor] = {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            if src.is_placeholder(node):
+                if id(node) not in built:
+                    built[id(node)] = src.full(node)
+                return built[id(node)]
+            return node
+        if isinstance(node, dict):
+            out = type(node)((k, walk(v)) for k, v in node.items())
+            if hasattr(node, "_metadata"):
+                out._metadata = node._metadata  # type: ignore[attr-defined]
+            return out
+        if isinstance(node, (list, tuple)):
+            items = [walk(v) for v in node]
+            return items if isinstance(node, list) else tuple(items)
+        return node
+
+    return walk(tree)
+
+
+# -- .ackpt, streamed ------------------------------------------------------------------------
+
+
+def write_ackpt_stream(
+    src: ShardedSource,
+    tree: Any,
+    storage: Storage,
+    path: str,
+    options: WriteOptions,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write ``tree`` as one asyncckpt file, building one tensor at a time.
+
+    The layout is the one ``write_snapshot`` produces (header, each storage's chunks in
+    order, manifest, footer), with one storage per tensor; each tensor is built, encoded
+    (``inflight_chunks`` chunks in parallel) and written, then dropped before the next is
+    built. Numpy arrays of the plain state follow the tensors.
+
+    Returns:
+        The file's size.
+    """
+    flat = flatten(tree)
+    tensor_entries: list[TensorEntry] = []
+    storages: list[StorageEntry] = []
+    chunks: list[Chunk] = []
+    with storage.atomic_write(path) as out:
+        header = encode_header()
+        out.write(header)
+        offset = len(header)
+
+        def put(staged: StagedStorage) -> None:
+            nonlocal offset
+            first = len(chunks)
+            offset = write_chunks(out, offset, [staged], options, chunks, progress)
+            storages.append(
+                StorageEntry(
+                    staged.data.numel(), staged.itemsize, "cpu", first, len(chunks) - first
+                )
+            )
+
+        for t, key in flat.tensors:
+            whole = src.full(t).detach().contiguous()
+            itemsize, is_float = _codec_hint(whole.dtype)
+            put(StagedStorage(_bytes_of(whole), itemsize, is_float, "cpu"))
+            tensor_entries.append(
+                TensorEntry(
+                    storage=len(storages) - 1,
+                    dtype=dtype_name(whole.dtype),
+                    shape=tuple(whole.shape),
+                    stride=tuple(whole.stride()),
+                    offset=0,
+                    requires_grad=t.requires_grad,
+                    parameter=isinstance(t, torch.nn.Parameter),
+                    key=key,
+                )
+            )
+            del whole  # the next tensor is built only after this one is out
+        arrays: list[ArrayEntry] = []
+        for a, key, scalar in flat.arrays:
+            contiguous = np.ascontiguousarray(a)
+            data = torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
+            put(StagedStorage(data, contiguous.dtype.itemsize, a.dtype.kind in "fc", "cpu"))
+            arrays.append(ArrayEntry(len(storages) - 1, a.dtype.str, tuple(a.shape), scalar, key))
+        manifest = Manifest(
+            chunks=tuple(chunks),
+            storages=tuple(storages),
+            tensors=tuple(tensor_entries),
+            arrays=tuple(arrays),
+            root=flat.root,
+            byteorder=sys.byteorder,
+            meta={"library": f"asyncckpt {__version__}", "torch": torch.__version__},
+        )
+        body = encode_manifest(manifest)
+        footer = encode_footer(offset, body)
+        out.write(body)
+        out.write(footer)
+        return offset + len(body) + len(footer)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 tensor (no copy)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return t.reshape(-1).view(torch.uint8)
+
+
+# -- safetensors, streamed -------------------------------------------------------------------
+
+
+def safetensors_dtype(dtype: torch.dtype, key: str) -> str:
+    """The safetensors name of ``dtype``.
+
+    Raises:
+        ValueError: safetensors has no name for it.
+
+    Example:
+        >>> safetensors_dtype(torch.bfloat16, "w")
+        'BF16'
+    """
+    name = _SAFETENSORS_DTYPES.get(dtype)
+    if name is None:
+        raise ValueError(f"{key}: safetensors has no dtype for {dtype}")
+    return name
+
+
+def safetensors_header(
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
+) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding ``specs`` in order.
+
+    The data section holds the tensors back to back in the order given; the header is
+    padded with spaces to a multiple of 8 bytes (as the safetensors library writes it), so
+    the data is aligned.
+
+    Example:
+        >>> head = safetensors_header([("w", torch.float32, (2,))], {"format": "pt"})
+        >>> int.from_bytes(head[:8], "little") == len(head) - 8, len(head) % 8
+        (True, 0)
+    """
+    doc: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    start = 0
+    for key, dtype, shape in specs:
+        end = start + _numel(shape) * dtype.itemsize
+        doc[key] = {
+            "dtype": safetensors_dtype(dtype, key),
+            "shape": list(shape),
+            "data_offsets": [start, end],
+        }
+        start = end
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def write_safetensors_stream(
+    src: ShardedSource,
+    tensors: dict[str, torch.Tensor],
+    storage: Storage,
+    path: str,
+    metadata: dict[str, str],
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write a flat dict of (placeholder or plain) tensors as safetensors, streaming.
+
+    The safetensors library only writes a dict of tensors it holds at once; the format is
+    simple enough to write directly: the header is known from the metadata's sizes, then
+    each tensor is built, its bytes written, and dropped.
+
+    Returns:
+        The file's size.
+
+    Raises:
+        ValueError: a dtype safetensors cannot hold.
+    """
+    specs = [(key, *src.spec(t)) for key, t in tensors.items()]
+    head = safetensors_header(specs, metadata)
+    written = len(head)
+    with storage.atomic_write(path) as out:
+        out.write(head)
+        for key, t in tensors.items():
+            whole = src.full(t).detach().contiguous()
+            if (whole.dtype, tuple(whole.shape)) != src.spec(t)[:2]:
+                raise FormatError(f"{src.name}: {key} was built with another shape or dtype")
+            data = _bytes_of(whole)
+            if sys.byteorder != "little" and whole.element_size() > 1:
+                raise ValueError("safetensors is little-endian; this host is not")
+            out.write(byte_view(data))
+            written += data.numel()
+            if progress is not None:
+                progress(data.numel())
+            del whole, data
+    return written

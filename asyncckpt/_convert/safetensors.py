@@ -1,0 +1,332 @@
+"""safetensors files in and out, through the ``safetensors`` package (``asyncckpt[safetensors]``).
+
+safetensors holds a flat ``{str: tensor}`` dict and refuses tensors that share memory. A
+state with tied weights (``lm_head.weight is embed.weight``) is written with each shared
+tensor once; the file's ``__metadata__`` records which keys alias which
+(:data:`ALIASES_KEY`) and the keys' original order (:data:`ORDER_KEY`, since safetensors
+sorts its header), and :func:`read_safetensors` restores both. Other files read as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from asyncckpt._format.tree import child_path
+from asyncckpt._storage import LocalStorage, Storage, temp_name
+from asyncckpt.errors import AsyncCkptError
+
+#: ``__metadata__`` entry: JSON ``{alias: key}``, keys whose tensor is another key's tensor.
+ALIASES_KEY = "asyncckpt.aliases"
+#: ``__metadata__`` entry: JSON list of every key in the order of the dict that was written.
+ORDER_KEY = "asyncckpt.order"
+#: Bytes copied per step between a local scratch file and a storage.
+_COPY_BLOCK = 8 << 20
+
+
+class SafetensorsError(AsyncCkptError, ValueError):
+    """A file is not valid safetensors, or a state cannot be written as safetensors."""
+
+
+def _library() -> Any:
+    """The ``safetensors`` package, or an error saying how to install it."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError:
+        raise SafetensorsError(
+            "reading and writing safetensors needs the safetensors package: "
+            "pip install 'asyncckpt[safetensors]'"
+        ) from None
+    return safetensors
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _local_copy(
+    storage: Storage, path: str, progress: Callable[[int], None] | None
+) -> Iterator[str]:
+    """A local path to the file: itself when local, else a temporary copy streamed from the
+    storage (safetensors opens files by name only)."""
+    if isinstance(storage, LocalStorage):
+        yield path
+        return
+    fd, scratch = tempfile.mkstemp(suffix=".safetensors")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            size, start = storage.size(path), 0
+            while start < size:
+                piece = storage.read_range(path, start, min(_COPY_BLOCK, size - start))
+                if not piece:
+                    break
+                f.write(piece)
+                start += len(piece)
+                if progress is not None:
+                    progress(len(piece))
+        yield scratch
+    finally:
+        os.remove(scratch)
+
+
+def read_safetensors(
+    storage: Storage, path: str, progress: Callable[[int], None] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a safetensors file tensor by tensor, restoring tied weights and key order.
+
+    Args:
+        storage: where the file is.
+        path: the file.
+        progress: called with the number of bytes read.
+
+    Returns:
+        ``(tensors, metadata)``: tensors in the order they were written (aliased keys are
+        the same tensor object), and the file's ``__metadata__`` without asyncckpt's own
+        entries.
+
+    Raises:
+        SafetensorsError: the file is not valid safetensors, or its asyncckpt entries are
+            damaged.
+
+    Example:
+        >>> import torch
+        >>> from asyncckpt._storage import resolve
+        >>> w = torch.ones(2)
+        >>> where = resolve("memory://st/t.safetensors", None)
+        >>> _ = write_safetensors({"emb": w, "head": w}, *where)
+        >>> tensors, meta = read_safetensors(*where)
+        >>> tensors["head"] is tensors["emb"], meta
+        (True, {'format': 'pt'})
+    """
+    st = _library()
+    local = isinstance(storage, LocalStorage)
+    tensors: dict[str, torch.Tensor] = {}
+    with _local_copy(storage, path, progress) as name:
+        try:
+            with st.safe_open(name, framework="pt") as f:
+                metadata: dict[str, str] = dict(f.metadata() or {})
+                for key in f.offset_keys():  # file order: one sequential pass
+                    tensors[key] = f.get_tensor(key)
+                    if progress is not None and local:
+                        progress(tensors[key].numel() * tensors[key].element_size())
+        except st.SafetensorError as exc:
+            raise SafetensorsError(
+                f"{storage.describe(path)}: not a valid safetensors file: {exc}"
+            ) from None
+    return _restore(tensors, metadata, storage.describe(path))
+
+
+def _json_entry(metadata: dict[str, str], key: str, kind: type, where: str) -> Any:
+    if key not in metadata:
+        return kind()
+    try:
+        value = json.loads(metadata[key])
+    except ValueError:
+        value = None
+    if not isinstance(value, kind):
+        raise SafetensorsError(f"{where}: __metadata__[{key!r}] is not a JSON {kind.__name__}")
+    return value
+
+
+def _restore(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str], where: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Re-tie aliased keys and put the keys back in their recorded order."""
+    aliases = _json_entry(metadata, ALIASES_KEY, dict, where)
+    for alias, target in aliases.items():
+        if alias in tensors or target not in tensors:
+            raise SafetensorsError(
+                f"{where}: __metadata__[{ALIASES_KEY!r}] maps {alias!r} to {target!r}, but "
+                "the file holds the first or lacks the second"
+            )
+        tensors[alias] = tensors[target]
+    order = _json_entry(metadata, ORDER_KEY, list, where)
+    if sorted(order) == sorted(tensors):
+        tensors = {key: tensors[key] for key in order}
+    else:
+        tensors = dict(sorted(tensors.items()))
+    rest = {k: v for k, v in metadata.items() if k not in (ALIASES_KEY, ORDER_KEY)}
+    return tensors, rest
+
+
+# -- writing --------------------------------------------------------------------------------
+
+
+def flat_tensors(obj: Any, src: str) -> dict[str, torch.Tensor]:
+    """``obj`` as a flat ``{str: tensor}`` dict, or a clear error saying what is in the way.
+
+    Args:
+        obj: the (selected part of the) state.
+        src: how to name the source in the error.
+
+    Returns:
+        A new dict with the same items.
+
+    Raises:
+        SafetensorsError: ``obj`` is not a flat dict of tensors; the message suggests a
+            ``--key`` when a nested dict of tensors is there.
+
+    Example:
+        >>> flat_tensors({"w": torch.zeros(1)}, "x.pt")
+        {'w': tensor([0.])}
+    """
+    if not isinstance(obj, dict):
+        raise SafetensorsError(
+            f"safetensors holds a flat dict of tensors; {src} is a {type(obj).__name__}"
+        )
+    for key, value in obj.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise SafetensorsError(
+                "safetensors holds a flat dict of str -> tensor; "
+                f"{child_path('state', key)} in {src} is {type(value).__name__}"
+                + ("" if isinstance(key, str) else f" under a {type(key).__name__} key")
+                + _key_hint(obj)
+            )
+    return dict(obj)
+
+
+def _key_hint(obj: dict[Any, Any]) -> str:
+    nested = [
+        k
+        for k, v in obj.items()
+        if isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) for t in v.values())
+    ]
+    if nested:
+        return f"; convert one part with --key, e.g. --key {nested[0]}"
+    return "; select a flat dict of tensors with --key"
+
+
+def _view_id(t: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for two tensors that are the same view of the same memory (tied weights)."""
+    storage = t.untyped_storage()
+    return (t.device, storage.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
+def untie(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors safetensors accepts (each memory written once), and the aliases removed.
+
+    A key whose tensor is the same view as an earlier key's (tied weights) is dropped and
+    recorded as an alias of that key. Of other views that share one storage (slices,
+    transposes of one another), the first is kept as it is and the rest are copied, as are
+    non-contiguous tensors: safetensors writes dense, unshared memory only. Nothing else is
+    copied, so a conversion holds the state once.
+
+    Args:
+        tensors: a flat dict of tensors.
+
+    Returns:
+        ``(unique, aliases)`` where ``aliases`` maps each dropped key to the key kept.
+
+    Example:
+        >>> w = torch.ones(2)
+        >>> unique, aliases = untie({"emb": w, "head": w, "half": w[:1]})
+        >>> list(unique), aliases, unique["emb"].data_ptr() == w.data_ptr()  # not copied
+        (['emb', 'half'], {'head': 'emb'}, True)
+    """
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_of_view: dict[tuple[Any, ...], str] = {}
+    storages: set[tuple[Any, int]] = set()
+    for key, t in tensors.items():
+        t = t.detach().cpu()
+        if t.numel() == 0:  # no bytes: a fresh tensor shares nothing
+            unique[key] = torch.empty(t.shape, dtype=t.dtype)
+            continue
+        view = _view_id(t)
+        if view in first_of_view:
+            aliases[key] = first_of_view[view]
+            continue
+        first_of_view[view] = key
+        storage = (t.device, t.untyped_storage().data_ptr())
+        shared = storage in storages
+        storages.add(storage)
+        unique[key] = t.clone(memory_format=torch.contiguous_format) if shared else t.contiguous()
+    return unique, aliases
+
+
+def _metadata(
+    tensors: dict[str, torch.Tensor], aliases: dict[str, str], given: dict[str, str] | None
+) -> dict[str, str]:
+    metadata = {"format": "pt", **(given or {})}
+    metadata.pop(ALIASES_KEY, None)
+    metadata.pop(ORDER_KEY, None)
+    if aliases:
+        metadata[ALIASES_KEY] = json.dumps(aliases, separators=(",", ":"))
+    if list(tensors) != sorted(tensors):  # safetensors sorts; record the order to restore
+        metadata[ORDER_KEY] = json.dumps(list(tensors), separators=(",", ":"))
+    return metadata
+
+
+def write_safetensors(
+    tensors: dict[str, torch.Tensor],
+    storage: Storage,
+    path: str,
+    metadata: dict[str, str] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> int:
+    """Write a flat dict of tensors as safetensors, atomically, tied weights written once.
+
+    safetensors writes only to a named local file, straight from the tensors' memory (no
+    copy of the state). That file is a scratch file beside the target (local) or in the
+    temporary directory (remote), streamed into the storage's atomic write, then removed.
+
+    Args:
+        tensors: a flat ``{str: tensor}`` dict (see :func:`flat_tensors`).
+        storage: where to write.
+        path: the file.
+        metadata: ``__metadata__`` entries to keep (``{"format": "pt"}`` is the default).
+        progress: called with the number of bytes written.
+
+    Returns:
+        The file's size.
+
+    Raises:
+        SafetensorsError: a tensor's dtype has no safetensors name.
+
+    Example:
+        >>> from asyncckpt._storage import resolve
+        >>> write_safetensors({"w": torch.zeros(4)}, *resolve("memory://st/w.safetensors", None))
+        112
+    """
+    st = _library()
+    unique, aliases = untie(tensors)
+    with _scratch(storage, path) as scratch:
+        try:
+            st.torch.save_file(unique, scratch, metadata=_metadata(tensors, aliases, metadata))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise SafetensorsError(f"cannot write {storage.describe(path)}: {exc}") from None
+        return _copy_into(scratch, storage, path, progress)
+
+
+@contextlib.contextmanager
+def _scratch(storage: Storage, path: str) -> Iterator[str]:
+    if isinstance(storage, LocalStorage):  # same disk as the target, named as a temp file
+        scratch = temp_name(path)
+    else:
+        fd, scratch = tempfile.mkstemp(suffix=".safetensors")
+        os.close(fd)
+    try:
+        yield scratch
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(scratch)
+
+
+def _copy_into(
+    local: str, storage: Storage, path: str, progress: Callable[[int], None] | None
+) -> int:
+    written = 0
+    with open(local, "rb") as f, storage.atomic_write(path) as out:
+        while piece := f.read(_COPY_BLOCK):
+            out.write(piece)
+            written += len(piece)
+            if progress is not None:
+                progress(len(piece))
+    return written

@@ -1,0 +1,344 @@
+"""``compression="auto"``: what a process learns about its storage and its encoders.
+
+The save thread measures the seconds it spends in ``out.write`` and in the commit per stored
+byte (on the CPU or blocked in I/O; not its waits for a busy core, which are the CPU's
+doing, not the storage's), per storage target (a local device, a bucket, a URL's top
+directory), remembered for the process's later saves; encoder threads measure the CPU
+seconds they spend regrouping and compressing per raw byte; and each save measures how many
+cores the rest of the machine left idle (:func:`asyncckpt._engine.cpu.spare_cores`).
+:func:`asyncckpt._format.codec.choose_planes` turns those into a choice per byte plane: compress
+where the store is the bottleneck and the CPU has room, write raw where training needs the
+cores. Until a target has been measured its bandwidth is assumed: ``auto_prior_local_mb_s``
+(fast) for a local disk, so a training job's first saves do not compress for nothing;
+``auto_prior_write_mb_s`` (low) for object stores, network filesystems and the rest, where
+bytes cost more than CPU: a process starts by compressing there, and learns.
+
+Example:
+    >>> settings = AutoSettings.resolve()
+    >>> rate = Rate(window=100, prior=2.0)
+    >>> rate.add(100.0, 100)  # 1 s per byte over one window: halfway to it
+    >>> 1.0 < rate.value < 2.0
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+from asyncckpt import _config as config
+from asyncckpt import _threads as workers
+from asyncckpt._format.codec import INCOMPRESSIBLE, EncodeReport, Rates, choose_planes
+from asyncckpt._storage import Storage
+from asyncckpt._storage.generic import FsspecStorage
+from asyncckpt._storage.local import LocalStorage
+from asyncckpt._storage.objectstore import ObjectStorage
+
+
+@dataclass(frozen=True)
+class AutoSettings:
+    """Resolved ``compression="auto"`` tunables (see ``asyncckpt._config``).
+
+    Attributes:
+        margin: hysteresis, as a fraction (``auto_margin_pct`` / 100).
+        always: plane ratio compressed whatever the rates (``auto_always_pct`` / 100).
+        prior_write_s: seconds per byte assumed for an unmeasured storage target.
+        prior_local_write_s: the same for a local disk (not a network filesystem).
+        prior_encode_s: seconds per byte assumed for an encoder thread to regroup, and to
+            compress, before it is measured.
+        window: bytes that measured rates average over (``auto_window_mib``).
+        explore_bytes: compress one chunk per this many bytes the rates hold back.
+    """
+
+    margin: float
+    always: float
+    prior_write_s: float
+    prior_local_write_s: float
+    prior_encode_s: float
+    window: int
+    explore_bytes: int
+
+    @classmethod
+    def resolve(cls) -> AutoSettings:
+        """Read the tunables now (from the environment, else the defaults).
+
+        Example:
+            >>> AutoSettings.resolve().margin
+            0.25
+        """
+        return cls(
+            margin=config.tunable("auto_margin_pct", None) / 100,
+            always=config.tunable("auto_always_pct", None) / 100,
+            prior_write_s=1e-6 / config.tunable("auto_prior_write_mb_s", None),
+            prior_local_write_s=1e-6 / config.tunable("auto_prior_local_mb_s", None),
+            prior_encode_s=1e-6 / config.tunable("auto_prior_encode_mb_s", None),
+            window=config.tunable("auto_window_mib", None) << 20,
+            explore_bytes=config.tunable("auto_explore_mib", None) << 20,
+        )
+
+
+class Rate:
+    """Seconds per byte, averaged over roughly the last ``window`` bytes measured.
+
+    Older measurements fade with the bytes measured since (weight ``exp(-bytes / window)``),
+    so the rate follows a storage whose speed changes, while one slow call moves it by no
+    more than its share of the window. A prior counts as one window of measurements.
+    """
+
+    def __init__(self, window: int, prior: float | None = None) -> None:
+        self.window = window
+        self.seconds = 0.0 if prior is None else prior * window
+        self.nbytes = 0.0 if prior is None else float(window)
+
+    def add(self, seconds: float, nbytes: int) -> None:
+        keep = math.exp(-nbytes / self.window)
+        self.seconds = self.seconds * keep + seconds
+        self.nbytes = self.nbytes * keep + nbytes
+
+    @property
+    def value(self) -> float:
+        """The average, or 0.0 (free) while nothing has been measured and there is no prior."""
+        return self.seconds / self.nbytes if self.nbytes else 0.0
+
+
+class _Target:
+    """What ``"auto"`` learned about one storage target: its speed and its last choices."""
+
+    def __init__(self, settings: AutoSettings, local: bool = False) -> None:
+        prior = settings.prior_local_write_s if local else settings.prior_write_s
+        self.write = Rate(settings.window, prior)  # in out.write
+        self.commit = Rate(settings.window)  # in the commit (fsync, upload completion)
+        self.choices: dict[tuple[int, int], bool] = {}  # (width, plane) -> compressed
+        self.held_back = 0  # bytes the rates kept raw since the last exploration
+
+
+class _Encoders:
+    """Encoder speeds, shared by every target: the CPU is the process's, whatever the storage."""
+
+    def __init__(self, settings: AutoSettings) -> None:
+        self.compress = Rate(settings.window, settings.prior_encode_s)
+        self.group = Rate(settings.window, settings.prior_encode_s)
+
+
+#: Guards everything below; each use is a few arithmetic operations.
+_auto_lock = threading.Lock()
+#: Storage target (see :func:`target_key`) -> what was learned about it.
+_targets: dict[tuple[str, ...], _Target] = {}
+#: Created by the process's first ``"auto"`` write.
+_encoders: _Encoders | None = None
+#: (width, plane) -> the last stored/raw ratio seen; stands in for planes too short to probe.
+_plane_ratios: dict[tuple[int, int], float] = {}
+#: Targets remembered at most; the oldest is forgotten first.
+_MAX_TARGETS = 64
+
+
+@workers.after_fork_in_child
+def _renew_lock() -> None:
+    """In a forked child: a save thread of the parent may have held the lock at the fork."""
+    global _auto_lock
+    _auto_lock = threading.Lock()
+
+
+def reset() -> None:
+    """Forget everything ``"auto"`` learned in this process (for tests)."""
+    global _encoders
+    with _auto_lock:
+        _targets.clear()
+        _plane_ratios.clear()
+        _encoders = None
+
+
+def target_key(storage: Storage, path: str) -> tuple[str, ...]:
+    """Which storage target ``path`` is on: a local device, a bucket or top directory of
+    a filesystem, or (for anything else, e.g. a caller's file object) the backend type."""
+    if isinstance(storage, LocalStorage):
+        probe = os.path.dirname(path) or "."
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        try:
+            return ("local", str(os.stat(probe).st_dev))
+        except OSError:
+            return ("local",)
+    if isinstance(storage, (FsspecStorage, ObjectStorage)):
+        top = path.lstrip("/").split("/", 1)[0]
+        return (type(storage).__name__, storage.describe(top))
+    return (type(storage).__name__,)
+
+
+def is_local_disk(storage: Storage, path: str) -> bool:
+    """Whether ``path`` is a local file on a local disk, not on a network filesystem.
+
+    Example:
+        >>> from asyncckpt._storage import resolve
+        >>> is_local_disk(*resolve("memory://x/y.ackpt", None))
+        False
+    """
+    if not isinstance(storage, LocalStorage):
+        return False
+    kind = _filesystem_type(path)
+    return kind not in _NETWORK_FILESYSTEMS and not kind.startswith("fuse")
+
+
+#: Filesystems whose bytes travel over a network: compressing them pays like on S3.
+_NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ceph",
+        "glusterfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "9p",
+        "afs",
+        "ocfs2",
+        "gfs2",
+        "panfs",
+        "wekafs",
+    }
+)
+
+
+def _filesystem_type(path: str) -> str:
+    """The type of the filesystem mounted at the longest mount point above ``path`` (Linux;
+    ``""`` where ``/proc/self/mounts`` cannot say)."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return ""
+    full = os.path.realpath(os.path.abspath(path))
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = full == point or full.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind
+
+
+def for_write(
+    storage: Storage,
+    path: str,
+    settings: AutoSettings,
+    threads: int,
+    spare_cores: float | None = None,
+) -> AutoRun:
+    """The chooser and meter for one write with ``compression="auto"`` to ``path``.
+
+    Args:
+        storage: the backend written to; with ``path``, it names the storage target.
+        path: the file about to be written.
+        settings: the resolved tunables.
+        threads: encoder threads of this write.
+        spare_cores: CPU cores the rest of the machine left idle when the save started
+            (:func:`asyncckpt._engine.cpu.spare_cores`; None: unknown).
+
+    Returns:
+        An :class:`AutoRun` sharing what the process learned about the target so far.
+    """
+    global _encoders
+    key = target_key(storage, path)
+    with _auto_lock:
+        target = _targets.pop(key, None)
+    if target is None:
+        target = _Target(settings, is_local_disk(storage, path))  # reads the mount table
+    with _auto_lock:
+        target = _targets.pop(key, None) or target
+        _targets[key] = target  # most recently used last
+        while len(_targets) > _MAX_TARGETS:
+            del _targets[next(iter(_targets))]
+        encoders = _encoders = _encoders or _Encoders(settings)
+        for rate in (target.write, target.commit, encoders.compress, encoders.group):
+            rate.window = settings.window
+    return AutoRun(target, encoders, settings, threads, spare_cores)
+
+
+class AutoRun:
+    """``compression="auto"`` during one write: chooses planes, and feeds measurements back.
+
+    :meth:`choose` and :meth:`encoded` run on encoder threads, :meth:`wrote` and
+    :meth:`committed` on the save thread; all hold ``_auto_lock`` briefly.
+    """
+
+    def __init__(
+        self,
+        target: _Target,
+        encoders: _Encoders,
+        settings: AutoSettings,
+        threads: int,
+        spare_cores: float | None = None,
+    ) -> None:
+        self.target = target
+        self.encoders = encoders
+        self.settings = settings
+        self.threads = threads
+        self.spare_cores = spare_cores
+
+    def rates(self) -> Rates:
+        """The current estimates (the caller holds ``_auto_lock``)."""
+        write = self.target.write.value + self.target.commit.value
+        encoders = self.encoders
+        return Rates(
+            write, encoders.compress.value, encoders.group.value, self.threads, self.spare_cores
+        )
+
+    def choose(
+        self, width: int, ratios: tuple[float | None, ...], nbytes: int = 0
+    ) -> tuple[bool, ...]:
+        """Which planes of a chunk of ``nbytes`` to compress (bound to ``nbytes``, an
+        :data:`asyncckpt._format.codec.PlaneChooser`)."""
+        keys = [(width, j) for j in range(width)]
+        with _auto_lock:
+            known = [_plane_ratios.get(k) if r is None else r for r, k in zip(ratios, keys)]
+            previous = [self.target.choices.get(k, True) for k in keys]
+            chosen = choose_planes(
+                known,
+                previous,
+                self.rates(),
+                margin=self.settings.margin,
+                always=self.settings.always,
+            )
+            self.target.choices.update(zip(keys, chosen))
+            return self._explore(known, chosen, nbytes)
+
+    def _explore(
+        self, ratios: list[float | None], chosen: tuple[bool, ...], nbytes: int
+    ) -> tuple[bool, ...]:
+        """Now and then compress what the rates held back: otherwise, once a target goes
+        raw, the encode rates would never be measured again, however wrong they were."""
+        shrinks = tuple(r is None or r <= INCOMPRESSIBLE for r in ratios)
+        if shrinks == chosen or not any(shrinks):
+            return chosen
+        self.target.held_back += nbytes
+        if self.target.held_back < self.settings.explore_bytes:
+            return chosen
+        self.target.held_back = 0
+        return shrinks
+
+    def encoded(self, report: EncodeReport) -> None:
+        """Feed back what one chunk's encoding cost and found."""
+        width = len(report.ratios)
+        with _auto_lock:
+            if report.compressed_bytes:
+                self.encoders.compress.add(report.compress_s, report.compressed_bytes)
+            if report.grouped_bytes:
+                self.encoders.group.add(report.group_s, report.grouped_bytes)
+            for j, ratio in enumerate(report.ratios):
+                if ratio is not None:
+                    _plane_ratios[(width, j)] = ratio
+
+    def wrote(self, seconds: float, nbytes: int) -> None:
+        """Feed back one ``out.write`` call."""
+        with _auto_lock:
+            self.target.write.add(seconds, nbytes)
+
+    def committed(self, seconds: float, nbytes: int) -> None:
+        """Feed back the commit of a file of ``nbytes``."""
+        with _auto_lock:
+            self.target.commit.add(seconds, nbytes)

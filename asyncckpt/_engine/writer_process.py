@@ -1,0 +1,723 @@
+"""Background writes in a child process, so that they never take the caller's GIL.
+
+With the ``writer_processes`` tunable at 1 (the default), a save stages its state into an
+arena in shared memory (a memfd; see ``staging.shared_region``) and its background job
+hands the write to one long-lived child process. The job sends the snapshot's layout, the
+storage and the options over a Unix socket, with each arena's memfd the first time it is
+used; the child maps the arena and runs :func:`asyncckpt._engine.encode.write_snapshot` on it
+(encode, compress, checksum, write, fsync, rename) and answers with the file's size, or
+with the error. The save thread of the caller's process only waits on the socket, which
+releases the GIL, so the training thread keeps the interpreter to itself (with threads, the
+writer's Python parts take it at every switch interval: GIL time is stall where kernel
+launches are Python).
+
+What stays in the caller's process: the copy into the arena (what ``save`` blocks for), and
+for a versioned root the commit, the lease and its heartbeat, and retention: small files,
+and a lease must belong to the process that holds the training state.
+
+The child
+  * is started by a dedicated thread the first time a save or ``reserve`` asks for it, off
+    the caller's path; it imports only what a write needs, not torch (about 0.2 CPU-seconds
+    and 50 MB resident, against 2-3 s and 300 MB with torch), and runs ``writer_nice``
+    below the caller's main thread, as the writer threads would;
+  * dies with the caller's process (``PR_SET_PDEATHSIG`` on Linux): a write must not
+    outlive the process whose lease and snapshot it carries; it ignores ``SIGINT`` (a
+    Ctrl-C is the caller's to handle, as it would be for a writer thread);
+  * runs one write at a time; if it dies, the write it was running fails with
+    :class:`~asyncckpt.errors.WriterProcessError` (the target is untouched, the temp file
+    beside it removed; an object store's unfinished upload is left to the root's next
+    recovery), and the next save starts a new child.
+
+A write stays on this process's threads when the child could not do it: a storage whose
+files live in this process's memory (``memory://``, a caller's file object), one that cannot
+be pickled, an arena not in shared memory (pinned memory that could not be shared), or a
+platform without memfd. That is said once per reason: as a warning if the caller set
+``ASYNCCKPT_WRITER_PROCESSES``, as a debug message if it is the default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from asyncckpt import _config as config
+from asyncckpt import _threads as workers
+from asyncckpt._engine import cpu
+from asyncckpt._engine.encode import WriteOptions, write_snapshot
+from asyncckpt._format.container import ArrayEntry, TensorEntry
+from asyncckpt._storage import Storage
+from asyncckpt._storage.base import TEMP_MARK, PublishGuard
+from asyncckpt.errors import WriterProcessError
+
+if TYPE_CHECKING:
+    from asyncckpt._engine.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+#: The child's entry point: lower its priority before anything starts a thread (threads
+#: inherit it), then import only what a write needs. The package's own ``__init__`` (the
+#: public API) imports torch, which costs the child 2-3 CPU-seconds and ~250 MB before its
+#: first write and is not needed to write; it runs only if something the child unpickles
+#: asks the package for a name it does not have yet (a storage class whose module imports
+#: the public API, say).
+_CHILD_MAIN = """
+import os, sys, types
+try:
+    os.setpriority(os.PRIO_PROCESS, 0, int(sys.argv[2]))
+except (AttributeError, OSError):
+    pass
+here = sys.argv[4]
+init = os.path.join(here, "__init__.py")
+package = types.ModuleType("asyncckpt")
+package.__path__, package.__package__, package.__file__ = [here], "asyncckpt", init
+def whole_package(name):
+    path = os.path.join(here, name)
+    if name.startswith("__") or os.path.exists(path + ".py") or os.path.isdir(path):
+        raise AttributeError(name)  # "from . import x" imports a submodule as usual
+    del package.__getattr__
+    with open(init, "rb") as f:
+        exec(compile(f.read(), init, "exec"), package.__dict__)
+    return getattr(package, name)
+package.__getattr__ = whole_package
+sys.modules["asyncckpt"] = package
+from asyncckpt._engine.writer_process import serve
+serve(int(sys.argv[1]), int(sys.argv[3]))
+"""
+#: Tunables the child must not take from the caller: it runs at its own priority already,
+#: and it writes on its own threads.
+_CHILD_FIXED_ENV = {"ASYNCCKPT_WRITER_NICE": "0", "ASYNCCKPT_WRITER_PROCESSES": "0"}
+_HEADER = struct.Struct("<QI")  # payload length, number of file descriptors
+_MAX_FDS = 16
+_EXIT_WAIT_S = 5.0  # how long to wait for a dead child's exit status
+_MAX_CAUSES = 8  # links of a ``raise ... from`` chain sent back with an error
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class _Channel:
+    """Pickled messages, each with optional file descriptors, over a Unix stream socket.
+
+    Pickle is safe here: both ends are this library, joined by an anonymous socket pair
+    that no other process can open; nothing read from storage ever passes through it (the
+    child only writes). Loading never comes here: readers parse data, never pickles
+    (docs/FORMAT.md, R11; ``tests/test_packaging.py`` keeps pickle out of every other module).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, payload: bytes, fds: tuple[int, ...] = ()) -> None:
+        header = _HEADER.pack(len(payload), len(fds))
+        sent = socket.send_fds(self.sock, [header], list(fds)) if fds else 0
+        self.sock.sendall(header[sent:])
+        self.sock.sendall(payload)
+
+    def send_message(self, message: Any) -> None:
+        self.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def receive(self) -> tuple[Any, list[int]]:
+        """The next message and the descriptors sent with it.
+
+        Raises:
+            EOFError: the other end closed the socket (or died).
+        """
+        head, fds, _, _ = socket.recv_fds(self.sock, _HEADER.size, _MAX_FDS)
+        if not head:
+            raise EOFError("the socket was closed")
+        head += self._exactly(_HEADER.size - len(head))
+        length, _ = _HEADER.unpack(head)
+        return pickle.loads(self._exactly(length)), fds
+
+    def _exactly(self, n: int) -> bytes:
+        parts = []
+        while n:
+            part = self.sock.recv(min(n, 1 << 20))
+            if not part:
+                raise EOFError("the socket was closed mid-message")
+            parts.append(part)
+            n -= len(part)
+        return b"".join(parts)
+
+
+@dataclass(frozen=True)
+class _StagedRef:
+    """Where one staged storage lies in a shared arena (arena 0: an empty storage)."""
+
+    arena: int
+    offset: int
+    nbytes: int
+    itemsize: int
+    is_float: bool
+    device: str
+
+
+@dataclass(frozen=True)
+class _WriteJob:
+    """Everything the child needs for one ``write_snapshot``."""
+
+    storage: Storage
+    path: str
+    options: WriteOptions
+    root: Any
+    tensors: list[TensorEntry]
+    arrays: list[ArrayEntry]
+    storages: list[_StagedRef]
+    live_arenas: frozenset[int]  # the child unmaps every other arena it holds
+    environ: dict[str, str]  # the caller's ASYNCCKPT_* settings at the time of the save
+    progress: bool
+    guard: PublishGuard | None = None  # checked right before the file is published
+
+
+class WriterProcess:
+    """A child process running background writes, one at a time.
+
+    Use :func:`write` rather than this class: it starts the process and falls back to
+    threads where the child cannot write.
+
+    Args:
+        nice: how far below the calling process's main thread the child runs.
+
+    Raises:
+        WriterProcessError: the child could not be started.
+    """
+
+    def __init__(self, nice: int) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            argv = [sys.executable, "-c", _CHILD_MAIN, str(theirs.fileno())]
+            argv += [str(_niceness_below_main(nice)), str(os.getpid()), _PACKAGE_DIR]
+            self.process = subprocess.Popen(
+                argv, pass_fds=(theirs.fileno(),), env=_child_environ(), stdin=subprocess.DEVNULL
+            )
+        except OSError as exc:
+            ours.close()
+            raise WriterProcessError(f"could not start the writer process: {exc}") from exc
+        finally:
+            theirs.close()
+        self.pid = self.process.pid
+        self.jobs = 0  # writes this child has finished, successfully or not
+        self.lost: str | None = None  # why this child can no longer write
+        self._channel = _Channel(ours)
+        self._mapped: set[int] = set()
+        self._lock = threading.Lock()
+
+    def write(
+        self,
+        payload: bytes,
+        job: _WriteJob,
+        where: str,
+        progress: Callable[[int], None] | None,
+    ) -> int:
+        """Have the child run ``job`` (pickled as ``payload``); ``where`` names its file.
+
+        Returns:
+            The file's size.
+
+        Raises:
+            WriterProcessError: the child died (or had died) before answering.
+            Exception: whatever the write raised in the child.
+        """
+        with self._lock:
+            if self.lost is not None:
+                raise WriterProcessError(self.lost)
+            try:
+                answer = self._exchange(payload, job, progress)
+            except (EOFError, OSError, pickle.UnpicklingError) as exc:
+                raise WriterProcessError(self._lose(where)) from exc
+            finally:
+                self.jobs += 1
+        if answer[0] == "done":
+            return int(answer[1])
+        raise _rebuilt(answer, self.pid, where)
+
+    def close(self) -> None:
+        """Close the socket: the child exits once it sees that."""
+        with contextlib.suppress(OSError):
+            self._channel.sock.close()
+
+    def _exchange(
+        self, payload: bytes, job: _WriteJob, progress: Callable[[int], None] | None
+    ) -> tuple[Any, ...]:
+        from asyncckpt._engine.snapshot import shared_regions
+
+        regions = {r.ident: r for r in shared_regions()}
+        self._mapped &= set(regions)
+        for ident in {ref.arena for ref in job.storages} - self._mapped - {0}:
+            region = regions[ident]
+            self._channel.send(
+                pickle.dumps(("map", ident, region.size), protocol=pickle.HIGHEST_PROTOCOL),
+                (region.fd,),
+            )
+            self._mapped.add(ident)
+        self._channel.send(payload)
+        while True:
+            message, _ = self._channel.receive()
+            if message[0] == "progress" and progress is not None:
+                progress(int(message[1]))
+            elif message[0] in ("done", "failed"):
+                return tuple(message)
+
+    def _lose(self, where: str) -> str:
+        """Mark the child unusable after its socket failed; describe what happened."""
+        self.close()
+        try:
+            code = self.process.wait(_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:  # alive but not answering: it cannot be trusted
+            self.process.kill()
+            code = self.process.wait()
+        self.lost = (
+            f"the writer process (pid {self.pid}) {_death(code)} while writing {where}; that "
+            "file was not replaced. The next save starts a new writer process"
+        )
+        return self.lost
+
+    def usable(self) -> bool:
+        """Whether the child can take a write: not lost, and not dead since its last one
+        (a child killed between saves is replaced before the next, which then succeeds)."""
+        return self.lost is None and self.process.poll() is None
+
+
+def _death(code: int) -> str:
+    """How a child that ended with ``Popen.returncode`` ``code`` died, in words.
+
+    Example:
+        >>> _death(-9), _death(3)
+        ('was killed by SIGKILL', 'exited with status 3')
+    """
+    if code >= 0:
+        return f"exited with status {code}"
+    number = -code
+    try:
+        return f"was killed by {signal.Signals(number).name}"
+    except ValueError:  # a real-time signal has no name of its own
+        offset = number - signal.SIGRTMIN
+        name = f"SIGRTMIN+{offset}" if 0 < offset <= signal.SIGRTMAX - signal.SIGRTMIN else "?"
+        return f"was killed by signal {number} ({name})"
+
+
+def _rebuilt(answer: tuple[Any, ...], pid: int, where: str) -> BaseException:
+    """The child's exception, as raised there if it survived pickling, with its causes
+    (``raise ... from``, which pickling drops) and its traceback as a note."""
+    _, blobs, summary, text = answer
+    chain = [_unpickled(blob) for blob in blobs]
+    exc = chain[0] if chain else None
+    if exc is None:
+        exc = WriterProcessError(f"writing {where} failed in the writer process: {summary}")
+    link = exc
+    for cause in chain[1:]:
+        if cause is None:
+            break
+        link.__cause__ = cause
+        link = cause
+    if hasattr(exc, "add_note"):
+        exc.add_note(f"raised in the writer process (pid {pid}):\n{text}")
+    return exc
+
+
+def _unpickled(blob: bytes | None) -> BaseException | None:
+    if blob is None:
+        return None
+    with contextlib.suppress(Exception):
+        exc = pickle.loads(blob)
+        if isinstance(exc, BaseException):
+            return exc
+    return None
+
+
+def _niceness_below_main(nice: int) -> int:
+    """The niceness ``nice`` steps below this process's main thread (whose id is the pid)."""
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)
+    except (AttributeError, OSError):
+        return nice
+
+
+#: The asyncckpt package's directory (this module is in its ``_engine``): the child imports
+#: this very package, from wherever this process found it.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _child_environ() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(_CHILD_FIXED_ENV)
+    here = os.path.dirname(_PACKAGE_DIR)
+    env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+# ----------------------------------------------------------------------------- the caller
+
+
+_lock = threading.Lock()
+_current: Future[WriterProcess] | None = None
+_warned: set[str] = set()
+
+
+def wanted(options: WriteOptions) -> bool:
+    """Whether saves with ``options`` should stage into shared memory for a child to write.
+
+    Example:
+        >>> from asyncckpt._api.dropin import write_options
+        >>> wanted(write_options("zstd"))
+        False
+    """
+    from asyncckpt._engine.snapshot import shared_memory_supported
+
+    if not options.processes:
+        return False
+    if not shared_memory_supported():
+        _warn_once("writer_processes=1 needs memfd (Linux); writing on threads instead")
+        return False
+    return True
+
+
+def shares_arenas() -> bool:
+    """Whether arenas go in shared memory: writer processes are on (``writer_processes``)
+    and memfd exists. Saves written on threads take such an arena as well.
+
+    Example:
+        >>> isinstance(shares_arenas(), bool)
+        True
+    """
+    from asyncckpt._engine.snapshot import shared_memory_supported
+
+    return config.tunable("writer_processes", None) == 1 and shared_memory_supported()
+
+
+def start() -> Future[WriterProcess]:
+    """Start the writer process if none is running; return it (as a future: it may still
+    be starting). A dedicated thread starts it: on Linux the child's death signal follows
+    the thread that started it, which must live as long as the process.
+
+    Example:
+        >>> process = start().result()
+        >>> process.pid != os.getpid()
+        True
+    """
+    global _current
+    with _lock:
+        if _current is None or _broken(_current):
+            nice = config.tunable("writer_nice", None)
+            _current = workers.pool("writer-process", 1).submit(WriterProcess, nice)
+        return _current
+
+
+def current() -> WriterProcess | None:
+    """The writer process, if one has been started and is usable (for tests and tools)."""
+    with _lock:
+        future = _current
+    if future is None or _broken(future):
+        return None
+    return future.result()
+
+
+#: pid -> CPU seconds that writer process had used when last looked at.
+_child_cpu: dict[int, float] = {}
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds every writer process of this process has used so far (Linux; 0.0
+    elsewhere): the background writer's own work, which does not make the CPU look busy.
+
+    Example:
+        >>> children_cpu_seconds() >= 0.0
+        True
+    """
+    with _lock:
+        future = _current
+    if future is not None and future.done() and future.exception() is None:
+        pid = future.result().pid
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            _child_cpu[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass  # gone, or not Linux: its last reading stands
+    return sum(_child_cpu.values())
+
+
+cpu.add_writer_source(children_cpu_seconds)
+
+
+def _broken(future: Future[WriterProcess]) -> bool:
+    if not future.done():
+        return False
+    return future.exception() is not None or not future.result().usable()
+
+
+def write(
+    snap: Snapshot,
+    storage: Storage,
+    path: str,
+    options: WriteOptions,
+    progress: Callable[[int], None] | None = None,
+    guard: PublishGuard | None = None,
+) -> int:
+    """``write_snapshot``, in the writer process when ``options.processes`` asks for it.
+
+    Falls back to this process's threads (with a warning once per reason) where the child
+    cannot write: see the module docstring.
+
+    Args:
+        snap: the staged state; its copy must be complete before the child reads it, so this
+            waits for it (a pipelined copy is not followed chunk by chunk).
+        storage: where to write.
+        path: the file; replaced atomically, or left untouched on any failure.
+        options: compression and parallelism settings, and ``processes``.
+        progress: called with the raw bytes of each chunk once it is written.
+        guard: entered around the publishing step, in whichever process writes (it is
+            pickled for the writer process: a drop-in save's marker check).
+
+    Returns:
+        The total size of the file in bytes.
+
+    Raises:
+        WriterProcessError: the writer process died during the write, or could not start.
+        SnapshotFailedError: the copy into the arena failed.
+        StorageError: the backend failed (the target is untouched).
+
+    Example:
+        >>> import tempfile, os
+        >>> from asyncckpt._api.dropin import stage, write_options
+        >>> from asyncckpt._storage import LocalStorage
+        >>> snap = stage({"w": torch.ones(2)})
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.ackpt")
+        >>> write(snap, LocalStorage(), path, write_options("none")) == os.path.getsize(path)
+        True
+        >>> snap.lease.release()
+    """
+    from asyncckpt._engine.snapshot import SnapshotFailedError, shared_regions
+
+    refs = _layout(snap) if wanted(options) else None
+    reason = _unwritable(storage) if refs is not None else "an arena not in shared memory"
+    if not options.processes or reason is not None:
+        if options.processes and reason is not None:
+            _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead")
+        return write_snapshot(snap, storage, path, options, progress, guard)
+    assert refs is not None
+    failure = snap.copy_error()
+    if failure is not None:
+        raise SnapshotFailedError(f"the snapshot copy failed: {failure!r}")
+    snap.wait_copied()
+    job = _WriteJob(
+        storage,
+        path,
+        options,
+        snap.root,
+        snap.tensors,
+        snap.arrays,
+        refs,
+        frozenset(r.ident for r in shared_regions()),
+        {k: v for k, v in os.environ.items() if k.startswith("ASYNCCKPT_")},
+        progress is not None,
+        guard,
+    )
+    try:
+        payload = pickle.dumps(("write", job), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        _warn_once(f"writer_processes=1: {storage!r} cannot be sent to a process ({exc})")
+        return write_snapshot(snap, storage, path, options, progress, guard)
+    try:
+        return start().result().write(payload, job, storage.describe(path), progress)
+    except WriterProcessError:
+        _remove_temp_files(storage, path)
+        raise
+
+
+def _remove_temp_files(storage: Storage, path: str) -> None:
+    """Delete the temp files a killed child left beside ``path`` (best effort)."""
+    head, _, tail = path.replace("\\", "/").rpartition("/")
+    with contextlib.suppress(Exception):
+        for name in storage.list_dir(head):
+            if name.startswith(tail + TEMP_MARK):
+                storage.delete(storage.join(head, name))
+
+
+def _layout(snap: Snapshot) -> list[_StagedRef] | None:
+    """Where each staged storage lies in shared memory; None if one lies elsewhere."""
+    from asyncckpt._engine.snapshot import shared_region
+
+    refs = []
+    for staged in snap.storages:
+        n = staged.data.numel()
+        found = shared_region(staged.data) if n else None
+        if n and found is None:
+            return None
+        arena, offset = (found[0].ident, found[1]) if found else (0, 0)
+        refs.append(_StagedRef(arena, offset, n, staged.itemsize, staged.is_float, staged.device))
+    return refs
+
+
+def _unwritable(storage: Storage) -> str | None:
+    if storage.process_local:
+        return f"{storage.describe('')} lives in this process's memory"
+    return None
+
+
+def _warn_once(message: str) -> None:
+    """Say once why a write stays on threads: a warning if the caller asked for the writer
+    process (``ASYNCCKPT_WRITER_PROCESSES`` is set), else a debug message, since falling
+    back is then the default's documented behaviour (``memory://``, file objects)."""
+    with _lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    explicit = "ASYNCCKPT_WRITER_PROCESSES" in os.environ
+    log.log(logging.WARNING if explicit else logging.DEBUG, "%s", message)
+
+
+def _forget_after_fork() -> None:
+    """In a forked child (a DataLoader worker, say): the writer process is the parent's.
+
+    Closing this copy of the socket leaves the parent's connection open. The lock is new:
+    another thread of the parent may have held it at the fork.
+    """
+    global _current, _lock
+    _lock = threading.Lock()
+    future, _current = _current, None
+    if future is not None and future.done() and future.exception() is None:
+        future.result().close()
+
+
+workers.after_fork_in_child(_forget_after_fork)
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+@dataclass(frozen=True)
+class _ChildStaged:
+    """One staged storage, as the child sees it: a view of a mapped arena."""
+
+    buffer: memoryview
+    itemsize: int
+    is_float: bool
+    device: str
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buffer)
+
+    def view(self) -> memoryview:
+        return self.buffer
+
+
+@dataclass(frozen=True)
+class _ChildSnapshot:
+    """A staged state the caller copied completely before sending the job."""
+
+    root: Any
+    tensors: Sequence[TensorEntry]
+    arrays: Sequence[ArrayEntry]
+    storages: Sequence[_ChildStaged]
+
+    def wait_staged(self, index: int, end: int) -> None:
+        """Nothing to wait for: the caller sends a job once its copy has ended."""
+
+    def copied(self) -> bool:
+        return True
+
+
+def serve(fd: int, parent: int) -> None:
+    """The child's main loop: map arenas and run writes until the socket closes.
+
+    Args:
+        fd: the child's end of the socket pair.
+        parent: the caller's pid; the child exits if that process is already gone.
+    """
+    _die_with(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(_CHILD_FIXED_ENV)
+    channel = _Channel(socket.socket(fileno=fd))
+    arenas: dict[int, memoryview] = {}
+    while True:
+        try:
+            message, fds = channel.receive()
+        except (EOFError, OSError):
+            return
+        if message[0] == "map":
+            arenas[message[1]] = _mapped(fds[0], message[2])
+        elif message[0] == "write":
+            _serve_write(message[1], arenas, channel)
+
+
+def _serve_write(job: _WriteJob, arenas: dict[int, memoryview], channel: _Channel) -> None:
+    for ident in set(arenas) - job.live_arenas:
+        del arenas[ident]  # the caller freed it: unmap
+    _apply_environ(job.environ)
+    try:
+        staged = [_staged(ref, arenas) for ref in job.storages]
+        snap = _ChildSnapshot(job.root, job.tensors, job.arrays, staged)
+        report = (lambda n: channel.send_message(("progress", n))) if job.progress else None
+        size = write_snapshot(snap, job.storage, job.path, job.options, report, job.guard)
+    except Exception as exc:
+        channel.send_message(("failed", *_portable(exc)))
+    else:
+        channel.send_message(("done", size))
+
+
+def _portable(exc: BaseException) -> tuple[list[bytes | None], str, str]:
+    """``exc`` and its causes, each pickled (None if it cannot be), a one-line summary, and
+    the traceback. One that pickles but does not unpickle (a custom ``__init__``
+    signature) is dropped by the parent's :func:`_unpickled`, which never raises."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    blobs: list[bytes | None] = []
+    link: BaseException | None = exc
+    while link is not None and len(blobs) < _MAX_CAUSES:
+        try:
+            blobs.append(pickle.dumps(link, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:
+            blobs.append(None)
+        link = link.__cause__
+    return blobs, f"{type(exc).__qualname__}: {exc}", text
+
+
+def _mapped(fd: int, size: int) -> memoryview:
+    import mmap
+
+    try:
+        region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)  # the mapping keeps the memory
+    return memoryview(region)
+
+
+def _staged(ref: _StagedRef, arenas: dict[int, memoryview]) -> _ChildStaged:
+    data = (
+        memoryview(b"")
+        if ref.arena == 0
+        else arenas[ref.arena][ref.offset : ref.offset + ref.nbytes]
+    )
+    return _ChildStaged(data, ref.itemsize, ref.is_float, ref.device)
+
+
+def _apply_environ(environ: dict[str, str]) -> None:
+    for key in [k for k in os.environ if k.startswith("ASYNCCKPT_")]:
+        if key not in environ:
+            del os.environ[key]
+    os.environ.update(environ)
+    os.environ.update(_CHILD_FIXED_ENV)
+
+
+def _die_with(parent: int) -> None:
+    """Ask Linux to kill this process when the caller's process ends; exit if it has."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # it died before the request above was made
+        os._exit(0)

@@ -1,0 +1,53 @@
+"""Storage: a small interface over a filesystem, with atomic writes and conditional ones.
+
+One module per strategy, importing downward only (``base`` ← ``local``, ``generic``,
+``objectstore`` ← ``resolve``):
+
+* :class:`LocalStorage` (:mod:`.local`) — local disk through the OS: write to a temp file
+  beside the target, fsync it, rename it over the target, fsync the directory.
+* :class:`FsspecStorage` (:mod:`.generic`) — any other fsspec filesystem (``memory://`` and
+  friends): the same temp-then-move sequence through fsspec calls.
+* :class:`ObjectStorage` (:mod:`.objectstore`) — object stores (``s3://``): no renames;
+  data at its final key through one PUT or a multipart upload, conditional writes.
+
+:func:`resolve` turns a user's path or URL into ``(storage, path)``. Every backend error
+surfaces as :class:`~asyncckpt.errors.StorageError` (or
+:class:`~asyncckpt.errors.CheckpointNotFoundError`) chained with ``from``.
+"""
+
+from __future__ import annotations
+
+from asyncckpt._storage.base import (
+    TEMP_MARK,
+    UNSAFE_UNCONDITIONAL_WRITES,
+    AtomicWriter,
+    ReadHandle,
+    Storage,
+    content_tag,
+    is_temp_name,
+    temp_name,
+)
+from asyncckpt._storage.generic import FsspecStorage
+from asyncckpt._storage.local import LocalStorage, fsync_dir
+from asyncckpt._storage.objectstore import ObjectStorage
+from asyncckpt._storage.resolve import resolve
+
+__all__ = [
+    "TEMP_MARK",
+    "UNSAFE_UNCONDITIONAL_WRITES",
+    "AtomicWriter",
+    "FsspecStorage",
+    "LocalStorage",
+    "ObjectStorage",
+    "ReadHandle",
+    "Storage",
+    "content_tag",
+    "fsync_dir",
+    "is_temp_name",
+    "resolve",
+    "temp_name",
+]
+
+# Test and simulation filesystems from asyncckpt.testing (imported only when used):
+# ``faulty::<url>`` injects faults, latency and bandwidth limits into any filesystem, and
+# ``s3mem://`` serves the S3 API from memory.

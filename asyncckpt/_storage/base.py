@@ -1,0 +1,406 @@
+"""The storage interface: what every backend provides, and the helpers they share.
+
+A :class:`Storage` is a small interface over one filesystem, with paths in the backend's own
+form (no scheme). Backends live beside this module (``local``, ``generic``,
+``objectstore``); :func:`asyncckpt._storage.resolve` picks one for a URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+
+from asyncckpt._threads import after_fork_in_child
+from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
+
+TEMP_MARK = ".acktmp-"
+#: The storage option that lets an object store without conditional writes be used anyway.
+UNSAFE_UNCONDITIONAL_WRITES = "unsafe_unconditional_writes"
+_MAX_TAGGED_BYTES = 1 << 20
+_WRITE_ATTEMPTS = 3
+
+#: Entered around the step that makes a written file visible at its target (the rename, the
+#: final PUT or CompleteMultipartUpload); raising there aborts the write and leaves the
+#: target alone. Drop-in saves set one (``asyncckpt._versions.pending``) to check their save marker.
+PublishGuard = Callable[[], AbstractContextManager[None]]
+
+
+def temp_name(path: str) -> str:
+    """A unique sibling of ``path`` that readers and listings recognise as temporary."""
+    head, tail = os.path.split(path)
+    return os.path.join(head, f"{tail}{TEMP_MARK}{uuid.uuid4().hex[:12]}")
+
+
+def is_temp_name(path: str) -> bool:
+    """Whether ``path`` is a temp file left by an unfinished write."""
+    return TEMP_MARK in os.path.basename(path)
+
+
+class AtomicWriter(ABC):
+    """A file being written; it appears at its target only when :meth:`commit` succeeds."""
+
+    #: Local files: after every this many bytes written the kernel is asked to start
+    #: writing them to disk (``writeback_mib``); 0: only the commit's fsync does. A save
+    #: sets it from the tunables it resolved when it started; other backends ignore it.
+    writeback_bytes: int = 0
+    #: Checked around the publishing step by :meth:`commit` (see :data:`PublishGuard`).
+    publish_guard: PublishGuard | None = None
+
+    def publishing(self) -> AbstractContextManager[None]:
+        """The context :meth:`commit` makes the file visible in: the guard's, if one is set."""
+        if self.publish_guard is None:
+            return contextlib.nullcontext()
+        return self.publish_guard()
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> None:
+        """Append ``data``."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the file durable and visible at its target, atomically."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Discard everything written; never raises."""
+
+
+class ReadHandle(ABC):
+    """One file opened for reading: every read sees the same version of the file.
+
+    A load reads a file's header, footer, manifest and chunks through one handle, so a file
+    replaced meanwhile (an atomic ``save`` by another process) cannot give it the manifest
+    of one version and the chunks of another. How the version is pinned is the backend's:
+    an open descriptor (local disk), a snapshot (``memory://``), the ETag of the object
+    (object stores, where a read of a replaced object raises
+    :class:`~asyncckpt.errors.FileReplacedError`). Reads may run in parallel threads.
+    Close it (or use it as a context manager) when done; closing twice is harmless.
+
+    Attributes:
+        name: the file as a user would write it (for messages).
+        size: its size in bytes, of the pinned version.
+    """
+
+    def __init__(self, name: str, size: int) -> None:
+        self.name = name
+        self.size = size
+
+    @abstractmethod
+    def read_range(self, start: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``start`` (fewer only past the end of the file).
+
+        Raises:
+            FileReplacedError: the file is no longer the version this handle pinned and the
+                backend cannot read that one any more.
+            StorageError: the backend failed.
+        """
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        """Fill ``out`` from ``start``; returns the number of bytes read."""
+        data = self.read_range(start, len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:  # noqa: B027 (a handle that holds nothing has nothing to do)
+        """Release what the handle holds (a descriptor, a snapshot); idempotent."""
+
+    def __enter__(self) -> ReadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _PathHandle(ReadHandle):
+    """A handle that reads by path each time: for storages without a way to pin a file."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        super().__init__(storage.describe(path), storage.size(path))
+        self.storage, self.path = storage, path
+
+    def read_range(self, start: int, length: int) -> bytes:
+        return self.storage.read_range(self.path, start, length)
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        return self.storage.read_into(self.path, start, out)
+
+
+class Storage(ABC):
+    """Where checkpoint files live. Paths are the backend's own (no scheme)."""
+
+    #: Human-readable location prefix for messages (e.g. ``memory://``); never credentials.
+    label: str = ""
+    #: The files live in this process's memory (``memory://``, a caller's file object):
+    #: another process cannot write them, so a writer process leaves them to threads.
+    process_local: bool = False
+
+    def describe(self, path: str) -> str:
+        """``path`` as a user would write it, for error messages."""
+        return f"{self.label}{path}"
+
+    @contextlib.contextmanager
+    def atomic_write(self, path: str) -> Iterator[AtomicWriter]:
+        """Context manager: commit on normal exit, abort (and re-raise) on any exception."""
+        writer = self.open_atomic(path)
+        try:
+            yield writer
+        except BaseException:
+            writer.abort()
+            raise
+        writer.commit()
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Atomically replace ``path`` with ``data``."""
+        with self.atomic_write(path) as w:
+            w.write(data)
+
+    @abstractmethod
+    def open_atomic(self, path: str) -> AtomicWriter: ...
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """Size in bytes; raises CheckpointNotFoundError when missing."""
+
+    @abstractmethod
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``start`` (fewer only if the file is shorter)."""
+
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        """Fill ``out`` from ``start``; returns the number of bytes read."""
+        data = self.read_range(path, start, len(out))
+        out[: len(data)] = data
+        return len(data)
+
+    def open_read(self, path: str) -> ReadHandle:
+        """Open ``path`` for reading, pinned to its current version (see :class:`ReadHandle`).
+
+        A file is read through one handle when its parts must agree (a load: manifest and
+        chunks); small records read whole (``COMMIT``, ``VERSION``) use :meth:`read_range`.
+        This default reads by path every time, pinning nothing: backends override it.
+
+        Raises:
+            CheckpointNotFoundError: the file is missing.
+        """
+        return _PathHandle(self, path)
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    @abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove a file; a missing file is not an error."""
+
+    def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
+        """Abort unfinished writes below directory ``path`` (with ``exact``, of the file
+        ``path`` itself) that a listing does not show: multipart uploads on an object
+        store, which a killed writer can leave behind.
+
+        Local and generic filesystems show such writes as temp files, so this does nothing.
+        """
+        del path, exact
+
+    @abstractmethod
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Create ``path`` holding ``data`` durably, only if it does not exist yet.
+
+        Raises:
+            ConflictError: ``path`` already exists (someone else created it first).
+        """
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Names (not paths) of the entries directly under ``path``; [] if it is missing."""
+
+    @abstractmethod
+    def delete_tree(self, path: str) -> None:
+        """Remove ``path`` and everything below it; a missing path is not an error.
+
+        A ``path`` that is a symbolic link is removed as a link: deleting never follows one.
+        """
+
+    def is_link(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (only local disk has them).
+
+        Whoever deletes inside a directory asks first: deleting through a link would
+        delete what it points to, another run's files (see ``delete_tree``).
+        """
+        del path
+        return False
+
+    def read_bytes(self, path: str, limit: int) -> bytes:
+        """The whole of a small file.
+
+        Raises:
+            CheckpointNotFoundError: the file is missing.
+            FormatError: the file is larger than ``limit`` bytes.
+        """
+        size = self.size(path)
+        if size > limit:
+            raise FormatError(f"{self.describe(path)}: {size} bytes, expected at most {limit}")
+        return self.read_range(path, 0, size)
+
+    def join(self, *parts: str) -> str:
+        """Join path parts with ``/``."""
+        return "/".join(p.rstrip("/") for p in parts if p)
+
+    # -- save markers (asyncckpt._versions.pending): small files rewritten in place -------
+
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        """A small file's bytes, in one request where the backend allows; None if missing.
+
+        Raises:
+            FormatError: the file is larger than ``limit`` bytes.
+        """
+        try:
+            return self.read_bytes(path, limit)
+        except CheckpointNotFoundError:
+            return None
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        """Write a small file directly at ``path``: no temp file, no rename, no fsync.
+
+        Cheap enough for the caller's stall, and not atomic: a reader may see the file
+        empty or cut short meanwhile (markers are read as "being rewritten" then). Local
+        disk opens and writes the file; other filesystems write it in one request (on an
+        object store one PUT, which is whole).
+
+        Args:
+            path: the file.
+            data: its new content.
+            replacing: the tag this call returned when it last wrote ``path``: write only if
+                the file still has it. Object stores make the PUT conditional on it
+                (``If-Match``); elsewhere the file is read and compared first, which is
+                exact only while the caller holds :meth:`marker_lock`.
+
+        Returns:
+            The file's new tag.
+
+        Raises:
+            ConflictError: ``replacing`` was given and the file no longer has it.
+            StorageError: the backend failed.
+        """
+        if replacing is not None:
+            self._check_marker_tag(path, replacing)
+        self.write_bytes(path, data)
+        return content_tag(data)
+
+    def _check_marker_tag(self, path: str, tag: str) -> None:
+        current = self.read_marker(path, _MAX_TAGGED_BYTES)
+        if current is None or content_tag(current) != tag:
+            raise ConflictError(f"{self.describe(path)} was replaced or removed by another writer")
+
+    def marker_lock(self, path: str) -> AbstractContextManager[None]:
+        """Exclude every other marker update (write, check, delete) of ``path``.
+
+        Local disk: an ``flock`` on the parent directory, which excludes the processes of
+        this machine (and of an NFS or Lustre client only where flock is coherent there).
+        Elsewhere there is no cross-process lock: a lock within this process only.
+        """
+        return _process_lock(self, path)
+
+    # -- compare-and-swap of small files (the version file) ----------------------------------
+
+    def read_tagged(self, path: str, limit: int) -> tuple[bytes, str] | None:
+        """A small file's bytes and a tag that changes whenever the file is replaced.
+
+        Returns:
+            None when the file does not exist.
+        """
+        try:
+            data = self.read_bytes(path, limit)
+        except CheckpointNotFoundError:
+            return None
+        return data, content_tag(data)
+
+    def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
+        """Atomically replace ``path`` with ``data`` only if its tag is still ``tag``.
+
+        ``tag=None`` means "only if ``path`` does not exist". This default serialises callers
+        with a process-wide lock: exact for in-process filesystems (``memory://``) and best
+        effort for others; local disk and object stores override it with real fences.
+
+        Returns:
+            The new tag.
+
+        Raises:
+            ConflictError: the file's tag is not ``tag`` (someone else replaced it).
+        """
+        with _create_lock:
+            self._check_tag(path, tag)
+            self._write_under_lock(path, data)
+        return content_tag(data)
+
+    def _write_under_lock(self, path: str, data: bytes) -> None:
+        """``write_bytes`` for a compare-and-swap, whose temp file another writer's clean-up
+        of leftover temp files may delete mid-write: then write it again.
+        The caller holds the lock, so no other compare-and-swap runs meanwhile."""
+        for attempt in range(_WRITE_ATTEMPTS):
+            try:
+                self.write_bytes(path, data)
+                return
+            except CheckpointNotFoundError:
+                if attempt == _WRITE_ATTEMPTS - 1:
+                    raise
+
+    def _check_tag(self, path: str, tag: str | None) -> None:
+        found = self.read_tagged(path, _MAX_TAGGED_BYTES)
+        current = None if found is None else found[1]
+        if current != tag:
+            raise ConflictError(
+                f"{self.describe(path)} was replaced by another writer (expected "
+                f"{tag or 'no file'}, found {current or 'no file'})"
+            )
+
+
+_create_lock = threading.Lock()
+_marker_locks_lock = threading.Lock()
+_marker_locks: dict[tuple[str, str], threading.Lock] = {}
+
+
+@contextlib.contextmanager
+def _process_lock(storage: Storage, path: str) -> Iterator[None]:
+    """A lock of this process for one file (its entry stays: markers are few)."""
+    key = (type(storage).__name__, storage.describe(path))
+    with _marker_locks_lock:
+        lock = _marker_locks.setdefault(key, threading.Lock())
+    with lock:
+        yield
+
+
+@after_fork_in_child
+def _free_create_lock() -> None:
+    """In a forked child: a thread of the parent may have held the lock at the fork. It is
+    released in place, not replaced: ``storage.generic`` holds the same object."""
+    if _create_lock.locked():
+        _create_lock.release()
+
+
+def content_tag(data: bytes) -> str:
+    """The tag of a file's content where the store has no ETag of its own.
+
+    Example:
+        >>> content_tag(b"x")[:8]
+        '2d711642'
+    """
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+@contextlib.contextmanager
+def errors_as(storage: Storage, path: str, action: str) -> Iterator[None]:
+    """Translate backend exceptions into asyncckpt errors naming the file."""
+    try:
+        yield
+    except (CheckpointNotFoundError, StorageError):
+        raise
+    except FileNotFoundError as exc:
+        raise CheckpointNotFoundError(f"{storage.describe(path)}: no such file") from exc
+    except OSError as exc:
+        raise StorageError(
+            f"{storage.describe(path)}: {action} failed: {exc.strerror or exc}"
+        ) from exc

@@ -1,0 +1,452 @@
+"""Any other fsspec filesystem (``memory://``, ``gs://``, ``az://``, ...): two write strategies.
+
+Every write is atomic; how depends on what the filesystem's files can do:
+
+* ``"deferred"`` — the file is opened at its final path with ``autocommit=False``, written,
+  closed, and published by ``file.commit()``; :meth:`AtomicWriter.abort` calls
+  ``file.discard()`` instead. Nothing is renamed, so on GCS (gcsfs: a resumable upload that
+  ``commit`` finalizes and ``discard`` cancels) a save costs one upload, not an upload and a
+  server-side copy. Used where the filesystem is known to honour ``autocommit=False``
+  (:data:`DEFERRED_COMMIT_PROTOCOLS`), or declares it (``asyncckpt_write_strategy``).
+* ``"move"`` — write a temp file beside the target, then ``fs.mv`` it over the target.
+  The fallback for every other filesystem: in-process ones (``memory://``, where the move
+  is a dict update) and those whose ``open(..., "wb")`` replaces or deletes the target
+  before the write completes (adlfs deletes the old blob when an upload starts, so Azure
+  stays here).
+
+Per-file ``autocommit=False`` is used rather than ``fs.transaction``: a transaction is a
+flag on the filesystem *instance*, which fsspec caches and shares between threads, so it
+would also defer the writes (and hide the files) of every other thread using it.
+
+:meth:`FsspecStorage.create_exclusive` (the commit marker) is a conditional write,
+``fs.pipe_file(path, data, mode="create")``, where the filesystem implements that mode
+(gcsfs sends ``ifGenerationMatch=0``: exactly one of two racing writers succeeds, the other
+gets ``FileExistsError`` from the 412). Where it does not (fsspec's generic implementation
+is a non-atomic ``exists`` then ``open``; some implementations drop ``mode``), it falls
+back, with one warning per filesystem class, to check-then-write: exact between threads of
+one process (a process-wide lock), best effort between processes; see docs/PROTOCOL.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import threading
+from typing import Any, Literal
+
+import fsspec
+from fsspec.asyn import AsyncFileSystem
+from fsspec.spec import AbstractBufferedFile
+
+from asyncckpt._storage.base import (
+    AtomicWriter,
+    ReadHandle,
+    Storage,
+    _create_lock,
+    content_tag,
+    errors_as,
+    temp_name,
+)
+from asyncckpt._threads import after_fork_in_child
+from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FormatError
+
+log = logging.getLogger(__name__)
+
+WriteStrategy = Literal["deferred", "move"]
+WRITE_STRATEGIES: tuple[WriteStrategy, ...] = ("deferred", "move")
+
+#: Protocols whose files honour ``autocommit=False`` (nothing visible until ``commit()``,
+#: ``discard()`` leaves nothing): gcsfs finalizes its resumable upload only in ``commit``.
+DEFERRED_COMMIT_PROTOCOLS = frozenset({"gs", "gcs"})
+#: fsspec filesystems known to accept ``mode="create"`` in ``pipe_file`` and ignore it.
+_IGNORES_CREATE_MODE = frozenset({"HTTPFileSystem"})
+#: What a filesystem raises when it cannot do a conditional create (not a conflict).
+_UNSUPPORTED = (NotImplementedError, TypeError, ValueError)
+
+_warned_lock = threading.Lock()
+_warned: set[type[Any]] = set()
+
+
+@after_fork_in_child
+def _renew_warned_lock() -> None:
+    """In a forked child: a thread of the parent may have held the lock at the fork."""
+    global _warned_lock
+    _warned_lock = threading.Lock()
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    return (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+
+
+def choose_write_strategy(fs: fsspec.AbstractFileSystem) -> WriteStrategy:
+    """The write strategy for ``fs``: ``"deferred"`` where its files support it, else ``"move"``.
+
+    A filesystem class may declare its own with a ``asyncckpt_write_strategy`` attribute.
+
+    Args:
+        fs: an fsspec filesystem.
+
+    Returns:
+        ``"deferred"`` or ``"move"``.
+
+    Raises:
+        ValueError: the filesystem declares a strategy that does not exist.
+
+    Example:
+        >>> import fsspec
+        >>> choose_write_strategy(fsspec.filesystem("memory"))
+        'move'
+    """
+    declared = getattr(fs, "asyncckpt_write_strategy", None)
+    if declared is not None:
+        if declared not in WRITE_STRATEGIES:
+            raise ValueError(
+                f"{type(fs).__name__}.asyncckpt_write_strategy is {declared!r}; "
+                f"expected one of {', '.join(WRITE_STRATEGIES)}"
+            )
+        return declared  # type: ignore[no-any-return]
+    if set(_protocols(fs)) & DEFERRED_COMMIT_PROTOCOLS:
+        return "deferred"
+    return "move"
+
+
+def has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs.pipe_file(..., mode="create")`` may be a real conditional write.
+
+    False where it cannot be: fsspec's generic ``pipe_file`` (``exists`` then ``open``),
+    an async filesystem without ``_pipe_file``, an implementation with no ``mode``
+    parameter (it would swallow the argument and overwrite), or one known to ignore it.
+    True is only a candidate: :meth:`FsspecStorage.create_exclusive` still falls back if
+    the call raises ``NotImplementedError``, ``TypeError`` or ``ValueError``.
+
+    Example:
+        >>> import fsspec
+        >>> has_conditional_create(fsspec.filesystem("memory"))
+        True
+    """
+    cls = type(fs)
+    if cls.__name__ in _IGNORES_CREATE_MODE:
+        return False
+    if isinstance(fs, AsyncFileSystem) and cls._pipe_file is not AsyncFileSystem._pipe_file:
+        method: Any = cls._pipe_file
+    elif cls.pipe_file is not fsspec.AbstractFileSystem.pipe_file and not isinstance(
+        fs, AsyncFileSystem
+    ):
+        method = cls.pipe_file
+    else:
+        return False
+    try:
+        return "mode" in inspect.signature(method).parameters
+    except (TypeError, ValueError):  # a builtin or C method: cannot tell, so do not trust it
+        return False
+
+
+def _warn_once(fs: fsspec.AbstractFileSystem, why: str) -> None:
+    with _warned_lock:
+        if type(fs) in _warned:
+            return
+        _warned.add(type(fs))
+    log.warning(
+        "%s has no conditional create (%s): exclusive creates there are exact only "
+        "between threads of one process; two processes committing one step at once could "
+        "both succeed (see docs/PROTOCOL.md)",
+        type(fs).__name__,
+        why,
+    )
+
+
+_LIST_ATTEMPTS = 5
+
+
+class FsspecStorage(Storage):
+    """Any fsspec filesystem that is neither local disk nor an S3-API object store.
+
+    Args:
+        fs: the filesystem.
+        write_strategy: ``"deferred"`` or ``"move"`` (see the module docstring); None
+            chooses with :func:`choose_write_strategy`.
+
+    Raises:
+        ValueError: an unknown ``write_strategy``.
+
+    Example:
+        >>> import fsspec
+        >>> storage = FsspecStorage(fsspec.filesystem("memory"))
+        >>> storage.write_bytes("/doc/x", b"hello")
+        >>> storage.read_bytes("/doc/x", 100), storage.write_strategy
+        (b'hello', 'move')
+        >>> storage.delete_tree("/doc")
+    """
+
+    def __init__(
+        self, fs: fsspec.AbstractFileSystem, write_strategy: WriteStrategy | None = None
+    ) -> None:
+        self.fs = fs
+        self.label = f"{_protocols(fs)[0]}://"
+        strategy = write_strategy or choose_write_strategy(fs)
+        if strategy not in WRITE_STRATEGIES:
+            raise ValueError(f"unknown write strategy {strategy!r}")
+        self.write_strategy: WriteStrategy = strategy
+        self.conditional_create = has_conditional_create(fs)
+        self.process_local = "memory" in _protocols(fs)
+
+    def describe(self, path: str) -> str:
+        return (
+            f"{self.label}{path.removeprefix('/')}"
+            if self.label == "memory://"
+            else f"{self.label}{path}"
+        )
+
+    def open_atomic(self, path: str) -> AtomicWriter:
+        if self.write_strategy == "deferred":
+            return _DeferredWriter(self, path)
+        return _MoveWriter(self, path)
+
+    def size(self, path: str) -> int:
+        with errors_as(self, path, "stat"):
+            return int(self.fs.size(path))
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        with errors_as(self, path, "read"):
+            data: bytes = self.fs.cat_file(path, start=start, end=start + length)
+            return data
+
+    def open_read(self, path: str) -> ReadHandle:
+        """The file opened once: on ``memory://`` a snapshot of its bytes (a file moved over
+        ``path`` meanwhile is a new object; the old one is not changed), elsewhere the
+        filesystem's file object, as pinned as the backend makes it (see docs/PROTOCOL.md).
+        """
+        return _FsspecHandle(self, path)
+
+    def exists(self, path: str) -> bool:
+        with errors_as(self, path, "stat"):
+            return bool(self.fs.exists(path))
+
+    def delete(self, path: str) -> None:
+        with errors_as(self, path, "delete"), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
+    def read_marker(self, path: str, limit: int) -> bytes | None:
+        try:
+            with errors_as(self, path, "read"):
+                data: bytes = self.fs.cat_file(path, start=0, end=limit + 1)
+        except CheckpointNotFoundError:
+            return None
+        if len(data) > limit:
+            raise FormatError(f"{self.describe(path)}: larger than {limit} bytes")
+        return data
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        if replacing is not None:
+            self._check_marker_tag(path, replacing)
+        self._makedirs_for(path)
+        with errors_as(self, path, "write"):
+            self.fs.pipe_file(path, data)  # one request; no temp file, no move
+        return content_tag(data)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        # The process-wide lock and the existence check make this exact between threads
+        # (memory://, whose "create" mode is itself a check-then-write); the conditional
+        # write makes it exact between processes where the backend has one.
+        with _create_lock:
+            if self.exists(path):
+                raise ConflictError(f"{self.describe(path)} already exists")
+            if self.conditional_create and self._pipe_create(path, data):
+                return
+            self.write_bytes(path, data)
+
+    def _pipe_create(self, path: str, data: bytes) -> bool:
+        """Try the conditional write; False (and never again) where it is unsupported."""
+        self._makedirs_for(path)
+        try:
+            with errors_as(self, path, "create"):
+                try:
+                    self.fs.pipe_file(path, data, mode="create")
+                except FileExistsError:  # gcsfs: HTTP 412, another writer created it first
+                    raise ConflictError(f"{self.describe(path)} already exists") from None
+        except _UNSUPPORTED as exc:
+            self.conditional_create = False
+            _warn_once(self.fs, f"pipe_file(mode='create') raised {type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def _makedirs_for(self, path: str) -> None:
+        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        if parent:
+            with errors_as(self, path, "create"):
+                self.fs.makedirs(parent, exist_ok=True)
+
+    def list_dir(self, path: str) -> list[str]:
+        with errors_as(self, path, "list"):
+            entries = self._ls(path)
+        prefix = path.rstrip("/") + "/"
+        names = {e.rstrip("/").split("/")[-1] for e in entries if e.rstrip("/") != path}
+        return sorted(n for n in names if n and f"{prefix}{n}" != prefix)
+
+    def _ls(self, path: str) -> list[str]:
+        # fsspec's in-memory filesystem lists by walking a dict that other threads change
+        # (a temp file renamed away mid-listing): a KeyError or RuntimeError there means
+        # "list again", not a failure.
+        for attempt in range(_LIST_ATTEMPTS):
+            try:
+                return list(self.fs.ls(path, detail=False))
+            except FileNotFoundError:
+                return []
+            except (KeyError, RuntimeError):
+                if attempt == _LIST_ATTEMPTS - 1:
+                    raise
+        return []
+
+    def delete_tree(self, path: str) -> None:
+        with errors_as(self, path, "delete"), contextlib.suppress(FileNotFoundError):
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+
+
+#: Serializes seek-then-read on file objects that cannot read a range by themselves: the
+#: object may be shared (``memory://`` hands every opener the same one).
+_seek_lock = threading.Lock()
+
+
+class _FsspecHandle(ReadHandle):
+    """One fsspec file object for the handle's life.
+
+    Reads take the cheapest way the object offers: slices of a snapshot (an in-memory
+    file, ``memory://``), the object's own ranged fetch (fsspec's buffered files: gcsfs,
+    adlfs, HTTP; no shared position, so reads run in parallel), else seek and read under
+    a lock.
+    """
+
+    def __init__(self, storage: FsspecStorage, path: str) -> None:
+        self.storage, self.path = storage, path
+        self._snapshot: memoryview | None = None
+        with errors_as(storage, path, "open"):
+            self.file = storage.fs.open(path, "rb")
+        try:
+            with errors_as(storage, path, "read"):
+                size = self._measure()
+        except BaseException:
+            self.close()
+            raise
+        super().__init__(storage.describe(path), size)
+
+    def _measure(self) -> int:
+        if isinstance(self.file, io.BytesIO):
+            # memory://: its bytes, never copied. A file moved over the path is a new
+            # object, so this one keeps the version opened (getvalue() would share the
+            # buffer too, but make the next getbuffer(), used by its size, copy it).
+            self._snapshot = self.file.getbuffer()
+            return len(self._snapshot)
+        size = getattr(self.file, "size", None)
+        if type(size) is int:
+            return size
+        with _seek_lock:
+            return int(self.file.seek(0, io.SEEK_END))
+
+    def read_range(self, start: int, length: int) -> bytes:
+        if self._snapshot is not None:
+            return bytes(self._snapshot[start : start + max(0, length)])
+        length = max(0, min(length, self.size - start))
+        if not length:
+            return b""
+        with errors_as(self.storage, self.path, "read"):
+            if isinstance(self.file, AbstractBufferedFile):
+                data: bytes = self.file._fetch_range(start, start + length)
+                return data
+            with _seek_lock:
+                self.file.seek(start)
+                return bytes(self.file.read(length))
+
+    def read_into(self, start: int, out: memoryview) -> int:
+        if self._snapshot is None:
+            return super().read_into(start, out)
+        part = self._snapshot[start : start + len(out)]
+        out[: len(part)] = part
+        return len(part)
+
+    def close(self) -> None:
+        if self._snapshot is not None:
+            with contextlib.suppress(BufferError):  # let the file object be resized again
+                self._snapshot.release()
+            self._snapshot = None
+        with contextlib.suppress(Exception):
+            self.file.close()
+
+
+def _discard(file: Any) -> None:
+    """Throw away a file opened for writing without publishing it; never raises."""
+    with contextlib.suppress(Exception):
+        discard = getattr(file, "discard", None)
+        if discard is not None:
+            discard()
+    # A buffered file that is garbage-collected unclosed is closed by its finalizer, which
+    # flushes (and with autocommit, publishes) what it holds; mark it closed so it cannot.
+    with contextlib.suppress(Exception):
+        if isinstance(file, AbstractBufferedFile):
+            file.closed = True
+
+
+class _DeferredWriter(AtomicWriter):
+    """Write at the final path with ``autocommit=False``; ``commit()`` publishes."""
+
+    def __init__(self, storage: FsspecStorage, target: str) -> None:
+        self.storage = storage
+        self.target = target
+        self.done = False
+        storage._makedirs_for(target)
+        with errors_as(storage, target, "create"):
+            self.file = storage.fs.open(target, "wb", autocommit=False)
+
+    def write(self, data: bytes | memoryview) -> None:
+        with errors_as(self.storage, self.target, "write"):
+            self.file.write(data)
+
+    def commit(self) -> None:
+        try:
+            with errors_as(self.storage, self.target, "commit"):
+                self.file.close()  # uploads what is buffered; publishes nothing yet
+                with self.publishing():
+                    self.file.commit()
+            self.done = True
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            _discard(self.file)
+
+
+class _MoveWriter(AtomicWriter):
+    """Write a temp file beside the target, then move it over the target."""
+
+    def __init__(self, storage: FsspecStorage, target: str) -> None:
+        self.storage = storage
+        self.target = target
+        self.temp = temp_name(target)
+        storage._makedirs_for(target)
+        with errors_as(storage, target, "create"):
+            self.file = storage.fs.open(self.temp, "wb")
+
+    def write(self, data: bytes | memoryview) -> None:
+        with errors_as(self.storage, self.temp, "write"):
+            self.file.write(data)
+
+    def commit(self) -> None:
+        try:
+            with errors_as(self.storage, self.target, "commit"):
+                self.file.close()
+                with self.publishing():
+                    self.storage.fs.mv(self.temp, self.target)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self.file.close()
+        with contextlib.suppress(Exception):
+            self.storage.fs.rm_file(self.temp)

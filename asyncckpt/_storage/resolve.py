@@ -1,0 +1,90 @@
+"""URLs are turned into a storage backend here and nowhere else.
+
+A URL whose path has an empty segment (``s3://bucket/runs//exp1``), or a ``.`` or ``..``
+segment, is refused here: object stores disagree on what it names (AWS S3 keeps ``runs//``
+as part of the key; SeaweedFS stores ``runs/exp1/...`` but lists the prefix as given, so
+every version would be invisible). See docs/s3.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from asyncckpt._storage.base import UNSAFE_UNCONDITIONAL_WRITES, Storage
+from asyncckpt._storage.generic import FsspecStorage
+from asyncckpt._storage.local import LocalStorage
+from asyncckpt._storage.objectstore import ObjectStorage, is_object_store, prepare_options
+from asyncckpt.errors import StorageError
+
+
+def resolve(
+    f: str | os.PathLike[str], storage_options: dict[str, Any] | None
+) -> tuple[Storage, str]:
+    """Turn a user's path, PathLike or fsspec URL into ``(storage, path)``.
+
+    Args:
+        f: a local path, ``os.PathLike``, or URL such as ``memory://ckpt/x`` or ``file:///x``.
+        storage_options: keyword arguments for the fsspec filesystem (e.g. an endpoint).
+
+    Returns:
+        The storage backend and the path within it.
+
+    Raises:
+        TypeError: ``f`` is not a path or URL (file objects are not supported).
+        StorageError: the URL's filesystem cannot be created (e.g. a missing extra), or its
+            path has an empty, ``.`` or ``..`` segment (ambiguous on object stores).
+    """
+    if isinstance(f, os.PathLike):
+        f = os.fspath(f)
+    if not isinstance(f, str):
+        raise TypeError(
+            f"expected a path, os.PathLike or fsspec URL, got {type(f).__qualname__}; "
+            "file objects are not supported because writes must be atomic"
+        )
+    if "://" not in f:
+        return LocalStorage(), os.path.abspath(f)
+    options = dict(storage_options or {})
+    unsafe = bool(options.pop(UNSAFE_UNCONDITIONAL_WRITES, False))
+    try:
+        fs, path = fsspec.core.url_to_fs(f, **prepare_options(f, options))
+    except (ImportError, ValueError) as exc:
+        raise StorageError(f"cannot open {f.split('://')[0]}:// storage: {exc}") from exc
+    if isinstance(fs, LocalFileSystem):
+        return LocalStorage(), os.path.abspath(path)  # the OS resolves "//", "." and ".."
+    _refuse_ambiguous(f, path)
+    if is_object_store(fs):  # s3:// (and wrappers of it): no renames, see objectstore.py
+        label = f[: f.rindex("://") + 3]
+        return ObjectStorage(fs, label=label, allow_unconditional=unsafe), path
+    return FsspecStorage(fs), path
+
+
+def _refuse_ambiguous(url: str, path: str) -> None:
+    """Raise if a URL's path has a segment that stores resolve differently.
+
+    A trailing ``/`` is not ambiguous (fsspec drops it); an empty segment inside the path,
+    ``.`` or ``..`` is: keys are opaque strings on S3, while SeaweedFS (and other stores with
+    a file-system view) collapse them, so the same root would name different keys on
+    different stores, or be written under one prefix and listed under another.
+
+    Example:
+        >>> try:
+        ...     _refuse_ambiguous("s3://b/runs//x", "b/runs//x")
+        ... except StorageError as exc:
+        ...     print(str(exc).split(";")[0], "->", str(exc).rsplit(" ", 1)[-1])
+        s3://b/runs//x: the path has an empty segment ('//') -> s3://b/runs/x
+    """
+    segments = path.strip("/").split("/")
+    if not path.strip("/"):
+        return
+    bad = [s for s in segments if s in ("", ".", "..")]
+    if not bad:
+        return
+    what = "an empty segment ('//')" if "" in bad else f"a {bad[0]!r} segment"
+    scheme, _, rest = url.partition("://")
+    fixed = "/".join(s for s in rest.split("/") if s not in ("", "."))
+    hint = f" Write it without one: {scheme}://{fixed}" if ".." not in bad else ""
+    raise StorageError(f"{url}: the path has {what}; stores disagree on what it names.{hint}")

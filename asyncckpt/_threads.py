@@ -1,0 +1,380 @@
+"""Background threads: a small daemon pool, and the process's queue of pending saves.
+
+The threads are daemons on purpose: pending saves are awaited by an ``atexit`` hook (in
+:mod:`asyncckpt._api.dropin`), and daemon threads keep running while ``atexit`` hooks do. The
+stdlib ``ThreadPoolExecutor`` refuses new work once interpreter shutdown begins, which would
+break a save that is still compressing when the main thread ends.
+
+The threads of a background write (the save thread and the encoders) lower their own
+scheduling priority by the ``writer_nice`` tunable when they start: on a CPU shared with
+training, the caller's threads then win the cores and the write fills the gaps.
+
+A forked child (a DataLoader worker, a ``multiprocessing`` fork) inherits none of these
+threads, but it does inherit the pools, the queue of pending saves and every lock, possibly
+held by a thread that does not exist there: its first ``load`` or ``save`` would wait for
+ever. The one place that knows what a child must drop is :func:`after_fork_in_child`: this
+module's pools and pending saves are forgotten first, then every hook that a module
+registered there runs, in registration order (the arena pool and failures of ``api``, the
+shared arenas of ``staging``, the writer process, the ``"auto"`` compression lock...).
+What the parent owned is kept, untouched, rather than freed in the child
+(:func:`keep_from_parent`).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Final, TypeVar
+
+from asyncckpt import _config as config
+from asyncckpt._engine import cpu
+
+T = TypeVar("T")
+
+#: Pools that only ever run background writes; their threads take ``writer_nice``.
+#: Readers ("read", "markers") serve a caller that is waiting, and heartbeats ("beats") must
+#: keep their lease alive, so they keep the caller's priority.
+WRITER_POOLS: frozenset[str] = frozenset({"save", "encode"})
+
+
+def lower_priority(nice: int) -> bool:
+    """Run the calling thread ``nice`` steps below the main thread (Linux only; one thread).
+
+    Linux schedules threads apart, and ``setpriority(PRIO_PROCESS, tid)`` sets one thread's
+    niceness; elsewhere the same call would renice the whole process, so it is not made.
+    The level is relative to the main thread (whose id is the process id), not to the
+    calling thread: a thread inherits its creator's niceness, and the encoders are created
+    by the already lowered save thread. For the same reason, threads that a writer thread
+    starts (a storage backend's I/O loop opened by the first save, say) run lowered too;
+    this module's other pools raise theirs back where the OS allows (see
+    ``_restore_priority``).
+
+    Args:
+        nice: how far below the main thread to run, 0-19 (0: leave the thread as it is).
+
+    Returns:
+        True if the thread now runs at that level.
+
+    Example:
+        >>> threading.Thread(target=lower_priority, args=(5,)).start()
+    """
+    if nice <= 0 or not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice)
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+    except OSError:  # a sandbox may forbid it; the write still runs, at full priority
+        return False
+    return True
+
+
+def _restore_priority() -> None:
+    """Undo the niceness a thread inherited from a lowered writer thread, where allowed.
+
+    A pool first asked for by a writer thread (a heartbeat, a reader) is started by it and
+    inherits its niceness. Raising a thread's priority needs privileges (``CAP_SYS_NICE`` or
+    ``RLIMIT_NICE``); without them the thread stays lowered.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+        if os.getpriority(os.PRIO_PROCESS, tid) > base:
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+    except OSError:
+        pass
+
+
+class DaemonPool:
+    """A fixed set of daemon threads running submitted callables in FIFO order.
+
+    ``nice`` > 0: the threads run that much below the main thread (:func:`lower_priority`);
+    0: at the main thread's priority, where the OS lets a thread raise its inherited one.
+
+    Example:
+        >>> pool = DaemonPool(2, "demo")
+        >>> pool.submit(sum, [1, 2]).result()
+        3
+    """
+
+    def __init__(self, threads: int, name: str, nice: int = 0) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]
+        self._tasks = queue.SimpleQueue()
+        self.threads = threads
+        self.nice = nice
+        self._unfinished = 0  # tasks queued or running, references not yet dropped
+        self.cpu_s = 0.0  # CPU seconds its threads have spent in tasks
+        self._idle = threading.Condition()
+        for i in range(threads):
+            threading.Thread(target=self._run, name=f"asyncckpt-{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Queue ``fn(*args)``; the returned future holds its result or exception."""
+        future: Future[T] = Future()
+        with self._idle:
+            self._unfinished += 1
+        self._tasks.put((future, fn, args))
+        return future
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until every task has finished and its thread has dropped its references.
+
+        Returns:
+            True if the pool is idle, False if ``timeout`` seconds passed first.
+        """
+        with self._idle:
+            return self._idle.wait_for(lambda: self._unfinished == 0, timeout)
+
+    def _run(self) -> None:
+        if self.nice > 0:
+            lower_priority(self.nice)
+        else:
+            _restore_priority()
+        while True:
+            future, fn, args = self._tasks.get()
+            started = time.thread_time()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+            # Drop the task before waiting for the next one: an idle thread must not keep
+            # its last task's arguments (a whole tensor, a chunk buffer) alive; and the last
+            # reference to a tensor must not be dropped here while the interpreter shuts
+            # down (see wait_idle: freeing a tensor takes the GIL inside C++, and a daemon
+            # thread that takes the GIL during finalization is unwound, which aborts).
+            del future, fn, args
+            with self._idle:
+                self.cpu_s += time.thread_time() - started
+                self._unfinished -= 1
+                self._idle.notify_all()
+
+
+_lock = threading.Lock()
+_pools: dict[tuple[str, int], DaemonPool] = {}
+
+
+def pool(name: str, threads: int) -> DaemonPool:
+    """The process-wide pool called ``name`` with ``threads`` threads (created on first use).
+
+    The threads of a pool in :data:`WRITER_POOLS` run at the ``writer_nice`` tunable's
+    niceness, resolved when the pool is created (a process's first save).
+
+    Args:
+        name: the pool's name, also in its threads' names (``asyncckpt-<name>-<i>``).
+        threads: how many threads it has.
+
+    Returns:
+        The pool, shared by every caller that asks for the same name and size.
+
+    Raises:
+        ValueError: ``ASYNCCKPT_WRITER_NICE`` is set and is not a non-negative integer.
+
+    Example:
+        >>> pool("demo", 1).submit(len, "abc").result()
+        3
+    """
+    with _lock:
+        key = (name, threads)
+        if key not in _pools:
+            nice = config.tunable("writer_nice", None) if name in WRITER_POOLS else 0
+            _pools[key] = DaemonPool(threads, name, nice)
+        return _pools[key]
+
+
+def writer_cpu_seconds() -> float:
+    """CPU seconds the background writer's threads (:data:`WRITER_POOLS`) have spent so far.
+
+    Example:
+        >>> writer_cpu_seconds() >= 0.0
+        True
+    """
+    with _lock:
+        pools = [p for (name, _), p in _pools.items() if name in WRITER_POOLS]
+    return sum(p.cpu_s for p in pools)
+
+
+cpu.add_writer_source(writer_cpu_seconds)
+
+
+def wait_idle(timeout: float) -> bool:
+    """Wait until every pool of the process is idle (for the exit hook).
+
+    A pool thread drops its task's references (tensors, arena views) only after publishing
+    the result. If the interpreter began shutting down in between, the thread would free a
+    tensor during finalization, and a thread that takes the GIL then is unwound through
+    torch's C++ destructors: the process aborts (``terminate called without an active
+    exception``). The exit hook waits here first.
+
+    Args:
+        timeout: seconds to wait at most, for all pools together.
+
+    Returns:
+        True if every pool is idle.
+
+    Example:
+        >>> wait_idle(1.0)
+        True
+    """
+    deadline = time.monotonic() + timeout
+    with _lock:
+        pools = list(_pools.values())
+    return all(p.wait_idle(max(0.0, deadline - time.monotonic())) for p in pools)
+
+
+#: Name prefixes of torch.distributed's native worker threads (gloo's work loops, NCCL's
+#: watchdog and heartbeat), which finish collectives and drop their tensors.
+TORCH_WORKER_THREADS: Final = ("pt_gloo", "pt_nccl")
+_QUIET_ROUNDS = 3  # consecutive polls with no such thread runnable
+_QUIET_POLL_S = 0.002
+
+
+def wait_torch_threads_quiet(timeout: float) -> bool:
+    """Wait until no native torch.distributed worker thread is running (for the exit hook).
+
+    Such a thread (a gloo process group's work loop, say) outlives
+    ``destroy_process_group()`` whenever something still holds the group: a module that was
+    sharded with ``fully_shard`` keeps its DeviceMesh in DTensor's caches, and the mesh
+    holds the group. When it finishes a collective it drops the collective's tensors, which
+    takes the GIL to release their Python objects. If the interpreter has begun finalizing
+    by then, CPython ends the thread with ``pthread_exit``, whose unwinding through torch's
+    C++ destructors calls ``std::terminate``: the process aborts (SIGABRT, "terminate
+    called without an active exception") after the script's last line ran. The window is
+    between a collective's completion and its destruction, so it opens when the thread is
+    preempted right after the last collective of the job, on a loaded machine. Called from
+    the exit hook, before finalization: each poll sleeps (so a thread waiting for the GIL
+    gets it) and then checks that no such thread is runnable; three quiet polls in a row
+    end the wait. A process without such threads returns at once (Linux only: elsewhere
+    the threads cannot be seen).
+
+    Args:
+        timeout: seconds to wait at most.
+
+    Returns:
+        True once they are quiet (or there are none), False if ``timeout`` passed first.
+
+    Example:
+        >>> wait_torch_threads_quiet(1.0)
+        True
+    """
+    deadline = time.monotonic() + timeout
+    quiet = 0
+    while quiet < _QUIET_ROUNDS:
+        threads = _torch_worker_threads()
+        if not threads:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_QUIET_POLL_S)  # the GIL is free meanwhile
+        quiet = 0 if any(_runnable(tid) for tid in threads) else quiet + 1
+    return True
+
+
+def _torch_worker_threads() -> list[str]:
+    """Thread ids of this process's native torch.distributed workers (Linux /proc)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return []
+    found = []
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread has just exited
+            continue
+        if name.startswith(TORCH_WORKER_THREADS):
+            found.append(tid)
+    return found
+
+
+def _runnable(tid: str) -> bool:
+    try:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, IndexError):
+        return False
+
+
+def save_queue() -> DaemonPool:
+    """The single thread that runs save jobs, one at a time, in submission order."""
+    return pool("save", 1)
+
+
+_pending: set[Any] = set()
+
+
+def track(handle: Any) -> None:
+    """Remember a pending save so that :func:`pending` and the exit hook can see it."""
+    with _lock:
+        _pending.add(handle)
+
+
+def untrack(handle: Any) -> None:
+    """Forget a finished save."""
+    with _lock:
+        _pending.discard(handle)
+
+
+def pending() -> list[Any]:
+    """The saves of this process that have not finished, oldest first."""
+    with _lock:
+        return sorted(_pending, key=lambda h: h.sequence)
+
+
+#: What a forked child runs, in order, after forgetting this module's own state.
+_after_fork: list[Callable[[], None]] = []
+#: The parent's pools, saves and arenas, never freed in a child (see keep_from_parent).
+_inherited: list[Any] = []
+
+
+def after_fork_in_child(reset: Callable[[], None]) -> Callable[[], None]:
+    """Run ``reset`` in every child forked from this process (a decorator).
+
+    ``reset`` drops what belongs to the parent (threads that the child does not have, and
+    locks they may have held at the fork): a new lock for each module lock, empty caches.
+
+    Returns:
+        ``reset`` itself.
+
+    Example:
+        >>> @after_fork_in_child
+        ... def _forget() -> None:
+        ...     pass
+    """
+    _after_fork.append(reset)
+    return reset
+
+
+def keep_from_parent(*objects: Any) -> None:
+    """Keep the parent's ``objects`` alive, unused, for the life of a forked child.
+
+    Freeing them in the child would run their destructors there: a pinned buffer or a CUDA
+    tensor freed in a child that cannot use the parent's CUDA context, a queued task's
+    tensors. The memory is the parent's, shared copy-on-write, and costs the child nothing
+    while it is not written.
+    """
+    _inherited.extend(objects)
+
+
+def _forget_parent() -> None:
+    """In a forked child: no pool, no pending save, fresh locks; then every registered hook."""
+    global _lock
+    _lock = threading.Lock()
+    keep_from_parent(list(_pools.values()), list(_pending))
+    _pools.clear()
+    _pending.clear()
+    for reset in _after_fork:
+        reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parent)

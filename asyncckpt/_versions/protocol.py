@@ -1,0 +1,949 @@
+"""The versioned-root protocol: records, the version file, the writer lease, retention.
+
+Layout of a checkpoint root (specified, with its guarantees, in ``docs/PROTOCOL.md``)::
+
+    ROOT/VERSION                       the version file: newest published step, writer epoch
+    ROOT/_lease/<epoch>                one per writer that ever took the root; the highest is
+                                       the current writer, which rewrites it as a heartbeat
+    ROOT/<step>/r00000-<token>.ackpt   data files, one per writing rank, unique per attempt
+    ROOT/<step>/r00000-<token>.metadata  sharded versions only: DCP-style JSON index of the
+                                       shards, named by the save's attempt (older roots:
+                                       ``.metadata``); ``COMMIT`` names it
+    ROOT/<step>/r00000-<token>.done    sharded versions only: rank 0's completion marker
+    ROOT/<step>/COMMIT                 commit marker: names the data files and their sizes
+    ROOT/<step>/FAILED                 written (best effort) when an uncommitted save failed;
+                                       it records the writer and epoch of that attempt
+
+A version exists for readers once its ``COMMIT`` marker does; the marker is created with an
+exclusive create after every data file is durable, and the version file is moved forward
+after that with a compare-and-swap (:meth:`Storage.replace_if`) on the value this writer
+last read, so a writer that lost the lease can never move it. What may be deleted is decided
+in one place, :func:`deletion_plan`, from one listing, :func:`list_steps`. Everything here is
+a function of a :class:`Storage` and a root path; the roles that use it are
+:mod:`asyncckpt._versions.reading` and :mod:`asyncckpt._versions.writing`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import random
+import re
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncckpt import _config as config
+from asyncckpt._format.container import FOOTER_SIZE, decode_footer
+from asyncckpt._storage import TEMP_MARK, Storage, is_temp_name
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    FormatError,
+    IncompleteCheckpointError,
+)
+
+log = logging.getLogger(__name__)
+
+VERSION_FILE = "VERSION"
+COMMIT_FILE = "COMMIT"
+FAILED_FILE = "FAILED"
+LEASE_DIR = "_lease"
+PROTOCOL_VERSION = 1
+#: Kinds of version a ``COMMIT`` can describe: one writer's single data file, or one file
+#: per rank plus the version's metadata (see :mod:`asyncckpt._api.sharded_save`).
+SINGLE = "single"
+SHARDED = "sharded"
+#: The suffix of a sharded version's JSON index of its pieces (``asyncckpt.dcp``'s schema),
+#: named ``r<writer rank>-<attempt>.metadata`` by :func:`metadata_file_name`.
+METADATA_SUFFIX = ".metadata"
+#: The fixed name older asyncckpt versions gave that index (still read: their ``COMMIT``
+#: names it); ``asyncckpt.dcp.Writer``'s commit object has this name too.
+LEGACY_METADATA_FILE = ".metadata"
+_MAX_RECORD_BYTES = 1 << 20
+# Canonical decimal steps only: "007", "²" or "١٢" are not steps (and never alias one).
+_STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
+_MAX_STEP = (1 << 63) - 1
+_METADATA_NAME = re.compile(r"r[0-9]{5,9}-[0-9a-f]{32}\.metadata")
+# What a file name in a record must never hold: control characters (NUL included), path
+# separators, a parent-directory part, or lone surrogates (no file system can encode them).
+_BAD_NAME = re.compile(r"[\x00-\x1f\x7f-\x9f/\\\ud800-\udfff]|\.\.")
+
+
+class UnreadableRecordError(FormatError):
+    """A protocol record exists but cannot be understood (damaged, or a newer protocol).
+
+    Readers skip such a version; a writer refuses to touch a root that holds one, since it
+    cannot tell what it would destroy.
+    """
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The content of a version's ``COMMIT`` marker.
+
+    Attributes:
+        step: the version's step.
+        files: data file names, relative to the step directory.
+        writer: the token of the writer that created the marker.
+        sizes: each file's size in bytes (empty in markers written by hand).
+        epoch: the writer's lease epoch (0 when unknown).
+        kind: :data:`SINGLE` (one data file) or :data:`SHARDED` (one data file per rank,
+            then its metadata, :func:`metadata_file_name`).
+    """
+
+    step: int
+    files: tuple[str, ...]
+    writer: str
+    sizes: tuple[int, ...] = ()
+    epoch: int = 0
+    kind: str = SINGLE
+
+    @property
+    def metadata_file(self) -> str | None:
+        """The name of a sharded version's metadata (None for a single-file version).
+
+        Example:
+            >>> CommitRecord(1, ("r00000-a.ackpt", ".metadata"), "w", kind=SHARDED).metadata_file
+            '.metadata'
+        """
+        if self.kind != SHARDED:
+            return None
+        return next((f for f in self.files if is_metadata_name(f)), None)
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    """The content of the root's version file.
+
+    Attributes:
+        step: the newest published step, or None before the first commit.
+        writer: the token of the writer that wrote it.
+        epoch: that writer's lease epoch (0 in files written before leases).
+    """
+
+    step: int | None
+    writer: str
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """The content of ``_lease/<epoch>``: who holds the epoch and how often it renewed."""
+
+    epoch: int
+    writer: str
+    beat: int
+
+
+def step_dir(storage: Storage, root: str, step: int) -> str:
+    """The directory (prefix) of version ``step``."""
+    return storage.join(root, str(step))
+
+
+def parse_step(name: str) -> int | None:
+    """The step a directory name stands for, or None if it is not a canonical step.
+
+    Example:
+        >>> [parse_step(n) for n in ("0", "12", "007", "²", "-1", "_lease")]
+        [0, 12, None, None, None, None]
+    """
+    if not _STEP_NAME.fullmatch(name):
+        return None
+    step = int(name)
+    return step if step <= _MAX_STEP else None
+
+
+def data_file_name(rank: int, token: str) -> str:
+    """Name of rank ``rank``'s data file, unique to one writer attempt."""
+    return f"r{rank:05d}-{token}.ackpt"
+
+
+def metadata_file_name(rank: int, attempt: str) -> str:
+    """Name of a sharded version's metadata, written by the writer rank ``rank`` in save
+    attempt ``attempt``: no other attempt, of this writer or another, can have that name.
+
+    Example:
+        >>> metadata_file_name(0, "ab" * 16)
+        'r00000-abababababababababababababababab.metadata'
+    """
+    return f"r{rank:05d}-{attempt}{METADATA_SUFFIX}"
+
+
+def is_metadata_name(name: str) -> bool:
+    """Whether ``name`` is a sharded version's metadata: attempt-named, or the legacy
+    ``.metadata`` of roots written by older asyncckpt versions.
+
+    Example:
+        >>> [is_metadata_name(n) for n in (".metadata", metadata_file_name(1, "0" * 32), "x")]
+        [True, True, False]
+    """
+    return name == LEGACY_METADATA_FILE or _METADATA_NAME.fullmatch(name) is not None
+
+
+def bad_file_name(name: str) -> str | None:
+    """Why ``name`` cannot be a file name in a step directory, or None if it can.
+
+    Example:
+        >>> bad_file_name("r00000-a.ackpt") is None, bad_file_name("../VERSION")
+        (True, 'it holds a control character, a path separator, ".." or a lone surrogate')
+    """
+    if not name:
+        return "it is empty"
+    if _BAD_NAME.search(name):
+        return 'it holds a control character, a path separator, ".." or a lone surrogate'
+    return None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()
+
+
+def decode_record(raw: bytes, where: str) -> dict[str, Any]:
+    """Parse a protocol record's JSON.
+
+    Raises:
+        UnreadableRecordError: not JSON, not an object, or a protocol this code does not know.
+    """
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise UnreadableRecordError(f"{where}: not valid JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise UnreadableRecordError(f"{where}: not an asyncckpt protocol record")
+    version = doc.get("protocol")
+    if type(version) is int and version > PROTOCOL_VERSION:
+        raise UnreadableRecordError(
+            f"{where}: written by a newer asyncckpt (protocol {version}; this one knows "
+            f"{PROTOCOL_VERSION}); upgrade asyncckpt to use this root"
+        )
+    if version != PROTOCOL_VERSION:
+        raise UnreadableRecordError(f"{where}: not an asyncckpt protocol record")
+    return doc
+
+
+def _read_record(storage: Storage, path: str) -> dict[str, Any] | None:
+    try:
+        raw = storage.read_bytes(path, _MAX_RECORD_BYTES)
+    except CheckpointNotFoundError:
+        return None
+    return decode_record(raw, storage.describe(path))
+
+
+def encode_record(doc: dict[str, Any]) -> bytes:
+    """A protocol record's bytes; the time stamp also makes every write's bytes unique."""
+    return json.dumps({"protocol": PROTOCOL_VERSION, **doc, "time": _now()}).encode()
+
+
+# -- drop-in save markers -------------------------------------------------------------------
+
+#: Suffix of the marker that sits beside a file while a drop-in ``save`` of it is in flight.
+PENDING_SUFFIX = ".ackpending"
+#: The ``kind`` of a drop-in save marker record.
+DROP_IN_SAVE = "drop-in-save"
+#: Markers are a few hundred bytes; a reader reads at most this many.
+MAX_PENDING_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class PendingRecord:
+    """The content of a drop-in save marker (``<file>.ackpending``): who is writing the file.
+
+    Attributes:
+        token: unique to one writer process's run of saves of the file; the save publishes
+            only if the marker still carries it.
+        host: the writer's host name.
+        pid: the writer's process id (the process that called ``save``).
+        pid_ns: the writer's pid namespace (``/proc/self/ns/pid``), None where unknown.
+        boot: the writer's boot id (``/proc/sys/kernel/random/boot_id``), None where unknown.
+        pid_start: the writer's start time in clock ticks after boot (``/proc/<pid>/stat``
+            field 22), None where unknown: with the three above, a reader on the same
+            machine tells a dead writer (or a reused pid) from a live one.
+        beat: how often the writer has rewritten the marker since it created it.
+        started: when the marker was created (ISO 8601, UTC).
+    """
+
+    token: str
+    host: str
+    pid: int
+    pid_ns: str | None
+    boot: str | None
+    pid_start: int | None
+    beat: int
+    started: str
+
+
+def encode_pending(record: PendingRecord) -> bytes:
+    """A drop-in save marker's bytes (JSON; ``time`` makes every rewrite's bytes unique).
+
+    Example:
+        >>> record = PendingRecord("t1", "node1", 42, None, None, None, 0, "2024-01-01")
+        >>> decode_pending(encode_pending(record)) == record
+        True
+    """
+    doc = {
+        "kind": DROP_IN_SAVE,
+        "token": record.token,
+        "host": record.host,
+        "pid": record.pid,
+        "pid_ns": record.pid_ns,
+        "boot": record.boot,
+        "pid_start": record.pid_start,
+        "beat": record.beat,
+        "started": record.started,
+    }
+    return encode_record(doc)
+
+
+def _optional(value: Any, kind: type) -> bool:
+    return value is None or type(value) is kind
+
+
+def decode_pending(raw: bytes) -> PendingRecord | None:
+    """The record in a marker's bytes, or None if they are not a whole record.
+
+    A marker is rewritten in place (no temp file), so a reader may see it empty or cut
+    short; None then means "a save is pending, and its marker is being rewritten". So does
+    a record of a kind or protocol this code does not know.
+
+    Example:
+        >>> decode_pending(b'{"protocol": 1, "kind": "drop-in-sa') is None
+        True
+    """
+    try:
+        doc = decode_record(raw, "save marker")
+    except FormatError:
+        return None
+    fields = (doc.get("token"), doc.get("host"), doc.get("pid"), doc.get("beat"))
+    valid = (
+        doc.get("kind") == DROP_IN_SAVE
+        and isinstance(fields[0], str)
+        and isinstance(fields[1], str)
+        and type(fields[2]) is int
+        and type(fields[3]) is int
+        and _optional(doc.get("pid_ns"), str)
+        and _optional(doc.get("boot"), str)
+        and _optional(doc.get("pid_start"), int)
+        and isinstance(doc.get("started"), str)
+    )
+    if not valid:
+        return None
+    return PendingRecord(
+        doc["token"],
+        doc["host"],
+        doc["pid"],
+        doc.get("pid_ns"),
+        doc.get("boot"),
+        doc.get("pid_start"),
+        doc["beat"],
+        doc["started"],
+    )
+
+
+# -- commit markers ---------------------------------------------------------------------------
+
+
+def _int_list(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, list) and all(type(v) is int and v >= 0 for v in value):
+        return tuple(value)
+    return None
+
+
+def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
+    """Validate a decoded ``COMMIT`` document.
+
+    Raises:
+        UnreadableRecordError: a field is missing or malformed.
+    """
+    files, writer = doc.get("files"), doc.get("writer")
+    sizes = _int_list(doc.get("sizes", []))
+    epoch, kind = doc.get("epoch", 0), doc.get("kind", SINGLE)
+    if isinstance(files, list):
+        _check_file_names(files, step, where)
+    valid = (
+        doc.get("step") == step
+        and kind in (SINGLE, SHARDED)
+        and isinstance(files, list)
+        and files
+        and all(_is_version_file(f, kind) for f in files)
+        and (kind != SHARDED or sum(is_metadata_name(f) for f in files) == 1)
+        and isinstance(writer, str)
+        and sizes is not None
+        and (not sizes or len(sizes) == len(files))
+        and type(epoch) is int
+    )
+    if not valid:
+        raise UnreadableRecordError(f"{where}: malformed commit marker")
+    return CommitRecord(step, tuple(files), writer, sizes or (), epoch, kind)  # type: ignore[arg-type]
+
+
+def _check_file_names(files: list[Any], step: int, where: str) -> None:
+    """Raise, naming the step and the file, if a name in ``files`` cannot be a file name.
+
+    Such a name would otherwise reach the operating system (a NUL byte makes it raise a
+    bare ``ValueError``) or point outside the step directory.
+    """
+    for name in files:
+        problem = bad_file_name(name) if isinstance(name, str) else "not a string"
+        if problem is not None:
+            raise UnreadableRecordError(
+                f"{where}: the commit marker of step {step} names the file {name!r}, which "
+                f"is not a valid file name ({problem})"
+            )
+
+
+def _is_version_file(name: Any, kind: Any) -> bool:
+    """A data file name, or (sharded versions) the metadata's: never a path elsewhere."""
+    if not isinstance(name, str) or bad_file_name(name) is not None:
+        return False
+    return name.endswith(".ackpt") or (kind == SHARDED and is_metadata_name(name))
+
+
+def read_commit_strict(storage: Storage, root: str, step: int) -> CommitRecord | None:
+    """The commit marker of ``step``, or None if there is none.
+
+    Raises:
+        UnreadableRecordError: a marker exists but cannot be understood.
+    """
+    path = storage.join(step_dir(storage, root, step), COMMIT_FILE)
+    doc = _read_record(storage, path)
+    return None if doc is None else commit_from(doc, step, storage.describe(path))
+
+
+def read_commit(storage: Storage, root: str, step: int) -> CommitRecord | None:
+    """The commit marker of ``step`` if it exists and is understood, else None (readers)."""
+    try:
+        return read_commit_strict(storage, root, step)
+    except FormatError as exc:  # unreadable, or oversized
+        log.warning("ignoring commit marker: %s", exc)
+        return None
+
+
+def create_commit(storage: Storage, root: str, record: CommitRecord) -> None:
+    """Create ``step``'s commit marker; the version exists for readers from then on.
+
+    Raises:
+        ConflictError: a marker already exists (this writer's own, or another's).
+    """
+    path = storage.join(step_dir(storage, root, record.step), COMMIT_FILE)
+    doc = {
+        "step": record.step,
+        "files": list(record.files),
+        "sizes": list(record.sizes),
+        "writer": record.writer,
+        "epoch": record.epoch,
+    }
+    if record.kind != SINGLE:  # single-file markers keep the bytes older readers know
+        doc["kind"] = record.kind
+    storage.create_exclusive(path, encode_record(doc))
+
+
+def verify_commit(storage: Storage, root: str, record: CommitRecord) -> str | None:
+    """Check that every data file a marker names is there, whole: None if so, else why.
+
+    Each file must exist, have the size the marker records (when it records one) and, if it
+    is a data file, end in a valid asyncckpt footer (a sharded version's metadata is JSON:
+    its size is checked). A marker that fails this is never published as the latest.
+    """
+    directory = step_dir(storage, root, record.step)
+    for i, name in enumerate(record.files):
+        path = storage.join(directory, name)
+        try:
+            size = storage.size(path)
+            if record.sizes and size != record.sizes[i]:
+                return (
+                    f"{storage.describe(path)} is {size} bytes, the marker says {record.sizes[i]}"
+                )
+            if not name.endswith(".ackpt"):
+                continue
+            tail = storage.read_range(path, max(0, size - FOOTER_SIZE), FOOTER_SIZE)
+            decode_footer(tail, size, storage.describe(path))
+        except (CheckpointNotFoundError, FormatError) as exc:
+            return str(exc)
+    return None
+
+
+# -- failure markers --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """The content of a step's ``FAILED`` marker: which save attempt failed, and how.
+
+    Attributes:
+        step: the step whose save failed.
+        error: the error, as text.
+        writer: the token of the writer whose attempt failed ("" when unknown: a marker
+            written by an older asyncckpt, or damaged).
+        epoch: that writer's lease epoch (0 when unknown).
+    """
+
+    step: int
+    error: str
+    writer: str = ""
+    epoch: int = 0
+
+
+def mark_failed(
+    storage: Storage, root: str, step: int, error: BaseException, writer: str = "", epoch: int = 0
+) -> None:
+    """Tell pollers that the save of ``step`` by ``writer`` (epoch ``epoch``) failed (best
+    effort; never raises).
+
+    Only for steps with no ``COMMIT``: a committed step is never marked failed. A writer
+    calls it through :meth:`asyncckpt._versions.writing.RootWriter.mark_failed`, which first
+    checks that it still holds the lease.
+    """
+    path = storage.join(step_dir(storage, root, step), FAILED_FILE)
+    try:
+        if read_commit(storage, root, step) is not None:
+            return
+        doc = {"step": step, "error": str(error)[:2000], "writer": writer, "epoch": epoch}
+        storage.write_bytes(path, encode_record(doc))
+    except Exception as exc:  # best effort: the original error is what matters
+        log.warning("could not record the failure of step %d: %s", step, exc)
+
+
+def read_failure(storage: Storage, root: str, step: int) -> FailureRecord | None:
+    """The ``FAILED`` marker of ``step``, or None if there is none.
+
+    A marker that cannot be understood is returned with an unknown writer and epoch 0.
+    """
+    try:
+        doc = _read_record(storage, storage.join(step_dir(storage, root, step), FAILED_FILE))
+    except FormatError:
+        return FailureRecord(step, "unknown error (damaged FAILED marker)")
+    if doc is None:
+        return None
+    writer, epoch = doc.get("writer", ""), doc.get("epoch", 0)
+    return FailureRecord(
+        step,
+        str(doc.get("error", "unknown error")),
+        writer if isinstance(writer, str) else "",
+        epoch if type(epoch) is int and epoch >= 0 else 0,
+    )
+
+
+def failure_of(storage: Storage, root: str, step: int) -> str | None:
+    """The recorded error of a failed save of ``step``, if any (whichever attempt)."""
+    failure = read_failure(storage, root, step)
+    return None if failure is None else failure.error
+
+
+# -- the version file -------------------------------------------------------------------------
+
+
+def version_from(doc: dict[str, Any], where: str) -> VersionRecord:
+    """Validate a decoded version file.
+
+    Raises:
+        UnreadableRecordError: a field is missing or malformed.
+    """
+    step, writer, epoch = doc.get("step"), doc.get("writer"), doc.get("epoch", 0)
+    if (step is not None and type(step) is not int) or not isinstance(writer, str):
+        raise UnreadableRecordError(f"{where}: malformed version file")
+    if type(epoch) is not int or epoch < 0 or (step is not None and step < 0):
+        raise UnreadableRecordError(f"{where}: malformed version file")
+    return VersionRecord(step, writer, epoch)
+
+
+def read_version_tagged(storage: Storage, root: str) -> tuple[VersionRecord | None, str | None]:
+    """The version file's record and its tag (for :meth:`Storage.replace_if`).
+
+    Returns:
+        ``(None, None)`` when there is no version file.
+
+    Raises:
+        UnreadableRecordError: the file exists but cannot be understood.
+    """
+    path = storage.join(root, VERSION_FILE)
+    found = storage.read_tagged(path, _MAX_RECORD_BYTES)
+    if found is None:
+        return None, None
+    raw, tag = found
+    where = storage.describe(path)
+    return version_from(decode_record(raw, where), where), tag
+
+
+def read_version_file(storage: Storage, root: str) -> VersionRecord | None:
+    """The version file's record, or None if it is missing or cannot be understood."""
+    try:
+        doc = _read_record(storage, storage.join(root, VERSION_FILE))
+        return None if doc is None else version_from(doc, root)
+    except FormatError as exc:  # unreadable, or oversized
+        log.warning("ignoring version file: %s", exc)
+        return None
+
+
+def publish_version(storage: Storage, root: str, record: VersionRecord, tag: str | None) -> str:
+    """Replace the version file with ``record`` if it still has ``tag``; return the new tag.
+
+    Raises:
+        ConflictError: the file changed since ``tag`` was read (another writer moved it).
+    """
+    doc = {"step": record.step, "writer": record.writer, "epoch": record.epoch}
+    return storage.replace_if(storage.join(root, VERSION_FILE), encode_record(doc), tag)
+
+
+def write_version_file(storage: Storage, root: str, record: VersionRecord) -> None:
+    """Replace the version file unconditionally (tests and repair tools only)."""
+    doc = {"step": record.step, "writer": record.writer, "epoch": record.epoch}
+    storage.write_bytes(storage.join(root, VERSION_FILE), encode_record(doc))
+
+
+# -- the writer lease -------------------------------------------------------------------------
+
+
+def lease_path(storage: Storage, root: str, epoch: int) -> str:
+    """Where epoch ``epoch``'s lease record lives."""
+    return storage.join(root, LEASE_DIR, f"{epoch:012d}")
+
+
+def lease_epochs(storage: Storage, root: str) -> list[int]:
+    """Every epoch that has a lease record, ascending."""
+    names = storage.list_dir(storage.join(root, LEASE_DIR))
+    return sorted(int(n) for n in names if len(n) == 12 and n.isascii() and n.isdigit())
+
+
+def lease_epoch_of(name: str) -> int | None:
+    """The epoch a name under ``_lease/`` belongs to: a lease record's, or the record that a
+    temp file was being written for; None for anything else.
+
+    Example:
+        >>> [lease_epoch_of(n) for n in ("000000000007", "000000000007.acktmp-1f", "x")]
+        [7, 7, None]
+    """
+    record = name.split(TEMP_MARK, 1)[0]
+    return int(record) if len(record) == 12 and record.isascii() and record.isdigit() else None
+
+
+def create_lease(storage: Storage, root: str, epoch: int, writer: str) -> None:
+    """Claim ``epoch`` (exclusive create).
+
+    Raises:
+        ConflictError: another writer claimed it first.
+    """
+    doc = {"epoch": epoch, "writer": writer, "beat": 0}
+    storage.create_exclusive(lease_path(storage, root, epoch), encode_record(doc))
+
+
+def renew_lease(storage: Storage, root: str, lease: LeaseRecord) -> None:
+    """Rewrite this writer's own lease record with its next heartbeat number."""
+    doc = {"epoch": lease.epoch, "writer": lease.writer, "beat": lease.beat}
+    storage.write_bytes(lease_path(storage, root, lease.epoch), encode_record(doc))
+
+
+def current_lease(storage: Storage, root: str) -> LeaseRecord | None:
+    """The newest lease record, or None when no writer ever took the root (or unreadable)."""
+    epochs = lease_epochs(storage, root)
+    if not epochs:
+        return None
+    try:
+        doc = _read_record(storage, lease_path(storage, root, epochs[-1]))
+    except FormatError:
+        return None
+    if doc is None or type(doc.get("beat")) is not int or not isinstance(doc.get("writer"), str):
+        return None
+    return LeaseRecord(epochs[-1], doc["writer"], doc["beat"])
+
+
+# -- listing, latest, retention ---------------------------------------------------------------
+
+
+def step_dirs(storage: Storage, root: str) -> list[int]:
+    """Every step that has a directory under ``root`` (committed or not), ascending."""
+    steps = (parse_step(n) for n in storage.list_dir(root))
+    return sorted(s for s in steps if s is not None)
+
+
+def committed_steps(storage: Storage, root: str) -> list[int]:
+    """Steps with an understood commit marker, ascending."""
+    return [s for s in step_dirs(storage, root) if read_commit(storage, root, s) is not None]
+
+
+def latest_step(storage: Storage, root: str) -> int | None:
+    """The newest step a reader may load.
+
+    The version file's step, unless a newer commit marker exists whose files verify (a
+    writer that crashed, or whose version-file write failed, after its ``COMMIT``): then that
+    one. None when nothing is committed.
+    """
+    record = read_version_file(storage, root)
+    named = record.step if record is not None else None
+    if named is not None and read_commit(storage, root, named) is None:
+        named = None
+    for step in reversed(step_dirs(storage, root)):
+        if named is not None and step <= named:
+            break
+        commit = read_commit(storage, root, step)
+        if commit is not None and verify_commit(storage, root, commit) is None:
+            return step
+    return named
+
+
+#: States of a step directory, as :func:`list_steps` finds it.
+COMMITTED = "committed"
+UNCOMMITTED = "uncommitted"
+UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class StepEntry:
+    """One step directory under a root, as :func:`list_steps` found it.
+
+    Attributes:
+        step: the step.
+        state: :data:`COMMITTED` (a commit marker this asyncckpt understands),
+            :data:`UNCOMMITTED` (none: a save in progress, failed or interrupted) or
+            :data:`UNREADABLE` (a marker it cannot understand: damaged, or from a newer
+            protocol; it may be a version, so nothing ever deletes it).
+        link: the directory is a symbolic link (local disk): deleting the step removes the
+            link and never touches what it points to.
+        commit: the commit record, when committed.
+        problem: why the marker cannot be understood, when unreadable.
+    """
+
+    step: int
+    state: str
+    link: bool = False
+    commit: CommitRecord | None = None
+    problem: str | None = None
+
+
+def list_steps(storage: Storage, root: str) -> list[StepEntry]:
+    """Every step directory under ``root``, ascending, with its state: the one listing
+    that every decision to delete is made from (:func:`deletion_plan`).
+
+    Raises:
+        StorageError: listing or reading a marker failed.
+    """
+    entries = []
+    for step in step_dirs(storage, root):
+        link = storage.is_link(step_dir(storage, root, step))
+        try:
+            commit = read_commit_strict(storage, root, step)
+        except FormatError as exc:  # damaged, oversized, or from a newer protocol
+            entries.append(StepEntry(step, UNREADABLE, link, None, str(exc)))
+            continue
+        state = UNCOMMITTED if commit is None else COMMITTED
+        entries.append(StepEntry(step, state, link, commit))
+    return entries
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Which committed versions retention keeps: the union of what each rule set keeps.
+
+    Each field is one rule, and a policy with no rule set keeps every committed version.
+    A new rule (keep the best N by a metric, keep every K-th step, keep for a duration) is
+    a new field here and its clause in :meth:`keeps`; :func:`deletion_plan` applies it
+    with every other rule of the protocol unchanged.
+
+    Attributes:
+        keep_last: keep the newest N committed versions (None: no such rule).
+
+    Example:
+        >>> RetentionPolicy(keep_last=2).keeps([StepEntry(s, COMMITTED) for s in (1, 2, 3)])
+        {2, 3}
+    """
+
+    keep_last: int | None = None
+
+    def keeps(self, committed: Sequence[StepEntry]) -> set[int]:
+        """The steps, among ``committed`` (ascending), that some rule of the policy keeps."""
+        rules: list[set[int]] = []
+        if self.keep_last is not None:
+            newest = committed[max(0, len(committed) - self.keep_last) :]
+            rules.append({e.step for e in newest})
+        if not rules:
+            return {e.step for e in committed}
+        return set().union(*rules)
+
+
+def deletion_plan(
+    entries: Sequence[StepEntry],
+    policy: RetentionPolicy,
+    pinned: int | None,
+    spare: Collection[int] = (),
+) -> list[StepEntry]:
+    """The one rule for which step directories may be deleted.
+
+    Pure function of a :func:`list_steps` listing; the writer's retention and recovery and
+    ``asyncckpt gc`` all delete exactly what it returns (see docs/PROTOCOL.md §5):
+
+    * nothing at all when ``pinned`` is None (no version file, or one that cannot be
+      understood: what is newest is unknown);
+    * never ``pinned`` (the version file's step), nor anything newer (a save in
+      progress), nor a step in ``spare`` (one a slower rank may still be reading);
+    * never an :data:`UNREADABLE` step: it may be a version this asyncckpt cannot read;
+    * a committed step older than ``pinned`` that ``policy`` does not keep;
+    * an uncommitted step older than ``pinned``: a failed or interrupted save, which can
+      never commit, since steps only increase.
+
+    Args:
+        entries: the root's step directories, ascending (:func:`list_steps`).
+        policy: which committed versions to keep.
+        pinned: the version file's step.
+        spare: steps never to delete besides ``pinned``.
+
+    Returns:
+        The entries to delete, ascending.
+
+    Example:
+        >>> entries = [StepEntry(1, COMMITTED), StepEntry(2, UNREADABLE),
+        ...            StepEntry(3, UNCOMMITTED), StepEntry(4, COMMITTED),
+        ...            StepEntry(5, COMMITTED), StepEntry(6, UNCOMMITTED)]
+        >>> [e.step for e in deletion_plan(entries, RetentionPolicy(keep_last=1), pinned=5)]
+        [1, 3, 4]
+    """
+    if pinned is None:
+        return []
+    keep = policy.keeps([e for e in entries if e.state == COMMITTED]) | {pinned} | set(spare)
+    return [e for e in entries if e.step < pinned and e.state != UNREADABLE and e.step not in keep]
+
+
+def delete_version(storage: Storage, root: str, step: int) -> None:
+    """Remove a version: the commit marker first, so readers stop seeing it at once.
+
+    A step directory that is a symbolic link is removed as a link (which makes it vanish for
+    readers at once too): never what it points to, which may be another run's version.
+    """
+    directory = step_dir(storage, root, step)
+    if storage.is_link(directory):
+        log.warning(
+            "step %d under %s is a symbolic link: removing the link, not what it points to",
+            step,
+            storage.describe(root),
+        )
+    else:
+        storage.delete(storage.join(directory, COMMIT_FILE))
+    storage.delete_tree(directory)
+
+
+def retention_plan(
+    committed: list[int], all_dirs: list[int], keep_last: int | None, pinned: int | None
+) -> list[int]:
+    """Which steps to delete: :func:`deletion_plan` for plain step lists (every step
+    directory in ``all_dirs`` not in ``committed`` counts as uncommitted).
+
+    Example:
+        >>> retention_plan([1, 2, 3], [1, 2, 3, 4], keep_last=2, pinned=3)
+        [1]
+    """
+    done = set(committed)
+    entries = [
+        StepEntry(s, COMMITTED if s in done else UNCOMMITTED) for s in sorted(done | set(all_dirs))
+    ]
+    plan = deletion_plan(entries, RetentionPolicy(keep_last), pinned)
+    dirs = set(all_dirs)
+    return [e.step for e in plan if e.step in dirs]
+
+
+def temp_files(storage: Storage, directory: str) -> list[str]:
+    """Names of the temp files of writes directly under ``directory`` (a root or a step
+    directory): interrupted ones, or in progress."""
+    return [name for name in storage.list_dir(directory) if is_temp_name(name)]
+
+
+# -- waiting ----------------------------------------------------------------------------------
+
+
+class _LeaseWatch:
+    """Notices a writer that stopped renewing its lease, on the reader's own clock."""
+
+    def __init__(self, storage: Storage, root: str) -> None:
+        self.storage, self.root = storage, root
+        self.expiry_s = config.tunable("lease_expiry_ms", None) / 1000
+        self.seen: LeaseRecord | None = current_lease(storage, root)
+        self.since = time.monotonic()
+
+    def stale_for(self) -> float | None:
+        """Seconds since the lease last changed, if longer than the expiry; else None."""
+        lease = current_lease(self.storage, self.root)
+        now = time.monotonic()
+        if lease is None or lease != self.seen:  # no writer yet, or it is alive
+            self.seen, self.since = lease, now
+            return None
+        waited = now - self.since
+        return waited if waited >= self.expiry_s else None
+
+
+def wait_for_step(
+    storage: Storage, root: str, step: int, timeout: float | None, writer: str | None = None
+) -> None:
+    """Poll, with exponential backoff and jitter, until ``step`` is committed.
+
+    Args:
+        storage: the root's storage.
+        root: the root.
+        step: the step to wait for.
+        timeout: seconds to wait at most (None: for ever, or until the lease goes stale).
+        writer: the token of the writer whose save of ``step`` is awaited (a collective
+            load knows it): only that writer's ``FAILED`` marker ends the wait. None: only
+            a marker of the current lease's epoch does, so a marker an earlier job left
+            never stops a wait for the current writer's save of the same step.
+
+    Raises:
+        IncompleteCheckpointError: the awaited attempt recorded that the save of ``step``
+            failed, or the version file passed ``step`` without it being committed.
+        CheckpointTimeoutError: not committed within ``timeout`` seconds, or the writer
+            stopped renewing its lease (it died or froze) while ``step`` was not committed.
+    """
+    where = storage.describe(root)
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
+    delay, next_log = 0.02, started + 60
+    watch = _LeaseWatch(storage, root)
+    while read_commit(storage, root, step) is None:
+        stale = watch.stale_for()  # also brings watch.seen (the current lease) up to date
+        failure = read_failure(storage, root, step)
+        if failure is not None and _awaited(failure, writer, watch.seen):
+            raise IncompleteCheckpointError(
+                f"the save of step {step} under {where} failed: {failure.error}"
+            )
+        newer = read_version_file(storage, root)
+        passed = newer.step if newer is not None and newer.step is not None else -1
+        if passed > step and read_commit(storage, root, step) is None:
+            # Steps only increase, so a step passed over by the version file never commits.
+            raise IncompleteCheckpointError(
+                f"step {step} under {where} was never committed (or was deleted); step "
+                f"{passed} is the newest"
+            )
+        now = time.monotonic()
+        if stale is not None:
+            raise CheckpointTimeoutError(
+                f"gave up waiting for step {step} under {where} after {now - started:.1f} s: "
+                f"the writer (epoch {watch.seen.epoch if watch.seen else '?'}) has not renewed "
+                f"its lease for {stale:.1f} s, so it died or froze before committing the step"
+            )
+        if deadline is not None and now >= deadline:
+            raise CheckpointTimeoutError(
+                f"step {step} was not committed under {where} within {timeout} s; "
+                f"committed steps: {committed_steps(storage, root) or 'none'}"
+            )
+        if now >= next_log:
+            log.info("still waiting for step %d under %s", step, where)
+            next_log = now + 60
+        pause = delay * (0.5 + random.random())
+        time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
+        delay = min(delay * 2, 2.0)
+
+
+def _awaited(failure: FailureRecord, writer: str | None, lease: LeaseRecord | None) -> bool:
+    """Whether ``failure`` is that of the save attempt a waiter waits for.
+
+    The attempt of ``writer`` when the waiter knows it; else the current lease holder's
+    (the epoch of the newest lease record; 0 on a root no writer ever took a lease on).
+
+    Example:
+        >>> old = FailureRecord(3, "disk full", "a1", epoch=1)
+        >>> _awaited(old, "b2", None), _awaited(old, None, LeaseRecord(2, "b2", 0))
+        (False, False)
+        >>> _awaited(old, "a1", None), _awaited(old, None, LeaseRecord(1, "a1", 7))
+        (True, True)
+    """
+    if writer is not None:
+        return failure.writer == writer
+    return failure.epoch == (0 if lease is None else lease.epoch)

@@ -1,0 +1,565 @@
+"""The writing side of a checkpoint root: the lease, recovery, commit and retention.
+
+Only a process that saves builds a :class:`RootWriter`, and it touches the root only from
+its first save on. That save takes the writer lease: a new epoch, claimed with an exclusive
+create, installed in the version file with a compare-and-swap. From then on every commit is
+conditional on the version file still carrying this writer's epoch, so a writer that
+another job has taken the root from (a frozen or restarted predecessor) fails with
+:class:`~asyncckpt.errors.ConflictError` and changes nothing readers see.
+
+What a writer deletes follows two rules (``docs/PROTOCOL.md`` §5): anything another writer
+may own (old versions, leftovers, temp files, lease records, markers) only while it holds
+the lease, checked right before (:meth:`RootWriter.holds_lease`), and only what
+:func:`~asyncckpt._versions.protocol.deletion_plan` allows; and, at any time, the files of its own
+save attempt, which are named by that attempt so no other writer can have written them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+from asyncckpt import _config as config
+from asyncckpt._storage import Storage
+from asyncckpt._versions.protocol import (
+    COMMIT_FILE,
+    COMMITTED,
+    FAILED_FILE,
+    LEASE_DIR,
+    SINGLE,
+    UNCOMMITTED,
+    UNREADABLE,
+    CommitRecord,
+    LeaseRecord,
+    RetentionPolicy,
+    StepEntry,
+    VersionRecord,
+    create_commit,
+    create_lease,
+    delete_version,
+    deletion_plan,
+    lease_epoch_of,
+    lease_epochs,
+    list_steps,
+    mark_failed,
+    publish_version,
+    read_commit_strict,
+    read_failure,
+    read_version_tagged,
+    renew_lease,
+    step_dir,
+    step_dirs,
+    temp_files,
+    verify_commit,
+)
+from asyncckpt.errors import AsyncCkptError, ConflictError, FormatError
+
+log = logging.getLogger(__name__)
+
+
+class FencedError(ConflictError):
+    """Another writer took the root over; this writer may no longer commit to it."""
+
+
+class RootWriter:
+    """The lease holder's operations on ``root``.
+
+    Args:
+        storage: the storage that holds the root.
+        root: the root's path within ``storage``.
+        token: this writer's unique id (also in its data file names).
+    """
+
+    def __init__(self, storage: Storage, root: str, token: str) -> None:
+        self.storage = storage
+        self.root = root
+        self.token = token
+        self.epoch: int | None = None
+        self.published: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    @property
+    def where(self) -> str:
+        """The root as a user would write it."""
+        return self.storage.describe(self.root)
+
+    # -- the lease ------------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take the root over (once): claim a new epoch, install it, clean up leftovers.
+
+        Raises:
+            ConflictError: another writer took the root at the same moment with a newer
+                epoch, or the root holds records this asyncckpt cannot understand.
+        """
+        with self._lock:
+            if self.epoch is not None:
+                return
+            self._refuse_unreadable()
+            record, tag = read_version_tagged(self.storage, self.root)
+            epoch = self._claim_epoch(record)
+            self.published = self._install(epoch, record, tag)
+            self.epoch = epoch
+        log.info("took the writer lease on %s (epoch %d)", self.where, epoch)
+        self._recover()
+        self._start_heartbeat()
+
+    def _claim_epoch(self, record: VersionRecord | None) -> int:
+        known = [record.epoch if record else 0, *lease_epochs(self.storage, self.root)]
+        epoch = max(known) + 1
+        while True:
+            try:
+                create_lease(self.storage, self.root, epoch, self.token)
+                return epoch
+            except ConflictError:
+                epoch += 1  # another new writer claimed it first: take the next one
+
+    def _install(self, epoch: int, record: VersionRecord | None, tag: str | None) -> int | None:
+        """Write our epoch into the version file, rolled forward to the newest good commit."""
+        while True:
+            named = record.step if record is not None else None
+            if named is not None and read_commit_strict(self.storage, self.root, named) is None:
+                named = None  # it names a step that is not committed: never published
+            step = self._newest_verified(named)
+            try:
+                publish_version(
+                    self.storage, self.root, VersionRecord(step, self.token, epoch), tag
+                )
+                return step
+            except ConflictError:
+                record, tag = read_version_tagged(self.storage, self.root)
+                if record is not None and record.epoch > epoch:
+                    raise ConflictError(
+                        f"another writer (id {record.writer}, epoch {record.epoch}) took "
+                        f"{self.where} over at the same time as this one (epoch {epoch}); "
+                        "only one job may write to a root"
+                    ) from None
+                # An older writer committed meanwhile: retry on top of what it published.
+
+    def _newest_verified(self, published: int | None) -> int | None:
+        for step in reversed(step_dirs(self.storage, self.root)):
+            if published is not None and step <= published:
+                break
+            commit = read_commit_strict(self.storage, self.root, step)
+            if commit is None:
+                continue
+            problem = verify_commit(self.storage, self.root, commit)
+            if problem is None:
+                return step
+            log.warning("not publishing step %d under %s: %s", step, self.where, problem)
+        return published
+
+    def _refuse_unreadable(self) -> None:
+        """Raise if the root holds a record we cannot understand (damaged, or newer)."""
+        try:
+            read_version_tagged(self.storage, self.root)
+            problem = next(
+                (e.problem for e in list_steps(self.storage, self.root) if e.state == UNREADABLE),
+                None,
+            )
+        except FormatError as exc:  # damaged, oversized, or from a newer protocol
+            problem = str(exc)
+        if problem is not None:
+            raise ConflictError(
+                f"refusing to write to {self.where}: {problem}. Nothing was changed; move the "
+                "record aside (or upgrade asyncckpt) if the root is really yours"
+            )
+
+    def _start_heartbeat(self) -> None:
+        interval = config.tunable("lease_renew_ms", None) / 1000
+        assert self.epoch is not None
+        epoch = self.epoch
+
+        def beat() -> None:
+            count = 0
+            while not self._stop.wait(interval):
+                count += 1
+                try:
+                    renew_lease(self.storage, self.root, LeaseRecord(epoch, self.token, count))
+                except Exception as exc:  # a missed beat only makes readers wait less
+                    log.warning("could not renew the writer lease on %s: %s", self.where, exc)
+
+        self._heartbeat = threading.Thread(target=beat, name="asyncckpt-lease", daemon=True)
+        self._heartbeat.start()
+
+    def release(self) -> None:
+        """Stop renewing the lease (the lease record stays: readers see the writer stop)."""
+        self._stop.set()
+
+    # -- the lease, before every deletion ---------------------------------------------
+
+    def _lease_held(self) -> bool | None:
+        """Whether the version file still names this writer (token and epoch): one read.
+
+        None when it cannot be told (the read failed).
+        """
+        if self.epoch is None:
+            return False
+        try:
+            record, _ = read_version_tagged(self.storage, self.root)
+        except AsyncCkptError:
+            return None
+        return record is not None and record.epoch == self.epoch and record.writer == self.token
+
+    def holds_lease(self) -> bool:
+        """Whether this writer still holds the root's lease, as the version file says now.
+
+        Checked right before every deletion of something another writer may own, and
+        before every marker written under a step: a writer another job took the root from
+        deletes nothing of it. A read that fails counts as no.
+        """
+        return self._lease_held() is True
+
+    def _may_delete(self, what: str) -> bool:
+        """:meth:`holds_lease`, logging what is not deleted when it is not held."""
+        if self.holds_lease():
+            return True
+        log.info(
+            "not deleting %s under %s: this writer (epoch %s) no longer holds the lease",
+            what,
+            self.where,
+            self.epoch,
+        )
+        return False
+
+    # -- recovery and retention -----------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Drop what earlier writers left: temp files, uncommitted steps, old lease records,
+        ``FAILED`` markers of earlier epochs.
+
+        Only uncommitted steps older than the published one (:func:`deletion_plan` with
+        every committed version kept): steps only increase, so those can never be
+        committed. A newer one may be the save in flight of the writer this one just
+        fenced, or of a writer racing it for the same step; removing its data could leave
+        that writer's commit marker naming nothing. Retention removes such steps once a
+        newer version is committed, and a commit sweeps foreign files out of its own step
+        directory. Their ``FAILED`` markers go now: they tell of an earlier job's attempt,
+        and this writer may save the same step again.
+        """
+        storage, root = self.storage, self.root
+        try:
+            entries = list_steps(storage, root)
+            self._remove_temps(root, "temp files")
+            plan = deletion_plan(entries, RetentionPolicy(), self.published)
+            for entry in plan:
+                if not self._may_delete(f"step {entry.step}"):
+                    return
+                log.info(
+                    "removing step %d under %s: it was never committed", entry.step, self.where
+                )
+                delete_version(storage, root, entry.step)
+            doomed = {e.step for e in plan}
+            for entry in entries:
+                if entry.step not in doomed and not entry.link:  # a link is another run's
+                    self._tidy(entry)
+            self._prune_leases()
+        except AsyncCkptError as exc:  # leftovers are harmless; the next retention retries
+            log.warning("recovery under %s was incomplete: %s", self.where, exc)
+
+    def _tidy(self, entry: StepEntry) -> None:
+        """Remove what a crash left inside a step that stays: temp files in a committed
+        version (a crash during an exclusive create), an earlier epoch's ``FAILED``."""
+        storage, directory = self.storage, step_dir(self.storage, self.root, entry.step)
+        floor = -1 if self.published is None else self.published
+        if entry.state == COMMITTED and entry.step <= floor:
+            self._remove_temps(directory, f"temp files in step {entry.step}")
+        elif entry.state == UNCOMMITTED:
+            failure = read_failure(storage, self.root, entry.step)
+            assert self.epoch is not None
+            stale = failure is not None and failure.epoch < self.epoch
+            if stale and self._may_delete(f"the FAILED marker of step {entry.step}"):
+                log.info("removing step %d's FAILED marker of an earlier epoch", entry.step)
+                storage.delete(storage.join(directory, FAILED_FILE))
+
+    def _remove_temps(self, directory: str, what: str) -> None:
+        """Delete the temp files directly under ``directory``, if there are any and this
+        writer holds the lease (checked only then: most calls find none)."""
+        names = temp_files(self.storage, directory)
+        if names and self._may_delete(what):
+            for name in names:
+                self.storage.delete(self.storage.join(directory, name))
+
+    def _prune_leases(self) -> None:
+        """Delete older epochs' lease records and the temp files of their writes (a writer
+        killed mid-write leaves one); this epoch's temp files are its own heartbeat's."""
+        if self.epoch is None:
+            return
+        directory = self.storage.join(self.root, LEASE_DIR)
+        if self.storage.is_link(directory):
+            return  # never delete through a link
+        epochs = {n: lease_epoch_of(n) for n in self.storage.list_dir(directory)}
+        older = [n for n, e in epochs.items() if e is not None and e < self.epoch]
+        if older and self._may_delete("lease records of earlier epochs"):
+            for name in older:
+                self.storage.delete(self.storage.join(directory, name))
+
+    def apply_retention(self, keep_last: int | None, pinned: int, spare: int | None) -> None:
+        """Delete versions beyond the newest ``keep_last`` and leftovers older than ``pinned``.
+
+        Exactly what :func:`~asyncckpt._versions.protocol.deletion_plan` allows: never ``pinned``
+        (just published), ``spare`` (a step other ranks may be reading), anything newer, or
+        a step whose marker cannot be understood. Each deletion first checks that this
+        writer still holds the lease; a writer another job took the root from deletes
+        nothing. Failures only warn: the new version is committed, and the next save
+        retries.
+        """
+        storage, root = self.storage, self.root
+        try:
+            entries = list_steps(storage, root)
+            for entry in entries:
+                if entry.state == UNREADABLE:
+                    log.warning("retention leaves step %d alone: %s", entry.step, entry.problem)
+            spared = () if spare is None else (spare,)
+            policy = RetentionPolicy(keep_last=keep_last)
+            for entry in deletion_plan(entries, policy, pinned, spared):
+                if not self._may_delete(f"step {entry.step} (retention)"):
+                    return
+                delete_version(storage, root, entry.step)
+            self._remove_temps(root, "temp files")
+        except AsyncCkptError as exc:
+            log.warning(
+                "retention under %s failed (will retry after the next save): %s", self.where, exc
+            )
+
+    def mark_failed(self, step: int, error: BaseException) -> None:
+        """Write ``step``'s ``FAILED`` marker for pollers, naming this attempt (token and
+        epoch), if this writer still holds the lease (best effort; never raises)."""
+        if self.epoch is None or not self.holds_lease():
+            log.info("not marking step %d failed under %s: not the root's writer", step, self.where)
+            return
+        mark_failed(self.storage, self.root, step, error, self.token, self.epoch)
+
+    def remove_empty_step(self, step: int) -> None:
+        """Remove ``step``'s directory if it holds nothing (an aborted save created it), and
+        only while this writer holds the lease (best effort; never raises)."""
+        where = step_dir(self.storage, self.root, step)
+        try:
+            if self.storage.list_dir(where) or not self._may_delete(f"empty step {step}"):
+                return
+            self.storage.delete_tree(where)
+        except AsyncCkptError as exc:  # an empty directory is harmless; recovery removes it
+            log.warning("could not remove %s: %s", self.storage.describe(where), exc)
+
+    # -- commit ---------------------------------------------------------------------------
+
+    def commit(
+        self,
+        step: int,
+        files: tuple[str, ...],
+        sizes: tuple[int, ...],
+        *,
+        kind: str = SINGLE,
+        keep: tuple[str, ...] = (),
+    ) -> None:
+        """Publish version ``step`` whose data ``files`` (in its directory) are durable.
+
+        Args:
+            step: the version's step.
+            files: every file of the version, relative to its directory (a sharded
+                version: one data file per rank, then its metadata).
+            sizes: each file's size in bytes, as written.
+            kind: the version's kind (:data:`~asyncckpt._versions.protocol.SINGLE` or ``SHARDED``),
+                recorded in ``COMMIT``.
+            keep: other files of this save in the directory that the sweep after the
+                commit must leave (a sharded version's per-rank completion markers).
+
+        Raises:
+            FencedError: another writer took the root over; our files were removed.
+            ConflictError: ``step`` is not newer than the published one, or another writer
+                committed it; our files were removed.
+        """
+        assert self.epoch is not None, "acquire() first"
+        own = files + keep
+        record, tag = self.fence(step, own)
+        if record.step is not None and record.step >= step:
+            self._discard(step, own)
+            raise ConflictError(
+                f"step {step} is not newer than step {record.step}, already committed under "
+                f"{self.where}"
+            )
+        try:
+            self._create_commit(step, files, sizes, kind, own)
+            self._publish(step, tag)
+            self._sweep(step, files + keep)
+        except AsyncCkptError as exc:
+            if not isinstance(exc, FencedError) and not self._fenced():
+                raise
+            # Taken over while committing (frozen between the check above and here): the
+            # new writer's retention may have removed our data, so a marker we made may name
+            # nothing. Withdraw it unless it is a whole version (then it may be published).
+            if self._withdraw(step):
+                raise FencedError(
+                    f"another writer took {self.where} over while this one (epoch "
+                    f"{self.epoch}) was committing step {step}, and its data was removed "
+                    "meanwhile: this writer withdrew its COMMIT of the step and its own "
+                    "files, and changed nothing else"
+                ) from exc
+            if isinstance(exc, FencedError):
+                raise
+            raise FencedError(
+                f"another writer took {self.where} over while this one (epoch {self.epoch}) "
+                f"was committing step {step}: {exc}"
+            ) from exc
+
+    def fence(self, step: int, own: tuple[str, ...]) -> tuple[VersionRecord, str | None]:
+        """Check, right before writing what makes ``step`` a version (its metadata, its
+        ``COMMIT``), that this writer still holds the lease.
+
+        Args:
+            step: the step being saved.
+            own: the files of this save attempt in its directory, named by the attempt
+                (no other writer can have written them): removed if the lease is lost.
+
+        Returns:
+            The version file's record and tag, as read.
+
+        Raises:
+            FencedError: another writer took the root over. Nothing but ``own`` was
+                deleted, and the message says which of those could not be.
+        """
+        record, tag = read_version_tagged(self.storage, self.root)
+        if record is not None and record.epoch == self.epoch and record.writer == self.token:
+            return record, tag
+        left = self._discard(step, own)
+        holder = "nobody" if record is None else f"id {record.writer}, epoch {record.epoch}"
+        kept = (
+            f"; it could not remove {', '.join(left)}, which no version names (retention "
+            "removes them with the step)"
+            if left
+            else ""
+        )
+        raise FencedError(
+            f"another writer ({holder}) took {self.where} over from this one (epoch "
+            f"{self.epoch}); step {step} was not committed by this writer, which removed "
+            f"the {len(own)} file(s) of its own save attempt from {self.where}/{step} and "
+            f"changed nothing else under the root{kept}"
+        )
+
+    def _create_commit(
+        self,
+        step: int,
+        files: tuple[str, ...],
+        sizes: tuple[int, ...],
+        kind: str,
+        own: tuple[str, ...],
+    ) -> None:
+        record = CommitRecord(step, files, self.token, sizes, self.epoch or 0, kind)
+        try:
+            create_commit(self.storage, self.root, record)
+        except ConflictError:
+            existing = read_commit_strict(self.storage, self.root, step)
+            if existing is not None and existing.writer == self.token and existing.files == files:
+                return  # our own marker, whose creation we did not hear about
+            self._discard(step, own)
+            raise ConflictError(
+                f"step {step} is already committed under {self.where} by another writer "
+                f"(id {existing.writer if existing else '?'}); only one job may write to a root"
+            ) from None
+
+    def _publish(self, step: int, tag: str | None) -> None:
+        record = VersionRecord(step, self.token, self.epoch or 0)
+        try:
+            publish_version(self.storage, self.root, record, tag)
+        except ConflictError:
+            if self._still_newest(step):
+                self.published = step
+                return
+            raise FencedError(
+                f"step {step} is committed under {self.where}, but another writer took the "
+                "root over before the version file could name it; readers keep to that "
+                "writer's versions"
+            ) from None
+        except AsyncCkptError as exc:
+            # COMMIT exists and its files verify, so the version is there for every reader
+            # (latest() falls back to the newest verified marker); only the pointer lags.
+            log.warning(
+                "step %d under %s is committed, but the version file was not moved to it: %s",
+                step,
+                self.where,
+                exc,
+            )
+        self.published = step
+
+    def _still_newest(self, step: int) -> bool:
+        """Whether our committed step is still the root's newest after another writer took
+        the root over between our marker and the version file.
+
+        Then the version is whole, no newer one exists, and readers load it (the version
+        file names it, or ``latest()`` falls back to it); the new writer's own save of the
+        same step is the one that fails, so exactly one of two racers wins. If the new
+        writer already published something newer, our step stays an old version and this
+        writer is fenced.
+        """
+        try:
+            record, _ = read_version_tagged(self.storage, self.root)
+            commit = read_commit_strict(self.storage, self.root, step)
+        except AsyncCkptError:
+            return False
+        return (
+            record is not None
+            and (record.step is None or record.step <= step)
+            and commit is not None
+            and commit.writer == self.token
+            and verify_commit(self.storage, self.root, commit) is None
+        )
+
+    def _fenced(self) -> bool:
+        return self._lease_held() is False  # cannot tell: report the original error
+
+    def _withdraw(self, step: int) -> bool:
+        """Remove our own marker of ``step`` if it names data that is gone (only ours:
+        another writer may be committing the same step in the same directory); return
+        whether it was removed.
+
+        Allowed without the lease: the marker is provably this writer's (its token), and a
+        marker naming missing data is no version, so no other writer keeps it.
+        """
+        with contextlib.suppress(AsyncCkptError):
+            commit = read_commit_strict(self.storage, self.root, step)
+            if commit is None or commit.writer != self.token:
+                return False
+            if verify_commit(self.storage, self.root, commit) is not None:
+                self.storage.delete(
+                    self.storage.join(step_dir(self.storage, self.root, step), COMMIT_FILE)
+                )
+                self._discard(step, commit.files)
+                return True
+        return False
+
+    def _sweep(self, step: int, files: tuple[str, ...]) -> None:
+        """After our commit of ``step``, remove what else is in its directory (an earlier
+        attempt's partial data, a racer's data): nothing can commit it any more.
+
+        Only while this writer holds the lease (another writer's files are not ours to
+        remove otherwise), and never through a symbolic link.
+        """
+        directory = step_dir(self.storage, self.root, step)
+        with contextlib.suppress(AsyncCkptError):
+            if self.storage.is_link(directory):
+                log.warning(
+                    "not sweeping step %d under %s: it is a symbolic link", step, self.where
+                )
+                return
+            if not self._may_delete(f"other files in step {step}"):
+                return
+            for name in self.storage.list_dir(directory):
+                if name not in files and name != COMMIT_FILE:
+                    self.storage.delete(self.storage.join(directory, name))
+            self.storage.abort_unfinished(directory)
+
+    def _discard(self, step: int, files: tuple[str, ...]) -> list[str]:
+        """Remove files of this writer's own save attempt (allowed without the lease: they
+        are named by the attempt, so no other writer wrote them); return those that could
+        not be removed."""
+        directory = step_dir(self.storage, self.root, step)
+        left = []
+        for name in files:
+            try:
+                self.storage.delete(self.storage.join(directory, name))
+            except AsyncCkptError:
+                left.append(name)
+        return left
