@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from typing import Any, Final, TypeVar
 
 from asyncckpt import _config as config
-from asyncckpt._engine import cpu
+from asyncckpt import _cpu as cpu
 
 T = TypeVar("T")
 

@@ -22,9 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncckpt
+from asyncckpt import _cpu as cpu
 from asyncckpt._api.checkpointer import Checkpointer
 from asyncckpt._api.dropin import write_options
-from asyncckpt._engine import autocompress, cpu
+from asyncckpt._engine import autocompress
 from asyncckpt._format.codec import (
     INCOMPRESSIBLE,
     EncodeReport,

@@ -1,4 +1,4 @@
-"""The writer's CPU budget (``asyncckpt._engine.cpu``), with injected clocks."""
+"""The writer's CPU budget (``asyncckpt._cpu``), with injected clocks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from asyncckpt import _cpu as cpu
 from asyncckpt import _threads as workers
-from asyncckpt._engine import cpu
 
 
 class _Clocks:

@@ -5,7 +5,7 @@ byte (on the CPU or blocked in I/O; not its waits for a busy core, which are the
 doing, not the storage's), per storage target (a local device, a bucket, a URL's top
 directory), remembered for the process's later saves; encoder threads measure the CPU
 seconds they spend regrouping and compressing per raw byte; and each save measures how many
-cores the rest of the machine left idle (:func:`asyncckpt._engine.cpu.spare_cores`).
+cores the rest of the machine left idle (:func:`asyncckpt._cpu.spare_cores`).
 :func:`asyncckpt._format.codec.choose_planes` turns those into a choice per byte plane: compress
 where the store is the bottleneck and the CPU has room, write raw where training needs the
 cores. Until a target has been measured its bandwidth is assumed: ``auto_prior_local_mb_s``
@@ -237,7 +237,7 @@ def for_write(
         settings: the resolved tunables.
         threads: encoder threads of this write.
         spare_cores: CPU cores the rest of the machine left idle when the save started
-            (:func:`asyncckpt._engine.cpu.spare_cores`; None: unknown).
+            (:func:`asyncckpt._cpu.spare_cores`; None: unknown).
 
     Returns:
         An :class:`AutoRun` sharing what the process learned about the target so far.

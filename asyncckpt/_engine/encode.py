@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from asyncckpt import _config as config
-from asyncckpt._engine import autocompress, cpu
+from asyncckpt import _cpu as cpu
+from asyncckpt._engine import autocompress
 from asyncckpt._engine.autocompress import AutoRun, AutoSettings
 from asyncckpt._format.codec import EncodeReport, checksum, encode_chunk
 from asyncckpt._format.container import (

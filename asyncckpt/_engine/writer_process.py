@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncckpt import _config as config
+from asyncckpt import _cpu as cpu
 from asyncckpt import _threads as workers
-from asyncckpt._engine import cpu
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
 from asyncckpt._format.container import ArrayEntry, TensorEntry
 from asyncckpt._storage import Storage

@@ -105,7 +105,7 @@ class EncodeReport:
 
     Times are CPU seconds of the encoding thread: what the encoding costs the machine,
     whatever else runs beside it. Whether that CPU is idle or taken from training is
-    measured apart (:func:`asyncckpt._engine.cpu.spare_cores`, :attr:`Rates.spare_cores`).
+    measured apart (:func:`asyncckpt._cpu.spare_cores`, :attr:`Rates.spare_cores`).
 
     Attributes:
         group_s: CPU seconds spent regrouping the chunk's bytes into planes.
