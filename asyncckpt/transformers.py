@@ -1,0 +1,338 @@
+"""Hugging Face ``transformers`` integration: :class:`AsyncCkptTrainer` and its mixin.
+
+``Trainer._save_checkpoint`` writes the model, optimizer, scheduler, scaler and RNG states
+with ``torch.save`` while training waits, and its rotation (mtime plus ``rmtree``) may delete
+a folder whose save is still running. :class:`AsyncCkptTrainerMixin` keeps every
+``TrainingArguments`` option (``save_steps``, ``save_total_limit``,
+``load_best_model_at_end``, ``metric_for_best_model`` ...) and instead saves each checkpoint
+as one :class:`~asyncckpt.Checkpointer` version, snapshotted and written in the background.
+
+Layout under ``output_dir``:
+
+- ``asyncckpt/``: the Checkpointer root (:data:`ROOT_NAME`), one version per saved
+  ``global_step``: model, optimizer, scheduler, scaler, every process's RNG states and the
+  ``TrainerState`` JSON;
+- ``checkpoint-N/trainer_state.json``: written once version N is *committed* (at the next
+  save or when ``train`` returns), removed when rotation deletes the version. So
+  ``transformers.trainer_utils.get_last_checkpoint`` and scripts that read
+  ``trainer_state.json`` see committed checkpoints only. The folders hold no weights: export
+  them with ``asyncckpt convert output_dir/asyncckpt@N out.safetensors --key model``.
+
+``train(resume_from_checkpoint=True)`` resumes from the newest committed version (falling
+back to the stock Trainer's folders when the root has none); a path ``.../checkpoint-N``
+resumes from version N if it is committed, else from the stock files in that folder.
+Rotation (``save_total_limit``) runs on the writer after each save and when ``train``
+returns: it deletes committed versions beyond the newest ``save_total_limit`` but never the
+best one (``state.best_global_step``), the newest committed one, nor one being written.
+Until ``Checkpointer`` has a keep-best policy this protection lives here: the Checkpointer
+is built with ``keep_last=None`` and the mixin deletes versions itself.
+
+Overridden ``Trainer`` methods (:data:`OVERRIDDEN`; ``tests/test_transformers.py`` fails if
+a ``transformers`` release renames one or changes its parameters): ``train`` (translates
+``resume_from_checkpoint=True``, waits for the last save), ``_save_checkpoint``,
+``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
+``_load_rng_state``, ``_load_best_model``. Were one renamed, the stock method would run
+instead: saves would be synchronous ``torch.save`` files again, or a resume would look for
+files that are not there. DeepSpeed, FSDP, SageMaker MP and XLA are refused.
+
+This module imports ``transformers`` (``pip install 'asyncckpt[transformers]'``);
+``import asyncckpt`` does not import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Any
+
+try:
+    import transformers
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "asyncckpt.transformers needs the `transformers` package: "
+        "pip install 'asyncckpt[transformers]'"
+    ) from exc
+
+from asyncckpt import Checkpointer, SaveHandle
+from asyncckpt._storage import resolve
+from asyncckpt._versions.protocol import delete_version
+from asyncckpt.accelerate import gathered_rng_states, save_with_metrics, set_rng_states
+from asyncckpt.errors import AsyncCkptError, FormatError
+
+__all__ = ["OVERRIDDEN", "ROOT_NAME", "AsyncCkptTrainer", "AsyncCkptTrainerMixin"]
+
+#: The Checkpointer root's folder name under ``args.output_dir``.
+ROOT_NAME = "asyncckpt"
+#: The ``transformers.Trainer`` methods the mixin overrides.
+OVERRIDDEN = (
+    "train",
+    "_save_checkpoint",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_scaler",
+    "_load_rng_state",
+    "_load_best_model",
+)
+_FORMAT_KEY = "asyncckpt_transformers"
+_FORMAT = 1
+_STATE_FILE = "trainer_state.json"
+_FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+class AsyncCkptTrainerMixin:
+    """Mix into a ``transformers.Trainer`` subclass (before it) to checkpoint asynchronously.
+
+    Args:
+        checkpointer: where versions go; default ``Checkpointer(output_dir/asyncckpt)``,
+            built on first use.
+        *args, **kwargs: those of ``Trainer``.
+
+    Example:
+        >>> class MyTrainer(AsyncCkptTrainerMixin, transformers.Trainer):  # doctest: +SKIP
+        ...     def compute_loss(self, model, inputs, **kwargs): ...
+    """
+
+    # What transformers.Trainer provides; declared for the type checker.
+    args: Any
+    state: Any
+    model: Any
+    optimizer: Any
+    lr_scheduler: Any
+    accelerator: Any
+    control: Any
+    callback_handler: Any
+    hp_search_backend: Any
+
+    def __init__(self, *args: Any, checkpointer: Checkpointer | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._ackpt = checkpointer
+        self._ackpt_loaded: tuple[int, dict[str, Any]] | None = None
+        # Saves whose checkpoint-N folder is written once they are committed.
+        self._ackpt_pending: dict[int, tuple[SaveHandle, str, str]] = {}
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The Checkpointer the trainer saves to (built on first use)."""
+        if self._ackpt is None:
+            self._ackpt = Checkpointer(os.path.join(self.args.output_dir, ROOT_NAME))
+        return self._ackpt
+
+    # -- train ------------------------------------------------------------------------
+
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint=True`` means the newest committed version.
+
+        Returns once the last checkpoint is committed (its folder written, rotation applied).
+        """
+        self._check_supported()
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._resume_folder(trial) or True
+        try:
+            output = super().train(  # type: ignore[misc]
+                resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs
+            )
+        finally:
+            self._ackpt_loaded = None
+        self._finish_saves(wait=True)
+        self._rotate(self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
+        return output
+
+    def _resume_folder(self, trial: Any) -> str | None:
+        step = self.checkpointer.latest()
+        if step is None:
+            return None
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        state = self._version(folder)
+        if state is not None and not os.path.isfile(os.path.join(folder, _STATE_FILE)):
+            _write_state_file(folder, state["trainer_state"])  # the job died before writing it
+        return folder
+
+    # -- saving -----------------------------------------------------------------------
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """One background version instead of ``save_model`` + ``torch.save`` files."""
+        self._check_supported()
+        step = self.state.global_step
+        if self.hp_search_backend is None and trial is None:
+            self.store_flos()  # type: ignore[attr-defined]
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        if self.state.best_global_step and self.args.save_strategy in ("steps", "epoch", "best"):
+            # Its folder appears once the version is committed; the version is kept.
+            best = f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            self.state.best_model_checkpoint = os.path.join(run_dir, best)
+        self._update_callback_states()
+        self._finish_saves(wait=False)
+        handle = save_with_metrics(self.checkpointer, step, self._state(), self._eval_metrics())
+        if self.checkpointer.is_writer:
+            folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+            self._ackpt_pending[step] = (handle, folder, self._state_json())
+        self._rotate(run_dir)
+
+    def _state(self) -> dict[str, Any]:
+        only_model = self.args.save_only_model
+        scaler = getattr(self.accelerator, "scaler", None)
+        return {
+            _FORMAT_KEY: _FORMAT,
+            "step": self.state.global_step,
+            "model": self.model.state_dict(),
+            "optimizer": None if only_model else self.optimizer.state_dict(),
+            "scheduler": None if only_model else self.lr_scheduler.state_dict(),
+            "scaler": None if only_model or scaler is None else scaler.state_dict(),
+            "rng": None if only_model else gathered_rng_states(),
+            "trainer_state": self._state_json(),
+        }
+
+    def _state_json(self) -> str:
+        # What TrainerState.save_to_json writes.
+        return json.dumps(dataclasses.asdict(self.state), indent=2, sort_keys=True) + "\n"
+
+    def _update_callback_states(self) -> None:
+        # As Trainer._save_checkpoint: ExportableState callbacks and TrainerControl.
+        exportable = transformers.trainer_callback.ExportableState
+        callbacks = [*self.callback_handler.callbacks, self.control]
+        for cb in [cb for cb in callbacks if isinstance(cb, exportable)]:
+            name, cb_state = cb.__class__.__name__, cb.state()
+            if isinstance(self.state.stateful_callbacks[name], list):
+                self.state.stateful_callbacks[name].append(cb_state)
+            else:
+                self.state.stateful_callbacks[name] = cb_state
+
+    def _eval_metrics(self) -> dict[str, float] | None:
+        """The numbers of this step's evaluation log entry, if it evaluated."""
+        for entry in reversed(self.state.log_history):
+            if entry.get("step") != self.state.global_step:
+                break
+            if any(str(k).startswith("eval_") for k in entry):
+                return {k: v for k, v in entry.items() if isinstance(v, (int, float))}
+        return None
+
+    def _finish_saves(self, wait: bool) -> None:
+        """Write the folders of committed saves (all of them, after waiting, if ``wait``)."""
+        if wait:
+            self.checkpointer.wait()
+        for step, (handle, folder, text) in list(self._ackpt_pending.items()):
+            if not handle.done():
+                continue
+            del self._ackpt_pending[step]
+            if not handle.failed():
+                _write_state_file(folder, text)
+
+    def _rotate(self, run_dir: str) -> None:
+        """Delete committed versions beyond ``save_total_limit``, sparing the best and newest."""
+        limit = self.args.save_total_limit
+        if limit is None or not self.checkpointer.is_writer:
+            return
+        committed = self.checkpointer.versions()
+        keep = set(committed[-limit:]) | set(committed[-1:]) | {self.state.best_global_step}
+        doomed = [s for s in committed if s not in keep]
+        if not doomed:
+            return
+        storage, root = resolve(self.checkpointer.root, None)
+        for step in doomed:
+            delete_version(storage, root, step)
+            shutil.rmtree(
+                os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"), ignore_errors=True
+            )
+
+    # -- loading ----------------------------------------------------------------------
+
+    def _version(self, checkpoint: str | None) -> dict[str, Any] | None:
+        """The committed version a ``checkpoint-N`` folder stands for, loaded once; or None."""
+        if checkpoint is None:
+            return None
+        match = _FOLDER.match(os.path.basename(os.path.normpath(checkpoint)))
+        if match is None:
+            return None
+        step = int(match.group(1))
+        if self._ackpt_loaded is not None and self._ackpt_loaded[0] == step:
+            return self._ackpt_loaded[1]
+        if step not in self.checkpointer.versions():
+            return None
+        state = self.checkpointer.load(step, map_location=self.args.device)
+        if not isinstance(state, dict) or state.get(_FORMAT_KEY) != _FORMAT:
+            raise FormatError(
+                f"{self.checkpointer.root} step {step} was not written by "
+                "asyncckpt.transformers (or by a newer one)"
+            )
+        self._ackpt_loaded = (step, state)
+        return state
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        state = self._version(resume_from_checkpoint)
+        if state is None:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+            return
+        (model if model is not None else self.model).load_state_dict(state["model"])
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        state = self._version(checkpoint)
+        if state is None:
+            super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+            return
+        if state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        state = self._version(checkpoint)
+        if state is None:
+            super()._load_scaler(checkpoint)  # type: ignore[misc]
+            return
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and state["scaler"] is not None:
+            scaler.load_state_dict(state["scaler"])
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        state = self._version(checkpoint)
+        if state is None:
+            super()._load_rng_state(checkpoint)  # type: ignore[misc]
+            return
+        rngs = state["rng"]
+        if rngs:
+            index = self.args.process_index
+            where = f"{self.checkpointer.root} step {state['step']}"
+            set_rng_states(rngs[index] if index < len(rngs) else rngs[0], where)
+
+    def _load_best_model(self) -> None:
+        self._finish_saves(wait=True)  # the best may be the save still being written
+        state = self._version(self.state.best_model_checkpoint)
+        if state is None:
+            super()._load_best_model()  # type: ignore[misc]
+            return
+        self.model.load_state_dict(state["model"])
+
+    def _check_supported(self) -> None:
+        for flag in ("is_deepspeed_enabled", "is_fsdp_enabled", "is_fsdp_xla_enabled"):
+            if getattr(self, flag, False):
+                raise AsyncCkptError(
+                    f"asyncckpt.transformers does not support {flag[3:-8]} yet; use the stock "
+                    "transformers.Trainer for it"
+                )
+
+
+class AsyncCkptTrainer(AsyncCkptTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` whose checkpoints are written in the background.
+
+    Takes what ``Trainer`` takes, plus ``checkpointer=`` (see :class:`AsyncCkptTrainerMixin`).
+    """
+
+
+def _write_state_file(folder: str, text: str) -> None:
+    """Write ``folder/trainer_state.json`` atomically (a reader never sees half a file)."""
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trainer_state.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(folder, _STATE_FILE))

@@ -1,0 +1,146 @@
+"""asyncckpt.transformers: AsyncCkptTrainer resumes exactly as the stock Trainer does."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+
+import asyncckpt  # noqa: E402
+from asyncckpt.transformers import OVERRIDDEN, ROOT_NAME, AsyncCkptTrainer  # noqa: E402
+
+
+class _StopAt(transformers.TrainerCallback):
+    """Ends training after ``step`` (an interrupted job)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+        return control
+
+
+def _data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (n, 16), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _trainer(cls: type, out: Path, stop_at: int | None = None, **args: Any) -> Any:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)  # dropout on: the RNG states matter
+    defaults: dict[str, Any] = {
+        "max_steps": 8,
+        "per_device_train_batch_size": 4,
+        "save_strategy": "steps",
+        "save_steps": 3,
+        "learning_rate": 1e-3,
+        "logging_steps": 100,
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+    }
+    training_args = transformers.TrainingArguments(output_dir=str(out), **{**defaults, **args})
+    callbacks = [] if stop_at is None else [_StopAt(stop_at)]
+    return cls(
+        model=model,
+        args=training_args,
+        train_dataset=_data(32, 1),
+        eval_dataset=_data(8, 2),
+        callbacks=callbacks,
+    )
+
+
+def _interrupted_then_resumed(cls: type, out: Path, **args: Any) -> Any:
+    _trainer(cls, out, stop_at=5, **args).train()
+    resumed = _trainer(cls, out, **args)
+    resumed.train(resume_from_checkpoint=True)
+    return resumed
+
+
+def _assert_same_training_state(a: Any, b: Any) -> None:
+    for (name, p), (_, q) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(p, q), name
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(torch.as_tensor(sa[i][k]), torch.as_tensor(sb[i][k])), (i, k)
+    assert a.lr_scheduler.state_dict() == b.lr_scheduler.state_dict()
+    assert a.state.global_step == b.state.global_step == 8
+
+
+@pytest.mark.timeout(300)
+def test_resume_equals_the_stock_trainer_resumed(tmp_path: Path) -> None:
+    stock = _interrupted_then_resumed(transformers.Trainer, tmp_path / "stock")
+    ours = _interrupted_then_resumed(AsyncCkptTrainer, tmp_path / "ours")
+    _assert_same_training_state(ours, stock)
+    # It resumed from step 3 (saved before the stop at 5), not from scratch.
+    assert ours.checkpointer.versions() == [3, 6, 8]
+
+
+@pytest.mark.timeout(300)
+def test_folders_follow_the_trainer_conventions(tmp_path: Path) -> None:
+    trainer = _trainer(AsyncCkptTrainer, tmp_path)
+    trainer.train()
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-8")
+    for step in (3, 6, 8):
+        state = json.loads((tmp_path / f"checkpoint-{step}" / "trainer_state.json").read_text())
+        assert state["global_step"] == step
+    with asyncckpt.Checkpointer(tmp_path / ROOT_NAME, read_only=True) as ckpt:
+        assert ckpt.versions() == [3, 6, 8]
+        saved = ckpt.load(8)
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(saved["model"][name], value), name
+
+
+@pytest.mark.timeout(300)
+def test_rotation_keeps_the_best_and_the_newest(tmp_path: Path) -> None:
+    trainer = _trainer(
+        AsyncCkptTrainer,
+        tmp_path,
+        save_total_limit=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        learning_rate=5e-2,  # big steps: the eval loss is not monotone
+    )
+    trainer.train()
+    best = trainer.state.best_global_step
+    versions = trainer.checkpointer.versions()
+    assert versions == sorted({best, 8}), (versions, best)
+    # load_best_model_at_end loaded the best version's weights.
+    saved = trainer.checkpointer.load(best)["model"]
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(saved[name], value), name
+
+
+@pytest.mark.parametrize("name", OVERRIDDEN)
+def test_every_overridden_method_still_exists_in_transformers(name: str) -> None:
+    """A later transformers that renames one of these would bypass the integration."""
+    stock = getattr(transformers.Trainer, name, None)
+    assert callable(stock), f"transformers.Trainer.{name} is gone"
+    ours = getattr(AsyncCkptTrainer, name)
+    assert ours is not stock
+    stock_params = list(inspect.signature(stock).parameters)
+    our_params = [
+        p.name
+        for p in inspect.signature(ours).parameters.values()
+        if p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    assert our_params == stock_params, f"Trainer.{name}{inspect.signature(stock)} changed"
