@@ -338,18 +338,30 @@ THROUGHPUT_LABELS = {
 
 
 def _bar_values(ax: Any, bars: Any, values: list[float], spec: str) -> None:
-    """Each bar's value written vertically inside its top, so neighbours never collide."""
+    """Each bar's value written vertically inside its top, so neighbours never collide; on
+    the bar's own colour, so a hatch or a target line behind it cannot hide it. A bar too
+    short to hold its label (a quick run's) gets it just above, in black on white.
+
+    Call it once the axes' limits are final: where a label fits depends on them.
+    """
+    low, high = ax.get_ylim()
     for bar, v in zip(bars, values):
+        inside = v - low >= 0.12 * (high - low)  # a 7-point label is ~7 % of the axes
         ax.annotate(
             format(v, spec),
-            (bar.get_x() + bar.get_width() / 2, v),
-            xytext=(0, -4),
+            (bar.get_x() + bar.get_width() / 2, max(v, low)),
+            xytext=(0, -4 if inside else 3),
             textcoords="offset points",
             ha="center",
-            va="top",
+            va="top" if inside else "bottom",
             rotation=90,
             fontsize=7,
-            color="white",
+            color="white" if inside else "black",
+            bbox={
+                "boxstyle": "square,pad=0.1",
+                "fc": bar.get_facecolor() if inside else "white",
+                "ec": "none",
+            },
         )
 
 
@@ -364,6 +376,7 @@ def plot(res: dict[str, Any], path: str) -> None:
         ("ZipNN", "zipnn_fraction", "#1b9e77"),
     ]
     width = 0.8 / len(series)
+    labelled: list[tuple[Any, list[float]]] = []
     for i, (label, key, color) in enumerate(series):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(names))]
         vals = [res["results"][n][key] or 0.0 for n in names]
@@ -376,30 +389,36 @@ def plot(res: dict[str, Any], path: str) -> None:
             label=label + (" (quoted)" if quoted else ""),
             hatch="//" if quoted else None,
         )
-        _bar_values(ax1, bars, vals, ".3f")
+        labelled.append((bars, vals))
     for j, n in enumerate(names):
         target = TARGETS[f"stored_fraction_{n}"][1]
         ax1.hlines(target, j - 0.45, j + 0.45, colors="k", linestyles="--", lw=1)
     ax1.plot([], [], "k--", lw=1, label="target (fp32 0.83, bf16 0.69)")
     ax1.set_xticks(range(len(names)), names)
     ax1.set_ylim(0.5, 1.0)
+    for bars, vals in labelled:
+        _bar_values(ax1, bars, vals, ".3f")
     ax1.set_ylabel("stored / raw (lower is better)")
     ax1.set_title(f"size: {res['source']['kind']}", fontsize=10)
     ax1.legend(fontsize=7, loc="upper right")
 
     keys = list(res["results"]["fp32"]["throughput_gb_s"])
     width = 0.8 / len(names)
+    labelled = []
     for i, n in enumerate(names):
         vals = [res["results"][n]["throughput_gb_s"][k] for k in keys]
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(keys))]
-        bars = ax2.bar(xs, vals, width, label=n)
-        _bar_values(ax2, bars, vals, ".2f")
+        labelled.append((ax2.bar(xs, vals, width, label=n), vals))
     target = TARGETS["compression_gb_s"][1]
     ax2.axhline(target, color="k", ls="--", lw=1, label=f"target {target} GB/s")
+    # room above the tallest bar for the legend, which sits there
+    ax2.set_ylim(0, 1.3 * max(target, *(max(v) for _, v in labelled)))
+    for bars, vals in labelled:
+        _bar_values(ax2, bars, vals, ".2f")
     ax2.set_xticks(range(len(keys)), [THROUGHPUT_LABELS.get(k, k) for k in keys], fontsize=8)
     ax2.set_ylabel("raw GB/s (higher is better)")
     ax2.set_title(f"compression speed, {res['config']['threads']} threads", fontsize=10)
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     savefig(fig, path)
 

@@ -397,10 +397,14 @@ def print_table(res: dict[str, Any]) -> None:
 
 def plot(res: dict[str, Any], path: str) -> None:
     plt = pyplot()
+    from matplotlib.patches import Patch
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [2, 1]})
-    for _mode, e in res["modes"].items():
+    colour = {}
+    for mode, e in res["modes"].items():
         steps = e["raw"]["step_s"]
         (line,) = ax1.plot(range(len(steps)), steps, lw=1, label=e["label"])
+        colour[mode] = line.get_color()
         xs = [i for i, s in enumerate(e["raw"]["saved"]) if s]
         ax1.plot(xs, [steps[i] for i in xs], "o", color=line.get_color(), ms=4)
     ax1.set_xlabel("step (all rounds of a mode, in order; dots: saving steps)")
@@ -413,27 +417,26 @@ def plot(res: dict[str, Any], path: str) -> None:
     )
     ax1.legend(fontsize=8)
     modes = [m for m in res["modes"] if m != "none"]
-    xs = range(len(modes))
     w = 0.38
-    med = [res["ratios"][f"{m}_median_x_none"] for m in modes]
-    mean = [res["ratios"][f"{m}_mean_x_none"] for m in modes]
-    for off, vals, label in ((-w / 2, med, "median step"), (w / 2, mean, "mean step")):
-        bars = ax2.bar([x + off for x in xs], vals, w, label=label)
-        for bar, v in zip(bars, vals):
-            ax2.text(
-                bar.get_x() + bar.get_width() / 2,
-                v,
-                f"{v:.2f}",
-                ha="center",
-                va="bottom",
-                fontsize=8,
-            )
+    # Each method's bars in its line's colour (the left panel's legend names it); median
+    # solid, mean hatched: the bar legend names the two statistics, never a method.
+    for x, m in enumerate(modes):
+        for off, stat, hatch in ((-w / 2, "median", None), (w / 2, "mean", "///")):
+            v = res["ratios"][f"{m}_{stat}_x_none"]
+            ax2.bar(x + off, v, w, color=colour[m], hatch=hatch, edgecolor="white")
+            ax2.text(x + off, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    statistics_legend = [
+        Patch(facecolor="grey", edgecolor="white", label="median step"),
+        Patch(facecolor="grey", edgecolor="white", hatch="///", label="mean step"),
+    ]
+    top = max(res["ratios"][f"{m}_{s}_x_none"] for m in modes for s in ("median", "mean"))
+    ax2.set_ylim(0, 1.25 * max(top, 1.0))  # room for the values and the legend
     ax2.axhline(1.0, color="grey", ls="--", lw=1)
     # the same names as the legend of the step-time panel
-    ax2.set_xticks(list(xs), [_wrap(res["modes"][m]["label"]) for m in modes])
+    ax2.set_xticks(range(len(modes)), [_wrap(res["modes"][m]["label"]) for m in modes])
     ax2.tick_params(axis="x", labelsize=8)
     ax2.set_ylabel("× no checkpointing (lower is better)")
-    ax2.legend(fontsize=8)
+    ax2.legend(handles=statistics_legend, fontsize=8, loc="upper right")
     fig.tight_layout()
     savefig(fig, path)
 

@@ -1,11 +1,13 @@
 """The documentation cannot rot: every ```python block of the guide and the README runs.
 
 Each block runs as a script of its own, in a fresh temporary working directory, in a
-subprocess with a timeout. The first line of a block may say how to run it:
+subprocess with a timeout, twice in a row in the same directory (and against the same
+bucket): a user runs an example again, a job restarts, and the second run meets what the
+first one left (a committed step, an existing file); pages in ``ONCE`` run once. The first
+line of a block may say how to run it:
 
 - ``# run: torchrun --nproc_per_node=N`` runs it under ``python -m torch.distributed.run
-  --standalone --nproc_per_node=N``, twice in the same directory, as a job and its restart
-  would be (so a training script's resume path runs too);
+  --standalone --nproc_per_node=N`` (so a training script's resume path runs too);
 - ``# run: s3`` runs it against the moto S3 server of ``tests/conftest.py``, with its
   endpoint in ``S3_ENDPOINT_URL`` and a bucket named ``my-bucket``.
 
@@ -31,6 +33,10 @@ from asyncckpt.cli import build_parser
 REPO = Path(__file__).resolve().parents[1]
 DOC_NAMES = ("guide.md", "s3.md", "lightning.md", "sharded.md")
 DOCS = [REPO / "docs" / name for name in DOC_NAMES] + [REPO / "README.md"]
+#: A block runs twice in the same directory: the second run is a rerun or a restart.
+RUNS = ("first run", "second run, in the same directory")
+#: Pages whose blocks run once only (their examples are not yet written to be rerun).
+ONCE = {"s3.md"}
 _FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
@@ -80,21 +86,24 @@ def test_python_block_runs(
     first = code.splitlines()[0].strip()
     directive = first.removeprefix("# run:").strip() if first.startswith("# run:") else None
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(script)]
+    timeout = 180
     if directive is None:
-        _run([sys.executable, str(script)], work, env, 180, where)
+        pass
     elif directive.startswith("torchrun"):
         args = shlex.split(directive)[1:]
         assert all(a.startswith("--nproc_per_node") for a in args), f"{where}: {first}"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *args, str(script)]
-        for attempt in ("first run", "restart"):
-            _run(cmd, work, env, 300, f"{where} ({attempt})")
+        timeout = 300
     elif directive == "s3":
         server = request.getfixturevalue("s3_server")
         server.create_bucket("my-bucket")
+        # from the environment as the fixture left it (its fake AWS credentials)
         env = dict(os.environ, PYTHONPATH=str(REPO), S3_ENDPOINT_URL=server.endpoint_url)
-        _run([sys.executable, str(script)], work, env, 180, where)
     else:
         pytest.fail(f"{where}: unknown directive {first!r}")
+    for attempt in RUNS[:1] if doc.name in ONCE else RUNS:
+        _run(cmd, work, env, timeout, f"{where} ({attempt})")
 
 
 def test_the_readme_and_the_guide_have_python_blocks() -> None:

@@ -1,16 +1,19 @@
 """Packaging: one version number, a license file that matches the declared license, true
-dependency floors, exact linter pins, and the command-line entry points.
+dependency floors, exact linter pins, the command-line entry points, the project's metadata
+(authors, addresses, classifiers) and an sdist that carries what the README links to.
 
-Building and installing the wheel is ``make wheel-check`` (part of ``make test``); these
-tests read the sources only, so they are fast.
+Installing the wheel is ``make wheel-check`` (part of ``make test``); these tests read the
+sources, and one builds the sdist (a few seconds).
 """
 
 from __future__ import annotations
 
 import importlib
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -112,7 +115,7 @@ def test_the_cli_package_imports_downward_only() -> None:
     layers = [
         {"main"},
         {"ls", "inspect", "verify", "gc", "convert", "bench"},
-        {"safetensors_io", "formats"},
+        {"formats"},
         {"common"},
     ]
     rank = {name: i for i, layer in enumerate(layers) for name in layer}
@@ -120,7 +123,8 @@ def test_the_cli_package_imports_downward_only() -> None:
     assert {p.stem for p in folder.glob("*.py")} - {"__init__"} == set(rank)
     for name, level in rank.items():
         source = (folder / f"{name}.py").read_text(encoding="utf-8")
-        for imported in re.findall(r"^from \.(\w+) import|^from \. import (.+)$", source, re.M):
+        imports = r"^from asyncckpt\.cli\.(\w+) import|^from asyncckpt\.cli import (.+)$"
+        for imported in re.findall(imports, source, re.M):
             for target in filter(None, re.split(r"[,\s]+", " ".join(imported))):
                 assert rank[target] > level or target == name, (name, target)
 
@@ -135,7 +139,7 @@ def test_only_the_writer_process_channel_unpickles() -> None:
         for path in package.rglob("*.py")
         if unpickling.search(path.read_text(encoding="utf-8"))
     )
-    assert users == ["writer_process.py"]
+    assert users == ["_engine/writer_process.py"]
 
 
 def _torch_load_callers(package: Path) -> list[str]:
@@ -162,19 +166,118 @@ def test_torch_load_runs_only_where_the_docs_say() -> None:
     ``convert`` of an ``asyncckpt.dcp`` directory's bytes items, both ``weights_only=True``.
     No module of the load path calls ``torch.load`` or imports those two."""
     package = Path(asyncckpt.__file__).parent
-    assert _torch_load_callers(package) == ["cli/formats.py", "consolidate.py"]
-    for name in ("cli/formats.py", "consolidate.py"):
+    assert _torch_load_callers(package) == ["_convert/consolidate.py", "cli/formats.py"]
+    for name in ("_convert/consolidate.py", "cli/formats.py"):
         source = (package / name).read_text(encoding="utf-8")
         calls = re.findall(r"\btorch\.load\((.*?)\)\s*$", source, re.M)
         assert calls and all("weights_only=True" in c for c in calls), (name, calls)
     importers = sorted(
         str(path.relative_to(package))
         for path in package.rglob("*.py")
-        if re.search(r"^from \.+(consolidate|cli\.formats|formats) import", path.read_text(), re.M)
+        if re.search(
+            r"^from asyncckpt\.(_convert\.consolidate|cli\.formats) import", path.read_text(), re.M
+        )
     )
-    assert all(name.startswith("cli/") for name in importers), importers
+    assert importers and all(name.startswith("cli/") for name in importers), importers
     formats = (REPO / "docs" / "FORMAT.md").read_text(encoding="utf-8")
     section = formats.split("## 11. Why no pickle", 1)[1].split("\n## ", 1)[0]
     for place in ("writer process", "asyncckpt convert", "weights_only=True", "bytes items"):
         assert place in section, place
     assert "nothing read from storage is ever unpickled" not in formats
+
+
+def test_the_project_says_who_wrote_it_and_where_it_lives(project: dict[str, Any]) -> None:
+    meta = project["project"]
+    assert meta["authors"] and all(a["name"] and "@" in a["email"] for a in meta["authors"])
+    urls = meta["urls"]
+    assert set(urls) >= {"Homepage", "Documentation", "Source", "Issues", "Changelog"}
+    assert all(u.startswith(urls["Source"]) for u in urls.values()), urls
+    assert urls["Changelog"].endswith("/CHANGELOG.md") and (REPO / "CHANGELOG.md").is_file()
+    assert urls["Documentation"].endswith("/docs/guide.md")
+
+
+def test_the_classifiers_match_the_rest_of_the_metadata(project: dict[str, Any]) -> None:
+    meta = project["project"]
+    classifiers = meta["classifiers"]
+    assert len(set(classifiers)) == len(classifiers)
+    # PEP 639: the license expression replaces license classifiers (setuptools refuses both)
+    assert not [c for c in classifiers if c.startswith("License ::")]
+    assert "Typing :: Typed" in classifiers and (REPO / "asyncckpt" / "py.typed").is_file()
+    floor = re.fullmatch(r">=3\.(\d+)", meta["requires-python"])
+    assert floor, meta["requires-python"]
+    minors = [
+        int(m)
+        for c in classifiers
+        for m in re.findall(r"^Programming Language :: Python :: 3\.(\d+)$", c)
+    ]
+    assert minors and min(minors) == int(floor.group(1)), minors
+    assert sys.version_info.minor in minors  # the Python that runs these tests is listed
+
+
+def test_no_test_filesystem_is_an_entry_point(project: dict[str, Any]) -> None:
+    """faulty:// and s3mem:// are registered by importing asyncckpt.testing only: an fsspec
+    entry point would register them in every process of every user of the package."""
+    assert "fsspec.specs" not in project["project"].get("entry-points", {})
+    source = (REPO / "asyncckpt" / "testing" / "__init__.py").read_text(encoding="utf-8")
+    assert "register_implementation" in source
+
+
+def _relative_links(doc: Path) -> set[str]:
+    """Repository paths of the files ``doc`` links to (addresses and anchors dropped)."""
+    text = doc.read_text(encoding="utf-8")
+    targets = set()
+    for link in re.findall(r"\]\(([\w./:-]+)(?:#[\w-]*)?\)", text):
+        if not re.match(r"[a-z]+:", link):  # not an address
+            targets.add((doc.parent / link).resolve().relative_to(REPO).as_posix())
+    return targets
+
+
+def _copy_sources(dest: Path) -> None:
+    """The files git would commit (tracked, or new and not ignored), without build output."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.splitlines()
+    for name in listed:
+        source = REPO / name
+        if source.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest / name)
+
+
+@pytest.mark.timeout(300)
+def test_the_sdist_holds_what_the_readme_and_docs_link_to(tmp_path: Path) -> None:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    pytest.importorskip("build")
+    source, out = tmp_path / "src", tmp_path / "dist"
+    _copy_sources(source)  # a copy: the build writes asyncckpt.egg-info into its source tree
+    result = subprocess.run(
+        [sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir", str(out), "."],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (sdist,) = out.glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {m.name.split("/", 1)[1] for m in tar.getmembers() if "/" in m.name}
+        top = sdist.name.removesuffix(".tar.gz")
+        pkg_info = tar.extractfile(f"{top}/PKG-INFO").read().decode()  # type: ignore[union-attr]
+        entry_points = tar.extractfile(f"{top}/asyncckpt.egg-info/entry_points.txt")
+        entry_text = entry_points.read().decode() if entry_points else ""
+    linked = set()
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        linked |= _relative_links(doc)
+    assert "docs/guide.md" in linked and "benchmarks/results/bench_codec.png" in linked
+    assert not linked - names, sorted(linked - names)
+    assert {"CHANGELOG.md", "LICENSE", "README.md"} <= names
+    assert {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")} <= names
+    for field in ("Author-email: ", "Project-URL: Changelog, ", "Classifier: Typing :: Typed"):
+        assert field in pkg_info, field
+    assert "[console_scripts]" in entry_text and "fsspec.specs" not in entry_text
