@@ -3,7 +3,7 @@
 Each block runs as a script of its own, in a fresh temporary working directory, in a
 subprocess with a timeout, twice in a row in the same directory (and against the same
 bucket): a user runs an example again, a job restarts, and the second run meets what the
-first one left (a committed step, an existing file); pages in ``ONCE`` run once. The first
+first one left (a committed step, an existing file). The first
 line of a block may say how to run it:
 
 - ``# run: torchrun --nproc_per_node=N`` runs it under ``python -m torch.distributed.run
@@ -36,7 +36,6 @@ DOCS = [REPO / "docs" / name for name in DOC_NAMES] + [REPO / "README.md"]
 #: A block runs twice in the same directory: the second run is a rerun or a restart.
 RUNS = ("first run", "second run, in the same directory")
 #: Pages whose blocks run once only (their examples are not yet written to be rerun).
-ONCE = {"s3.md"}
 _FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
@@ -102,7 +101,7 @@ def test_python_block_runs(
         env = dict(os.environ, PYTHONPATH=str(REPO), S3_ENDPOINT_URL=server.endpoint_url)
     else:
         pytest.fail(f"{where}: unknown directive {first!r}")
-    for attempt in RUNS[:1] if doc.name in ONCE else RUNS:
+    for attempt in RUNS:
         _run(cmd, work, env, timeout, f"{where} ({attempt})")
 
 
