@@ -35,7 +35,6 @@ DOC_NAMES = ("guide.md", "s3.md", "lightning.md", "sharded.md")
 DOCS = [REPO / "docs" / name for name in DOC_NAMES] + [REPO / "README.md"]
 #: A block runs twice in the same directory: the second run is a rerun or a restart.
 RUNS = ("first run", "second run, in the same directory")
-#: Pages whose blocks run once only (their examples are not yet written to be rerun).
 _FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
