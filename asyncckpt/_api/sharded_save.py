@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import torch
 import torch.distributed as dist
@@ -51,8 +51,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from asyncckpt import _config as config
-from asyncckpt._api.dropin import SaveHandle, raise_unobserved_failure, stage, submit, write_options
 from asyncckpt._engine import writer_process
 from asyncckpt._engine.encode import WriteOptions
 from asyncckpt._engine.snapshot import Snapshot
@@ -65,6 +63,7 @@ from asyncckpt._format.index import (
     encode_metadata,
 )
 from asyncckpt._format.tree import ROOT_NAME, child_path, dtype_name, flatten, torch_dtype
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._threads import pool
 from asyncckpt._versions.protocol import (
@@ -74,7 +73,8 @@ from asyncckpt._versions.protocol import (
     metadata_file_name,
     step_dir,
 )
-from asyncckpt._versions.writing import FencedError
+from asyncckpt._versions.publish import Gathered
+from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -83,9 +83,6 @@ from asyncckpt.errors import (
     IncompleteCheckpointError,
     UnsupportedObjectError,
 )
-
-if TYPE_CHECKING:
-    from asyncckpt._api.checkpointer import Checkpointer
 
 log = logging.getLogger(__name__)
 
@@ -318,32 +315,28 @@ def marker_name(rank: int, attempt: str, suffix: str) -> str:
 # ------------------------------------------------------------------ the caller's part
 
 
-@dataclass
-class _Session:
-    """What the ranks of one Checkpointer agreed on: a token, and how many saves so far."""
-
-    token: str
-    saves: int = 0
-
-
-_sessions: weakref.WeakKeyDictionary[Checkpointer, _Session] = weakref.WeakKeyDictionary()
-
-
-def next_attempt(ckpt: Checkpointer, step: int) -> str:
-    """This save's attempt id, the same on every rank (a broadcast on the first call only).
+class Attempts:
+    """The attempt ids of one Checkpointer's sharded saves, the same on every rank.
 
     Every rank calls ``save`` the same number of times, so the counter agrees; the token
-    differs per Checkpointer, so a restarted job never reuses a name.
+    (broadcast from the writer rank on the first sharded save, the one collective of a
+    save) differs per Checkpointer, so a restarted job never reuses a name.
     """
-    session = _sessions.get(ckpt)
-    if session is None:
-        token = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8)
-        token = token.to(ckpt._collective_device())
-        dist.broadcast(token, group=ckpt._group, group_src=ckpt.writer_rank)
-        session = _sessions[ckpt] = _Session(bytes(token.cpu().tolist()).hex())
-    session.saves += 1
-    seed = f"{session.token}:{step}:{session.saves}".encode()
-    return hashlib.blake2b(seed, digest_size=16).hexdigest()
+
+    def __init__(self) -> None:
+        self.token: str | None = None
+        self.saves = 0
+
+    def next(self, step: int, group: Any, writer_rank: int, device: torch.device) -> str:
+        """This save's attempt id (a broadcast on the first call only)."""
+        if self.token is None:
+            token = torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8)
+            token = token.to(device)
+            dist.broadcast(token, group=group, group_src=writer_rank)
+            self.token = bytes(token.cpu().tolist()).hex()
+        self.saves += 1
+        seed = f"{self.token}:{step}:{self.saves}".encode()
+        return hashlib.blake2b(seed, digest_size=16).hexdigest()
 
 
 @dataclass
@@ -475,70 +468,13 @@ def pieces_of(rank_state: RankState) -> list[Piece]:
     return pieces
 
 
-def save(ckpt: Checkpointer, step: int, state: Any) -> SaveHandle:
-    """Snapshot this rank's part of ``state`` and write it as part of sharded version ``step``.
-
-    Called by ``Checkpointer.save`` on every rank when ``state`` holds DTensors; returns
-    once this rank's part is staged. The handle of a rank that is not the writer completes
-    once its file and completion marker are durable; the writer's, once the version is
-    committed.
-
-    Raises:
-        AsyncCkptError: torch.distributed is not initialized.
-        UnsupportedObjectError: the state cannot be stored (nothing was written).
-        ValueError, ConflictError: as for ``Checkpointer.save``.
-    """
-    from asyncckpt._api.checkpointer import _group_timeout  # the checkpointer imports this module
-
-    started = time.perf_counter()
-    if not ckpt._distributed:
-        raise AsyncCkptError("a state holding DTensors needs torch.distributed initialized")
-    # First, while every rank is sure to get here: a rank raising before the (first save's)
-    # broadcast would leave the others waiting in it.
-    attempt = next_attempt(ckpt, step)
-    ckpt._raise_own_failure()
-    raise_unobserved_failure()
-    options = write_options(ckpt.compression)
-    group = ckpt._group
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    part = split_state(state)
-    pieces = pieces_of(part)
-    with ckpt._lock:
-        ckpt._check_new_step(step)
-        job = RankJob(ckpt._storage, ckpt._root, step, attempt, rank, world, None, pieces, options)
-        job.beat = _Heartbeat(job.storage, job.path(BEAT), rank)
-        # From here this rank is alive to the writer, whatever delays its write (a long
-        # copy, an arena still held by its previous save): see _ProgressWatch.
-        job.beat.start()
-        try:
-            snap = job.snap = stage(part.plain, ckpt.overlap, options=options)
-        except BaseException as exc:
-            job.beat.stop()
-            job._mark_failed(exc)  # so the writer stops waiting for this rank at once
-            raise
-        ckpt._last_snapshot = snap
-        ckpt._last_step = step
-        if rank == ckpt.writer_rank:
-            timeout = _group_timeout(group)
-            work = lambda: _write_and_commit(ckpt, job, timeout)  # noqa: E731
-        else:
-            work = job.write
-        handle = submit(work, ckpt._storage.describe(job.path(".ackpt")), snap.raw_bytes, started)
-        ckpt._pending = [(s, h) for s, h in ckpt._pending if not _settled(h)]
-        ckpt._pending.append((step, handle))
-    return handle
-
-
-def _settled(handle: SaveHandle) -> bool:
-    return handle.done() and (not handle.failed() or handle.observed)
-
-
 # ------------------------------------------------------------------ every rank's write
 
 
 @dataclass
 class RankJob:
-    """One rank's background part of a sharded save."""
+    """One rank's background part of a sharded save: a
+    :class:`~asyncckpt._versions.publish.RankPart` whose writer waits for every rank."""
 
     storage: Storage
     root: str
@@ -551,35 +487,78 @@ class RankJob:
     options: WriteOptions
     #: The rank's progress marker, started by ``save`` before the copy (or by :meth:`write`).
     beat: _Heartbeat | None = None
+    #: Seconds the writer rank waits for every completion marker (the group's timeout).
+    timeout: float = 1800.0
+    settings: Settings = field(default_factory=Settings.resolve)
+
+    def start_beat(self) -> None:
+        """Start this rank's progress marker: from here it is alive to the writer rank,
+        whatever delays its write (a long copy, an arena held by its previous save)."""
+        interval = self.settings.lease_renew_ms / 1000
+        self.beat = _Heartbeat(self.storage, self.path(BEAT), self.rank, interval)
+        self.beat.start()
+
+    def copy_failed(self, exc: BaseException) -> None:
+        """The copy failed: tell the writer rank at once (a ``.failed`` marker)."""
+        if self.beat is not None:
+            self.beat.stop()
+        self._mark_failed(exc)
+
+    def refused(self) -> None:
+        """The writer lease was refused: remove the progress marker."""
+        if self.beat is not None:
+            self.beat.remove()
+
+    def gather(self, writer: RootWriter, size: int, started: float) -> Gathered:
+        """Every rank's completion marker, then the version's metadata (fenced first)."""
+        markers = await_markers(self, self.timeout, started)
+        body = metadata_bytes(markers, self.attempt, self.storage.describe(self.directory))
+        ordered = [markers[r] for r in sorted(markers)]
+        metadata = metadata_file_name(self.rank, self.attempt)
+        files = (*(m.file for m in ordered), metadata)
+        sizes = (*(m.size for m in ordered), len(body))
+        keep = tuple(marker_name(m.rank, self.attempt, DONE) for m in ordered)
+        # Right before the metadata lands: a writer that lost the lease (frozen while the
+        # ranks wrote) writes nothing more there, and removes only its attempt's files.
+        writer.fence(self.step, (*files[:-1], *keep))
+        self.storage.write_bytes(self.storage.join(self.directory, metadata), body)
+        return Gathered(files, sizes, SHARDED, keep)
 
     @property
     def directory(self) -> str:
         """The step directory."""
         return step_dir(self.storage, self.root, self.step)
 
+    @property
+    def data_path(self) -> str:
+        """This rank's data file."""
+        return self.path(".ackpt")
+
     def path(self, suffix: str, rank: int | None = None) -> str:
         """The path of a rank's data file (``".ackpt"``) or marker of this attempt."""
         name = marker_name(self.rank if rank is None else rank, self.attempt, suffix)
         return self.storage.join(self.directory, name)
 
-    def write(self) -> int:
+    def write(self, snap: Snapshot | None = None) -> int:
         """Write this rank's file, then its completion marker; return the file's size.
 
         A failure leaves a ``.failed`` marker (best effort), so the writer rank stops
         waiting for this rank at once.
         """
         if self.beat is None:
-            self.beat = _Heartbeat(self.storage, self.path(BEAT), self.rank)
-            self.beat.start()
-        snap = self.snap
+            self.start_beat()
+        assert self.beat is not None
+        snap = snap or self.snap
         assert snap is not None, "a job is written once its state is staged"
         try:
             try:
                 self.beat.wait_first()  # so the marker is there before any data
-                size = writer_process.write(snap, self.storage, self.path(".ackpt"), self.options)
+                size = writer_process.write(snap, self.storage, self.data_path, self.options)
             finally:
                 self.beat.stop()
-                snap.lease.release()
+            # Every byte was read. Not on failure: the copy may still write into the arena,
+            # which the save's job runtime frees once the copy has ended.
+            snap.lease.release()
             name = data_file_name(self.rank, self.attempt)
             marker = RankMarker(self.rank, name, size, tuple(self.pieces))
             self.storage.write_bytes(self.path(DONE), marker.encode(self.step, self.attempt))
@@ -605,8 +584,13 @@ class _Heartbeat:
     """Rewrites a rank's ``.beat`` marker every ``lease_renew_ms`` from its ``save`` call
     until its file is written, so the writer rank can tell a slow rank from a dead one."""
 
-    def __init__(self, storage: Storage, path: str, rank: int) -> None:
+    def __init__(
+        self, storage: Storage, path: str, rank: int, interval_s: float | None = None
+    ) -> None:
         self.storage, self.path, self.rank = storage, path, rank
+        if interval_s is None:  # for tools and tests; package code passes its settings'
+            interval_s = Settings.resolve().lease_renew_ms / 1000
+        self.interval_s = interval_s
         self._stop = threading.Event()
         self._first = threading.Event()
         self._thread: threading.Thread | None = None
@@ -625,7 +609,7 @@ class _Heartbeat:
         The thread is started by the ``beats`` pool: ``Thread.start`` waits until the new
         thread runs, milliseconds on a loaded machine, which ``save`` would pay.
         """
-        interval = config.tunable("lease_renew_ms", None) / 1000
+        interval = self.interval_s
 
         def run() -> None:
             beat = 0
@@ -664,41 +648,6 @@ class _Heartbeat:
 
 
 # ------------------------------------------------------------------ the writer's commit
-
-
-def _write_and_commit(ckpt: Checkpointer, job: RankJob, timeout: float) -> int:
-    """The writer rank's job: its own file, every rank's marker, metadata, ``COMMIT``."""
-    started = time.monotonic()  # the other ranks' markers are awaited from here
-    writer = ckpt._writer
-    try:
-        writer.acquire()  # first save only; before writing, since it cleans up
-    except BaseException:
-        if job.beat is not None:
-            job.beat.remove()
-        if job.snap is not None:
-            job.snap.lease.release()
-        raise  # not this root's writer: no marker
-    try:
-        size = job.write()
-        markers = await_markers(job, timeout, started)
-        body = metadata_bytes(markers, job.attempt, ckpt._storage.describe(job.directory))
-        ordered = [markers[r] for r in sorted(markers)]
-        metadata = metadata_file_name(job.rank, job.attempt)
-        files = (*(m.file for m in ordered), metadata)
-        sizes = (*(m.size for m in ordered), len(body))
-        keep = tuple(marker_name(m.rank, job.attempt, DONE) for m in ordered)
-        # Right before the metadata lands: a writer that lost the lease (frozen while the
-        # ranks wrote) writes nothing more there, and removes only its attempt's files.
-        writer.fence(job.step, (*files[:-1], *keep))
-        job.storage.write_bytes(job.storage.join(job.directory, metadata), body)
-        writer.commit(job.step, files, sizes, kind=SHARDED, keep=keep)
-    except FencedError:
-        raise  # the root is another writer's now: leave no marker in it
-    except BaseException as exc:
-        writer.mark_failed(job.step, exc)  # only if there is no COMMIT, and the lease holds
-        raise
-    writer.apply_retention(ckpt.keep_last, job.step, ckpt._agreed_step)
-    return size
 
 
 def await_markers(
@@ -748,12 +697,12 @@ class _ProgressWatch:
     def __init__(self, job: RankJob, started: float) -> None:
         self.job = job
         self.started = started
-        self.expiry_s = config.tunable("lease_expiry_ms", None) / 1000
+        self.expiry_s = job.settings.lease_expiry_ms / 1000
         self.found: dict[int, RankMarker] = {}
         self.beats: dict[int, tuple[bytes, float]] = {}
         # Progress files change every lease_renew_ms; reading all of them on every poll
         # would cost world requests per poll, so they are read once per renewal period.
-        self.beat_every_s = config.tunable("lease_renew_ms", None) / 1000
+        self.beat_every_s = job.settings.lease_renew_ms / 1000
         self.beats_read_at = -float("inf")
 
     def check(self, names: set[str]) -> list[int]:
