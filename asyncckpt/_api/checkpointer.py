@@ -13,7 +13,6 @@ import os
 import threading
 import time
 import uuid
-from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
@@ -22,6 +21,12 @@ import torch.distributed as dist
 
 from asyncckpt._api import jobs, sharded_load
 from asyncckpt._api import sharded_save as sharded
+from asyncckpt._api.collective import (
+    agree_on_step,
+    check_load_step,
+    collective_device,
+    group_timeout,
+)
 from asyncckpt._api.jobs import SaveHandle, completed_handle, stage_and_submit
 from asyncckpt._api.staging import reserve_arena, stage, write_options
 from asyncckpt._device import MapLocation, Placement
@@ -33,31 +38,16 @@ from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import SHARDED, data_file_name, read_commit, step_dir
 from asyncckpt._versions.publish import PlainPart, RankPart, write_and_commit
+from asyncckpt._versions.ranks import RankJob
 from asyncckpt._versions.reading import RootReader
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
-    CheckpointTimeoutError,
     ConflictError,
-    FormatError,
-    IncompleteCheckpointError,
-    StorageError,
 )
 
 log = logging.getLogger(__name__)
-
-#: Errors a collective load can report from the writer rank to the others, by index.
-_COLLECTIVE_ERRORS: tuple[type[AsyncCkptError], ...] = (
-    AsyncCkptError,
-    CheckpointNotFoundError,
-    StorageError,
-    FormatError,
-    ConflictError,
-    IncompleteCheckpointError,
-    CheckpointTimeoutError,
-)
-_NO_STEP = -1
 
 
 class Checkpointer:
@@ -227,11 +217,9 @@ class Checkpointer:
             return PlainPart(self._storage, path, step, options)
         group = self._group
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        timeout = _group_timeout(group) if rank == self.writer_rank else 0.0
+        timeout = group_timeout(group) if rank == self.writer_rank else 0.0
         pieces = sharded.pieces_of(plan)
-        job = sharded.RankJob(
-            self._storage, self._root, step, attempt, rank, world, None, pieces, options
-        )
+        job = RankJob(self._storage, self._root, step, attempt, rank, world, None, pieces, options)
         job.timeout, job.settings = timeout, self._settings
         job.start_beat()  # before the copy: see sharded_save._ProgressWatch
         return job
@@ -246,7 +234,7 @@ class Checkpointer:
         every device copy is queued and, per chunk, for the copies' events.
         """
         options = part.options
-        rank_job = part if isinstance(part, sharded.RankJob) else None
+        rank_job = part if isinstance(part, RankJob) else None
 
         def copy(on_layout: Any) -> Snapshot:
             try:
@@ -461,7 +449,7 @@ class Checkpointer:
             DeviceUnavailableError: ``map_location`` names a device this machine lacks.
         """
         self._check_open()
-        _check_load_step(step)
+        check_load_step(step)
         Budget(max_bytes)  # a bad value fails here, before any wait
         placement = Placement(map_location)
         use_group = self._distributed and collective is not False
@@ -471,7 +459,7 @@ class Checkpointer:
         if use_group:
             target, writer = self._agree_on_step(step)
             if timeout is None:
-                timeout = _group_timeout(self._group)
+                timeout = group_timeout(self._group)
         elif step is None and self.is_writer:
             target = self._newest_expected()  # includes this process's own pending saves
         else:
@@ -503,55 +491,18 @@ class Checkpointer:
         return max(candidates) if candidates else None
 
     def _agree_on_step(self, step: int | None) -> tuple[int | None, str]:
-        """One ``all_gather`` of (the writer's choice or error, the step each rank asked, the
-        writer's token); returns the agreed step and the writer's token.
-
-        The token tells every rank whose save of the step it waits for: a ``FAILED`` marker
-        another job left for the same step is not that save's failure.
-        """
-        choice, error = _NO_STEP, None
-        if self.is_writer:
-            try:
-                found = step if step is not None else self._newest_expected()
-                choice = _NO_STEP if found is None else found
-            except AsyncCkptError as exc:  # every rank must hear of it, or they hang
-                error = exc
-                choice = -2 - _error_index(exc)
-        asked = _NO_STEP if step is None else step
-        token = int(self._token, 16) if self.is_writer else 0  # 48 bits: fits an int64
-        mine = torch.tensor(
-            [choice, asked, token], dtype=torch.int64, device=self._collective_device()
+        """The step every rank loads and the token of its writer (one ``all_gather``)."""
+        agreed, writer = agree_on_step(
+            self._group, self.writer_rank, step, self._newest_expected, self._token, self.root
         )
-        world = dist.get_world_size(self._group)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=self._group)
-        rows = [tuple(int(v) for v in t.tolist()) for t in gathered]
-        if error is not None:
-            raise error
-        agreed, writer = rows[self.writer_rank][0], f"{rows[self.writer_rank][2]:012x}"
-        if agreed <= -2:
-            kind = _COLLECTIVE_ERRORS[min(-2 - agreed, len(_COLLECTIVE_ERRORS) - 1)]
-            raise kind(
-                f"the writer rank ({self.writer_rank}) failed to choose the step to load "
-                f"from {self.root}; its error is in its own log"
-            )
-        asked_by = sorted({row[1] for row in rows})
-        if len(asked_by) > 1:
-            shown = ", ".join("newest" if a == _NO_STEP else str(a) for a in asked_by)
-            raise ValueError(
-                f"the ranks of a collective load of {self.root} asked for different steps "
-                f"({shown}); pass the same step on every rank"
-            )
-        if agreed >= 0:
+        if agreed is not None:
             # Every rank finished the previous collective load before entering this one, so
             # only the step agreed now can still be in use by a slow rank: retention spares it.
             self._agreed_step = agreed
-        return (None if agreed < 0 else agreed), writer
+        return agreed, writer
 
     def _collective_device(self) -> torch.device:
-        if dist.get_backend(self._group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return collective_device(self._group)
 
     def _wait_committed(
         self, step: int, timeout: float | None, poll: bool, writer: str | None = None
@@ -613,44 +564,3 @@ class Checkpointer:
     def __repr__(self) -> str:
         role = "read-only" if self.read_only else f"writer_rank={self.writer_rank}"
         return f"Checkpointer({self.root!r}, {role})"
-
-
-def _error_index(exc: AsyncCkptError) -> int:
-    for i in range(len(_COLLECTIVE_ERRORS) - 1, -1, -1):
-        if isinstance(exc, _COLLECTIVE_ERRORS[i]):
-            return i
-    return 0
-
-
-def _group_timeout(group: Any) -> float:
-    """The process group's timeout in seconds (what a collective would wait at most)."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            options = pg._get_backend(torch.device(device)).options
-            timeout = getattr(options, "_timeout", None)
-        except Exception:  # the backend for that device does not exist
-            continue
-        if isinstance(timeout, timedelta):
-            return timeout.total_seconds()
-    backend = dist.get_backend(group)
-    return float(dist.distributed_c10d._get_default_timeout(backend).total_seconds())
-
-
-def _check_load_step(step: Any) -> None:
-    """Refuse a ``step`` that ``load`` cannot mean: only None (the newest) or an int >= 0.
-
-    Example:
-        >>> _check_load_step("latest")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        TypeError: step must be None (the newest) or a non-negative int, not str 'latest'...
-    """
-    accepted = "step must be None (the newest) or a non-negative int"
-    if step is not None and type(step) is not int:
-        raise TypeError(
-            f"{accepted}, not {type(step).__qualname__} {step!r}; load() or load(step=None) "
-            "loads the newest committed version"
-        )
-    if step is not None and step < 0:
-        raise ValueError(f"{accepted}, not {step}")

@@ -23,8 +23,8 @@ from asyncckpt._engine.encode import WriteOptions
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import SINGLE, read_commit
-from asyncckpt._versions.writing import FencedError, RootWriter
-from asyncckpt.errors import AsyncCkptError, ConflictError
+from asyncckpt._versions.writing import RootWriter
+from asyncckpt.errors import AsyncCkptError, ConflictError, FencedError
 
 
 @dataclass(frozen=True)
