@@ -1,21 +1,22 @@
-"""Background threads: a small daemon pool, and the process's queue of pending saves.
+"""Background threads: small daemon pools, one of them the save thread.
 
 The threads are daemons on purpose: pending saves are awaited by an ``atexit`` hook (in
-:mod:`asyncckpt._api.dropin`), and daemon threads keep running while ``atexit`` hooks do. The
-stdlib ``ThreadPoolExecutor`` refuses new work once interpreter shutdown begins, which would
-break a save that is still compressing when the main thread ends.
+:mod:`asyncckpt._api.jobs`, which tracks them), and daemon threads keep running while
+``atexit`` hooks do. The stdlib ``ThreadPoolExecutor`` refuses new work once interpreter
+shutdown begins, which would break a save that is still compressing when the main thread
+ends.
 
 The threads of a background write (the save thread and the encoders) lower their own
 scheduling priority by the ``writer_nice`` tunable when they start: on a CPU shared with
 training, the caller's threads then win the cores and the write fills the gaps.
 
 A forked child (a DataLoader worker, a ``multiprocessing`` fork) inherits none of these
-threads, but it does inherit the pools, the queue of pending saves and every lock, possibly
-held by a thread that does not exist there: its first ``load`` or ``save`` would wait for
-ever. The one place that knows what a child must drop is :func:`after_fork_in_child`: this
-module's pools and pending saves are forgotten first, then every hook that a module
-registered there runs, in registration order (the arena pool and failures of ``api``, the
-shared arenas of ``staging``, the writer process, the ``"auto"`` compression lock...).
+threads, but it does inherit the pools, the pending saves and every lock, possibly held by
+a thread that does not exist there: its first ``load`` or ``save`` would wait for ever. The
+one place that knows what a child must drop is :func:`after_fork_in_child`: this module's
+pools are forgotten first, then every hook that a module registered there runs, in
+registration order (the pending saves of ``jobs``, the arena pool of ``staging``, the
+shared arenas of the snapshot, the writer process, the ``"auto"`` compression lock...).
 What the parent owned is kept, untouched, rather than freed in the child
 (:func:`keep_from_parent`).
 """
@@ -309,27 +310,6 @@ def save_queue() -> DaemonPool:
     return pool("save", 1)
 
 
-_pending: set[Any] = set()
-
-
-def track(handle: Any) -> None:
-    """Remember a pending save so that :func:`pending` and the exit hook can see it."""
-    with _lock:
-        _pending.add(handle)
-
-
-def untrack(handle: Any) -> None:
-    """Forget a finished save."""
-    with _lock:
-        _pending.discard(handle)
-
-
-def pending() -> list[Any]:
-    """The saves of this process that have not finished, oldest first."""
-    with _lock:
-        return sorted(_pending, key=lambda h: h.sequence)
-
-
 #: What a forked child runs, in order, after forgetting this module's own state.
 _after_fork: list[Callable[[], None]] = []
 #: The parent's pools, saves and arenas, never freed in a child (see keep_from_parent).
@@ -366,12 +346,11 @@ def keep_from_parent(*objects: Any) -> None:
 
 
 def _forget_parent() -> None:
-    """In a forked child: no pool, no pending save, fresh locks; then every registered hook."""
+    """In a forked child: no pool, fresh locks; then every registered hook."""
     global _lock
     _lock = threading.Lock()
-    keep_from_parent(list(_pools.values()), list(_pending))
+    keep_from_parent(list(_pools.values()))
     _pools.clear()
-    _pending.clear()
     for reset in _after_fork:
         reset()
 

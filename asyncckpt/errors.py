@@ -29,6 +29,14 @@ class FormatError(AsyncCkptError, ValueError):
     """The bytes are not a valid asyncckpt file (bad magic, version, footer or manifest)."""
 
 
+class UnreadableRecordError(FormatError):
+    """A protocol record exists but cannot be understood (damaged, or a newer protocol).
+
+    Readers skip such a version; a writer refuses to touch a root that holds one, since it
+    cannot tell what it would destroy.
+    """
+
+
 class TruncatedFileError(FormatError):
     """The file is shorter than its own footer or manifest says it is."""
 
@@ -139,6 +147,10 @@ class IncompleteCheckpointError(AsyncCkptError):
 
 class ConflictError(AsyncCkptError):
     """Another writer already committed this step, or owns this checkpoint root."""
+
+
+class FencedError(ConflictError):
+    """Another writer took the root over; this writer may no longer commit to it."""
 
 
 class CheckpointTimeoutError(AsyncCkptError, TimeoutError):

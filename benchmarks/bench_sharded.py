@@ -7,8 +7,8 @@ Two parts, one JSON (``bench_sharded.json``) and one figure (``bench_sharded.png
   fault-injection filesystem (``faulty::memory://``), each through its *own* link: a
   :class:`~asyncckpt.testing.FaultPlan` per rank adds a per-request latency and limits
   the rank's bandwidth. The code is asyncckpt's own, called without a process group:
-  every rank runs :meth:`asyncckpt._api.sharded_save.RankJob.write` (heartbeat, atomic file write,
-  completion marker), and rank 0 runs :func:`asyncckpt._api.sharded_save._write_and_commit` on a
+  every rank runs :meth:`asyncckpt._versions.ranks.RankJob.write` (heartbeat, atomic file write,
+  completion marker), and rank 0 runs :func:`asyncckpt._versions.publish.write_and_commit` on a
   real :class:`~asyncckpt.Checkpointer` (its own file, polling for every marker, building
   ``.metadata``, the lease-fenced ``COMMIT``). Only the staging (``stage``) and the
   attempt token (normally broadcast once) are done by the script. Reported per rank
@@ -56,11 +56,12 @@ import torch
 from asyncckpt import Checkpointer
 from asyncckpt import _config as config
 from asyncckpt._api.dropin import write_options
-from asyncckpt._api.sharded_save import Piece, RankJob, _write_and_commit
 from asyncckpt._engine.snapshot import ArenaPool, snapshot
 from asyncckpt._format.tree import flatten
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import read_commit
+from asyncckpt._versions.publish import write_and_commit
+from asyncckpt._versions.ranks import Piece, RankJob
 from asyncckpt.testing import FaultPlan
 
 HERE = Path(__file__).resolve().parent
@@ -192,8 +193,8 @@ def simulate(
     for job in jobs:
         real_write = job.write
 
-        def timed_write(rank: int = job.rank, real: Any = real_write) -> int:
-            size: int = real()
+        def timed_write(snap: Any = None, rank: int = job.rank, real: Any = real_write) -> int:
+            size: int = real(snap)
             durable[rank] = time.perf_counter()  # file and completion marker written
             return size
 
@@ -204,7 +205,8 @@ def simulate(
         start.wait()
         try:
             if rank == 0:
-                _write_and_commit(ckpt, jobs[0], timeout=600.0)
+                jobs[0].timeout = 600.0
+                write_and_commit(ckpt._writer, jobs[0], jobs[0].snap, None, lambda: None)
             else:
                 jobs[rank].write()
         except BaseException as exc:  # reported below

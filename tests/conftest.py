@@ -15,10 +15,10 @@ import asyncckpt.testing  # noqa: F401  (registers the faulty:// and s3mem:// fi
 @pytest.fixture
 def arena_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A fresh host-arena pool, as in a new process; returns the sizes it allocates."""
-    from asyncckpt._api import dropin as api
+    from asyncckpt._api import staging as staging_api
     from asyncckpt._engine import snapshot as staging
 
-    monkeypatch.setattr(api, "_arenas", None)
+    monkeypatch.setattr(staging_api, "_arenas", None)
     allocated: list[int] = []
     real_allocate = staging._allocate
 

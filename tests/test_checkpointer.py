@@ -26,9 +26,9 @@ import asyncckpt
 import asyncckpt._api.checkpointer
 import asyncckpt._versions.reading
 from asyncckpt import Checkpointer
-from asyncckpt import _threads as workers
-from asyncckpt._api import dropin as api
-from asyncckpt._api.dropin import raise_unobserved_failure
+from asyncckpt._api import jobs
+from asyncckpt._api import staging as staging_api
+from asyncckpt._api.jobs import raise_unobserved_failure
 from asyncckpt._engine import snapshot as staging
 from asyncckpt._storage import TEMP_MARK, AtomicWriter, Storage, resolve
 from asyncckpt._versions.protocol import (
@@ -192,7 +192,7 @@ def _drain_saves() -> Iterator[None]:
     failure must not surface in the next test's ``save``.
     """
     yield
-    for handle in workers.pending():
+    for handle in jobs.pending():
         handle.exception(timeout=120)
     for _ in range(100):
         try:
@@ -1143,7 +1143,7 @@ def test_reserve_then_the_first_save_reuses_the_arena(
         assert thread is not None
         thread.join(30)
         assert len(allocated) == 1
-        reserved = api._arena_pool()._free[0].data_ptr()
+        reserved = staging_api.arena_pool()._free[0].data_ptr()
         assert ckpt.reserve(state) is None  # large enough already
         ckpt.save(1, state)
         assert ckpt._last_snapshot is not None
@@ -1154,10 +1154,10 @@ def test_reserve_then_the_first_save_reuses_the_arena(
 
 
 def test_reserve_only_where_save_copies(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(api, "_arenas", None)
+    monkeypatch.setattr(staging_api, "_arenas", None)
     state = _pieces(1)
     assert Checkpointer(tmp_path, writer_rank=1).reserve(state) is None  # copies nothing
-    assert api._arena_pool()._free == []
+    assert staging_api.arena_pool()._free == []
     with pytest.raises(AsyncCkptError, match="read-only"):
         Checkpointer(tmp_path, read_only=True).reserve(state)
     closed = Checkpointer(tmp_path)
@@ -1167,7 +1167,7 @@ def test_reserve_only_where_save_copies(tmp_path: Any, monkeypatch: pytest.Monke
     thread = Checkpointer(tmp_path).reserve(3 << 20)  # a size in bytes
     assert thread is not None
     thread.join(30)
-    assert api._arena_pool()._free[0].numel() >= 3 << 20
+    assert staging_api.arena_pool()._free[0].numel() >= 3 << 20
 
 
 @pytest.mark.timeout(120)
@@ -1180,7 +1180,7 @@ def test_reserve_of_a_dtensor_state_on_a_rank_that_writes_no_plain_state(
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
-    monkeypatch.setattr(api, "_arenas", None)
+    monkeypatch.setattr(staging_api, "_arenas", None)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
@@ -1190,6 +1190,6 @@ def test_reserve_of_a_dtensor_state_on_a_rank_that_writes_no_plain_state(
         thread = ckpt.reserve(state)
         assert thread is not None
         thread.join(30)
-        assert api._arena_pool()._free[0].numel() >= 4 << 20  # this rank's shard
+        assert staging_api.arena_pool()._free[0].numel() >= 4 << 20  # this rank's shard
     finally:
         dist.destroy_process_group()

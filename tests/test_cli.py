@@ -701,9 +701,7 @@ def test_each_completed_save_logs_one_info_line_with_its_stats(
         assert time.monotonic() < deadline, "no log line for the save"
         time.sleep(0.01)
     lines = [
-        r
-        for r in caplog.records
-        if r.name == "asyncckpt._api.dropin" and str(path) in r.getMessage()
+        r for r in caplog.records if r.name == "asyncckpt._api.jobs" and str(path) in r.getMessage()
     ]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     message = lines[0].getMessage()

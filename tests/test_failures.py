@@ -259,7 +259,7 @@ def test_every_unobserved_failure_is_raised_in_turn() -> None:
     import threading
     import time
 
-    from asyncckpt._api import dropin as api
+    from asyncckpt._api import jobs
 
     gate = threading.Event()
 
@@ -271,14 +271,14 @@ def test_every_unobserved_failure_is_raised_in_turn() -> None:
         return job
 
     # Both saves are queued before either fails, so neither save() call could raise.
-    first = api.submit(failing("first"), "one", 0, time.perf_counter())
-    second = api.submit(failing("second"), "two", 0, time.perf_counter())
+    first = jobs.submit(failing("first"), "one", 0, time.perf_counter())
+    second = jobs.submit(failing("second"), "two", 0, time.perf_counter())
     gate.set()
     concurrent.futures.wait([first._future, second._future])
-    while first in api.workers.pending() or second in api.workers.pending():
+    while first in jobs.pending() or second in jobs.pending():
         time.sleep(0.01)  # done-callbacks record the failures
     with pytest.raises(StorageError, match="first"):
-        api.raise_unobserved_failure()
+        jobs.raise_unobserved_failure()
     with pytest.raises(StorageError, match="second"):
         asyncckpt.wait()
     asyncckpt.wait()  # each failure is raised once

@@ -81,7 +81,7 @@ def test_a_forked_child_saves_and_loads_while_the_parents_save_is_in_flight(
     done = _script(
         _PARENT
         + """
-        from asyncckpt._api import dropin as api
+        from asyncckpt._api import jobs, staging
         from asyncckpt import _threads as workers
         from asyncckpt.testing import FaultPlan
 
@@ -101,7 +101,7 @@ def test_a_forked_child_saves_and_loads_while_the_parents_save_is_in_flight(
         locked = threading.Event()
 
         def hold_locks():
-            with workers._lock, api._unobserved_lock:
+            with workers._lock, jobs._tracker.lock, staging._lock:
                 locked.set()
                 go_on.wait(120)
 

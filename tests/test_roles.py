@@ -213,12 +213,12 @@ def test_commit_failure_while_the_next_save_stages_is_raised_by_wait(
     failed, staging = threading.Event(), threading.Event()
     real_commit = ckpt._writer.commit
 
-    def commit(step: int, files: Any, sizes: Any) -> None:
+    def commit(step: int, files: Any, sizes: Any, **kinds: Any) -> None:
         if step == 2:
             staging.wait(60)
             failed.set()
             raise StorageError("injected: the commit of step 2 failed")
-        real_commit(step, files, sizes)
+        real_commit(step, files, sizes, **kinds)
 
     monkeypatch.setattr(ckpt._writer, "commit", commit)
     import asyncckpt._api.checkpointer as module

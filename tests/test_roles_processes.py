@@ -377,7 +377,7 @@ SHARDED_WRITER = (
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from asyncckpt._api import sharded_save as sharded
+from asyncckpt._versions import ranks as sharded
 root, who, signal_file, group_file = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 options = json.loads(sys.argv[5]) or None
 dist.init_process_group("gloo", init_method="file://" + group_file, rank=0, world_size=1)

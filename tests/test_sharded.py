@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncckpt import Checkpointer
-from asyncckpt._api.sharded_save import Piece, RankMarker, holds_dtensor, metadata_bytes
+from asyncckpt._api.sharded_save import holds_dtensor
 from asyncckpt._format.container import HEADER_SIZE
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import (
@@ -49,6 +49,7 @@ from asyncckpt._versions.protocol import (
     commit_from,
     read_commit,
 )
+from asyncckpt._versions.ranks import Piece, RankMarker, metadata_bytes
 from asyncckpt.errors import (
     CheckpointTimeoutError,
     ChecksumError,
@@ -337,7 +338,7 @@ def test_two_ranks_write_their_shards_in_writer_processes(tmp_path: Path) -> Non
 
 
 def _rank_killed_mid_save(rank: int, world: int, workdir: Path) -> None:
-    import asyncckpt._api.sharded_save
+    import asyncckpt._versions.ranks
 
     os.environ["ASYNCCKPT_LEASE_RENEW_MS"] = "100"
     os.environ["ASYNCCKPT_LEASE_EXPIRY_MS"] = "2000"
@@ -352,7 +353,7 @@ def _rank_killed_mid_save(rank: int, world: int, workdir: Path) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # its progress marker exists; its file not
             raise AssertionError("unreachable")
 
-        asyncckpt._api.sharded_save.writer_process.write = die  # type: ignore[assignment]
+        asyncckpt._versions.ranks.writer_process.write = die  # type: ignore[assignment]
     handle = ckpt.save(2, _state(model, optim, 2.0, rank))
     if rank == 0:
         with pytest.raises(CheckpointTimeoutError, match="rank 1 has not recorded progress"):
@@ -534,7 +535,7 @@ def test_a_damaged_version_is_not_mistaken_for_a_retired_one(four: Path, tmp_pat
 
 
 def _rank_dies_before_its_first_beat(rank: int, world: int, workdir: Path, how: str) -> None:
-    import asyncckpt._api.sharded_save
+    import asyncckpt._versions.ranks
 
     os.environ["ASYNCCKPT_LEASE_RENEW_MS"] = "100"
     os.environ["ASYNCCKPT_LEASE_EXPIRY_MS"] = "2000"
@@ -551,7 +552,7 @@ def _rank_dies_before_its_first_beat(rank: int, world: int, workdir: Path, how: 
         def die(*args: Any, **kwargs: Any) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # in save(), before any marker
 
-        asyncckpt._api.sharded_save._Heartbeat.start = die  # type: ignore[method-assign]
+        asyncckpt._versions.ranks._Heartbeat.start = die  # type: ignore[method-assign]
     handle = ckpt.save(2, state)
     if rank == 0:
         # Well before the group's timeout (120 s): lease_expiry_ms after the writer started.
@@ -581,8 +582,8 @@ def test_a_rank_dead_before_its_first_marker_fails_the_save_after_lease_expiry(
 
 def _writer_job(tmp_path: Path, world: int) -> Any:
     """The writer rank's (rank 0's) job of step 5, its own completion marker written."""
-    from asyncckpt._api.sharded_save import DONE, RankJob
     from asyncckpt._storage import resolve
+    from asyncckpt._versions.ranks import DONE, RankJob
 
     storage, root = resolve(str(tmp_path), None)
     job = RankJob(storage, root, 5, _ATTEMPT, 0, world, None, [], None)  # type: ignore[arg-type]
@@ -592,8 +593,8 @@ def _writer_job(tmp_path: Path, world: int) -> Any:
 
 
 def _write_done(job: Any, rank: int) -> None:
-    from asyncckpt._api.sharded_save import DONE
     from asyncckpt._versions.protocol import data_file_name
+    from asyncckpt._versions.ranks import DONE
 
     marker = RankMarker(rank, data_file_name(rank, _ATTEMPT), 0, ())
     job.storage.write_bytes(job.path(DONE, rank), marker.encode(job.step, _ATTEMPT))
@@ -602,7 +603,7 @@ def _write_done(job: Any, rank: int) -> None:
 def test_the_writer_gives_up_on_a_rank_that_never_writes_a_marker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncckpt._api.sharded_save import await_markers
+    from asyncckpt._versions.ranks import await_markers
 
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "500")
@@ -618,7 +619,7 @@ def test_a_rank_slow_to_start_is_not_declared_dead(
     import threading
     import time
 
-    from asyncckpt._api.sharded_save import _Heartbeat, await_markers
+    from asyncckpt._versions.ranks import _Heartbeat, await_markers
 
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "1500")

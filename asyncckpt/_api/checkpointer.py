@@ -13,57 +13,41 @@ import os
 import threading
 import time
 import uuid
-from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from asyncckpt._api import sharded_load
+from asyncckpt._api import jobs, sharded_load
 from asyncckpt._api import sharded_save as sharded
-from asyncckpt._api.dropin import (
-    SaveHandle,
-    completed_handle,
-    raise_unobserved_failure,
-    reserve,
-    stage,
-    stage_and_submit,
-    write_options,
+from asyncckpt._api.collective import (
+    agree_on_step,
+    check_load_step,
+    collective_device,
+    group_timeout,
 )
+from asyncckpt._api.jobs import SaveHandle, completed_handle, stage_and_submit
+from asyncckpt._api.staging import reserve_arena, stage, write_options
 from asyncckpt._device import MapLocation, Placement
-from asyncckpt._engine import overlap, writer_process
+from asyncckpt._engine import overlap
 from asyncckpt._engine.decode import Budget
-from asyncckpt._engine.encode import WriteOptions
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._format.codec import check_compression
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import SHARDED, data_file_name, read_commit, step_dir
+from asyncckpt._versions.publish import PlainPart, RankPart, write_and_commit
+from asyncckpt._versions.ranks import RankJob
 from asyncckpt._versions.reading import RootReader
-from asyncckpt._versions.writing import FencedError, RootWriter
+from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
-    CheckpointTimeoutError,
     ConflictError,
-    FormatError,
-    IncompleteCheckpointError,
-    StorageError,
 )
 
 log = logging.getLogger(__name__)
-
-#: Errors a collective load can report from the writer rank to the others, by index.
-_COLLECTIVE_ERRORS: tuple[type[AsyncCkptError], ...] = (
-    AsyncCkptError,
-    CheckpointNotFoundError,
-    StorageError,
-    FormatError,
-    ConflictError,
-    IncompleteCheckpointError,
-    CheckpointTimeoutError,
-)
-_NO_STEP = -1
 
 
 class Checkpointer:
@@ -121,6 +105,7 @@ class Checkpointer:
             raise ValueError(f"keep_last must be None or a positive int, got {keep_last!r}")
         self.compression = check_compression(compression)
         self.keep_last = keep_last
+        self._settings = Settings.resolve()
         self._storage, self._root = resolve(root, storage_options)
         self._group = process_group
         self.writer_rank = writer_rank
@@ -128,9 +113,9 @@ class Checkpointer:
         self.overlap = overlap
         self._token = uuid.uuid4().hex[:12]
         self._reader = RootReader(self._storage, self._root)
-        self._writer = RootWriter(self._storage, self._root, self._token)
+        self._writer = RootWriter(self._storage, self._root, self._token, self._settings)
         self._lock = threading.Lock()
-        self._pending: list[tuple[int, SaveHandle]] = []
+        self._attempts = sharded.Attempts()
         self._last_step: int | None = None
         self._closed = False
         self._last_snapshot: Snapshot | None = None
@@ -198,32 +183,84 @@ class Checkpointer:
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._check_world()
-        if sharded.holds_dtensor(state):
-            return sharded.save(self, step, state)
-        if not self.is_writer:
+        is_sharded = sharded.holds_dtensor(state)
+        if is_sharded and not self._distributed:
+            raise AsyncCkptError("a state holding DTensors needs torch.distributed initialized")
+        if not is_sharded and not self.is_writer:
             return completed_handle(f"{self.root} step {step} (rank {self.rank} does not write)")
         started = time.perf_counter()
-        self._raise_own_failure()
-        raise_unobserved_failure()
-        options = write_options(self.compression)
+        # First, while every rank is sure to get here: a rank raising before the (first
+        # sharded save's) broadcast would leave the others waiting in it.
+        attempt = self._next_attempt(step) if is_sharded else self._token
+        jobs.raise_unobserved_failure(self)
+        jobs.raise_unobserved_failure()
+        plan = sharded.split_state(state) if is_sharded else None
         with self._lock:
             self._check_new_step(step)
-            name = data_file_name(self.rank, self._token)
-            path = self._storage.join(step_dir(self._storage, self._root, step), name)
-            # The job starts once the arena is leased: the first save's lease and recovery,
-            # then the write, overlap the copy. With overlap=True too: the writer then waits
-            # until every device copy is queued and, per chunk, for the copies' events.
-            snap, handle = stage_and_submit(
-                lambda on_layout: stage(state, self.overlap, on_layout, options),
-                lambda snap: self._write_and_commit(step, snap, path, options),
-                self._storage.describe(path),
-                started,
+            part = self._part(step, attempt, plan)
+            snap, handle = self._stage_and_write(
+                part, state if plan is None else plan.plain, started
             )
             self._last_snapshot = snap
             self._last_step = step
-            self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
-            self._pending.append((step, handle))
         return handle
+
+    def _next_attempt(self, step: int) -> str:
+        return self._attempts.next(step, self._group, self.writer_rank, self._collective_device())
+
+    def _part(self, step: int, attempt: str, plan: sharded.RankState | None) -> RankPart:
+        """This rank's part of version ``step``: the one file, or its shards' file."""
+        options = write_options(self.compression, self._settings)
+        directory = step_dir(self._storage, self._root, step)
+        if plan is None:
+            path = self._storage.join(directory, data_file_name(self.rank, attempt))
+            return PlainPart(self._storage, path, step, options)
+        group = self._group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        timeout = group_timeout(group) if rank == self.writer_rank else 0.0
+        pieces = sharded.pieces_of(plan)
+        job = RankJob(self._storage, self._root, step, attempt, rank, world, None, pieces, options)
+        job.timeout, job.settings = timeout, self._settings
+        job.start_beat()  # before the copy: see sharded_save._ProgressWatch
+        return job
+
+    def _stage_and_write(
+        self, part: RankPart, staged: Any, started: float
+    ) -> tuple[Snapshot, SaveHandle]:
+        """Stage ``staged`` while this rank's job already writes (the pipelined save).
+
+        The job starts once the arena is leased: the first save's lease and recovery, then
+        the write, overlap the copy. With overlap=True too: the writer then waits until
+        every device copy is queued and, per chunk, for the copies' events.
+        """
+        options = part.options
+        rank_job = part if isinstance(part, RankJob) else None
+
+        def copy(on_layout: Any) -> Snapshot:
+            try:
+                return stage(staged, self.overlap, on_layout, options)
+            except BaseException as exc:
+                if rank_job is not None:
+                    rank_job.copy_failed(exc)  # so the writer stops waiting for this rank
+                raise
+
+        def job(snap: Snapshot) -> int:
+            if not self.is_writer:
+                return part.write(snap)
+            spare = lambda: self._agreed_step  # noqa: E731
+            return write_and_commit(self._writer, part, snap, self.keep_last, spare)
+
+        # A rank's part of a sharded version cannot be cancelled: the writer waits for it.
+        on_cancel = None if rank_job is not None else (lambda: None)
+        return stage_and_submit(
+            copy,
+            job,
+            self._storage.describe(part.data_path),
+            started,
+            part.step,
+            owner=self,
+            on_cancel=on_cancel,
+        )
 
     def reserve(self, state_or_nbytes: Any) -> threading.Thread | None:
         """Prepare the host memory of this process's saves, in a background thread.
@@ -259,8 +296,8 @@ class Checkpointer:
         """
         self._check_writable()
         if sharded.holds_dtensor(state_or_nbytes):
-            return reserve(sharded.split_state(state_or_nbytes).plain)
-        return reserve(state_or_nbytes) if self.is_writer else None
+            return reserve_arena(sharded.split_state(state_or_nbytes).plain, self._settings)
+        return reserve_arena(state_or_nbytes, self._settings) if self.is_writer else None
 
     def _check_writable(self) -> None:
         self._check_open()
@@ -329,56 +366,6 @@ class Checkpointer:
                 f"step saved under {self.root}"
             )
 
-    def _write_and_commit(self, step: int, snap: Snapshot, path: str, options: WriteOptions) -> int:
-        """The background job of a save: lease (first save only), write, commit, retention.
-
-        Runs while ``snap`` is still being copied; ``stage_and_submit`` frees the arena if
-        this fails.
-        """
-        writer = self._writer
-        name = path.replace("\\", "/").rsplit("/", 1)[-1]
-        # First save only; before writing, since it cleans up. If it fails, this is not the
-        # root's writer (refused, or lost a takeover race): no marker.
-        writer.acquire()
-        try:
-            size = writer_process.write(snap, self._storage, path, options)
-            snap.lease.release()  # every byte was read: the next save may copy during the commit
-            writer.commit(step, (name,), (size,))
-        except FencedError:
-            raise  # the root is another writer's now: leave no marker in it
-        except BaseException as exc:
-            if snap.copy_error() is not None:
-                self._forget_step(step)
-                raise  # save raises the copy's error, and returns no handle for this step
-            self._report_failure(step, exc)
-            raise
-        writer.apply_retention(self.keep_last, step, self._agreed_step)
-        return size
-
-    def _report_failure(self, step: int, exc: BaseException) -> None:
-        """Mark ``step`` failed for pollers (only if it has no COMMIT).
-
-        Raises:
-            ConflictError: another writer committed ``step`` while this one wrote it (its
-                commit swept our partial file): a lost race, not a storage failure.
-        """
-        if isinstance(exc, AsyncCkptError):
-            winner = read_commit(self._storage, self._root, step)
-            if winner is not None and winner.writer != self._token:
-                raise ConflictError(
-                    f"step {step} was committed under {self.root} by another writer (id "
-                    f"{winner.writer}) while this one was writing it"
-                ) from exc
-        self._writer.mark_failed(step, exc)  # names this attempt; only while the lease holds
-
-    def _forget_step(self, step: int) -> None:
-        """Remove the directory an aborted write created for ``step``, if it holds nothing.
-
-        Only if empty (a fenced writer of the same step may still have a file in it), and
-        only while this writer holds the lease.
-        """
-        self._writer.remove_empty_step(step)
-
     def wait(self, timeout: float | None = None) -> None:
         """Block until this process's pending saves are committed.
 
@@ -387,28 +374,7 @@ class Checkpointer:
             Exception: the failure of a save of this Checkpointer that nobody observed yet
                 (each failure is raised once: by its handle, or here).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            pending = list(self._pending)
-        failure: BaseException | None = None
-        for _, handle in pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            seen = handle.observed
-            exc = handle.exception(left)  # marks it observed: so it is raised here, once
-            if failure is None and exc is not None and not seen:
-                failure = exc
-        with self._lock:
-            self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
-        if failure is not None:
-            raise failure
-
-    def _raise_own_failure(self) -> None:
-        """Raise the oldest unobserved failure among this Checkpointer's saves, once."""
-        with self._lock:
-            failed = [h for _, h in self._pending if h.failed() and not h.observed]
-            self._pending = [(s, h) for s, h in self._pending if not _settled(h)]
-        if failed:
-            failed[0].result()
+        jobs.wait(self, timeout)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -483,7 +449,7 @@ class Checkpointer:
             DeviceUnavailableError: ``map_location`` names a device this machine lacks.
         """
         self._check_open()
-        _check_load_step(step)
+        check_load_step(step)
         Budget(max_bytes)  # a bad value fails here, before any wait
         placement = Placement(map_location)
         use_group = self._distributed and collective is not False
@@ -493,7 +459,7 @@ class Checkpointer:
         if use_group:
             target, writer = self._agree_on_step(step)
             if timeout is None:
-                timeout = _group_timeout(self._group)
+                timeout = group_timeout(self._group)
         elif step is None and self.is_writer:
             target = self._newest_expected()  # includes this process's own pending saves
         else:
@@ -519,62 +485,24 @@ class Checkpointer:
         return self._reader.read(target, placement, into, Budget(max_bytes))
 
     def _newest_expected(self) -> int | None:
-        with self._lock:
-            pending = [s for s, h in self._pending if not h.failed()]
+        pending = [h.target for h in jobs.tracked(self) if not h.failed() and not h.cancelled()]
         committed = self.latest()
         candidates = [s for s in [*pending, committed] if s is not None]
         return max(candidates) if candidates else None
 
     def _agree_on_step(self, step: int | None) -> tuple[int | None, str]:
-        """One ``all_gather`` of (the writer's choice or error, the step each rank asked, the
-        writer's token); returns the agreed step and the writer's token.
-
-        The token tells every rank whose save of the step it waits for: a ``FAILED`` marker
-        another job left for the same step is not that save's failure.
-        """
-        choice, error = _NO_STEP, None
-        if self.is_writer:
-            try:
-                found = step if step is not None else self._newest_expected()
-                choice = _NO_STEP if found is None else found
-            except AsyncCkptError as exc:  # every rank must hear of it, or they hang
-                error = exc
-                choice = -2 - _error_index(exc)
-        asked = _NO_STEP if step is None else step
-        token = int(self._token, 16) if self.is_writer else 0  # 48 bits: fits an int64
-        mine = torch.tensor(
-            [choice, asked, token], dtype=torch.int64, device=self._collective_device()
+        """The step every rank loads and the token of its writer (one ``all_gather``)."""
+        agreed, writer = agree_on_step(
+            self._group, self.writer_rank, step, self._newest_expected, self._token, self.root
         )
-        world = dist.get_world_size(self._group)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=self._group)
-        rows = [tuple(int(v) for v in t.tolist()) for t in gathered]
-        if error is not None:
-            raise error
-        agreed, writer = rows[self.writer_rank][0], f"{rows[self.writer_rank][2]:012x}"
-        if agreed <= -2:
-            kind = _COLLECTIVE_ERRORS[min(-2 - agreed, len(_COLLECTIVE_ERRORS) - 1)]
-            raise kind(
-                f"the writer rank ({self.writer_rank}) failed to choose the step to load "
-                f"from {self.root}; its error is in its own log"
-            )
-        asked_by = sorted({row[1] for row in rows})
-        if len(asked_by) > 1:
-            shown = ", ".join("newest" if a == _NO_STEP else str(a) for a in asked_by)
-            raise ValueError(
-                f"the ranks of a collective load of {self.root} asked for different steps "
-                f"({shown}); pass the same step on every rank"
-            )
-        if agreed >= 0:
+        if agreed is not None:
             # Every rank finished the previous collective load before entering this one, so
             # only the step agreed now can still be in use by a slow rank: retention spares it.
             self._agreed_step = agreed
-        return (None if agreed < 0 else agreed), writer
+        return agreed, writer
 
     def _collective_device(self) -> torch.device:
-        if dist.get_backend(self._group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return collective_device(self._group)
 
     def _wait_committed(
         self, step: int, timeout: float | None, poll: bool, writer: str | None = None
@@ -587,8 +515,7 @@ class Checkpointer:
         writer rank), else the current lease holder's.
         """
         if self.is_writer:
-            with self._lock:
-                mine = [h for s, h in self._pending if s == step]
+            mine = [h for h in jobs.tracked(self) if h.target == step and not h.cancelled()]
             for handle in mine:
                 handle.result(timeout)
         if poll:
@@ -637,49 +564,3 @@ class Checkpointer:
     def __repr__(self) -> str:
         role = "read-only" if self.read_only else f"writer_rank={self.writer_rank}"
         return f"Checkpointer({self.root!r}, {role})"
-
-
-def _settled(handle: SaveHandle) -> bool:
-    """Finished, and nothing left to report: succeeded, or failed and observed."""
-    return handle.done() and (not handle.failed() or handle.observed)
-
-
-def _error_index(exc: AsyncCkptError) -> int:
-    for i in range(len(_COLLECTIVE_ERRORS) - 1, -1, -1):
-        if isinstance(exc, _COLLECTIVE_ERRORS[i]):
-            return i
-    return 0
-
-
-def _group_timeout(group: Any) -> float:
-    """The process group's timeout in seconds (what a collective would wait at most)."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            options = pg._get_backend(torch.device(device)).options
-            timeout = getattr(options, "_timeout", None)
-        except Exception:  # the backend for that device does not exist
-            continue
-        if isinstance(timeout, timedelta):
-            return timeout.total_seconds()
-    backend = dist.get_backend(group)
-    return float(dist.distributed_c10d._get_default_timeout(backend).total_seconds())
-
-
-def _check_load_step(step: Any) -> None:
-    """Refuse a ``step`` that ``load`` cannot mean: only None (the newest) or an int >= 0.
-
-    Example:
-        >>> _check_load_step("latest")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        TypeError: step must be None (the newest) or a non-negative int, not str 'latest'...
-    """
-    accepted = "step must be None (the newest) or a non-negative int"
-    if step is not None and type(step) is not int:
-        raise TypeError(
-            f"{accepted}, not {type(step).__qualname__} {step!r}; load() or load(step=None) "
-            "loads the newest committed version"
-        )
-    if step is not None and step < 0:
-        raise ValueError(f"{accepted}, not {step}")

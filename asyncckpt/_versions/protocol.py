@@ -35,14 +35,15 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncckpt import _config as config
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer
+from asyncckpt._settings import Settings
 from asyncckpt._storage import TEMP_MARK, Storage, is_temp_name
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     FormatError,
     IncompleteCheckpointError,
+    UnreadableRecordError,
 )
 
 log = logging.getLogger(__name__)
@@ -70,14 +71,6 @@ _METADATA_NAME = re.compile(r"r[0-9]{5,9}-[0-9a-f]{32}\.metadata")
 # What a file name in a record must never hold: control characters (NUL included), path
 # separators, a parent-directory part, or lone surrogates (no file system can encode them).
 _BAD_NAME = re.compile(r"[\x00-\x1f\x7f-\x9f/\\\ud800-\udfff]|\.\.")
-
-
-class UnreadableRecordError(FormatError):
-    """A protocol record exists but cannot be understood (damaged, or a newer protocol).
-
-    Readers skip such a version; a writer refuses to touch a root that holds one, since it
-    cannot tell what it would destroy.
-    """
 
 
 @dataclass(frozen=True)
@@ -853,9 +846,9 @@ def temp_files(storage: Storage, directory: str) -> list[str]:
 class _LeaseWatch:
     """Notices a writer that stopped renewing its lease, on the reader's own clock."""
 
-    def __init__(self, storage: Storage, root: str) -> None:
+    def __init__(self, storage: Storage, root: str, expiry_s: float) -> None:
         self.storage, self.root = storage, root
-        self.expiry_s = config.tunable("lease_expiry_ms", None) / 1000
+        self.expiry_s = expiry_s
         self.seen: LeaseRecord | None = current_lease(storage, root)
         self.since = time.monotonic()
 
@@ -871,7 +864,13 @@ class _LeaseWatch:
 
 
 def wait_for_step(
-    storage: Storage, root: str, step: int, timeout: float | None, writer: str | None = None
+    storage: Storage,
+    root: str,
+    step: int,
+    timeout: float | None,
+    writer: str | None = None,
+    *,
+    expiry_s: float | None = None,
 ) -> None:
     """Poll, with exponential backoff and jitter, until ``step`` is committed.
 
@@ -884,6 +883,8 @@ def wait_for_step(
             load knows it): only that writer's ``FAILED`` marker ends the wait. None: only
             a marker of the current lease's epoch does, so a marker an earlier job left
             never stops a wait for the current writer's save of the same step.
+        expiry_s: seconds after which a lease that has not changed is stale (the
+            ``lease_expiry_ms`` of the caller's settings; None: resolved now).
 
     Raises:
         IncompleteCheckpointError: the awaited attempt recorded that the save of ``step``
@@ -895,7 +896,9 @@ def wait_for_step(
     started = time.monotonic()
     deadline = None if timeout is None else started + timeout
     delay, next_log = 0.02, started + 60
-    watch = _LeaseWatch(storage, root)
+    if expiry_s is None:  # for tools and tests; the package passes its settings'
+        expiry_s = Settings.resolve().lease_expiry_ms / 1000
+    watch = _LeaseWatch(storage, root, expiry_s)
     while read_commit(storage, root, step) is None:
         stale = watch.stale_for()  # also brings watch.seen (the current lease) up to date
         failure = read_failure(storage, root, step)

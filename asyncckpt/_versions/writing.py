@@ -20,7 +20,7 @@ import contextlib
 import logging
 import threading
 
-from asyncckpt import _config as config
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import (
     COMMIT_FILE,
@@ -53,13 +53,9 @@ from asyncckpt._versions.protocol import (
     temp_files,
     verify_commit,
 )
-from asyncckpt.errors import AsyncCkptError, ConflictError, FormatError
+from asyncckpt.errors import AsyncCkptError, ConflictError, FencedError, FormatError
 
 log = logging.getLogger(__name__)
-
-
-class FencedError(ConflictError):
-    """Another writer took the root over; this writer may no longer commit to it."""
 
 
 class RootWriter:
@@ -69,12 +65,17 @@ class RootWriter:
         storage: the storage that holds the root.
         root: the root's path within ``storage``.
         token: this writer's unique id (also in its data file names).
+        settings: its tunables (``lease_renew_ms``); None: resolved now (for tools and
+            tests; the package passes its entry point's).
     """
 
-    def __init__(self, storage: Storage, root: str, token: str) -> None:
+    def __init__(
+        self, storage: Storage, root: str, token: str, settings: Settings | None = None
+    ) -> None:
         self.storage = storage
         self.root = root
         self.token = token
+        self.settings = settings or Settings.resolve()
         self.epoch: int | None = None
         self.published: int | None = None
         self._lock = threading.Lock()
@@ -169,7 +170,7 @@ class RootWriter:
             )
 
     def _start_heartbeat(self) -> None:
-        interval = config.tunable("lease_renew_ms", None) / 1000
+        interval = self.settings.lease_renew_ms / 1000
         assert self.epoch is not None
         epoch = self.epoch
 

@@ -1,0 +1,537 @@
+"""The background-job runtime of every save: handles, the one tracker, the exit hook.
+
+Every save (``asyncckpt.save``, ``Checkpointer.save`` on each rank) runs its background
+part as a *job* on the save thread and returns a :class:`SaveHandle`. One tracker records
+every job that has not settled (still running, or failed with nobody told), with its
+*owner*: None for the module-level API, the ``Checkpointer`` for its saves. Each failure
+is raised exactly once: by its handle (``result``/``exception``), or else by the next
+``save``/``wait`` that looks at its owner's jobs (the module-level functions look at every
+owner's), or else by the exit hook, which fails the process.
+
+Example:
+    >>> import time
+    >>> handle = submit(lambda: 3, "demo", 0, time.perf_counter())
+    >>> handle.result().stats.stored_bytes
+    3
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Final
+
+from asyncckpt import _threads as workers
+from asyncckpt._engine.snapshot import Snapshot
+from asyncckpt.errors import CheckpointTimeoutError
+
+log = logging.getLogger(__name__)
+
+#: ``owner`` of the module-level API's saves; ``ANY`` selects every owner's jobs.
+ANY: Final = object()
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """Figures for one save. Fields that need the write to finish are None until it has.
+
+    Attributes:
+        blocking_s: seconds ``save`` blocked the caller (validation + snapshot copy).
+        total_s: seconds from the call until the file was durable.
+        raw_bytes: bytes of tensor and array data in the state.
+        stored_bytes: size of the file written.
+    """
+
+    blocking_s: float
+    raw_bytes: int
+    total_s: float | None = None
+    stored_bytes: int | None = None
+
+    @property
+    def throughput(self) -> float | None:
+        """Raw bytes per second from the call until durable, once known."""
+        if not self.total_s:
+            return None
+        return self.raw_bytes / self.total_s
+
+    @property
+    def ratio(self) -> float | None:
+        """``stored_bytes / raw_bytes`` once known (lower is better)."""
+        if self.stored_bytes is None or not self.raw_bytes:
+            return None
+        return self.stored_bytes / self.raw_bytes
+
+
+@dataclass(frozen=True)
+class SaveInfo:
+    """What ``SaveHandle.result()`` returns: where the file is and how the save went."""
+
+    path: str
+    stats: SaveStats
+
+
+_sequence = itertools.count()
+
+
+class SaveHandle:
+    """A save running in the background, with the interface of a ``concurrent.futures.Future``
+    (what ``torch.distributed.checkpoint.async_save`` returns).
+
+    ``result``/``exception`` wait and report the outcome (and count as observing it: the
+    failure is then not raised again by ``wait`` or at exit); ``done``, ``running`` and
+    ``cancelled`` ask without waiting; ``add_done_callback`` calls ``fn(handle)`` once the
+    save has ended (at once if it has). ``cancel`` stops a save whose job has not started
+    yet (it waits behind an earlier save on the save thread): its file is never written,
+    its host memory is freed, ``result`` raises ``CancelledError`` and nothing is reported
+    as a failure. It returns False once the job runs or has ended, and for a save other
+    processes wait for (a rank's part of a sharded version).
+
+    Example:
+        >>> import torch, asyncckpt, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.ackpt")
+        >>> handle = asyncckpt.save({"w": torch.ones(2)}, path)
+        >>> handle.result().stats.raw_bytes
+        8
+        >>> handle.done(), handle.cancel()
+        (True, False)
+    """
+
+    def __init__(
+        self,
+        path: str,
+        future: Future[int],
+        stats: SaveStats,
+        started: float,
+        owner: Any = None,
+        target: Any = None,
+    ) -> None:
+        self.path = path
+        self.sequence = next(_sequence)
+        self.owner = owner
+        #: What the save writes (a file, a Checkpointer's step): loads of it wait for it.
+        self.target = target
+        self._future = future
+        self._stats = stats
+        self._started = started
+        self._observed = False
+        self._gate = threading.Lock()
+        self._state = "queued"  # "running" once the job starts, "cancelled"
+        self._on_cancel: Callable[[], None] | None = None
+
+    @property
+    def stats(self) -> SaveStats:
+        """Blocking time and raw size now; total time and stored size once done."""
+        return self._stats
+
+    @property
+    def observed(self) -> bool:
+        """Whether someone has seen the outcome through ``result``/``exception``."""
+        return self._observed
+
+    def done(self) -> bool:
+        """Whether the save has ended: written, failed or cancelled."""
+        return self._future.done()
+
+    def running(self) -> bool:
+        """Whether the save's job is running now."""
+        return self._state == "running" and not self._future.done()
+
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` stopped the save before its job started."""
+        return self._state == "cancelled"
+
+    def failed(self) -> bool:
+        """Whether the save has ended with an error (does not count as observing it)."""
+        return self._future.done() and not self.cancelled() and self._future.exception() is not None
+
+    def cancel(self) -> bool:
+        """Stop the save if its job has not started; see the class. Returns whether it did."""
+        with self._gate:
+            if self._state != "queued" or self._on_cancel is None or self._future.done():
+                return self._state == "cancelled"
+            self._state = "cancelled"
+            on_cancel = self._on_cancel
+        self._observed = True
+        on_cancel()
+        return True
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
+        """Call ``fn(self)`` once the save has ended (from the save thread, or at once)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+    def result(self, timeout: float | None = None) -> SaveInfo:
+        """Wait until the file is durable.
+
+        Args:
+            timeout: seconds to wait at most; None waits for ever.
+
+        Returns:
+            The file's path and the save's stats.
+
+        Raises:
+            CheckpointTimeoutError: still running after ``timeout`` (the save goes on).
+            CancelledError: the save was cancelled.
+            Exception: whatever made the background write fail (e.g. StorageError).
+        """
+        exc = self.exception(timeout)
+        if exc is not None:
+            raise exc
+        return SaveInfo(self.path, self._stats)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait like :meth:`result`, but return the failure instead of raising it.
+
+        Raises:
+            CheckpointTimeoutError: still running after ``timeout``.
+            CancelledError: the save was cancelled.
+        """
+        try:
+            exc = self._future.exception(timeout)
+        except FutureTimeout:
+            raise CheckpointTimeoutError(
+                f"save to {self.path} still running after {timeout} s"
+            ) from None
+        self._observed = True
+        if self.cancelled():
+            raise CancelledError(f"the save to {self.path} was cancelled")
+        return exc
+
+    def _start(self) -> bool:
+        """Called by the job as it starts: False if it was cancelled (it must not run)."""
+        with self._gate:
+            if self._state == "cancelled":
+                return False
+            self._state = "running"
+            return True
+
+    def _finish(self, future: Future[int]) -> None:
+        exc = future.exception()
+        if self.cancelled():
+            log.info("save to %s cancelled", self.path)
+        elif exc is None:
+            total = time.perf_counter() - self._started
+            stats = SaveStats(self._stats.blocking_s, self._stats.raw_bytes, total, future.result())
+            self._stats = stats
+            log.info(
+                "saved %s: blocked %.3f s, durable after %.3f s, %d bytes raw, %d stored "
+                "(%.1f%%), %.1f MB/s",
+                self.path,
+                stats.blocking_s,
+                total,
+                stats.raw_bytes,
+                future.result(),
+                100 * (stats.ratio or 0),
+                (stats.throughput or 0) / 1e6,
+            )
+        else:
+            log.error("background save to %s failed: %s", self.path, exc)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<SaveHandle {self.path} {state}>"
+
+
+# ------------------------------------------------------------------ the tracker
+
+
+class _Tracker:
+    """Every job not settled yet: running, or failed and not observed. One per process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.jobs: list[SaveHandle] = []
+
+    def add(self, handle: SaveHandle) -> None:
+        with self.lock:
+            self.jobs = [h for h in self.jobs if h.owner is not handle.owner or not _settled(h)]
+            self.jobs.append(handle)
+
+    def of(self, owner: Any) -> list[SaveHandle]:
+        """``owner``'s jobs (every owner's for :data:`ANY`) not settled, oldest first."""
+        with self.lock:
+            return [h for h in self.jobs if owner is ANY or h.owner is owner]
+
+    def forget_settled(self, owner: Any) -> None:
+        with self.lock:
+            self.jobs = [
+                h for h in self.jobs if not (owner is ANY or h.owner is owner) or not _settled(h)
+            ]
+
+    def take_failure(self, owner: Any) -> SaveHandle | None:
+        """The oldest unobserved failure of ``owner``, marked observed; None if none."""
+        with self.lock:
+            for handle in self.jobs:
+                mine = owner is ANY or handle.owner is owner
+                if mine and handle.failed() and not handle.observed:
+                    handle._observed = True
+                    return handle
+        return None
+
+
+_tracker = _Tracker()
+
+
+def _settled(handle: SaveHandle) -> bool:
+    """Ended, and nothing left to report: succeeded, cancelled, or failed and observed."""
+    return handle.done() and (not handle.failed() or handle.observed)
+
+
+@workers.after_fork_in_child
+def _forget_parent_jobs() -> None:
+    """In a forked child: none of the parent's jobs (they are the parent's to report)."""
+    global _tracker
+    workers.keep_from_parent(_tracker.jobs)
+    _tracker = _Tracker()
+
+
+def pending(owner: Any = ANY) -> list[SaveHandle]:
+    """The jobs of ``owner`` (default: every owner) that have not ended, oldest first."""
+    return [h for h in _tracker.of(owner) if not h.done()]
+
+
+def tracked(owner: Any) -> list[SaveHandle]:
+    """The jobs of ``owner`` not settled yet (running, or failed and unobserved)."""
+    return _tracker.of(owner)
+
+
+def raise_unobserved_failure(owner: Any = ANY) -> None:
+    """Raise the oldest failure of ``owner``'s saves (default: any) nobody has seen.
+
+    Each failure is raised once; later ones stay queued for the next ``save``/``wait``.
+    """
+    handle = _tracker.take_failure(owner)
+    _tracker.forget_settled(owner)
+    if handle is not None:
+        exc = handle._future.exception()
+        assert exc is not None
+        raise exc
+
+
+def wait(owner: Any = ANY, timeout: float | None = None) -> None:
+    """Block until ``owner``'s pending saves have ended; raise the first failure not seen.
+
+    Raises:
+        CheckpointTimeoutError: a save is still running after ``timeout`` seconds.
+        Exception: the oldest failure among them nobody observed (then it is observed).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failure: BaseException | None = None
+    for handle in _tracker.of(owner):
+        if handle.cancelled():
+            continue
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        seen = handle.observed
+        exc = handle.exception(left)  # marks it observed: so it is raised here, once
+        if failure is None and exc is not None and not seen:
+            failure = exc
+    _tracker.forget_settled(owner)
+    if failure is not None:
+        raise failure
+
+
+def submit(
+    job: Callable[[], int],
+    label: str,
+    raw_bytes: int,
+    started: float,
+    target: Any = None,
+    *,
+    owner: Any = None,
+    on_cancel: Callable[[], None] | None = None,
+) -> SaveHandle:
+    """Run ``job`` (which returns the bytes written) on the save thread; return its handle.
+
+    Args:
+        job: the background part of a save; must release its snapshot's arena.
+        label: what the handle reports as its path.
+        raw_bytes: the state's data size, for the stats.
+        started: ``time.perf_counter()`` when the caller entered ``save``.
+        target: what the save writes, so loads of it wait for the save.
+        owner: whose save it is (None: the module-level API; a ``Checkpointer``).
+        on_cancel: undoes what the caller prepared for ``job`` (frees its arena) if the
+            handle is cancelled before ``job`` starts; None: it cannot be cancelled.
+    """
+    stats = SaveStats(time.perf_counter() - started, raw_bytes)
+    handle = SaveHandle(label, Future(), stats, started, owner, target)
+    handle._on_cancel = on_cancel
+
+    def run() -> int:
+        if not handle._start():
+            return 0  # cancelled: ``cancel`` undid what was prepared
+        return job()
+
+    handle._future = workers.save_queue().submit(run)
+    _tracker.add(handle)
+    handle._future.add_done_callback(handle._finish)
+    return handle
+
+
+def completed_handle(label: str, stats: SaveStats | None = None, stored: int = 0) -> SaveHandle:
+    """A handle for a save that has ended already (nothing to do, or written in place)."""
+    future: Future[int] = Future()
+    future.set_result(stored)
+    stats = stats or SaveStats(0.0, 0, 0.0, 0)
+    handle = SaveHandle(label, future, stats, time.perf_counter())
+    handle._observed = True  # nothing can fail later
+    return handle
+
+
+def stage_and_submit(
+    copy: Callable[[Callable[[Snapshot], None]], Snapshot],
+    job: Callable[[Snapshot], int],
+    label: str,
+    started: float,
+    target: Any = None,
+    *,
+    owner: Any = None,
+    on_cancel: Callable[[], None] | None = None,
+) -> tuple[Snapshot, SaveHandle]:
+    """Snapshot a state while its background job already runs: the pipelined save.
+
+    ``copy(on_layout)`` stages the state (``lambda on_layout: stage(obj, overlap,
+    on_layout)``); ``on_layout`` submits ``job`` as soon as the arena is leased, so the job
+    (a writer reading through ``Snapshot.wait_staged``, as ``write_snapshot`` does) follows
+    the copy chunk by chunk where there are cores for it (``pipeline_min_cpus``), and the
+    time until durable is the longer of copy and write, not their sum. This returns only
+    once the copy is complete, as ``stage`` does.
+
+    The arena is released after the job, and never before the copy has ended: a job that
+    fails early (a refused lease, a full disk) must not lend the arena to another save while
+    the copy still writes into it. The job may release it sooner once it has read every byte.
+    The handle settles only once the caller's blocking time is recorded.
+
+    Args:
+        copy: stages the state, calling its argument once the layout is known.
+        job: the background part of the save; returns the bytes written.
+        label: what the handle reports as its path.
+        started: ``time.perf_counter()`` when the caller entered its ``save``.
+        target: what the save writes, so loads of it wait for the save.
+        owner: whose save it is (see :func:`submit`).
+        on_cancel: what else to undo if the handle is cancelled before the job starts (the
+            arena is freed in any case); None: the save cannot be cancelled.
+
+    Returns:
+        The snapshot (complete) and the save's handle.
+
+    Raises:
+        Exception: whatever ``copy`` raised. If the copy failed after the job started, the
+            job's own failure (the aborted write) is swallowed: the copy's error is the one
+            the caller sees, here, once; a job that writes into a versioned root must leave
+            no trace of the step (see ``Snapshot.copy_error``).
+
+    Example:
+        >>> import torch, tempfile, os, time
+        >>> from asyncckpt._api.staging import stage, write_options
+        >>> from asyncckpt._engine.encode import write_snapshot
+        >>> from asyncckpt._storage import resolve
+        >>> storage, path = resolve(os.path.join(tempfile.mkdtemp(), "x.ackpt"), None)
+        >>> options = write_options("none")
+        >>> snap, handle = stage_and_submit(
+        ...     lambda on_layout: stage({"w": torch.ones(2)}, on_layout=on_layout),
+        ...     lambda snap: write_snapshot(snap, storage, path, options),
+        ...     path,
+        ...     time.perf_counter(),
+        ... )
+        >>> handle.result().stats.raw_bytes
+        8
+    """
+    handles: list[SaveHandle] = []
+    copied = threading.Event()
+
+    def release(snap: Snapshot) -> None:
+        copied.wait()  # the copy has ended, and the caller has recorded its stall
+        with contextlib.suppress(Exception):  # a failed device copy is reported elsewhere
+            snap.wait_copied()  # overlap: device copies may still land in the arena
+        snap.lease.release()
+
+    def run(snap: Snapshot) -> int:
+        try:
+            return job(snap)
+        finally:
+            release(snap)
+
+    def cancelled(snap: Snapshot) -> None:
+        if on_cancel is not None:
+            on_cancel()
+        threading.Thread(target=release, args=(snap,), daemon=True).start()
+
+    def start(snap: Snapshot) -> None:
+        undo = None if on_cancel is None else (lambda: cancelled(snap))
+        work = lambda: run(snap)  # noqa: E731
+        handles.append(
+            submit(work, label, snap.raw_bytes, started, target, owner=owner, on_cancel=undo)
+        )
+
+    try:
+        snap = copy(start)
+    except BaseException:
+        copied.set()
+        for handle in handles:  # the copy failed: its error is raised here, not later
+            handle._observed = True
+            handle._future.exception()  # the job aborts its file and frees the arena
+        raise
+    handle = handles[0]
+    handle._stats = SaveStats(time.perf_counter() - started, snap.raw_bytes)
+    copied.set()
+    return snap, handle
+
+
+# ------------------------------------------------------------------ the exit hook
+
+#: How long the exit hook waits for worker threads to drop their last task's tensors.
+_EXIT_IDLE_WAIT_S = 10.0
+#: How long it waits for torch.distributed's own worker threads to finish theirs.
+_EXIT_TORCH_QUIET_S = 2.0
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    """Wait for pending saves; report every failure nobody observed, and fail the exit.
+
+    Before the interpreter finalizes, the library's threads and torch.distributed's native
+    worker threads are let finish what they hold (``workers.wait_idle``,
+    ``workers.wait_torch_threads_quiet``): either, dropping a tensor during finalization,
+    aborts the process.
+
+    A failed checkpoint must not look like a successful run: the failures go to stderr
+    (the library's logger has no handler by default) and the process exits with status 1.
+    ``atexit`` cannot change the exit status, so after printing, the remaining exit hooks
+    run here and the process ends with ``os._exit(1)``.
+    """
+    waiting = pending()
+    if waiting:
+        log.warning("interpreter exiting: waiting for %d pending checkpoint save(s)", len(waiting))
+    for handle in waiting:
+        handle._future.exception()  # wait, without marking it observed
+    workers.wait_idle(_EXIT_IDLE_WAIT_S)
+    workers.wait_torch_threads_quiet(_EXIT_TORCH_QUIET_S)
+    failed = [h for h in _tracker.of(ANY) if h.failed() and not h.observed]
+    if not failed:
+        return
+    for handle in failed:
+        exc = handle._future.exception()
+        print(
+            f"asyncckpt: background save to {handle.path} failed: {type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+    print(
+        f"asyncckpt: {len(failed)} checkpoint save(s) failed and nobody called result() "
+        "on them; exiting with status 1",
+        file=sys.stderr,
+    )
+    atexit.unregister(_finish_at_exit)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to add
+            stream.flush()
+    os._exit(1)

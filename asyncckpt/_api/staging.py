@@ -1,0 +1,95 @@
+"""Staging a save: the tunables of its write, and its copy into a host arena.
+
+The blocking part of every save (``asyncckpt.save``, each rank's ``Checkpointer.save``)
+is :func:`stage`: validate the state and copy its data into an arena leased from the
+process's one :class:`~asyncckpt._engine.snapshot.ArenaPool`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from asyncckpt import _threads as workers
+from asyncckpt._engine import writer_process
+from asyncckpt._engine.encode import WriteOptions
+from asyncckpt._engine.snapshot import ArenaPool, Snapshot, arena_bytes, snapshot
+from asyncckpt._format.codec import check_compression
+from asyncckpt._format.tree import flatten
+from asyncckpt._settings import Settings
+
+_lock = threading.Lock()
+_arenas: ArenaPool | None = None
+
+
+def arena_pool(settings: Settings | None = None) -> ArenaPool:
+    """The process's arena pool, sized by the first caller's ``max_inflight``."""
+    global _arenas
+    with _lock:
+        if _arenas is None:
+            _arenas = ArenaPool((settings or Settings.resolve()).max_inflight)
+        return _arenas
+
+
+@workers.after_fork_in_child
+def _forget_parent_arenas() -> None:
+    """In a forked child: its own arenas (the parent's may be in memory shared with the
+    parent's writer process, or leased to a save whose thread the child lacks)."""
+    global _lock, _arenas
+    _lock = threading.Lock()
+    workers.keep_from_parent(_arenas)
+    _arenas = None
+
+
+def write_options(compression: str, settings: Settings | None = None) -> WriteOptions:
+    """The options of one save's write, from its ``settings`` (None: resolved now).
+
+    Raises:
+        ValueError: ``compression`` is not one of ``"auto"``, ``"zstd"``, ``"none"``.
+    """
+    s = settings or Settings.resolve()
+    return WriteOptions(
+        compression=check_compression(compression),
+        level=s.zstd_level,
+        chunk_bytes=s.chunk_bytes,
+        threads=s.threads,
+        inflight_chunks=s.inflight_chunks,
+        processes=s.writer_processes,
+    )
+
+
+def stage(
+    obj: Any,
+    overlap: bool = False,
+    on_layout: Callable[[Snapshot], None] | None = None,
+    options: WriteOptions | None = None,
+) -> Snapshot:
+    """Validate ``obj`` and copy its data into a host arena (the blocking part of a save).
+
+    ``on_layout`` lets a writer start before the copy ends (see ``snapshot``).
+    ``options``: those of the background write that follows; if they ask for a writer
+    process, the arena is in shared memory and the process is started (if need be).
+    Without them (a write on this thread), the arena is in shared memory all the same
+    when writer processes are on: the saves that follow reuse it instead of replacing it.
+    """
+    if options is None:
+        shared = writer_process.shares_arenas()
+    elif shared := writer_process.wanted(options):
+        writer_process.start()
+    return snapshot(flatten(obj), arena_pool(), overlap, on_layout, shared)
+
+
+def reserve_arena(state_or_nbytes: Any, settings: Settings) -> threading.Thread | None:
+    """Reserve an arena for saves of a state this big, in a background thread.
+
+    See :func:`asyncckpt.reserve`.
+    """
+    if isinstance(state_or_nbytes, int):
+        nbytes = state_or_nbytes + state_or_nbytes // 64 + (1 << 20)  # room for alignment
+    else:
+        nbytes = arena_bytes(flatten(state_or_nbytes))
+    shared = writer_process.wanted(write_options("none", settings))
+    if shared:
+        writer_process.start()  # its start-up (an interpreter importing torch) too
+    return arena_pool(settings).reserve(nbytes, shared)

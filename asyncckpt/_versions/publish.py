@@ -1,0 +1,167 @@
+"""The one commit path of a version, for a world of one rank or of many.
+
+Every version is written the same way: plan (which rank writes what) -> stage (the copy
+into host memory, pipelined with the write) -> each rank writes its file -> the writer rank
+commits once every rank's file is durable. A plain version is the case of one rank with
+nothing to wait for. What differs between the two is a :class:`RankPart`: how this rank's
+file is written, and what the writer gathers from the other ranks before the commit
+(nothing for a plain version; their completion markers and the version's index for a
+sharded one, see :mod:`asyncckpt._api.sharded_save`). The rest exists once, here: the
+writer lease, racer detection, clean-up after a failed copy, the ``FAILED`` marker,
+fencing and retention.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from asyncckpt._engine import writer_process
+from asyncckpt._engine.encode import WriteOptions
+from asyncckpt._engine.snapshot import Snapshot
+from asyncckpt._storage import Storage
+from asyncckpt._versions.protocol import SINGLE, read_commit
+from asyncckpt._versions.writing import RootWriter
+from asyncckpt.errors import AsyncCkptError, ConflictError, FencedError
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What the writer rank commits: every file of the version and what else to keep.
+
+    Attributes:
+        files: every file of the version, relative to its directory.
+        sizes: each file's size in bytes.
+        kind: the version's kind (``SINGLE`` or ``SHARDED``).
+        keep: other files of the save that the commit's sweep must leave.
+    """
+
+    files: tuple[str, ...]
+    sizes: tuple[int, ...]
+    kind: str = SINGLE
+    keep: tuple[str, ...] = ()
+
+
+class RankPart(Protocol):
+    """One rank's part of a version (see the module)."""
+
+    step: int
+    options: WriteOptions
+
+    @property
+    def data_path(self) -> str:
+        """This rank's data file."""
+
+    def write(self, snap: Snapshot) -> int:
+        """Write this rank's file (and what tells the writer it is durable); its size."""
+
+    def gather(self, writer: RootWriter, size: int, started: float) -> Gathered:
+        """On the writer rank: wait for every rank's file; what to commit.
+
+        ``started``: ``time.monotonic()`` when the writer rank's job started.
+        """
+
+    def refused(self) -> None:
+        """The writer lease was refused before anything was written: stop what runs."""
+
+
+@dataclass
+class PlainPart:
+    """A plain version: one file, written by the writer rank, nothing to wait for."""
+
+    storage: Storage
+    path: str
+    step: int
+    options: WriteOptions
+
+    @property
+    def data_path(self) -> str:
+        """The version's one file."""
+        return self.path
+
+    def write(self, snap: Snapshot) -> int:
+        """Write the file (every byte read: the next save may copy during the commit)."""
+        size = writer_process.write(snap, self.storage, self.path, self.options)
+        snap.lease.release()
+        return size
+
+    def gather(self, writer: RootWriter, size: int, started: float) -> Gathered:
+        """The one file."""
+        return Gathered((self.path.replace("\\", "/").rsplit("/", 1)[-1],), (size,))
+
+    def refused(self) -> None:
+        """Nothing runs besides the job."""
+
+
+def write_and_commit(
+    writer: RootWriter,
+    part: RankPart,
+    snap: Snapshot,
+    keep_last: int | None,
+    spare: Callable[[], int | None],
+) -> int:
+    """The writer rank's job of a save: lease (first save only), write, gather, commit,
+    retention.
+
+    Runs while ``snap`` is still being copied; the caller frees the arena if this fails.
+
+    Args:
+        writer: the root's writer (its lease is taken by the first save).
+        part: this rank's part of the version.
+        snap: the state's snapshot.
+        keep_last: retention (None keeps every version).
+        spare: the step a collective load may still read (retention spares it), asked
+            when retention runs.
+
+    Returns:
+        The size of this rank's file.
+
+    Raises:
+        FencedError: another writer took the root over (no marker is left in it).
+        ConflictError: another writer committed ``step`` while this one wrote it.
+        Exception: the write or commit failed (``step`` is then marked ``FAILED``); or the
+            copy failed (then the step's directory is removed if empty).
+    """
+    started = time.monotonic()  # the other ranks' markers are awaited from here
+    step = part.step
+    try:
+        # First save only; before writing, since it cleans up. If it fails, this is not the
+        # root's writer (refused, or lost a takeover race): no marker.
+        writer.acquire()
+    except BaseException:
+        part.refused()
+        raise
+    try:
+        size = part.write(snap)
+        gathered = part.gather(writer, size, started)
+        writer.commit(step, gathered.files, gathered.sizes, kind=gathered.kind, keep=gathered.keep)
+    except FencedError:
+        raise  # the root is another writer's now: leave no marker in it
+    except BaseException as exc:
+        if snap.copy_error() is not None:
+            # The caller raises the copy's error and returns no handle: leave no trace.
+            writer.remove_empty_step(step)
+            raise
+        _report_failure(writer, step, exc)
+        raise
+    writer.apply_retention(keep_last, step, spare())
+    return size
+
+
+def _report_failure(writer: RootWriter, step: int, exc: BaseException) -> None:
+    """Mark ``step`` failed for pollers (only if it has no COMMIT, while the lease holds).
+
+    Raises:
+        ConflictError: another writer committed ``step`` while this one wrote it (its
+            commit swept our partial files): a lost race, not a storage failure.
+    """
+    if isinstance(exc, AsyncCkptError):
+        winner = read_commit(writer.storage, writer.root, step)
+        if winner is not None and winner.writer != writer.token:
+            raise ConflictError(
+                f"step {step} was committed under {writer.storage.describe(writer.root)} by "
+                f"another writer (id {winner.writer}) while this one was writing it"
+            ) from exc
+    writer.mark_failed(step, exc)  # names this attempt
