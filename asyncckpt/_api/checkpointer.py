@@ -218,6 +218,7 @@ class Checkpointer:
                 lambda snap: self._write_and_commit(step, snap, path, options),
                 self._storage.describe(path),
                 started,
+                nice=options.settings.writer_nice,
             )
             self._last_snapshot = snap
             self._last_step = step

@@ -26,6 +26,7 @@ from asyncckpt._engine.encode import WriteOptions, write_snapshot
 from asyncckpt._engine.snapshot import ArenaPool, Snapshot, arena_bytes, snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._format.tree import flatten
+from asyncckpt._settings import Settings
 from asyncckpt._storage import AtomicWriter, ReadHandle, Storage, resolve
 from asyncckpt._storage.base import errors_as
 from asyncckpt._versions import pending
@@ -132,9 +133,10 @@ def reserve(state_or_nbytes: Any) -> threading.Thread | None:
         nbytes = state_or_nbytes + state_or_nbytes // 64 + (1 << 20)  # room for alignment
     else:
         nbytes = arena_bytes(flatten(state_or_nbytes))
-    shared = writer_process.wanted(write_options("none"))
+    options = write_options("none")
+    shared = writer_process.wanted(options)
     if shared:
-        writer_process.start()  # its start-up (an interpreter importing torch) too
+        writer_process.start(options.settings)  # its start-up (an interpreter importing torch) too
     return _arena_pool().reserve(nbytes, shared)
 
 
@@ -255,7 +257,13 @@ def raise_unobserved_failure() -> None:
 
 
 def submit(
-    job: Callable[[], int], label: str, raw_bytes: int, started: float, target: Any = None
+    job: Callable[[], int],
+    label: str,
+    raw_bytes: int,
+    started: float,
+    target: Any = None,
+    *,
+    nice: int,
 ) -> SaveHandle:
     """Run ``job`` (which returns the bytes written) on the save thread; return its handle.
 
@@ -265,9 +273,10 @@ def submit(
         raw_bytes: the state's data size, for the stats.
         started: ``time.perf_counter()`` when the caller entered ``save``.
         target: an identifier of the file written, so loads of it wait for the save.
+        nice: the save's ``writer_nice`` (for the save thread, when it starts).
     """
     stats = SaveStats(time.perf_counter() - started, raw_bytes)
-    future = workers.save_queue().submit(job)
+    future = workers.save_queue(nice).submit(job)
     handle = SaveHandle(label, future, stats, started)
     handle.target = target
     workers.track(handle)
@@ -284,16 +293,10 @@ def completed_handle(label: str) -> SaveHandle:
     return handle
 
 
-def write_options(compression: str) -> WriteOptions:
-    """Resolve the tunables for one save."""
-    return WriteOptions(
-        compression=check_compression(compression),
-        level=config.tunable("zstd_level", None),
-        chunk_bytes=config.tunable("chunk_bytes", None),
-        threads=config.tunable("threads", None),
-        inflight_chunks=config.tunable("inflight_chunks", None),
-        processes=config.tunable("writer_processes", None),
-    )
+def write_options(compression: str, settings: Settings | None = None) -> WriteOptions:
+    """The options of one save: ``compression`` checked, and its settings (None: resolved
+    now, from the environment)."""
+    return WriteOptions(check_compression(compression), settings or Settings.resolve())
 
 
 def stage(
@@ -310,11 +313,12 @@ def stage(
     Without them (a write on this thread), the arena is in shared memory all the same
     when writer processes are on: the saves that follow reuse it instead of replacing it.
     """
+    settings = Settings.resolve() if options is None else options.settings
     if options is None:
-        shared = writer_process.shares_arenas()
+        shared = writer_process.shares_arenas(settings)
     elif shared := writer_process.wanted(options):
-        writer_process.start()
-    return snapshot(flatten(obj), _arena_pool(), overlap, on_layout, shared)
+        writer_process.start(settings)
+    return snapshot(flatten(obj), _arena_pool(), overlap, on_layout, shared, settings=settings)
 
 
 def save(
@@ -396,6 +400,7 @@ def save(
         storage.describe(path),
         started,
         _target(storage, path),
+        nice=options.settings.writer_nice,
     )
     return handle
 
@@ -450,6 +455,8 @@ def stage_and_submit(
     label: str,
     started: float,
     target: Any = None,
+    *,
+    nice: int,
 ) -> tuple[Snapshot, SaveHandle]:
     """Snapshot a state while its background job already runs: the pipelined save.
 
@@ -471,6 +478,7 @@ def stage_and_submit(
         label: what the handle reports as its path.
         started: ``time.perf_counter()`` when the caller entered its ``save``.
         target: an identifier of the file written, so loads of it wait for the save.
+        nice: the save's ``writer_nice`` (see :func:`submit`).
 
     Returns:
         The snapshot (complete) and the save's handle.
@@ -491,6 +499,7 @@ def stage_and_submit(
         ...     lambda snap: write_snapshot(snap, storage, path, options),
         ...     path,
         ...     time.perf_counter(),
+        ...     nice=options.settings.writer_nice,
         ... )
         >>> handle.result().stats.raw_bytes
         8
@@ -508,7 +517,7 @@ def stage_and_submit(
             snap.lease.release()
 
     def start(snap: Snapshot) -> None:
-        handles.append(submit(lambda: run(snap), label, snap.raw_bytes, started, target))
+        handles.append(submit(lambda: run(snap), label, snap.raw_bytes, started, target, nice=nice))
 
     try:
         snap = copy(start)

@@ -523,7 +523,9 @@ def save(ckpt: Checkpointer, step: int, state: Any) -> SaveHandle:
             work = lambda: _write_and_commit(ckpt, job, timeout)  # noqa: E731
         else:
             work = job.write
-        handle = submit(work, ckpt._storage.describe(job.path(".ackpt")), snap.raw_bytes, started)
+        where = ckpt._storage.describe(job.path(".ackpt"))
+        nice = options.settings.writer_nice
+        handle = submit(work, where, snap.raw_bytes, started, nice=nice)
         ckpt._pending = [(s, h) for s, h in ckpt._pending if not _settled(h)]
         ckpt._pending.append((step, handle))
     return handle

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncckpt import _config as config
 from asyncckpt import _threads as workers
 from asyncckpt._format.container import ArrayEntry, TensorEntry
 from asyncckpt._format.tree import Flattened, dtype_name
+from asyncckpt._settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -559,6 +559,8 @@ def snapshot(
     overlap: bool = False,
     on_layout: Callable[[Snapshot], None] | None = None,
     shared: bool = False,
+    *,
+    settings: Settings,
 ) -> Snapshot:
     """Copy the data of ``flat`` into an arena from ``pool``.
 
@@ -579,13 +581,15 @@ def snapshot(
     error; the arena is released by whoever releases it on success (the writer's job).
 
     ``shared=True`` stages into shared memory, for a writer process (``writer_process``).
+    ``settings``: the save's; its ``pipeline_min_cpus`` decides whether a writer may follow
+    the copy piece by piece.
 
     Example:
         >>> from asyncckpt._format.tree import flatten
         >>> buf = bytearray(16)
         >>> state = {"a": torch.frombuffer(buf, dtype=torch.int32, count=1),
         ...          "b": torch.frombuffer(buf, dtype=torch.int32)}
-        >>> snap = snapshot(flatten(state), ArenaPool(1))
+        >>> snap = snapshot(flatten(state), ArenaPool(1), settings=Settings())
         >>> [s.data.numel() for s in snap.storages], [t.storage for t in snap.tensors]
         ([16], [0, 0])
         >>> snap.lease.release()
@@ -612,7 +616,8 @@ def snapshot(
         data = torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
         hint = (contiguous.dtype.itemsize, a.dtype.kind in "fc")
         sources.append(_Source(data.numel(), [(0, data)], *hint, "cpu"))
-    return _stage(flat.root, entries, arrays, sources, pool, overlap, on_layout, shared)
+    stream = (os.cpu_count() or 1) >= settings.pipeline_min_cpus
+    return _stage(flat.root, entries, arrays, sources, pool, overlap, on_layout, shared, stream)
 
 
 def arena_bytes(flat: Flattened) -> int:
@@ -711,6 +716,7 @@ def _stage(
     overlap: bool,
     on_layout: Callable[[Snapshot], None] | None = None,
     shared: bool = False,
+    pipeline: bool = False,
 ) -> Snapshot:
     offsets, end = [], 0
     for src in sources:
@@ -728,11 +734,7 @@ def _stage(
     # so a writer is let in once all of them are recorded (and waits on their events). On a
     # machine with few cores the writer waits for the whole copy too: encoding beside it
     # slows the copy down, which is the part the caller waits for.
-    stream = (
-        progress is not None
-        and all(src.device == "cpu" for src in sources)
-        and (os.cpu_count() or 1) >= config.tunable("pipeline_min_cpus", None)
-    )
+    stream = progress is not None and all(src.device == "cpu" for src in sources) and pipeline
     handed_out = False
     try:
         if on_layout is not None:

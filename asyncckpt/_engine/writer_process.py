@@ -28,16 +28,23 @@ The child
     beside it removed; an object store's unfinished upload is left to the root's next
     recovery), and the next save starts a new child.
 
+The child takes its tunables from the job: the :class:`~asyncckpt._settings.Settings` in
+its :class:`~asyncckpt._engine.encode.WriteOptions`, and the storage's own (resolved when
+the caller built it). It is started without the caller's ``ASYNCCKPT_*`` variables, so
+nothing there can depend on the environment of the moment it started.
+
 A write stays on this process's threads when the child could not do it: a storage whose
 files live in this process's memory (``memory://``, a caller's file object), one that cannot
 be pickled, an arena not in shared memory (pinned memory that could not be shared), or a
 platform without memfd. That is said once per reason: as a warning if the caller set
-``ASYNCCKPT_WRITER_PROCESSES``, as a debug message if it is the default.
+``writer_processes`` (an argument or ``ASYNCCKPT_WRITER_PROCESSES``), as a debug message if
+it is the default.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
@@ -53,11 +60,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncckpt import _config as config
 from asyncckpt import _threads as workers
 from asyncckpt._engine import cpu
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
 from asyncckpt._format.container import ArrayEntry, TensorEntry
+from asyncckpt._settings import ENV_PREFIX, Settings
 from asyncckpt._storage import Storage
 from asyncckpt._storage.base import TEMP_MARK, PublishGuard
 from asyncckpt.errors import WriterProcessError
@@ -96,9 +103,9 @@ sys.modules["asyncckpt"] = package
 from asyncckpt._engine.writer_process import serve
 serve(int(sys.argv[1]), int(sys.argv[3]))
 """
-#: Tunables the child must not take from the caller: it runs at its own priority already,
-#: and it writes on its own threads.
-_CHILD_FIXED_ENV = {"ASYNCCKPT_WRITER_NICE": "0", "ASYNCCKPT_WRITER_PROCESSES": "0"}
+#: Tunables the child must not take from the caller: it runs at its own priority already
+#: (its threads are not lowered again), and it writes on its own threads.
+_CHILD_FIXED: dict[str, int | None] = {"writer_nice": 0, "writer_processes": 0}
 _HEADER = struct.Struct("<QI")  # payload length, number of file descriptors
 _MAX_FDS = 16
 _EXIT_WAIT_S = 5.0  # how long to wait for a dead child's exit status
@@ -175,7 +182,6 @@ class _WriteJob:
     arrays: list[ArrayEntry]
     storages: list[_StagedRef]
     live_arenas: frozenset[int]  # the child unmaps every other arena it holds
-    environ: dict[str, str]  # the caller's ASYNCCKPT_* settings at the time of the save
     progress: bool
     guard: PublishGuard | None = None  # checked right before the file is published
 
@@ -350,8 +356,9 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _child_environ() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(_CHILD_FIXED_ENV)
+    """The caller's environment without its ``ASYNCCKPT_*`` variables: the child's
+    tunables come with each job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     here = os.path.dirname(_PACKAGE_DIR)
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     return env
@@ -369,8 +376,8 @@ def wanted(options: WriteOptions) -> bool:
     """Whether saves with ``options`` should stage into shared memory for a child to write.
 
     Example:
-        >>> from asyncckpt._api.dropin import write_options
-        >>> wanted(write_options("zstd"))
+        >>> from asyncckpt._engine.encode import WriteOptions
+        >>> wanted(WriteOptions("zstd", Settings(writer_processes=0)))
         False
     """
     from asyncckpt._engine.snapshot import shared_memory_supported
@@ -378,38 +385,42 @@ def wanted(options: WriteOptions) -> bool:
     if not options.processes:
         return False
     if not shared_memory_supported():
-        _warn_once("writer_processes=1 needs memfd (Linux); writing on threads instead")
+        _warn_once("writer_processes=1 needs memfd (Linux); writing on threads instead", options)
         return False
     return True
 
 
-def shares_arenas() -> bool:
-    """Whether arenas go in shared memory: writer processes are on (``writer_processes``)
-    and memfd exists. Saves written on threads take such an arena as well.
+def shares_arenas(settings: Settings) -> bool:
+    """Whether arenas go in shared memory: writer processes are on (``writer_processes`` of
+    ``settings``) and memfd exists. Saves written on threads take such an arena as well.
 
     Example:
-        >>> isinstance(shares_arenas(), bool)
+        >>> isinstance(shares_arenas(Settings()), bool)
         True
     """
     from asyncckpt._engine.snapshot import shared_memory_supported
 
-    return config.tunable("writer_processes", None) == 1 and shared_memory_supported()
+    return settings.writer_processes == 1 and shared_memory_supported()
 
 
-def start() -> Future[WriterProcess]:
+def start(settings: Settings) -> Future[WriterProcess]:
     """Start the writer process if none is running; return it (as a future: it may still
     be starting). A dedicated thread starts it: on Linux the child's death signal follows
     the thread that started it, which must live as long as the process.
 
+    Args:
+        settings: those of the save that needs it; the child runs their ``writer_nice``
+            below the caller's main thread.
+
     Example:
-        >>> process = start().result()
+        >>> process = start(Settings()).result()
         >>> process.pid != os.getpid()
         True
     """
     global _current
     with _lock:
         if _current is None or _broken(_current):
-            nice = config.tunable("writer_nice", None)
+            nice = settings.writer_nice
             _current = workers.pool("writer-process", 1).submit(WriterProcess, nice)
         return _current
 
@@ -504,7 +515,7 @@ def write(
     reason = _unwritable(storage) if refs is not None else "an arena not in shared memory"
     if not options.processes or reason is not None:
         if options.processes and reason is not None:
-            _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead")
+            _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead", options)
         return write_snapshot(snap, storage, path, options, progress, guard)
     assert refs is not None
     failure = snap.copy_error()
@@ -520,17 +531,17 @@ def write(
         snap.arrays,
         refs,
         frozenset(r.ident for r in shared_regions()),
-        {k: v for k, v in os.environ.items() if k.startswith("ASYNCCKPT_")},
         progress is not None,
         guard,
     )
     try:
         payload = pickle.dumps(("write", job), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        _warn_once(f"writer_processes=1: {storage!r} cannot be sent to a process ({exc})")
+        _warn_once(f"writer_processes=1: {storage!r} cannot be sent to a process ({exc})", options)
         return write_snapshot(snap, storage, path, options, progress, guard)
     try:
-        return start().result().write(payload, job, storage.describe(path), progress)
+        process = start(options.settings).result()
+        return process.write(payload, job, storage.describe(path), progress)
     except WriterProcessError:
         _remove_temp_files(storage, path)
         raise
@@ -566,15 +577,15 @@ def _unwritable(storage: Storage) -> str | None:
     return None
 
 
-def _warn_once(message: str) -> None:
+def _warn_once(message: str, options: WriteOptions) -> None:
     """Say once why a write stays on threads: a warning if the caller asked for the writer
-    process (``ASYNCCKPT_WRITER_PROCESSES`` is set), else a debug message, since falling
+    process (``writer_processes`` given, not defaulted), else a debug message, since falling
     back is then the default's documented behaviour (``memory://``, file objects)."""
     with _lock:
         if message in _warned:
             return
         _warned.add(message)
-    explicit = "ASYNCCKPT_WRITER_PROCESSES" in os.environ
+    explicit = "writer_processes" in options.settings.given
     log.log(logging.WARNING if explicit else logging.DEBUG, "%s", message)
 
 
@@ -639,7 +650,6 @@ def serve(fd: int, parent: int) -> None:
     """
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(_CHILD_FIXED_ENV)
     channel = _Channel(socket.socket(fileno=fd))
     arenas: dict[int, memoryview] = {}
     while True:
@@ -656,12 +666,13 @@ def serve(fd: int, parent: int) -> None:
 def _serve_write(job: _WriteJob, arenas: dict[int, memoryview], channel: _Channel) -> None:
     for ident in set(arenas) - job.live_arenas:
         del arenas[ident]  # the caller freed it: unmap
-    _apply_environ(job.environ)
+    settings = job.options.settings.replace(**_CHILD_FIXED)
+    options = dataclasses.replace(job.options, settings=settings)
     try:
         staged = [_staged(ref, arenas) for ref in job.storages]
         snap = _ChildSnapshot(job.root, job.tensors, job.arrays, staged)
         report = (lambda n: channel.send_message(("progress", n))) if job.progress else None
-        size = write_snapshot(snap, job.storage, job.path, job.options, report, job.guard)
+        size = write_snapshot(snap, job.storage, job.path, options, report, job.guard)
     except Exception as exc:
         channel.send_message(("failed", *_portable(exc)))
     else:
@@ -701,14 +712,6 @@ def _staged(ref: _StagedRef, arenas: dict[int, memoryview]) -> _ChildStaged:
         else arenas[ref.arena][ref.offset : ref.offset + ref.nbytes]
     )
     return _ChildStaged(data, ref.itemsize, ref.is_float, ref.device)
-
-
-def _apply_environ(environ: dict[str, str]) -> None:
-    for key in [k for k in os.environ if k.startswith("ASYNCCKPT_")]:
-        if key not in environ:
-            del os.environ[key]
-    os.environ.update(environ)
-    os.environ.update(_CHILD_FIXED_ENV)
 
 
 def _die_with(parent: int) -> None:
