@@ -136,9 +136,9 @@ def test_writeback_is_resolved_when_the_save_starts(
     opening = threading.Event()
     real_init = local._LocalWriter.__init__
 
-    def slow_open(self: local._LocalWriter, target: str) -> None:
+    def slow_open(self: local._LocalWriter, storage: local.LocalStorage, target: str) -> None:
         opening.wait(30)  # the background write opens its file only after the change below
-        real_init(self, target)
+        real_init(self, storage, target)
 
     monkeypatch.setattr(local._LocalWriter, "__init__", slow_open)
     monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "1")

@@ -30,7 +30,7 @@ import asyncckpt
 from asyncckpt import Checkpointer
 from asyncckpt import _config as config
 from asyncckpt._engine import writer_process
-from asyncckpt._engine.snapshot import shared_memory_supported, shared_regions
+from asyncckpt._engine.arena import shared_memory_supported, shared_regions
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer, decode_manifest
 from asyncckpt._settings import Settings
 from asyncckpt._storage.base import TEMP_MARK

@@ -40,12 +40,13 @@ from asyncckpt._format.codec import check_compression
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import SHARDED, data_file_name, read_commit, step_dir
 from asyncckpt._versions.reading import RootReader
-from asyncckpt._versions.writing import FencedError, RootWriter
+from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     ConflictError,
+    FencedError,
     FormatError,
     IncompleteCheckpointError,
     StorageError,

@@ -21,9 +21,10 @@ from asyncckpt import _config as config
 from asyncckpt import _threads as workers
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import writer_process
+from asyncckpt._engine.arena import ArenaPool
 from asyncckpt._engine.decode import Budget, materialize, read_file
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
-from asyncckpt._engine.snapshot import ArenaPool, Snapshot, arena_bytes, snapshot
+from asyncckpt._engine.snapshot import Snapshot, arena_bytes, snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._format.tree import flatten
 from asyncckpt._settings import Settings
@@ -393,7 +394,7 @@ def save(
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options)
-    marker = _MarkerStart(storage, path)
+    marker = _MarkerStart(storage, path, options.settings)
     _, handle = stage_and_submit(
         lambda on_layout: stage(obj, on_layout=marker.then(on_layout), options=options),
         lambda snap: marker.write(snap, options),
@@ -414,15 +415,15 @@ class _MarkerStart:
     and the file is left alone.
     """
 
-    def __init__(self, storage: Storage, path: str) -> None:
-        self.storage, self.path = storage, path
+    def __init__(self, storage: Storage, path: str, settings: Settings) -> None:
+        self.storage, self.path, self.settings = storage, path, settings
         self.check: pending.MarkerCheck | None = None
         self.failure: AsyncCkptError | None = None
 
     def then(self, on_layout: Callable[[Snapshot], None]) -> Callable[[Snapshot], None]:
         def layout(snap: Snapshot) -> None:
             try:
-                self.check = pending.begin(self.storage, self.path)
+                self.check = pending.begin(self.storage, self.path, settings=self.settings)
             except AsyncCkptError as exc:
                 self.failure = exc
             try:
@@ -828,7 +829,8 @@ def load(
     if isinstance(f, (str, os.PathLike)):
         storage, path = resolve(f, storage_options)
         _wait_for_writes_to(storage, path)
-        pending.wait_for_saves(storage, path, dead_writer)  # of other processes
+        settings = Settings.resolve()
+        pending.wait_for_saves(storage, path, dead_writer, settings=settings)  # other processes
     elif is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
         # From its position to its end, as torch.load reads.
         storage, path = StreamStorage(f), ""

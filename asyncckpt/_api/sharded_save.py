@@ -74,11 +74,11 @@ from asyncckpt._versions.protocol import (
     metadata_file_name,
     step_dir,
 )
-from asyncckpt._versions.writing import FencedError
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
+    FencedError,
     FormatError,
     IncompleteCheckpointError,
     UnsupportedObjectError,

@@ -67,7 +67,7 @@ from asyncckpt._format.container import ArrayEntry, TensorEntry
 from asyncckpt._settings import ENV_PREFIX, Settings
 from asyncckpt._storage import Storage
 from asyncckpt._storage.base import TEMP_MARK, PublishGuard
-from asyncckpt.errors import WriterProcessError
+from asyncckpt.errors import SnapshotFailedError, WriterProcessError
 
 if TYPE_CHECKING:
     from asyncckpt._engine.snapshot import Snapshot
@@ -256,7 +256,7 @@ class WriterProcess:
     def _exchange(
         self, payload: bytes, job: _WriteJob, progress: Callable[[int], None] | None
     ) -> tuple[Any, ...]:
-        from asyncckpt._engine.snapshot import shared_regions
+        from asyncckpt._engine.arena import shared_regions
 
         regions = {r.ident: r for r in shared_regions()}
         self._mapped &= set(regions)
@@ -380,7 +380,7 @@ def wanted(options: WriteOptions) -> bool:
         >>> wanted(WriteOptions("zstd", Settings(writer_processes=0)))
         False
     """
-    from asyncckpt._engine.snapshot import shared_memory_supported
+    from asyncckpt._engine.arena import shared_memory_supported
 
     if not options.processes:
         return False
@@ -398,7 +398,7 @@ def shares_arenas(settings: Settings) -> bool:
         >>> isinstance(shares_arenas(Settings()), bool)
         True
     """
-    from asyncckpt._engine.snapshot import shared_memory_supported
+    from asyncckpt._engine.arena import shared_memory_supported
 
     return settings.writer_processes == 1 and shared_memory_supported()
 
@@ -509,7 +509,7 @@ def write(
         True
         >>> snap.lease.release()
     """
-    from asyncckpt._engine.snapshot import SnapshotFailedError, shared_regions
+    from asyncckpt._engine.arena import shared_regions
 
     refs = _layout(snap) if wanted(options) else None
     reason = _unwritable(storage) if refs is not None else "an arena not in shared memory"
@@ -558,7 +558,7 @@ def _remove_temp_files(storage: Storage, path: str) -> None:
 
 def _layout(snap: Snapshot) -> list[_StagedRef] | None:
     """Where each staged storage lies in shared memory; None if one lies elsewhere."""
-    from asyncckpt._engine.snapshot import shared_region
+    from asyncckpt._engine.arena import shared_region
 
     refs = []
     for staged in snap.storages:

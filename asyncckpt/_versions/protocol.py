@@ -43,6 +43,7 @@ from asyncckpt.errors import (
     CheckpointTimeoutError,
     FormatError,
     IncompleteCheckpointError,
+    UnreadableRecordError,
 )
 
 log = logging.getLogger(__name__)
@@ -70,14 +71,6 @@ _METADATA_NAME = re.compile(r"r[0-9]{5,9}-[0-9a-f]{32}\.metadata")
 # What a file name in a record must never hold: control characters (NUL included), path
 # separators, a parent-directory part, or lone surrogates (no file system can encode them).
 _BAD_NAME = re.compile(r"[\x00-\x1f\x7f-\x9f/\\\ud800-\udfff]|\.\.")
-
-
-class UnreadableRecordError(FormatError):
-    """A protocol record exists but cannot be understood (damaged, or a newer protocol).
-
-    Readers skip such a version; a writer refuses to touch a root that holds one, since it
-    cannot tell what it would destroy.
-    """
 
 
 @dataclass(frozen=True)

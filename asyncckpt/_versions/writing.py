@@ -53,13 +53,9 @@ from asyncckpt._versions.protocol import (
     temp_files,
     verify_commit,
 )
-from asyncckpt.errors import AsyncCkptError, ConflictError, FormatError
+from asyncckpt.errors import AsyncCkptError, ConflictError, FencedError, FormatError
 
 log = logging.getLogger(__name__)
-
-
-class FencedError(ConflictError):
-    """Another writer took the root over; this writer may no longer commit to it."""
 
 
 class RootWriter:

@@ -21,7 +21,6 @@ from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
     Subparsers,
-    UsageError,
     display,
     emit,
     new_command,
@@ -31,7 +30,7 @@ from asyncckpt.cli.common import (
     threads,
 )
 from asyncckpt.cli.formats import load_torch, save_torch
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import AsyncCkptError, UsageError
 
 
 def add_parser(sub: Subparsers) -> None:

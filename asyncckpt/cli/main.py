@@ -20,14 +20,12 @@ from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
-    CommandFailed,
     Parser,
-    UsageError,
     add_common_options,
     log,
     parse_storage_options,
 )
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import AsyncCkptError, CommandFailed, UsageError
 
 #: The subcommands, in the order ``--help`` lists them.
 COMMANDS = (ls, inspect, verify, gc, convert, bench)

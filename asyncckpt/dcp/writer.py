@@ -35,8 +35,9 @@ from torch.futures import Future
 
 from asyncckpt import _config as config
 from asyncckpt._api.dropin import write_options
+from asyncckpt._engine.arena import ArenaPool
 from asyncckpt._engine.encode import write_snapshot
-from asyncckpt._engine.snapshot import ArenaPool, DeviceCopies, Snapshot, StagedStorage
+from asyncckpt._engine.snapshot import DeviceCopies, Snapshot, StagedStorage
 from asyncckpt._format.container import TensorEntry
 from asyncckpt._format.index import (
     ItemLocation,
