@@ -46,6 +46,7 @@ from asyncckpt._api import dropin as api
 from asyncckpt._device import MapLocation
 from asyncckpt._format.container import MAX_DEPTH
 from asyncckpt._format.tree import ROOT_NAME, child_path
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt.errors import FormatError, UnsupportedObjectError
 
@@ -470,7 +471,9 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         map_location: MapLocation = None,
     ) -> None:
         super().__init__()
-        api.write_options(compression)  # a bad value fails here, not at the first save
+        #: Resolved once, when the plugin is built (argument > ``ASYNCCKPT_*`` > default).
+        self.settings = Settings.resolve()
+        api.write_options(compression, self.settings)  # a bad value fails here, not later
         self.compression = compression
         self.storage_options = dict(storage_options or {})
         self.classes = tuple(classes)
@@ -567,7 +570,7 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         """
         self._wait_for(path)
         self._raise_failure()
-        storage, target = resolve(path, self._options(None))
+        storage, target = resolve(path, self._options(None), self.settings)
         storage.delete(target)
 
     def teardown(self) -> None:

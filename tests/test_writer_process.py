@@ -29,7 +29,7 @@ from fsspec.implementations.local import LocalFileSystem
 import asyncckpt
 from asyncckpt import Checkpointer
 from asyncckpt import _config as config
-from asyncckpt._engine import writer_process
+from asyncckpt._engine import writer_child, writer_process
 from asyncckpt._engine.arena import shared_memory_supported, shared_regions
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer, decode_manifest
 from asyncckpt._settings import Settings
@@ -466,7 +466,7 @@ def raised(exc: BaseException, cause: BaseException | None = None) -> BaseExcept
 
 def test_an_error_that_does_not_unpickle_comes_back_as_its_summary() -> None:
     exc = raised(TwoArgumentError("disk", "on fire"))
-    back = writer_process._rebuilt(("failed", *writer_process._portable(exc)), 42, "x.ackpt")
+    back = writer_process._rebuilt(("failed", *writer_child._portable(exc)), 42, "x.ackpt")
     assert isinstance(back, WriterProcessError)
     assert "x.ackpt" in str(back) and "TwoArgumentError: disk: on fire" in str(back)
     assert "raised in the writer process (pid 42)" in back.__notes__[0]
@@ -476,7 +476,7 @@ def test_a_cause_that_does_not_unpickle_ends_the_chain_there() -> None:
     root = raised(OSError(5, "Input/output error"))
     middle = raised(TwoArgumentError("disk", "on fire"), root)
     exc = raised(StorageError("x.ackpt: write failed"), middle)
-    back = writer_process._rebuilt(("failed", *writer_process._portable(exc)), 42, "x.ackpt")
+    back = writer_process._rebuilt(("failed", *writer_child._portable(exc)), 42, "x.ackpt")
     assert isinstance(back, StorageError) and str(back) == "x.ackpt: write failed"
     assert back.__cause__ is None
 
