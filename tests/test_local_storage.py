@@ -163,3 +163,22 @@ def test_delete_tree_of_a_link_removes_the_link_only(tmp_path: Path) -> None:
     storage.delete_tree(str(link))
     assert not os.path.lexists(link) and (target / "COMMIT").exists()
     storage.delete_tree(str(link))  # gone: not an error
+
+
+def test_a_storage_uses_the_settings_it_was_built_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settings come with the storage (resolved by the entry point), not from the
+    environment of the moment it writes."""
+    from asyncckpt._settings import Settings
+    from asyncckpt._storage import resolve
+
+    storage, path = resolve(str(tmp_path / "a.ackpt"), None, Settings(writeback_mib=3))
+    monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "0")
+    writer = storage.open_atomic(path)
+    try:
+        assert writer.writeback_bytes == 3 << 20
+    finally:
+        writer.abort()
+    monkeypatch.setenv("ASYNCCKPT_LOCK_TIMEOUT_MS", "7")
+    assert resolve(str(tmp_path), None)[0].settings.lock_timeout_ms == 7  # None: resolved now

@@ -14,6 +14,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from asyncckpt._settings import Settings
 from asyncckpt._version import __version__
 from asyncckpt.cli import bench, convert, gc, inspect, ls, verify
 from asyncckpt.cli.common import (
@@ -105,6 +106,7 @@ def _run(args_list: list[str]) -> int:
     if args.verbose and not args.debug:
         log.setLevel(logging.INFO)
     args.options = parse_storage_options(args.storage_option)
+    args.settings = Settings.resolve()  # once per command: ASYNCCKPT_* > defaults
     code: int = args.run(args)
     return code
 
