@@ -416,7 +416,7 @@ def write(
         StorageError: the backend failed (the target is untouched).
 
     Example:
-        >>> import tempfile, os
+        >>> import tempfile, os, torch
         >>> from asyncckpt._api.dropin import stage, write_options
         >>> from asyncckpt._storage import LocalStorage
         >>> snap = stage({"w": torch.ones(2)})

@@ -215,7 +215,8 @@ class FaultProxy:
         max_hold_s: longest a request is held before it is dropped without forwarding.
 
     Example:
-        >>> import threading
+        >>> import threading, fsspec
+        >>> from asyncckpt.testing.servers import MotoServer
         >>> with MotoServer() as server, FaultProxy(server) as proxy:
         ...     server.create_bucket("my-bucket")
         ...     fs = fsspec.filesystem("s3", skip_instance_cache=True, **proxy.storage_options)
