@@ -15,7 +15,7 @@ from typing import Any, Final, TypeAlias
 
 import torch
 
-from asyncckpt.errors import DeviceUnavailableError
+from asyncckpt.errors import AsyncCkptWarning, DeviceUnavailableError
 
 MapLocation: TypeAlias = (
     str | torch.device | Mapping[str, str | torch.device] | Callable[..., Any] | None
@@ -163,6 +163,7 @@ class Placement:
             warnings.warn(
                 f"tensors saved on {saved} are loaded on the CPU because {kind} is not "
                 "available here; pass map_location to choose explicitly",
+                AsyncCkptWarning,
                 stacklevel=4,
             )
         return torch.device("cpu")

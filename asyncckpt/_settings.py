@@ -180,8 +180,12 @@ class Settings:
         "with jitter",
     )
 
+    #: The tunables set by an argument or an environment variable rather than defaulted
+    #: (a fallback the caller asked to avoid is then a warning, not a debug message).
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
+        for f in _fields():
             _check(f, getattr(self, f.name), "argument")
 
     @classmethod
@@ -210,7 +214,7 @@ class Settings:
         if unknown:
             raise TypeError(f"unknown tunables {sorted(unknown)}; known: {sorted(NAMES)}")
         values: dict[str, int] = {}
-        for f in dataclasses.fields(cls):
+        for f in _fields():
             value = explicit.get(f.name)
             if value is not None:
                 values[f.name] = _check(f, value, "argument")
@@ -219,7 +223,7 @@ class Settings:
             raw = env.get(var)
             if raw is not None:
                 values[f.name] = _check(f, _parse(var, raw), f"environment variable {var}")
-        return cls(**values)
+        return cls(**values, given=frozenset(values))
 
     def replace(self, **changes: int | None) -> Settings:
         """A copy with the given tunables changed (None keeps the current value).
@@ -231,16 +235,22 @@ class Settings:
         unknown = set(changes) - set(NAMES)
         if unknown:
             raise TypeError(f"unknown tunables {sorted(unknown)}; known: {sorted(NAMES)}")
-        return dataclasses.replace(self, **{k: v for k, v in changes.items() if v is not None})
+        kept = {k: v for k, v in changes.items() if v is not None}
+        return dataclasses.replace(self, **kept, given=self.given | set(kept))
 
     @staticmethod
     def help() -> dict[str, tuple[int, str]]:
         """name -> (default, what it does), for the command line and the docs."""
-        return {f.name: (f.default, f.metadata["help"]) for f in dataclasses.fields(Settings)}  # type: ignore[misc]
+        return {f.name: (f.default, f.metadata["help"]) for f in _fields()}  # type: ignore[misc]
+
+
+def _fields() -> tuple[dataclasses.Field[Any], ...]:
+    """The tunables among the fields of :class:`Settings` (not ``given``)."""
+    return tuple(f for f in dataclasses.fields(Settings) if "help" in f.metadata)
 
 
 #: The tunables' names, in declaration order.
-NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Settings))
+NAMES: tuple[str, ...] = tuple(f.name for f in _fields())
 
 
 def _parse(var: str, raw: str) -> int:

@@ -7,7 +7,8 @@ shutdown begins, which would break a save that is still compressing when the mai
 ends.
 
 The threads of a background write (the save thread and the encoders) lower their own
-scheduling priority by the ``writer_nice`` tunable when they start: on a CPU shared with
+scheduling priority by the save's ``writer_nice`` tunable (passed by the caller) when they
+start: on a CPU shared with
 training, the caller's threads then win the cores and the write fills the gaps.
 
 A forked child (a DataLoader worker, a ``multiprocessing`` fork) inherits none of these
@@ -32,12 +33,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final, TypeVar
 
-from asyncckpt import _config as config
 from asyncckpt import _cpu as cpu
 
 T = TypeVar("T")
 
-#: Pools that only ever run background writes; their threads take ``writer_nice``.
+#: Pools that only ever run background writes; their callers give them ``writer_nice``.
 #: Readers ("read", "markers") serve a caller that is waiting, and heartbeats ("beats") must
 #: keep their lease alive, so they keep the caller's priority.
 WRITER_POOLS: frozenset[str] = frozenset({"save", "encode"})
@@ -163,21 +163,18 @@ _lock = threading.Lock()
 _pools: dict[tuple[str, int], DaemonPool] = {}
 
 
-def pool(name: str, threads: int) -> DaemonPool:
+def pool(name: str, threads: int, nice: int = 0) -> DaemonPool:
     """The process-wide pool called ``name`` with ``threads`` threads (created on first use).
-
-    The threads of a pool in :data:`WRITER_POOLS` run at the ``writer_nice`` tunable's
-    niceness, resolved when the pool is created (a process's first save).
 
     Args:
         name: the pool's name, also in its threads' names (``asyncckpt-<name>-<i>``).
         threads: how many threads it has.
+        nice: how far below the main thread its threads run (a write's ``writer_nice``,
+            from the caller's settings; 0 for readers and heartbeats). The pool keeps the
+            niceness of the call that created it (a process's first save).
 
     Returns:
         The pool, shared by every caller that asks for the same name and size.
-
-    Raises:
-        ValueError: ``ASYNCCKPT_WRITER_NICE`` is set and is not a non-negative integer.
 
     Example:
         >>> pool("demo", 1).submit(len, "abc").result()
@@ -186,7 +183,6 @@ def pool(name: str, threads: int) -> DaemonPool:
     with _lock:
         key = (name, threads)
         if key not in _pools:
-            nice = config.tunable("writer_nice", None) if name in WRITER_POOLS else 0
             _pools[key] = DaemonPool(threads, name, nice)
         return _pools[key]
 
@@ -305,9 +301,14 @@ def _runnable(tid: str) -> bool:
         return False
 
 
-def save_queue() -> DaemonPool:
-    """The single thread that runs save jobs, one at a time, in submission order."""
-    return pool("save", 1)
+def save_queue(nice: int) -> DaemonPool:
+    """The single thread that runs save jobs, one at a time, in submission order.
+
+    Args:
+        nice: the save's ``writer_nice``, taken by the thread when it starts (the
+            process's first save).
+    """
+    return pool("save", 1, nice)
 
 
 #: What a forked child runs, in order, after forgetting this module's own state.

@@ -155,3 +155,28 @@ class FencedError(ConflictError):
 
 class CheckpointTimeoutError(AsyncCkptError, TimeoutError):
     """Waiting for a save to become durable, or for a step to be committed, timed out."""
+
+
+class RangeNotSatisfiable(StorageError):
+    """A ranged read started at or past the end of the object (read as empty)."""
+
+
+class SafetensorsError(AsyncCkptError, ValueError):
+    """A file is not valid safetensors, or a state cannot be written as safetensors."""
+
+
+class SnapshotFailedError(Exception):
+    """Raised in the writer when the copy it was waiting for failed (the caller sees why)."""
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit status 2)."""
+
+
+class CommandFailed(Exception):
+    """The command ran and its outcome is a failure (exit status 1); output is printed."""
+
+
+class PeerClosedError(Exception):
+    """``asyncckpt.testing``'s fault proxy: the peer closed the connection (or the proxy is
+    stopping)."""

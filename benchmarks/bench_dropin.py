@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 import asyncckpt
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt._versions import pending
 from asyncckpt.testing import SeaweedServer, fake_aws_environment, find_weed
@@ -83,7 +84,7 @@ def measure(url: str, options: dict[str, Any] | None, saves: int) -> dict[str, A
     checks = []
     for _ in range(saves):
         started = time.perf_counter()
-        pending.wait_for_saves(storage, path)
+        pending.wait_for_saves(storage, path, settings=Settings.resolve())
         checks.append(time.perf_counter() - started)
 
     def ms(values: list[float]) -> float:

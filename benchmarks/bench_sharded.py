@@ -176,7 +176,9 @@ def simulate(
             storage, path = resolve(root, links[rank].storage_options())
         assert path is not None
         plain, pieces = _rank_state(tensors, rows, cols, world, rank)
-        snap = snapshot(flatten(plain), ArenaPool(1))  # what Checkpointer.save stages
+        snap = snapshot(
+            flatten(plain), ArenaPool(1), settings=options.settings
+        )  # what Checkpointer.save stages
         jobs.append(RankJob(storage, path, STEP, attempt, rank, world, snap, pieces, options))
         del plain
     durable = [0.0] * world

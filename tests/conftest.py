@@ -16,17 +16,17 @@ import asyncckpt.testing  # noqa: F401  (registers the faulty:// and s3mem:// fi
 def arena_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A fresh host-arena pool, as in a new process; returns the sizes it allocates."""
     from asyncckpt._api import staging as staging_api
-    from asyncckpt._engine import snapshot as staging
+    from asyncckpt._engine import arena as arena_mod
 
     monkeypatch.setattr(staging_api, "_arenas", None)
     allocated: list[int] = []
-    real_allocate = staging._allocate
+    real_allocate = arena_mod._allocate
 
     def allocate(nbytes: int, shared: bool = False) -> Any:
         allocated.append(nbytes)
         return real_allocate(nbytes, shared)
 
-    monkeypatch.setattr(staging, "_allocate", allocate)
+    monkeypatch.setattr(arena_mod, "_allocate", allocate)
     return allocated
 
 

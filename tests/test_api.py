@@ -34,10 +34,12 @@ from torch import nn
 
 import asyncckpt
 import asyncckpt._api.dropin
+from asyncckpt._engine import arena as arena_mod
 from asyncckpt._engine import encode as writer
 from asyncckpt._engine import snapshot as staging
 from asyncckpt._format import tree
 from asyncckpt._format.container import DTYPE_ITEMSIZE
+from asyncckpt._settings import Settings
 from asyncckpt._storage import TEMP_MARK, resolve
 from asyncckpt.errors import (
     AsyncCkptError,
@@ -612,7 +614,7 @@ def _write_as_if_from(obj: Any, path: str, devices: list[str]) -> None:
     Goes through the real staging and writer; only the recorded device differs, as if the
     tensors had been on those devices when saved.
     """
-    snap = staging.snapshot(tree.flatten(obj), staging.ArenaPool(1))
+    snap = staging.snapshot(tree.flatten(obj), arena_mod.ArenaPool(1), settings=Settings())
     try:
         assert len(snap.storages) == len(devices)
         snap.storages = [dataclasses.replace(s, device=d) for s, d in zip(snap.storages, devices)]

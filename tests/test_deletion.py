@@ -36,14 +36,13 @@ from asyncckpt._versions.protocol import (
     UNREADABLE,
     RetentionPolicy,
     StepEntry,
-    UnreadableRecordError,
     commit_from,
     deletion_plan,
     list_steps,
     read_failure,
 )
 from asyncckpt._versions.writing import RootWriter
-from asyncckpt.errors import CheckpointTimeoutError, ConflictError
+from asyncckpt.errors import CheckpointTimeoutError, ConflictError, UnreadableRecordError
 from tests.test_checkpointer import (
     _drain_saves,  # noqa: F401 (an autouse fixture)
     _GatedWriter,

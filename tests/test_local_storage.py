@@ -136,9 +136,9 @@ def test_writeback_is_resolved_when_the_save_starts(
     opening = threading.Event()
     real_init = local._LocalWriter.__init__
 
-    def slow_open(self: local._LocalWriter, target: str) -> None:
+    def slow_open(self: local._LocalWriter, storage: local.LocalStorage, target: str) -> None:
         opening.wait(30)  # the background write opens its file only after the change below
-        real_init(self, target)
+        real_init(self, storage, target)
 
     monkeypatch.setattr(local._LocalWriter, "__init__", slow_open)
     monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "1")
@@ -163,3 +163,22 @@ def test_delete_tree_of_a_link_removes_the_link_only(tmp_path: Path) -> None:
     storage.delete_tree(str(link))
     assert not os.path.lexists(link) and (target / "COMMIT").exists()
     storage.delete_tree(str(link))  # gone: not an error
+
+
+def test_a_storage_uses_the_settings_it_was_built_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settings come with the storage (resolved by the entry point), not from the
+    environment of the moment it writes."""
+    from asyncckpt._settings import Settings
+    from asyncckpt._storage import resolve
+
+    storage, path = resolve(str(tmp_path / "a.ackpt"), None, Settings(writeback_mib=3))
+    monkeypatch.setenv("ASYNCCKPT_WRITEBACK_MIB", "0")
+    writer = storage.open_atomic(path)
+    try:
+        assert writer.writeback_bytes == 3 << 20
+    finally:
+        writer.abort()
+    monkeypatch.setenv("ASYNCCKPT_LOCK_TIMEOUT_MS", "7")
+    assert resolve(str(tmp_path), None)[0].settings.lock_timeout_ms == 7  # None: resolved now

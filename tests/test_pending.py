@@ -21,6 +21,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import cli
+from asyncckpt._settings import Settings
 from asyncckpt._storage import LocalStorage, Storage, resolve
 from asyncckpt._storage.base import TEMP_MARK
 from asyncckpt._versions import pending
@@ -155,7 +156,7 @@ def test_begin_writes_a_record_of_this_process_and_finish_removes_it(
     local_file: tuple[Storage, str],
 ) -> None:
     storage, path = local_file
-    check = pending.begin(storage, path)
+    check = pending.begin(storage, path, settings=Settings.resolve())
     assert check is not None
     raw = storage.read_marker(path + MARKER, MAX_PENDING_BYTES)
     assert raw is not None
@@ -173,7 +174,10 @@ def test_saves_of_one_file_in_one_process_share_the_marker(
     local_file: tuple[Storage, str],
 ) -> None:
     storage, path = local_file
-    first, second = pending.begin(storage, path), pending.begin(storage, path)
+    first, second = (
+        pending.begin(storage, path, settings=Settings.resolve()),
+        pending.begin(storage, path, settings=Settings.resolve()),
+    )
     assert first is not None and second is not None and first.token == second.token
     pending.finish(first)
     assert os.path.exists(path + MARKER)  # the second save is still in flight
@@ -187,21 +191,23 @@ def test_the_check_refuses_once_another_save_replaced_the_marker(
     local_file: tuple[Storage, str],
 ) -> None:
     storage, path = local_file
-    check = pending.begin(storage, path)
+    check = pending.begin(storage, path, settings=Settings.resolve())
     assert check is not None
     other = _record(host="far.invalid", pid=4242)
     storage.write_marker(path + MARKER, encode_pending(other))
     superseded = r"a later save of .*model\.ackpt by pid 4242 on host far\.invalid superseded"
     with pytest.raises(ConflictError, match=superseded), check():
         pytest.fail("published over a later save")
-    later = pending.begin(storage, path)  # a new save here starts later still: a new marker
+    later = pending.begin(
+        storage, path, settings=Settings.resolve()
+    )  # a new save here starts later still: a new marker
     assert later is not None and later.token != check.token
     pending.finish(check)  # the superseded one leaves the marker alone
     current = decode_pending(storage.read_marker(path + MARKER, 1000) or b"")
     assert current is not None and current.token == later.token
     pending.finish(later)
     storage.delete(path + MARKER)
-    check = pending.begin(storage, path)
+    check = pending.begin(storage, path, settings=Settings.resolve())
     assert check is not None
     storage.delete(path + MARKER)  # gone: a later save finished first (or a hand)
     with pytest.raises(ConflictError, match="superseded this one and has finished"), check():
@@ -254,7 +260,7 @@ def test_a_marker_that_cannot_be_written_fails_the_handle(
 def test_the_check_runs_in_the_writer_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncckpt._engine.snapshot import shared_memory_supported
+    from asyncckpt._engine.arena import shared_memory_supported
 
     if not shared_memory_supported():
         pytest.skip("the writer process needs memfd")
@@ -286,7 +292,7 @@ def test_a_beat_rewrites_the_marker_and_stops_once_it_is_replaced(
     local_file: tuple[Storage, str],
 ) -> None:
     storage, path = local_file
-    check = pending.begin(storage, path)
+    check = pending.begin(storage, path, settings=Settings.resolve())
     assert check is not None
     marker = path + MARKER
     before = decode_pending(storage.read_marker(marker, 1000) or b"")
@@ -309,7 +315,7 @@ def test_the_heartbeat_thread_beats_while_a_save_is_in_flight(
 ) -> None:
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "20")
     storage, path = local_file
-    check = pending.begin(storage, path)
+    check = pending.begin(storage, path, settings=Settings.resolve())
     assert check is not None
     assert _wait_for_beats(storage, path, 3) >= 3
     pending.finish(check)
@@ -338,7 +344,9 @@ def test_a_slow_interval_or_a_hanging_store_holds_up_no_other_marker(
     # In three directories: the marker lock is the directory's.
     slow, hung, quick = (str(tmp_path / n / "m.ackpt") for n in ("slow", "hung", "quick"))
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", str(3_600_000))
-    checks = [pending.begin(storage, slow)]  # the heartbeat now waits an hour for this one
+    checks = [
+        pending.begin(storage, slow, settings=Settings.resolve())
+    ]  # the heartbeat now waits an hour for this one
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "20")
     release = threading.Event()
     real = LocalStorage.write_marker
@@ -349,7 +357,10 @@ def test_a_slow_interval_or_a_hanging_store_holds_up_no_other_marker(
         return real(self, path, data, replacing)
 
     monkeypatch.setattr(LocalStorage, "write_marker", write_marker)
-    checks += [pending.begin(storage, hung), pending.begin(storage, quick)]
+    checks += [
+        pending.begin(storage, hung, settings=Settings.resolve()),
+        pending.begin(storage, quick, settings=Settings.resolve()),
+    ]
     try:
         assert _wait_for_beats(storage, quick, 5) >= 5
         assert _beat_of(storage, slow) == 0 and _beat_of(storage, hung) == 0

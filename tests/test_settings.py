@@ -72,3 +72,12 @@ def test_misspelled_variable_warns_once_with_closest_name(monkeypatch: pytest.Mo
 def test_help_covers_every_field() -> None:
     assert tuple(Settings.help()) == NAMES
     assert all(text for _, text in Settings.help().values())
+
+
+def test_given_names_what_was_set_not_defaulted() -> None:
+    s = Settings.resolve({"ASYNCCKPT_THREADS": "3"}, zstd_level=2)
+    assert s.given == {"threads", "zstd_level"}
+    assert s.replace(chunk_bytes=4096).given == {"threads", "zstd_level", "chunk_bytes"}
+    assert Settings.resolve({}).given == frozenset()
+    assert s == Settings(threads=3, zstd_level=2)  # where a value came from is not compared
+    assert "given" not in NAMES and "given" not in Settings.help()

@@ -45,7 +45,6 @@ from asyncckpt._versions.protocol import (
     SHARDED,
     SINGLE,
     CommitRecord,
-    UnreadableRecordError,
     commit_from,
     read_commit,
 )
@@ -55,6 +54,7 @@ from asyncckpt.errors import (
     ChecksumError,
     FormatError,
     IncompleteCheckpointError,
+    UnreadableRecordError,
 )
 from tests import ranks, state_checks
 

@@ -15,10 +15,11 @@ import torch
 
 import asyncckpt
 from asyncckpt._api import dropin as api
+from asyncckpt._engine import arena as arena_mod
 from asyncckpt._engine import snapshot as staging
 from asyncckpt._engine import writer_process
 from asyncckpt._engine.snapshot import ArenaPool
-from asyncckpt.errors import StorageError
+from asyncckpt.errors import SnapshotFailedError, StorageError
 
 
 def _rss_bytes() -> int:
@@ -262,7 +263,7 @@ def test_writer_waits_for_each_chunk_to_land() -> None:
     thread.join(30)
     assert seen == [192]
     progress.fail(RuntimeError("boom"))
-    with pytest.raises(staging.SnapshotFailedError, match="boom"):
+    with pytest.raises(SnapshotFailedError, match="boom"):
         progress.wait_until(1, 128)
 
 
@@ -286,7 +287,7 @@ def test_reserved_arena_is_the_one_the_first_save_gets() -> None:
 
 def test_acquire_waits_for_a_reservation_in_progress(monkeypatch: Any) -> None:
     gate = threading.Event()
-    real = staging._allocate
+    real = arena_mod._allocate
     calls: list[int] = []
 
     def slow(nbytes: int, shared: bool = False) -> torch.Tensor:
@@ -294,7 +295,7 @@ def test_acquire_waits_for_a_reservation_in_progress(monkeypatch: Any) -> None:
         assert gate.wait(30)
         return real(nbytes, shared)
 
-    monkeypatch.setattr(staging, "_allocate", slow)
+    monkeypatch.setattr(arena_mod, "_allocate", slow)
     pool = ArenaPool(max_inflight=1)
     thread = pool.reserve(2 << 20)
     assert thread is not None
@@ -323,7 +324,7 @@ def test_api_reserve_sizes_the_arena_from_the_state() -> None:
 
 
 def test_host_arena_is_writable_and_zeroed() -> None:
-    buffer = staging._host_arena(3 << 20)
+    buffer = arena_mod._host_arena(3 << 20)
     assert buffer.numel() == 3 << 20 and buffer.dtype == torch.uint8
     assert int(buffer.sum()) == 0
     buffer[-1] = 7
@@ -339,7 +340,7 @@ def test_a_failed_write_keeps_the_arena_until_the_copy_ends(
     failed, released = threading.Event(), threading.Event()
     copying = [True]
     seen_during_copy: list[bool] = []
-    real_release = staging.ArenaLease.release
+    real_release = arena_mod.ArenaLease.release
     real_copy = staging.DeviceCopies.copy
 
     def failing_write(*args: Any, **kwargs: Any) -> int:
@@ -358,7 +359,7 @@ def test_a_failed_write_keeps_the_arena_until_the_copy_ends(
         real_copy(self, dst, src)
 
     monkeypatch.setattr(writer_process, "write", failing_write)
-    monkeypatch.setattr(staging.ArenaLease, "release", release)
+    monkeypatch.setattr(arena_mod.ArenaLease, "release", release)
     monkeypatch.setattr(staging.DeviceCopies, "copy", copy)
     handle = asyncckpt.save(_many_tensors(), tmp_path / "x.ackpt")
     copying[0] = False
@@ -386,23 +387,23 @@ def _resident_bytes(buffer: torch.Tensor) -> int:
 def test_a_new_arena_is_faulted_in_on_several_threads(
     monkeypatch: Any, advice: str, shared: bool
 ) -> None:
-    if shared and not staging.shared_memory_supported():
+    if shared and not arena_mod.shared_memory_supported():
         pytest.skip("no memfd")
     if advice == "fallback":  # an advice the kernel refuses: every page is written instead
-        monkeypatch.setattr(staging, "_MADV_POPULATE_WRITE", 12345)
-    monkeypatch.setattr(staging, "_FAULT_SLICE", 1 << 20)
+        monkeypatch.setattr(arena_mod, "_MADV_POPULATE_WRITE", 12345)
+    monkeypatch.setattr(arena_mod, "_FAULT_SLICE", 1 << 20)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
     ranges: list[tuple[int, int]] = []
     threads: set[threading.Thread] = set()
-    real = staging._fault_range
+    real = arena_mod._fault_range
 
     def recording(region: Any, start: int, length: int) -> None:
         ranges.append((start, length))
         threads.add(threading.current_thread())
         real(region, start, length)
 
-    monkeypatch.setattr(staging, "_fault_range", recording)
-    buffer = staging._allocate(6 << 20, shared)
+    monkeypatch.setattr(arena_mod, "_fault_range", recording)
+    buffer = arena_mod._allocate(6 << 20, shared)
     ranges.sort()
     assert len(ranges) == 3 and len(threads) == 3
     assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranges))

@@ -50,10 +50,9 @@ def test_writer_nice_accepts_zero_and_refuses_negatives(monkeypatch: pytest.Monk
 @linux_only
 @pytest.mark.usefixtures("fresh_pools")
 def test_writer_pools_run_lowered_and_readers_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ASYNCCKPT_WRITER_NICE", "3")
     base = main_niceness()
-    assert niceness(workers.save_queue()) == min(19, base + 3)
-    assert niceness(workers.pool("encode", 2)) == min(19, base + 3)
+    assert niceness(workers.save_queue(3)) == min(19, base + 3)
+    assert niceness(workers.pool("encode", 2, 3)) == min(19, base + 3)
     assert niceness(workers.pool("read", 2)) == base
     assert main_niceness() == base  # the process itself is untouched
 
@@ -64,17 +63,15 @@ def test_threads_started_by_a_lowered_thread_are_not_lowered_twice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The writer creates the encode pool from the save thread, whose niceness it inherits."""
-    monkeypatch.setenv("ASYNCCKPT_WRITER_NICE", "2")
     base = main_niceness()
-    encoders = workers.save_queue().submit(workers.pool, "encode", 3).result()
+    encoders = workers.save_queue(2).submit(workers.pool, "encode", 3, 2).result()
     assert niceness(encoders) == min(19, base + 2)
 
 
 @linux_only
 @pytest.mark.usefixtures("fresh_pools")
 def test_zero_leaves_the_threads_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ASYNCCKPT_WRITER_NICE", "0")
-    assert niceness(workers.save_queue()) == main_niceness()
+    assert niceness(workers.save_queue(0)) == main_niceness()
     assert workers.lower_priority(0) is False
 
 
@@ -110,8 +107,7 @@ def test_a_reader_pool_started_by_a_writer_thread_is_not_lowered(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A pool first asked for on the save thread (a heartbeat's, say) inherits its niceness."""
-    monkeypatch.setenv("ASYNCCKPT_WRITER_NICE", "3")
-    readers = workers.save_queue().submit(workers.pool, "read", 3).result()
+    readers = workers.save_queue(3).submit(workers.pool, "read", 3).result()
     assert niceness(readers) == main_niceness()
 
 

@@ -9,6 +9,7 @@ follows it), a clean exit, and the storages that stay on threads.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -28,9 +29,10 @@ from fsspec.implementations.local import LocalFileSystem
 import asyncckpt
 from asyncckpt import Checkpointer
 from asyncckpt import _config as config
-from asyncckpt._engine import writer_process
-from asyncckpt._engine.snapshot import shared_memory_supported, shared_regions
+from asyncckpt._engine import writer_child, writer_process
+from asyncckpt._engine.arena import shared_memory_supported, shared_regions
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer, decode_manifest
+from asyncckpt._settings import Settings
 from asyncckpt._storage.base import TEMP_MARK
 from asyncckpt.errors import StorageError, WriterProcessError
 
@@ -70,6 +72,27 @@ class GatedFileSystem(DirFileSystem):  # type: ignore[misc]
 
 
 fsspec.register_implementation("gated", GatedFileSystem, clobber=True)
+
+
+class EnvSpyFileSystem(DirFileSystem):  # type: ignore[misc]
+    """Local files through fsspec that record, beside each data file they start writing,
+    the writing process's pid and its ``ASYNCCKPT_*`` environment (as JSON)."""
+
+    protocol = "envspy"
+    asyncckpt_write_strategy = "move"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(path="/", fs=LocalFileSystem(), **kwargs)
+
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        if "w" in mode and ".ackpt" in path:
+            seen = {k: v for k, v in os.environ.items() if k.startswith("ASYNCCKPT_")}
+            spy = path.split(".ackpt")[0] + ".env.json"
+            Path(spy).write_text(json.dumps({"pid": os.getpid(), "environ": seen}))
+        return super().open(path, mode, **kwargs)
+
+
+fsspec.register_implementation("envspy", EnvSpyFileSystem, clobber=True)
 
 
 @pytest.fixture
@@ -129,6 +152,36 @@ def test_save_round_trip_runs_in_the_child(in_process: None, tmp_path: Path) -> 
     assert asyncckpt.load(path)["meta"]["value"] == 3.0
 
 
+def test_the_child_writes_with_the_jobs_settings_not_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settings object says 64 KiB chunks, the environment 1 MiB: the child writes 64 KiB
+    chunks and sees no ASYNCCKPT_* variable at all (it takes nothing from its environment)."""
+    from asyncckpt._api.dropin import stage
+    from asyncckpt._engine.encode import WriteOptions
+    from asyncckpt._storage import resolve
+
+    monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(1 << 20))
+    monkeypatch.setenv("ASYNCCKPT_LOCK_TIMEOUT_MS", "1234")
+    options = WriteOptions("none", Settings.resolve(chunk_bytes=64 << 10, writer_processes=1))
+    storage, path = resolve(f"envspy://{tmp_path}/a.ackpt", None)
+    data = {"w": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB
+    snap = stage(data, options=options)
+    try:
+        writer_process.write(snap, storage, path, options)
+    finally:
+        snap.lease.release()
+    spy = json.loads((tmp_path / "a.env.json").read_text())
+    assert spy["pid"] != os.getpid()  # written in the child
+    assert spy["environ"] == {}
+    raw = (tmp_path / "a.ackpt").read_bytes()
+    footer = decode_footer(raw[-FOOTER_SIZE:], len(raw), "a.ackpt")
+    body = raw[footer.manifest_offset : footer.manifest_offset + footer.manifest_length]
+    chunks = decode_manifest(body, footer, "a.ackpt").chunks
+    assert {c.raw_len for c in chunks} == {64 << 10} and len(chunks) == 16
+    assert torch.equal(asyncckpt.load(tmp_path / "a.ackpt")["w"], data["w"])
+
+
 def test_the_child_maps_the_arena_once_and_reuses_it(in_process: None, tmp_path: Path) -> None:
     for i in range(3):
         asyncckpt.save(state(float(i)), tmp_path / f"{i}.ackpt").result(timeout=120)
@@ -141,7 +194,7 @@ def test_reserve_starts_the_child_and_shares_the_arena_the_first_save_gets(
     thread = asyncckpt.reserve(state())
     assert thread is not None
     thread.join(60)
-    assert writer_process.start().result(timeout=120).pid != os.getpid()
+    assert writer_process.start(Settings.resolve()).result(timeout=120).pid != os.getpid()
     assert len(shared_regions()) >= 1
     asyncckpt.save(state(6.0), tmp_path / "a.ackpt").result(timeout=120)
     assert len(arena_allocations) == 1  # the reserved (shared) arena, not a second one
@@ -383,7 +436,8 @@ def test_a_script_that_saves_and_exits_leaves_a_whole_file_and_no_child(tmp_path
         import sys, torch, asyncckpt
         from asyncckpt._engine import writer_process
         asyncckpt.save({"w": torch.arange(1 << 20)}, sys.argv[1] + "/a.ackpt")
-        print(writer_process.start().result().pid, flush=True)
+        from asyncckpt._settings import Settings
+        print(writer_process.start(Settings()).result().pid, flush=True)
         """,
         tmp_path,
     )
@@ -412,7 +466,7 @@ def raised(exc: BaseException, cause: BaseException | None = None) -> BaseExcept
 
 def test_an_error_that_does_not_unpickle_comes_back_as_its_summary() -> None:
     exc = raised(TwoArgumentError("disk", "on fire"))
-    back = writer_process._rebuilt(("failed", *writer_process._portable(exc)), 42, "x.ackpt")
+    back = writer_process._rebuilt(("failed", *writer_child._portable(exc)), 42, "x.ackpt")
     assert isinstance(back, WriterProcessError)
     assert "x.ackpt" in str(back) and "TwoArgumentError: disk: on fire" in str(back)
     assert "raised in the writer process (pid 42)" in back.__notes__[0]
@@ -422,7 +476,7 @@ def test_a_cause_that_does_not_unpickle_ends_the_chain_there() -> None:
     root = raised(OSError(5, "Input/output error"))
     middle = raised(TwoArgumentError("disk", "on fire"), root)
     exc = raised(StorageError("x.ackpt: write failed"), middle)
-    back = writer_process._rebuilt(("failed", *writer_process._portable(exc)), 42, "x.ackpt")
+    back = writer_process._rebuilt(("failed", *writer_child._portable(exc)), 42, "x.ackpt")
     assert isinstance(back, StorageError) and str(back) == "x.ackpt: write failed"
     assert back.__cause__ is None
 

@@ -258,6 +258,7 @@ class Checkpointer:
             self._storage.describe(part.data_path),
             started,
             part.step,
+            nice=self._settings.writer_nice,
             owner=self,
             on_cancel=on_cancel,
         )

@@ -142,7 +142,7 @@ def save(
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options)
-    marker = _MarkerStart(storage, path)
+    marker = _MarkerStart(storage, path, options.settings)
     _, handle = stage_and_submit(
         lambda on_layout: stage(obj, on_layout=marker.then(on_layout), options=options),
         lambda snap: marker.write(snap, options),
@@ -150,6 +150,7 @@ def save(
         started,
         _target(storage, path),
         on_cancel=marker.cancel,
+        nice=options.settings.writer_nice,
     )
     return handle
 
@@ -163,15 +164,15 @@ class _MarkerStart:
     and the file is left alone.
     """
 
-    def __init__(self, storage: Storage, path: str) -> None:
-        self.storage, self.path = storage, path
+    def __init__(self, storage: Storage, path: str, settings: Settings) -> None:
+        self.storage, self.path, self.settings = storage, path, settings
         self.check: pending.MarkerCheck | None = None
         self.failure: AsyncCkptError | None = None
 
     def then(self, on_layout: Callable[[Snapshot], None]) -> Callable[[Snapshot], None]:
         def layout(snap: Snapshot) -> None:
             try:
-                self.check = pending.begin(self.storage, self.path)
+                self.check = pending.begin(self.storage, self.path, settings=self.settings)
             except AsyncCkptError as exc:
                 self.failure = exc
             try:
@@ -347,7 +348,8 @@ def load(
     if isinstance(f, (str, os.PathLike)):
         storage, path = resolve(f, storage_options)
         _wait_for_writes_to(storage, path)
-        pending.wait_for_saves(storage, path, dead_writer)  # of other processes
+        settings = Settings.resolve()
+        pending.wait_for_saves(storage, path, dead_writer, settings=settings)  # other processes
     elif is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
         # From its position to its end, as torch.load reads.
         storage, path = StreamStorage(f), ""

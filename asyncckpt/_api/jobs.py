@@ -10,7 +10,7 @@ owner's), or else by the exit hook, which fails the process.
 
 Example:
     >>> import time
-    >>> handle = submit(lambda: 3, "demo", 0, time.perf_counter())
+    >>> handle = submit(lambda: 3, "demo", 0, time.perf_counter(), nice=0)
     >>> handle.result().stats.stored_bytes
     3
 """
@@ -346,6 +346,7 @@ def submit(
     started: float,
     target: Any = None,
     *,
+    nice: int,
     owner: Any = None,
     on_cancel: Callable[[], None] | None = None,
 ) -> SaveHandle:
@@ -357,6 +358,8 @@ def submit(
         raw_bytes: the state's data size, for the stats.
         started: ``time.perf_counter()`` when the caller entered ``save``.
         target: what the save writes, so loads of it wait for the save.
+        nice: the save thread's niceness below the caller (``writer_nice``), fixed when
+            the process's first save creates it.
         owner: whose save it is (None: the module-level API; a ``Checkpointer``).
         on_cancel: undoes what the caller prepared for ``job`` (frees its arena) if the
             handle is cancelled before ``job`` starts; None: it cannot be cancelled.
@@ -370,7 +373,7 @@ def submit(
             return 0  # cancelled: ``cancel`` undid what was prepared
         return job()
 
-    handle._future = workers.save_queue().submit(run)
+    handle._future = workers.save_queue(nice).submit(run)
     _tracker.add(handle)
     handle._future.add_done_callback(handle._finish)
     return handle
@@ -393,6 +396,7 @@ def stage_and_submit(
     started: float,
     target: Any = None,
     *,
+    nice: int,
     owner: Any = None,
     on_cancel: Callable[[], None] | None = None,
 ) -> tuple[Snapshot, SaveHandle]:
@@ -416,6 +420,7 @@ def stage_and_submit(
         label: what the handle reports as its path.
         started: ``time.perf_counter()`` when the caller entered its ``save``.
         target: what the save writes, so loads of it wait for the save.
+        nice: see :func:`submit`.
         owner: whose save it is (see :func:`submit`).
         on_cancel: what else to undo if the handle is cancelled before the job starts (the
             arena is freed in any case); None: the save cannot be cancelled.
@@ -441,6 +446,7 @@ def stage_and_submit(
         ...     lambda snap: write_snapshot(snap, storage, path, options),
         ...     path,
         ...     time.perf_counter(),
+        ...     nice=0,
         ... )
         >>> handle.result().stats.raw_bytes
         8
@@ -469,7 +475,9 @@ def stage_and_submit(
         undo = None if on_cancel is None else (lambda: cancelled(snap))
         work = lambda: run(snap)  # noqa: E731
         handles.append(
-            submit(work, label, snap.raw_bytes, started, target, owner=owner, on_cancel=undo)
+            submit(
+                work, label, snap.raw_bytes, started, target, nice=nice, owner=owner, on_cancel=undo
+            )
         )
 
     try:

@@ -2,7 +2,7 @@
 
 The blocking part of every save (``asyncckpt.save``, each rank's ``Checkpointer.save``)
 is :func:`stage`: validate the state and copy its data into an arena leased from the
-process's one :class:`~asyncckpt._engine.snapshot.ArenaPool`.
+process's one :class:`~asyncckpt._engine.arena.ArenaPool`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from typing import Any
 
 from asyncckpt import _threads as workers
 from asyncckpt._engine import writer_process
+from asyncckpt._engine.arena import ArenaPool
 from asyncckpt._engine.encode import WriteOptions
-from asyncckpt._engine.snapshot import ArenaPool, Snapshot, arena_bytes, snapshot
+from asyncckpt._engine.snapshot import Snapshot, arena_bytes, snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._format.tree import flatten
 from asyncckpt._settings import Settings
@@ -48,15 +49,7 @@ def write_options(compression: str, settings: Settings | None = None) -> WriteOp
     Raises:
         ValueError: ``compression`` is not one of ``"auto"``, ``"zstd"``, ``"none"``.
     """
-    s = settings or Settings.resolve()
-    return WriteOptions(
-        compression=check_compression(compression),
-        level=s.zstd_level,
-        chunk_bytes=s.chunk_bytes,
-        threads=s.threads,
-        inflight_chunks=s.inflight_chunks,
-        processes=s.writer_processes,
-    )
+    return WriteOptions(check_compression(compression), settings or Settings.resolve())
 
 
 def stage(
@@ -73,11 +66,14 @@ def stage(
     Without them (a write on this thread), the arena is in shared memory all the same
     when writer processes are on: the saves that follow reuse it instead of replacing it.
     """
+    settings = Settings.resolve() if options is None else options.settings
     if options is None:
-        shared = writer_process.shares_arenas()
+        shared = writer_process.shares_arenas(settings)
     elif shared := writer_process.wanted(options):
-        writer_process.start()
-    return snapshot(flatten(obj), arena_pool(), overlap, on_layout, shared)
+        writer_process.start(settings)
+    return snapshot(
+        flatten(obj), arena_pool(settings), overlap, on_layout, shared, settings=settings
+    )
 
 
 def reserve_arena(state_or_nbytes: Any, settings: Settings) -> threading.Thread | None:
@@ -91,5 +87,5 @@ def reserve_arena(state_or_nbytes: Any, settings: Settings) -> threading.Thread 
         nbytes = arena_bytes(flatten(state_or_nbytes))
     shared = writer_process.wanted(write_options("none", settings))
     if shared:
-        writer_process.start()  # its start-up (an interpreter importing torch) too
+        writer_process.start(settings)  # its start-up (an interpreter importing torch) too
     return arena_pool(settings).reserve(nbytes, shared)

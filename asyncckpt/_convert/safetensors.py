@@ -20,7 +20,7 @@ import torch
 
 from asyncckpt._format.tree import child_path
 from asyncckpt._storage import LocalStorage, Storage, temp_name
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import SafetensorsError
 
 #: ``__metadata__`` entry: JSON ``{alias: key}``, keys whose tensor is another key's tensor.
 ALIASES_KEY = "asyncckpt.aliases"
@@ -28,10 +28,6 @@ ALIASES_KEY = "asyncckpt.aliases"
 ORDER_KEY = "asyncckpt.order"
 #: Bytes copied per step between a local scratch file and a storage.
 _COPY_BLOCK = 8 << 20
-
-
-class SafetensorsError(AsyncCkptError, ValueError):
-    """A file is not valid safetensors, or a state cannot be written as safetensors."""
 
 
 def _library() -> Any:

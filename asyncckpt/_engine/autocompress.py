@@ -14,7 +14,8 @@ cores. Until a target has been measured its bandwidth is assumed: ``auto_prior_l
 bytes cost more than CPU: a process starts by compressing there, and learns.
 
 Example:
-    >>> settings = AutoSettings.resolve()
+    >>> from asyncckpt._settings import Settings
+    >>> settings = AutoSettings.of(Settings())
     >>> rate = Rate(window=100, prior=2.0)
     >>> rate.add(100.0, 100)  # 1 s per byte over one window: halfway to it
     >>> 1.0 < rate.value < 2.0
@@ -28,9 +29,9 @@ import os
 import threading
 from dataclasses import dataclass
 
-from asyncckpt import _config as config
 from asyncckpt import _threads as workers
 from asyncckpt._format.codec import INCOMPRESSIBLE, EncodeReport, Rates, choose_planes
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._storage.generic import FsspecStorage
 from asyncckpt._storage.local import LocalStorage
@@ -39,7 +40,7 @@ from asyncckpt._storage.objectstore import ObjectStorage
 
 @dataclass(frozen=True)
 class AutoSettings:
-    """Resolved ``compression="auto"`` tunables (see ``asyncckpt._config``).
+    """The ``compression="auto"`` tunables of one save (from its :class:`Settings`).
 
     Attributes:
         margin: hysteresis, as a fraction (``auto_margin_pct`` / 100).
@@ -61,21 +62,21 @@ class AutoSettings:
     explore_bytes: int
 
     @classmethod
-    def resolve(cls) -> AutoSettings:
-        """Read the tunables now (from the environment, else the defaults).
+    def of(cls, settings: Settings) -> AutoSettings:
+        """The ``auto_*`` tunables of ``settings``, in the units used here.
 
         Example:
-            >>> AutoSettings.resolve().margin
+            >>> AutoSettings.of(Settings()).margin
             0.25
         """
         return cls(
-            margin=config.tunable("auto_margin_pct", None) / 100,
-            always=config.tunable("auto_always_pct", None) / 100,
-            prior_write_s=1e-6 / config.tunable("auto_prior_write_mb_s", None),
-            prior_local_write_s=1e-6 / config.tunable("auto_prior_local_mb_s", None),
-            prior_encode_s=1e-6 / config.tunable("auto_prior_encode_mb_s", None),
-            window=config.tunable("auto_window_mib", None) << 20,
-            explore_bytes=config.tunable("auto_explore_mib", None) << 20,
+            margin=settings.auto_margin_pct / 100,
+            always=settings.auto_always_pct / 100,
+            prior_write_s=1e-6 / settings.auto_prior_write_mb_s,
+            prior_local_write_s=1e-6 / settings.auto_prior_local_mb_s,
+            prior_encode_s=1e-6 / settings.auto_prior_encode_mb_s,
+            window=settings.auto_window_mib << 20,
+            explore_bytes=settings.auto_explore_mib << 20,
         )
 
 

@@ -27,7 +27,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from asyncckpt import _config as config
 from asyncckpt import _cpu as cpu
 from asyncckpt._engine import autocompress
 from asyncckpt._engine.autocompress import AutoRun, AutoSettings
@@ -43,6 +42,7 @@ from asyncckpt._format.container import (
     encode_header,
     encode_manifest,
 )
+from asyncckpt._settings import Settings
 from asyncckpt._storage import AtomicWriter, Storage
 from asyncckpt._storage.base import PublishGuard
 from asyncckpt._threads import pool
@@ -121,25 +121,59 @@ def _torch_version() -> str:
 
 @dataclass(frozen=True)
 class WriteOptions:
-    """Resolved settings for one write (see ``asyncckpt._config``)."""
+    """One write's compression and the tunables of the save it belongs to.
+
+    The tunables come from ``settings``, resolved once at the entry point that started the
+    save (``asyncckpt.save``, a ``Checkpointer``, the DCP writer, the command line); the
+    engine reads nothing from the environment. A writer process receives this object.
+
+    Example:
+        >>> WriteOptions("zstd", Settings.resolve(zstd_level=3)).level
+        3
+    """
 
     compression: str
-    level: int
-    chunk_bytes: int
-    threads: int
-    inflight_chunks: int
-    auto: AutoSettings = field(default_factory=AutoSettings.resolve)
-    #: 1: the background write runs in a child process (``asyncckpt._engine.writer_process``).
-    processes: int = 0
-    #: Local files: start writeback every this many bytes (``writeback_mib``; 0: never).
-    writeback_bytes: int = field(
-        default_factory=lambda: config.tunable("writeback_mib", None) << 20
-    )
+    settings: Settings
     #: CPU cores the rest of the machine left idle when the save started (None: unknown),
     #: for ``compression="auto"``.
     spare_cores: float | None = field(default_factory=lambda: cpu.spare_cores())
     #: The saving process's torch, for the manifest (a writer process has none of its own).
     torch_version: str = field(default_factory=_torch_version)
+
+    @property
+    def level(self) -> int:
+        """The zstandard level (``zstd_level``)."""
+        return self.settings.zstd_level
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Raw bytes per chunk (``chunk_bytes``)."""
+        return self.settings.chunk_bytes
+
+    @property
+    def threads(self) -> int:
+        """Encoder threads (``threads``)."""
+        return self.settings.threads
+
+    @property
+    def inflight_chunks(self) -> int:
+        """Encoded chunks that may wait for the writer (``inflight_chunks``)."""
+        return self.settings.inflight_chunks
+
+    @property
+    def processes(self) -> int:
+        """1: the background write runs in a child process (``writer_processes``)."""
+        return self.settings.writer_processes
+
+    @property
+    def writeback_bytes(self) -> int:
+        """Local files: start writeback every this many bytes (``writeback_mib``; 0: never)."""
+        return self.settings.writeback_mib << 20
+
+    @property
+    def auto(self) -> AutoSettings:
+        """The ``compression="auto"`` tunables."""
+        return AutoSettings.of(self.settings)
 
 
 @dataclass(frozen=True)
@@ -343,7 +377,7 @@ def _encode_all(
     chooses planes for ``compression="auto"``; without it, ``"auto"`` compresses as
     ``"zstd"`` does.
     """
-    workers = pool("encode", options.threads)
+    workers = pool("encode", options.threads, options.settings.writer_nice)
     window: collections.deque[Future[list[_Encoded]]] = collections.deque()
     try:
         for batch in _batches(_slices(storages, options.chunk_bytes, ready), _BATCH_BYTES, copied):

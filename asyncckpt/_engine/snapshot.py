@@ -1,13 +1,12 @@
 """Snapshot: copy every tensor and array into reused host memory before ``save`` returns.
 
 The copy is the only part of a save the caller waits for, so it goes into an *arena*, one
-large host buffer reused across saves: fresh memory would cost page faults on every save
-and grow the process (the leak users report with other async checkpointers). At most
-``max_inflight`` arenas exist; a save that finds none free waits for the oldest pending
-write to finish, which bounds host memory to ``max_inflight`` x the state size.
+large host buffer reused across saves (:mod:`asyncckpt._engine.arena`): fresh memory would
+cost page faults on every save and grow the process (the leak users report with other
+async checkpointers).
 
 Storages shared by several tensors (tied weights, views) are copied once. Device-specific
-code is confined to :class:`DeviceCopies` and :func:`_allocate`.
+code is confined to :class:`DeviceCopies` and ``arena._allocate``.
 
 The copy and the write can run as a pipeline: :func:`snapshot` may hand the snapshot to a
 writer (``on_layout``) before copying, and the writer waits on :class:`CopyProgress` for each
@@ -20,15 +19,10 @@ which is what the caller waits for).
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
-import mmap
 import os
-import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,22 +30,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncckpt import _config as config
-from asyncckpt import _threads as workers
+from asyncckpt._engine.arena import (
+    ALIGN,
+    ArenaLease,
+    ArenaPool,
+)
 from asyncckpt._format.container import ArrayEntry, TensorEntry
 from asyncckpt._format.tree import Flattened, dtype_name
+from asyncckpt._settings import Settings
+from asyncckpt.errors import SnapshotFailedError
 
 log = logging.getLogger(__name__)
 
-_ALIGN = 64  # bytes; keeps every staged storage cache-line aligned inside the arena
 #: CPU sources are copied in pieces of this size, each announced to a waiting writer: small
 #: enough that the writer starts early, large enough that the bookkeeping costs nothing.
 _COPY_STEP = 8 << 20
-_PAGE = 4096
-
-
-class SnapshotFailedError(Exception):
-    """Raised in the writer when the copy it was waiting for failed (the caller sees why)."""
 
 
 class CopyProgress:
@@ -173,308 +166,6 @@ class Snapshot:
         return sum(s.data.numel() for s in self.storages)
 
 
-class ArenaPool:
-    """At most ``max_inflight`` reusable host buffers, handed out one per save.
-
-    Example:
-        >>> pool = ArenaPool(max_inflight=1)
-        >>> lease = pool.acquire(1024)
-        >>> lease.buffer.numel() >= 1024
-        True
-        >>> lease.release()
-    """
-
-    def __init__(self, max_inflight: int) -> None:
-        self.max_inflight = max_inflight
-        self._free: list[torch.Tensor] = []
-        self._leased = 0
-        self._reserving = False
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int, shared: bool = False) -> ArenaLease:
-        """Take a buffer of at least ``nbytes``, waiting while all are leased.
-
-        ``shared``: the buffer must be in shared memory (see :func:`shared_region`), for a
-        writer process to read; a free buffer of the other kind is replaced.
-        """
-        with self._cond:
-            # A reservation in progress is the arena this save should get: wait for it
-            # rather than allocating a second one beside it.
-            while self._leased >= self.max_inflight or self._reserving:
-                self._cond.wait()
-            self._leased += 1
-            buffer = self._free.pop() if self._free else None
-        if not _fits(buffer, nbytes, shared):
-            del buffer  # drop the unfit one before allocating, to cap peak memory
-            buffer = _allocate(nbytes, shared)
-        assert buffer is not None
-        return ArenaLease(self, buffer)
-
-    def reserve(self, nbytes: int, shared: bool = False) -> threading.Thread | None:
-        """Allocate and pre-fault an arena of ``nbytes`` in a background thread.
-
-        Takes the page faults of a first save off its critical path: call it as soon as the
-        state's size is known (e.g. once the model is built). A save that starts meanwhile
-        waits for the reservation instead of allocating beside it. Does nothing if a free
-        arena is already large enough, a reservation is running, or every arena is leased.
-
-        Args:
-            nbytes: the arena's size.
-            shared: in shared memory, as ``acquire(shared=True)`` asks for.
-
-        Returns:
-            The thread doing the work (join it to wait), or None if there was nothing to do.
-        """
-        with self._cond:
-            free_slots = self.max_inflight - self._leased
-            fit = any(_fits(b, nbytes, shared) for b in self._free)
-            if self._reserving or free_slots <= 0 or fit:
-                return None
-            self._reserving = True
-            # Replace the largest free arena that is too small (drop it first: peak memory).
-            small = self._free.pop() if len(self._free) >= free_slots else None
-        del small
-
-        def work() -> None:
-            buffer: torch.Tensor | None = None
-            try:
-                buffer = _allocate(nbytes, shared)
-            finally:
-                with self._cond:
-                    if buffer is not None:
-                        self._free.append(buffer)
-                    self._reserving = False
-                    self._cond.notify_all()
-
-        thread = threading.Thread(target=work, name="asyncckpt-reserve", daemon=True)
-        thread.start()
-        return thread
-
-    def _give_back(self, buffer: torch.Tensor) -> None:
-        with self._cond:
-            self._leased -= 1
-            self._free.append(buffer)
-            self._cond.notify_all()
-
-
-class ArenaLease:
-    """A buffer on loan from an :class:`ArenaPool`; ``release`` returns it exactly once."""
-
-    def __init__(self, pool: ArenaPool, buffer: torch.Tensor) -> None:
-        self._pool = pool
-        self.buffer = buffer
-        self._released = False
-        self._lock = threading.Lock()
-
-    def release(self) -> None:
-        with self._lock:
-            if self._released:
-                return
-            self._released = True
-        self._pool._give_back(self.buffer)
-
-
-def _fits(buffer: torch.Tensor | None, nbytes: int, shared: bool) -> bool:
-    if buffer is None or buffer.numel() < nbytes:
-        return False
-    return not shared or shared_region(buffer) is not None
-
-
-def _allocate(nbytes: int, shared: bool = False) -> torch.Tensor:
-    """A host buffer of at least ``nbytes``, every page already faulted in.
-
-    On CUDA: pinned memory (``cudaHostAlloc`` maps it resident). Elsewhere: an anonymous
-    mapping advised to use transparent huge pages, then touched once per page. Touching
-    costs what the copy would have paid in page faults anyway, but huge pages make it about
-    6x cheaper (0.07 s instead of 0.41 s for 1 GiB on the 2-core benchmark machine) and halve
-    the TLB misses of every later copy into the arena.
-
-    ``shared``: a memfd mapping another process can map too (:func:`shared_region`), pinned
-    by registration on CUDA. Raises OSError where memfd does not exist (not Linux).
-    """
-    # Round up so small growth between saves does not force a new arena every time.
-    size = max(_ALIGN, -(-nbytes // (1 << 20)) * (1 << 20))
-    if shared:
-        return _shared_arena(size)
-    if torch.cuda.is_available():
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    return _host_arena(size)
-
-
-def _host_arena(size: int) -> torch.Tensor:
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    if not flags:  # not POSIX: the allocator's own memory
-        return torch.empty(size, dtype=torch.uint8)
-    try:
-        region = mmap.mmap(-1, size, flags=flags)
-    except (OSError, ValueError):
-        return torch.empty(size, dtype=torch.uint8)
-    return _faulted_in(region)
-
-
-def _faulted_in(region: mmap.mmap) -> torch.Tensor:
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # THP disabled or unsupported: small pages
-            region.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor holds the mapping's buffer: it is unmapped when the last view goes away.
-    buffer = torch.frombuffer(region, dtype=torch.uint8)
-    _fault_in(region)  # every page now, not during a save's copy
-    return buffer
-
-
-#: ``madvise`` advice that faults a range in, writable, in one call (Linux 5.14).
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-#: Slices of an arena faulted in by one thread; threads are bounded by the usable CPUs.
-_FAULT_SLICE = 64 << 20
-
-
-def _fault_in(region: mmap.mmap) -> None:
-    """Fault every page of ``region`` in, on as many threads as there are usable CPUs.
-
-    Faulting zeroes each page, about half the work of the copy that follows, so a first
-    save without ``reserve`` pays it; split across the cores it costs less of the stall.
-    ``MADV_POPULATE_WRITE`` faults a whole slice in one system call instead of one trap
-    per page (a memfd arena has no huge pages: 262,144 traps per GiB); where it does not
-    exist, each page is written once.
-    """
-    size = len(region)
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    workers = max(1, min(cpus or 1, 8, size // _FAULT_SLICE))
-    step = -(-size // workers // _PAGE) * _PAGE
-    ranges = [(start, min(step, size - start)) for start in range(0, size, step)]
-    if workers == 1:
-        _fault_range(region, *ranges[0])
-        return
-    threads = [threading.Thread(target=_fault_range, args=(region, *r)) for r in ranges]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-
-
-def _fault_range(region: mmap.mmap, start: int, length: int) -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            region.madvise(_MADV_POPULATE_WRITE, start, length)
-            return
-        except (OSError, ValueError):  # an older kernel: write to every page instead
-            pass
-    pages = np.frombuffer(region, dtype=np.uint8, count=length, offset=start)
-    pages[::_PAGE] = 0
-
-
-@dataclass(frozen=True)
-class SharedRegion:
-    """An arena in shared memory: another process maps ``fd`` to read what was staged.
-
-    Attributes:
-        ident: unique in this process, for as long as the arena lives.
-        fd: the memfd holding the arena's pages (closed when the arena is freed).
-        size: the mapping's length in bytes.
-        address: the arena's first byte in this process.
-    """
-
-    ident: int
-    fd: int
-    size: int
-    address: int
-
-
-_shared_lock = threading.Lock()
-_shared: dict[int, SharedRegion] = {}  # ident -> region, while the arena lives
-_shared_ids = itertools.count(1)
-
-
-@workers.after_fork_in_child
-def _forget_parent_regions() -> None:
-    """In a forked child: the parent's shared arenas stay the parent's (kept alive by the
-    parent's pool, see ``workers.keep_from_parent``); the child registers its own."""
-    global _shared_lock
-    _shared_lock = threading.Lock()
-    _shared.clear()
-
-
-def shared_memory_supported() -> bool:
-    """Whether arenas can live in shared memory here (``os.memfd_create``: Linux), and, with
-    CUDA, be pinned there (once that has failed, arenas stay pinned and unshared)."""
-    return hasattr(os, "memfd_create") and hasattr(mmap, "MAP_SHARED") and not _unpinnable
-
-
-#: Set once CUDA refused to pin a shared arena: device copies into pageable memory would be
-#: slow, so arenas are pinned process memory from then on (and writes stay on threads).
-_unpinnable = False
-
-
-def shared_region(data: torch.Tensor) -> tuple[SharedRegion, int] | None:
-    """The shared arena holding ``data``'s bytes, and their offset in it; None if none does.
-
-    Example:
-        >>> shared_region(torch.zeros(4)) is None
-        True
-    """
-    start = data.data_ptr()
-    end = start + data.numel() * data.element_size()
-    with _shared_lock:
-        for region in _shared.values():
-            if region.address <= start and end <= region.address + region.size:
-                return region, start - region.address
-    return None
-
-
-def shared_regions() -> list[SharedRegion]:
-    """Every shared arena alive in this process."""
-    with _shared_lock:
-        return list(_shared.values())
-
-
-def _shared_arena(size: int) -> torch.Tensor:
-    fd = os.memfd_create("asyncckpt-arena", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-        region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        buffer = _faulted_in(region)
-    except BaseException:
-        os.close(fd)
-        raise
-    address = buffer.data_ptr()
-    pinned = _pin(address, size)
-    if torch.cuda.is_available() and not pinned:
-        global _unpinnable
-        _unpinnable = True
-        log.warning(
-            "CUDA could not pin a shared-memory arena (cudaHostRegister); arenas are pinned "
-            "process memory from now on, and background writes run on threads"
-        )
-        del buffer, region
-        os.close(fd)
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    ident = next(_shared_ids)
-    with _shared_lock:
-        _shared[ident] = SharedRegion(ident, fd, size, address)
-    # Dropped by the pool (replaced by a larger arena): forget it, unpin, close the memfd.
-    finalizer = weakref.finalize(buffer, _forget_shared, ident, fd, address if pinned else None)
-    finalizer.atexit = False  # at exit the process's memory goes anyway, and CUDA may be gone
-    return buffer
-
-
-def _pin(address: int, size: int) -> bool:
-    """Page-lock shared host memory for CUDA copies, as ``pin_memory=True`` would."""
-    if not torch.cuda.is_available():
-        return False
-    cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    return int(cudart.cudaHostRegister(address, size, 0)) == 0
-
-
-def _forget_shared(ident: int, fd: int, pinned_at: int | None) -> None:
-    with _shared_lock:
-        _shared.pop(ident, None)
-    if pinned_at is not None:
-        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        cudart.cudaHostUnregister(pinned_at)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
 def byte_view(data: torch.Tensor) -> memoryview:
     """A writable memoryview of a 1-D uint8 CPU tensor's bytes (empty tensors included)."""
     if data.numel() == 0:
@@ -559,6 +250,8 @@ def snapshot(
     overlap: bool = False,
     on_layout: Callable[[Snapshot], None] | None = None,
     shared: bool = False,
+    *,
+    settings: Settings,
 ) -> Snapshot:
     """Copy the data of ``flat`` into an arena from ``pool``.
 
@@ -579,13 +272,15 @@ def snapshot(
     error; the arena is released by whoever releases it on success (the writer's job).
 
     ``shared=True`` stages into shared memory, for a writer process (``writer_process``).
+    ``settings``: the save's; its ``pipeline_min_cpus`` decides whether a writer may follow
+    the copy piece by piece.
 
     Example:
         >>> from asyncckpt._format.tree import flatten
         >>> buf = bytearray(16)
         >>> state = {"a": torch.frombuffer(buf, dtype=torch.int32, count=1),
         ...          "b": torch.frombuffer(buf, dtype=torch.int32)}
-        >>> snap = snapshot(flatten(state), ArenaPool(1))
+        >>> snap = snapshot(flatten(state), ArenaPool(1), settings=Settings())
         >>> [s.data.numel() for s in snap.storages], [t.storage for t in snap.tensors]
         ([16], [0, 0])
         >>> snap.lease.release()
@@ -612,14 +307,15 @@ def snapshot(
         data = torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
         hint = (contiguous.dtype.itemsize, a.dtype.kind in "fc")
         sources.append(_Source(data.numel(), [(0, data)], *hint, "cpu"))
-    return _stage(flat.root, entries, arrays, sources, pool, overlap, on_layout, shared)
+    stream = (os.cpu_count() or 1) >= settings.pipeline_min_cpus
+    return _stage(flat.root, entries, arrays, sources, pool, overlap, on_layout, shared, stream)
 
 
 def arena_bytes(flat: Flattened) -> int:
     """Bytes of arena a snapshot of ``flat`` takes (for :meth:`ArenaPool.reserve`)."""
     sources, _ = _regions([_resolved(t) for t, _ in flat.tensors])
     sizes = [src.nbytes for src in sources] + [a.nbytes for a, _, _ in flat.arrays]
-    return sum(-(-n // _ALIGN) * _ALIGN for n in sizes)
+    return sum(-(-n // ALIGN) * ALIGN for n in sizes)
 
 
 def _regions(tensors: list[torch.Tensor]) -> tuple[list[_Source], list[tuple[int, int]]]:
@@ -711,11 +407,12 @@ def _stage(
     overlap: bool,
     on_layout: Callable[[Snapshot], None] | None = None,
     shared: bool = False,
+    pipeline: bool = False,
 ) -> Snapshot:
     offsets, end = [], 0
     for src in sources:
         offsets.append(end)
-        end += -(-src.nbytes // _ALIGN) * _ALIGN
+        end += -(-src.nbytes // ALIGN) * ALIGN
     lease = pool.acquire(end, shared)
     copies = DeviceCopies()
     staged = [
@@ -728,11 +425,7 @@ def _stage(
     # so a writer is let in once all of them are recorded (and waits on their events). On a
     # machine with few cores the writer waits for the whole copy too: encoding beside it
     # slows the copy down, which is the part the caller waits for.
-    stream = (
-        progress is not None
-        and all(src.device == "cpu" for src in sources)
-        and (os.cpu_count() or 1) >= config.tunable("pipeline_min_cpus", None)
-    )
+    stream = progress is not None and all(src.device == "cpu" for src in sources) and pipeline
     handed_out = False
     try:
         if on_layout is not None:

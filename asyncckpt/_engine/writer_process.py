@@ -28,11 +28,17 @@ The child
     beside it removed; an object store's unfinished upload is left to the root's next
     recovery), and the next save starts a new child.
 
+The child takes its tunables from the job: the :class:`~asyncckpt._settings.Settings` in
+its :class:`~asyncckpt._engine.encode.WriteOptions`, and the storage's own (resolved when
+the caller built it). It is started without the caller's ``ASYNCCKPT_*`` variables, so
+nothing there can depend on the environment of the moment it started.
+
 A write stays on this process's threads when the child could not do it: a storage whose
 files live in this process's memory (``memory://``, a caller's file object), one that cannot
 be pickled, an arena not in shared memory (pinned memory that could not be shared), or a
 platform without memfd. That is said once per reason: as a warning if the caller set
-``ASYNCCKPT_WRITER_PROCESSES``, as a debug message if it is the default.
+``writer_processes`` (an argument or ``ASYNCCKPT_WRITER_PROCESSES``), as a debug message if
+it is the default.
 """
 
 from __future__ import annotations
@@ -43,24 +49,21 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncckpt import _config as config
 from asyncckpt import _cpu as cpu
 from asyncckpt import _threads as workers
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
-from asyncckpt._format.container import ArrayEntry, TensorEntry
+from asyncckpt._engine.writer_child import Channel, StagedRef, WriteJob
+from asyncckpt._settings import ENV_PREFIX, Settings
 from asyncckpt._storage import Storage
 from asyncckpt._storage.base import TEMP_MARK, PublishGuard
-from asyncckpt.errors import WriterProcessError
+from asyncckpt.errors import SnapshotFailedError, WriterProcessError
 
 if TYPE_CHECKING:
     from asyncckpt._engine.snapshot import Snapshot
@@ -93,91 +96,10 @@ def whole_package(name):
     return getattr(package, name)
 package.__getattr__ = whole_package
 sys.modules["asyncckpt"] = package
-from asyncckpt._engine.writer_process import serve
+from asyncckpt._engine.writer_child import serve
 serve(int(sys.argv[1]), int(sys.argv[3]))
 """
-#: Tunables the child must not take from the caller: it runs at its own priority already,
-#: and it writes on its own threads.
-_CHILD_FIXED_ENV = {"ASYNCCKPT_WRITER_NICE": "0", "ASYNCCKPT_WRITER_PROCESSES": "0"}
-_HEADER = struct.Struct("<QI")  # payload length, number of file descriptors
-_MAX_FDS = 16
 _EXIT_WAIT_S = 5.0  # how long to wait for a dead child's exit status
-_MAX_CAUSES = 8  # links of a ``raise ... from`` chain sent back with an error
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-class _Channel:
-    """Pickled messages, each with optional file descriptors, over a Unix stream socket.
-
-    Pickle is safe here: both ends are this library, joined by an anonymous socket pair
-    that no other process can open; nothing read from storage ever passes through it (the
-    child only writes). Loading never comes here: readers parse data, never pickles
-    (docs/FORMAT.md, R11; ``tests/test_packaging.py`` keeps pickle out of every other module).
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-
-    def send(self, payload: bytes, fds: tuple[int, ...] = ()) -> None:
-        header = _HEADER.pack(len(payload), len(fds))
-        sent = socket.send_fds(self.sock, [header], list(fds)) if fds else 0
-        self.sock.sendall(header[sent:])
-        self.sock.sendall(payload)
-
-    def send_message(self, message: Any) -> None:
-        self.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def receive(self) -> tuple[Any, list[int]]:
-        """The next message and the descriptors sent with it.
-
-        Raises:
-            EOFError: the other end closed the socket (or died).
-        """
-        head, fds, _, _ = socket.recv_fds(self.sock, _HEADER.size, _MAX_FDS)
-        if not head:
-            raise EOFError("the socket was closed")
-        head += self._exactly(_HEADER.size - len(head))
-        length, _ = _HEADER.unpack(head)
-        return pickle.loads(self._exactly(length)), fds
-
-    def _exactly(self, n: int) -> bytes:
-        parts = []
-        while n:
-            part = self.sock.recv(min(n, 1 << 20))
-            if not part:
-                raise EOFError("the socket was closed mid-message")
-            parts.append(part)
-            n -= len(part)
-        return b"".join(parts)
-
-
-@dataclass(frozen=True)
-class _StagedRef:
-    """Where one staged storage lies in a shared arena (arena 0: an empty storage)."""
-
-    arena: int
-    offset: int
-    nbytes: int
-    itemsize: int
-    is_float: bool
-    device: str
-
-
-@dataclass(frozen=True)
-class _WriteJob:
-    """Everything the child needs for one ``write_snapshot``."""
-
-    storage: Storage
-    path: str
-    options: WriteOptions
-    root: Any
-    tensors: list[TensorEntry]
-    arrays: list[ArrayEntry]
-    storages: list[_StagedRef]
-    live_arenas: frozenset[int]  # the child unmaps every other arena it holds
-    environ: dict[str, str]  # the caller's ASYNCCKPT_* settings at the time of the save
-    progress: bool
-    guard: PublishGuard | None = None  # checked right before the file is published
 
 
 class WriterProcess:
@@ -209,14 +131,14 @@ class WriterProcess:
         self.pid = self.process.pid
         self.jobs = 0  # writes this child has finished, successfully or not
         self.lost: str | None = None  # why this child can no longer write
-        self._channel = _Channel(ours)
+        self._channel = Channel(ours)
         self._mapped: set[int] = set()
         self._lock = threading.Lock()
 
     def write(
         self,
         payload: bytes,
-        job: _WriteJob,
+        job: WriteJob,
         where: str,
         progress: Callable[[int], None] | None,
     ) -> int:
@@ -248,9 +170,9 @@ class WriterProcess:
             self._channel.sock.close()
 
     def _exchange(
-        self, payload: bytes, job: _WriteJob, progress: Callable[[int], None] | None
+        self, payload: bytes, job: WriteJob, progress: Callable[[int], None] | None
     ) -> tuple[Any, ...]:
-        from asyncckpt._engine.snapshot import shared_regions
+        from asyncckpt._engine.arena import shared_regions
 
         regions = {r.ident: r for r in shared_regions()}
         self._mapped &= set(regions)
@@ -350,8 +272,9 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _child_environ() -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(_CHILD_FIXED_ENV)
+    """The caller's environment without its ``ASYNCCKPT_*`` variables: the child's
+    tunables come with each job."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
     here = os.path.dirname(_PACKAGE_DIR)
     env["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [env.get("PYTHONPATH")])])
     return env
@@ -369,47 +292,51 @@ def wanted(options: WriteOptions) -> bool:
     """Whether saves with ``options`` should stage into shared memory for a child to write.
 
     Example:
-        >>> from asyncckpt._api.dropin import write_options
-        >>> wanted(write_options("zstd"))
+        >>> from asyncckpt._engine.encode import WriteOptions
+        >>> wanted(WriteOptions("zstd", Settings(writer_processes=0)))
         False
     """
-    from asyncckpt._engine.snapshot import shared_memory_supported
+    from asyncckpt._engine.arena import shared_memory_supported
 
     if not options.processes:
         return False
     if not shared_memory_supported():
-        _warn_once("writer_processes=1 needs memfd (Linux); writing on threads instead")
+        _warn_once("writer_processes=1 needs memfd (Linux); writing on threads instead", options)
         return False
     return True
 
 
-def shares_arenas() -> bool:
-    """Whether arenas go in shared memory: writer processes are on (``writer_processes``)
-    and memfd exists. Saves written on threads take such an arena as well.
+def shares_arenas(settings: Settings) -> bool:
+    """Whether arenas go in shared memory: writer processes are on (``writer_processes`` of
+    ``settings``) and memfd exists. Saves written on threads take such an arena as well.
 
     Example:
-        >>> isinstance(shares_arenas(), bool)
+        >>> isinstance(shares_arenas(Settings()), bool)
         True
     """
-    from asyncckpt._engine.snapshot import shared_memory_supported
+    from asyncckpt._engine.arena import shared_memory_supported
 
-    return config.tunable("writer_processes", None) == 1 and shared_memory_supported()
+    return settings.writer_processes == 1 and shared_memory_supported()
 
 
-def start() -> Future[WriterProcess]:
+def start(settings: Settings) -> Future[WriterProcess]:
     """Start the writer process if none is running; return it (as a future: it may still
     be starting). A dedicated thread starts it: on Linux the child's death signal follows
     the thread that started it, which must live as long as the process.
 
+    Args:
+        settings: those of the save that needs it; the child runs their ``writer_nice``
+            below the caller's main thread.
+
     Example:
-        >>> process = start().result()
+        >>> process = start(Settings()).result()
         >>> process.pid != os.getpid()
         True
     """
     global _current
     with _lock:
         if _current is None or _broken(_current):
-            nice = config.tunable("writer_nice", None)
+            nice = settings.writer_nice
             _current = workers.pool("writer-process", 1).submit(WriterProcess, nice)
         return _current
 
@@ -489,7 +416,7 @@ def write(
         StorageError: the backend failed (the target is untouched).
 
     Example:
-        >>> import tempfile, os
+        >>> import tempfile, os, torch
         >>> from asyncckpt._api.dropin import stage, write_options
         >>> from asyncckpt._storage import LocalStorage
         >>> snap = stage({"w": torch.ones(2)})
@@ -498,20 +425,20 @@ def write(
         True
         >>> snap.lease.release()
     """
-    from asyncckpt._engine.snapshot import SnapshotFailedError, shared_regions
+    from asyncckpt._engine.arena import shared_regions
 
     refs = _layout(snap) if wanted(options) else None
     reason = _unwritable(storage) if refs is not None else "an arena not in shared memory"
     if not options.processes or reason is not None:
         if options.processes and reason is not None:
-            _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead")
+            _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead", options)
         return write_snapshot(snap, storage, path, options, progress, guard)
     assert refs is not None
     failure = snap.copy_error()
     if failure is not None:
         raise SnapshotFailedError(f"the snapshot copy failed: {failure!r}")
     snap.wait_copied()
-    job = _WriteJob(
+    job = WriteJob(
         storage,
         path,
         options,
@@ -520,17 +447,17 @@ def write(
         snap.arrays,
         refs,
         frozenset(r.ident for r in shared_regions()),
-        {k: v for k, v in os.environ.items() if k.startswith("ASYNCCKPT_")},
         progress is not None,
         guard,
     )
     try:
         payload = pickle.dumps(("write", job), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        _warn_once(f"writer_processes=1: {storage!r} cannot be sent to a process ({exc})")
+        _warn_once(f"writer_processes=1: {storage!r} cannot be sent to a process ({exc})", options)
         return write_snapshot(snap, storage, path, options, progress, guard)
     try:
-        return start().result().write(payload, job, storage.describe(path), progress)
+        process = start(options.settings).result()
+        return process.write(payload, job, storage.describe(path), progress)
     except WriterProcessError:
         _remove_temp_files(storage, path)
         raise
@@ -545,9 +472,9 @@ def _remove_temp_files(storage: Storage, path: str) -> None:
                 storage.delete(storage.join(head, name))
 
 
-def _layout(snap: Snapshot) -> list[_StagedRef] | None:
+def _layout(snap: Snapshot) -> list[StagedRef] | None:
     """Where each staged storage lies in shared memory; None if one lies elsewhere."""
-    from asyncckpt._engine.snapshot import shared_region
+    from asyncckpt._engine.arena import shared_region
 
     refs = []
     for staged in snap.storages:
@@ -556,7 +483,7 @@ def _layout(snap: Snapshot) -> list[_StagedRef] | None:
         if n and found is None:
             return None
         arena, offset = (found[0].ident, found[1]) if found else (0, 0)
-        refs.append(_StagedRef(arena, offset, n, staged.itemsize, staged.is_float, staged.device))
+        refs.append(StagedRef(arena, offset, n, staged.itemsize, staged.is_float, staged.device))
     return refs
 
 
@@ -566,15 +493,15 @@ def _unwritable(storage: Storage) -> str | None:
     return None
 
 
-def _warn_once(message: str) -> None:
+def _warn_once(message: str, options: WriteOptions) -> None:
     """Say once why a write stays on threads: a warning if the caller asked for the writer
-    process (``ASYNCCKPT_WRITER_PROCESSES`` is set), else a debug message, since falling
+    process (``writer_processes`` given, not defaulted), else a debug message, since falling
     back is then the default's documented behaviour (``memory://``, file objects)."""
     with _lock:
         if message in _warned:
             return
         _warned.add(message)
-    explicit = "ASYNCCKPT_WRITER_PROCESSES" in os.environ
+    explicit = "writer_processes" in options.settings.given
     log.log(logging.WARNING if explicit else logging.DEBUG, "%s", message)
 
 
@@ -592,132 +519,3 @@ def _forget_after_fork() -> None:
 
 
 workers.after_fork_in_child(_forget_after_fork)
-
-
-# ----------------------------------------------------------------------------- the child
-
-
-@dataclass(frozen=True)
-class _ChildStaged:
-    """One staged storage, as the child sees it: a view of a mapped arena."""
-
-    buffer: memoryview
-    itemsize: int
-    is_float: bool
-    device: str
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.buffer)
-
-    def view(self) -> memoryview:
-        return self.buffer
-
-
-@dataclass(frozen=True)
-class _ChildSnapshot:
-    """A staged state the caller copied completely before sending the job."""
-
-    root: Any
-    tensors: Sequence[TensorEntry]
-    arrays: Sequence[ArrayEntry]
-    storages: Sequence[_ChildStaged]
-
-    def wait_staged(self, index: int, end: int) -> None:
-        """Nothing to wait for: the caller sends a job once its copy has ended."""
-
-    def copied(self) -> bool:
-        return True
-
-
-def serve(fd: int, parent: int) -> None:
-    """The child's main loop: map arenas and run writes until the socket closes.
-
-    Args:
-        fd: the child's end of the socket pair.
-        parent: the caller's pid; the child exits if that process is already gone.
-    """
-    _die_with(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(_CHILD_FIXED_ENV)
-    channel = _Channel(socket.socket(fileno=fd))
-    arenas: dict[int, memoryview] = {}
-    while True:
-        try:
-            message, fds = channel.receive()
-        except (EOFError, OSError):
-            return
-        if message[0] == "map":
-            arenas[message[1]] = _mapped(fds[0], message[2])
-        elif message[0] == "write":
-            _serve_write(message[1], arenas, channel)
-
-
-def _serve_write(job: _WriteJob, arenas: dict[int, memoryview], channel: _Channel) -> None:
-    for ident in set(arenas) - job.live_arenas:
-        del arenas[ident]  # the caller freed it: unmap
-    _apply_environ(job.environ)
-    try:
-        staged = [_staged(ref, arenas) for ref in job.storages]
-        snap = _ChildSnapshot(job.root, job.tensors, job.arrays, staged)
-        report = (lambda n: channel.send_message(("progress", n))) if job.progress else None
-        size = write_snapshot(snap, job.storage, job.path, job.options, report, job.guard)
-    except Exception as exc:
-        channel.send_message(("failed", *_portable(exc)))
-    else:
-        channel.send_message(("done", size))
-
-
-def _portable(exc: BaseException) -> tuple[list[bytes | None], str, str]:
-    """``exc`` and its causes, each pickled (None if it cannot be), a one-line summary, and
-    the traceback. One that pickles but does not unpickle (a custom ``__init__``
-    signature) is dropped by the parent's :func:`_unpickled`, which never raises."""
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    blobs: list[bytes | None] = []
-    link: BaseException | None = exc
-    while link is not None and len(blobs) < _MAX_CAUSES:
-        try:
-            blobs.append(pickle.dumps(link, protocol=pickle.HIGHEST_PROTOCOL))
-        except Exception:
-            blobs.append(None)
-        link = link.__cause__
-    return blobs, f"{type(exc).__qualname__}: {exc}", text
-
-
-def _mapped(fd: int, size: int) -> memoryview:
-    import mmap
-
-    try:
-        region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)  # the mapping keeps the memory
-    return memoryview(region)
-
-
-def _staged(ref: _StagedRef, arenas: dict[int, memoryview]) -> _ChildStaged:
-    data = (
-        memoryview(b"")
-        if ref.arena == 0
-        else arenas[ref.arena][ref.offset : ref.offset + ref.nbytes]
-    )
-    return _ChildStaged(data, ref.itemsize, ref.is_float, ref.device)
-
-
-def _apply_environ(environ: dict[str, str]) -> None:
-    for key in [k for k in os.environ if k.startswith("ASYNCCKPT_")]:
-        if key not in environ:
-            del os.environ[key]
-    os.environ.update(environ)
-    os.environ.update(_CHILD_FIXED_ENV)
-
-
-def _die_with(parent: int) -> None:
-    """Ask Linux to kill this process when the caller's process ends; exit if it has."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # it died before the request above was made
-        os._exit(0)

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
-from asyncckpt import _config as config
+from asyncckpt._settings import Settings
 from asyncckpt._storage.base import (
     AtomicWriter,
     ReadHandle,
@@ -37,12 +37,20 @@ log = logging.getLogger(__name__)
 
 
 class LocalStorage(Storage):
-    """Local disk through the OS, with fsync discipline."""
+    """Local disk through the OS, with fsync discipline.
+
+    Args:
+        settings: the tunables it uses (``lock_timeout_ms``, ``writeback_mib``), resolved by
+            the entry point that built it; None: resolved now (for tools and tests).
+    """
 
     label = ""
 
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = Settings.resolve() if settings is None else settings
+
     def open_atomic(self, path: str) -> AtomicWriter:
-        return _LocalWriter(path)
+        return _LocalWriter(self, path)
 
     def size(self, path: str) -> int:
         with errors_as(self, path, "stat"):
@@ -71,7 +79,7 @@ class LocalStorage(Storage):
     def create_exclusive(self, path: str, data: bytes) -> None:
         # Write a complete temp file, then hard-link it to the target: link() fails if the
         # target exists, so the target appears whole, once, or not at all.
-        writer = _LocalWriter(path)
+        writer = _LocalWriter(self, path)
         try:
             writer.write(data)
             with errors_as(self, path, "create"):
@@ -201,7 +209,7 @@ class _LocalHandle(ReadHandle):
 
 
 @contextlib.contextmanager
-def _flocked(storage: Storage, lock_path: str) -> Iterator[None]:
+def _flocked(storage: LocalStorage, lock_path: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_path``, waiting at most ``lock_timeout_ms``.
 
     Bounded so that a writer frozen while holding the lock (SIGSTOP, a swapped-out VM)
@@ -211,21 +219,22 @@ def _flocked(storage: Storage, lock_path: str) -> Iterator[None]:
     with errors_as(storage, lock_path, "lock"):
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        _flock(fd, lock_path)
+        _flock(fd, lock_path, storage.settings.lock_timeout_ms)
         yield
     finally:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def _flock(fd: int, what: str) -> None:
-    """Take an exclusive ``flock`` on ``fd``, waiting at most ``lock_timeout_ms``.
+def _flock(fd: int, what: str, timeout_ms: int) -> None:
+    """Take an exclusive ``flock`` on ``fd``, waiting at most ``timeout_ms``
+    (``lock_timeout_ms``).
 
     Raises:
         StorageError: still locked by another holder after the timeout, or flock failed.
     """
     import fcntl
 
-    deadline = time.monotonic() + config.tunable("lock_timeout_ms", None) / 1000
+    deadline = time.monotonic() + timeout_ms / 1000
     delay = 0.001
     while True:
         try:
@@ -237,7 +246,7 @@ def _flock(fd: int, what: str) -> None:
             if time.monotonic() >= deadline:
                 raise StorageError(
                     f"{what}: still locked by another process after "
-                    f"{config.tunable('lock_timeout_ms', None)} ms (a writer frozen while "
+                    f"{timeout_ms} ms (a writer frozen while "
                     "committing?)"
                 ) from None
             time.sleep(delay)
@@ -251,7 +260,7 @@ _warned_no_dir_lock: set[str] = set()
 
 
 @contextlib.contextmanager
-def _directory_locked(storage: Storage, path: str) -> Iterator[None]:
+def _directory_locked(storage: LocalStorage, path: str) -> Iterator[None]:
     """An ``flock`` on the directory of ``path`` (the directory is created if need be).
 
     Where a directory cannot be flocked (some NFS mounts), a lock of this process instead,
@@ -277,7 +286,7 @@ def _directory_locked(storage: Storage, path: str) -> Iterator[None]:
                 with _process_lock(storage, path):
                     yield
                 return
-            _flock(fd, directory)
+            _flock(fd, directory, storage.settings.lock_timeout_ms)
         yield
     finally:
         os.close(fd)
@@ -296,18 +305,19 @@ def _warn_no_dir_lock(directory: str, exc: OSError) -> None:
 
 
 class _LocalWriter(AtomicWriter):
-    def __init__(self, target: str) -> None:
+    def __init__(self, storage: LocalStorage, target: str) -> None:
+        self.storage = storage
         self.target = target
         self.temp = temp_name(target)
         # Bytes written, and how many of them the kernel was asked to write back already.
         self.written = self.handed_over = 0
-        self.writeback_bytes = config.tunable("writeback_mib", None) << 20  # a save sets its own
-        with errors_as(LocalStorage(), target, "create"):
+        self.writeback_bytes = storage.settings.writeback_mib << 20  # a save sets its own
+        with errors_as(storage, target, "create"):
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
             self.file: BinaryIO = open(self.temp, "xb", buffering=0)  # noqa: SIM115
 
     def write(self, data: bytes | memoryview) -> None:
-        with errors_as(LocalStorage(), self.temp, "write"):
+        with errors_as(self.storage, self.temp, "write"):
             view = memoryview(data)
             self.written += view.nbytes
             while view:
@@ -331,7 +341,7 @@ class _LocalWriter(AtomicWriter):
 
     def commit(self) -> None:
         try:
-            with errors_as(LocalStorage(), self.target, "commit"):
+            with errors_as(self.storage, self.target, "commit"):
                 os.fsync(self.file.fileno())
                 self.file.close()
                 with self.publishing():

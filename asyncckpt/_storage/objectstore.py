@@ -24,8 +24,8 @@ at once with :class:`~asyncckpt.errors.StorageError` naming the bucket and key. 
 and log lines never contain credentials: known secrets and credential-shaped strings are
 redacted, and a backend exception that carried one is not chained.
 
-Tunables (argument > ``ASYNCCKPT_*`` environment variable > default, see
-:mod:`asyncckpt._config`): ``part_bytes``, ``part_concurrency``, ``retry_attempts``,
+Tunables (argument > the storage's :class:`~asyncckpt._settings.Settings`, resolved by
+the entry point that built it): ``part_bytes``, ``part_concurrency``, ``retry_attempts``,
 ``retry_deadline_s``, ``retry_backoff_ms``.
 """
 
@@ -45,7 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from asyncckpt import _config as config
+from asyncckpt._settings import Settings
 from asyncckpt._storage.base import AtomicWriter, ReadHandle, Storage, temp_name
 from asyncckpt._threads import pool
 from asyncckpt.errors import (
@@ -54,6 +54,7 @@ from asyncckpt.errors import (
     ConflictError,
     FileReplacedError,
     FormatError,
+    RangeNotSatisfiable,
     StorageError,
 )
 
@@ -275,10 +276,6 @@ def _warn_markers_unreadable(label: str, bucket: str, exc: BaseException) -> Non
     )
 
 
-class RangeNotSatisfiable(StorageError):
-    """A ranged read started at or past the end of the object (read as empty)."""
-
-
 _CREDENTIAL_PATTERNS = (
     (re.compile(r"\b(AKIA|ASIA|AROA|AIDA)[A-Z0-9]{12,}\b"), r"\1****"),
     (re.compile(r"(Signature=)[0-9a-fA-F]{16,}"), r"\1****"),
@@ -384,6 +381,7 @@ class ObjectStorage(Storage):
         allow_unconditional: use a store that does not honour them anyway (unsafe with two
             writers on one root; the ``unsafe_unconditional_writes`` storage option).
         label: the URL prefix used in messages (default ``s3://``).
+        settings: the tunables the arguments above do not set (None: resolved now).
 
     Paths are ``bucket/key`` (no scheme), as :func:`asyncckpt._storage.resolve` returns.
     """
@@ -400,6 +398,7 @@ class ObjectStorage(Storage):
         conditional_writes: bool | None = None,
         allow_unconditional: bool = False,
         label: str = "s3://",
+        settings: Settings | None = None,
     ) -> None:
         if not callable(getattr(fs, "call_s3", None)):
             raise TypeError(
@@ -409,16 +408,14 @@ class ObjectStorage(Storage):
         self.label = label
         # An in-memory store (the test suite's s3mem://) cannot be written by another process.
         self.process_local = bool(getattr(fs, "process_local", False))
-        self._explicit: dict[str, int | None] = {
-            "part_bytes": part_bytes,
-            "part_concurrency": part_concurrency,
-            "retry_attempts": retry_attempts,
-            "retry_deadline_s": retry_deadline_s,
-            "retry_backoff_ms": retry_backoff_ms,
-        }
-        for name, value in self._explicit.items():
-            if value is not None:
-                config.tunable(name, value)  # validate now
+        base = Settings.resolve() if settings is None else settings
+        self.settings = base.replace(  # validated now
+            part_bytes=part_bytes,
+            part_concurrency=part_concurrency,
+            retry_attempts=retry_attempts,
+            retry_deadline_s=retry_deadline_s,
+            retry_backoff_ms=retry_backoff_ms,
+        )
         self.conditional_writes = conditional_writes
         self.allow_unconditional = allow_unconditional
         self._probe_lock = threading.Lock()
@@ -444,8 +441,9 @@ class ObjectStorage(Storage):
     # -- settings and plumbing --------------------------------------------------------------
 
     def setting(self, name: str) -> int:
-        """A tunable as this storage uses it now (argument > environment > default)."""
-        return config.tunable(name, self._explicit[name])
+        """A tunable as this storage uses it (argument > its settings)."""
+        value: int = getattr(self.settings, name)
+        return value
 
     def policy(self) -> RetryPolicy:
         """The retry policy for the next request."""

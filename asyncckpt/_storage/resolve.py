@@ -14,6 +14,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from asyncckpt._settings import Settings
 from asyncckpt._storage.base import UNSAFE_UNCONDITIONAL_WRITES, Storage
 from asyncckpt._storage.generic import FsspecStorage
 from asyncckpt._storage.local import LocalStorage
@@ -22,13 +23,17 @@ from asyncckpt.errors import StorageError
 
 
 def resolve(
-    f: str | os.PathLike[str], storage_options: dict[str, Any] | None
+    f: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None,
+    settings: Settings | None = None,
 ) -> tuple[Storage, str]:
     """Turn a user's path, PathLike or fsspec URL into ``(storage, path)``.
 
     Args:
         f: a local path, ``os.PathLike``, or URL such as ``memory://ckpt/x`` or ``file:///x``.
         storage_options: keyword arguments for the fsspec filesystem (e.g. an endpoint).
+        settings: the tunables the storage uses, resolved by the entry point (None:
+            resolved now, a convenience for tools and tests).
 
     Returns:
         The storage backend and the path within it.
@@ -45,8 +50,10 @@ def resolve(
             f"expected a path, os.PathLike or fsspec URL, got {type(f).__qualname__}; "
             "file objects are not supported because writes must be atomic"
         )
+    if settings is None:
+        settings = Settings.resolve()
     if "://" not in f:
-        return LocalStorage(), os.path.abspath(f)
+        return LocalStorage(settings), os.path.abspath(f)
     options = dict(storage_options or {})
     unsafe = bool(options.pop(UNSAFE_UNCONDITIONAL_WRITES, False))
     try:
@@ -54,11 +61,12 @@ def resolve(
     except (ImportError, ValueError) as exc:
         raise StorageError(f"cannot open {f.split('://')[0]}:// storage: {exc}") from exc
     if isinstance(fs, LocalFileSystem):
-        return LocalStorage(), os.path.abspath(path)  # the OS resolves "//", "." and ".."
+        return LocalStorage(settings), os.path.abspath(path)  # the OS resolves "//", "." and ".."
     _refuse_ambiguous(f, path)
     if is_object_store(fs):  # s3:// (and wrappers of it): no renames, see objectstore.py
         label = f[: f.rindex("://") + 3]
-        return ObjectStorage(fs, label=label, allow_unconditional=unsafe), path
+        storage = ObjectStorage(fs, label=label, allow_unconditional=unsafe, settings=settings)
+        return storage, path
     return FsspecStorage(fs), path
 
 

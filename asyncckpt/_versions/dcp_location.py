@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from asyncckpt._format.index import METADATA_NAME
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._versions.protocol import parse_step, read_commit_strict
 
@@ -26,14 +27,22 @@ class CheckpointLocation:
         ('memory://ckpt/3', '/ckpt/3/.metadata')
     """
 
-    def __init__(self, url: str | os.PathLike[str], storage_options: Any = None) -> None:
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        storage_options: Any = None,
+        settings: Settings | None = None,
+    ) -> None:
         self._storage_options = dict(storage_options or {})
+        #: The entry point's settings; they travel with a pickled location, so the storage
+        #: opened on the other side is built with them, not that process's environment.
+        self._settings = Settings.resolve() if settings is None else settings
         self._open(url)
 
     def _open(self, url: str | os.PathLike[str]) -> None:
         self._url = os.fspath(url)
         self._storage: Storage
-        self._storage, self._path = resolve(self._url, self._storage_options)
+        self._storage, self._path = resolve(self._url, self._storage_options, self._settings)
         #: The commit object's name when known (a caller read the version's COMMIT).
         self._metadata_name: str | None = None
 

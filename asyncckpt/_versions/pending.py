@@ -43,8 +43,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from asyncckpt import _config as config
 from asyncckpt import _threads as workers
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import (
     MAX_PENDING_BYTES,
@@ -257,7 +257,7 @@ def _superseded(
     )
 
 
-def begin(storage: Storage, path: str) -> MarkerCheck | None:
+def begin(storage: Storage, path: str, *, settings: Settings) -> MarkerCheck | None:
     """Write the marker of a save of ``path`` that is starting (before ``save`` returns).
 
     If this process already has a save of ``path`` in flight whose marker is still its
@@ -267,6 +267,7 @@ def begin(storage: Storage, path: str) -> MarkerCheck | None:
     Args:
         storage: where ``path`` is.
         path: the file being saved.
+        settings: the save's; the marker beats every ``lease_renew_ms``.
 
     Returns:
         The save's publish guard (pass it to the write, then to :func:`finish`); None
@@ -298,7 +299,7 @@ def begin(storage: Storage, path: str) -> MarkerCheck | None:
                 _live_tokens.discard(slot.token)  # superseded by another process
         slot.storage, slot.path, slot.token, slot.count = storage, path, token, 1
         slot.record, slot.tag, slot.beating = record, tag, True
-        slot.renew_s = config.tunable("lease_renew_ms", None) / 1000
+        slot.renew_s = settings.lease_renew_ms / 1000
         slot.due = time.monotonic() + slot.renew_s
     _start_heartbeat()
     return MarkerCheck(storage, path, token)
@@ -459,7 +460,9 @@ workers.after_fork_in_child(_forget_after_fork)
 DEAD_WRITER_CHOICES = ("raise", "load")
 
 
-def wait_for_saves(storage: Storage, path: str, dead_writer: str = "raise") -> None:
+def wait_for_saves(
+    storage: Storage, path: str, dead_writer: str = "raise", *, settings: Settings
+) -> None:
     """Return once no drop-in save of ``path`` is in flight in any process.
 
     One read of the marker when there is none (the common case). While there is one, it
@@ -471,6 +474,7 @@ def wait_for_saves(storage: Storage, path: str, dead_writer: str = "raise") -> N
         dead_writer: ``"raise"``: a save whose writer is dead raises; ``"load"``: it is
             logged (a warning) and this returns, so that the file is loaded as it is (the
             previous save's state): for a job resuming after that very writer crashed.
+        settings: the load's; a marker unchanged for ``lease_expiry_ms`` is a dead writer's.
 
     Raises:
         CheckpointTimeoutError: the saving process is dead: it ran on this machine and is
@@ -489,7 +493,7 @@ def wait_for_saves(storage: Storage, path: str, dead_writer: str = "raise") -> N
         return
     started = changed = next_log = time.monotonic()
     next_log += _LOG_EVERY_S
-    expiry = config.tunable("lease_expiry_ms", None) / 1000
+    expiry = settings.lease_expiry_ms / 1000
     delay, seen = _POLL_FIRST_S, raw
     while raw is not None:
         record = decode_pending(raw)
@@ -500,7 +504,7 @@ def wait_for_saves(storage: Storage, path: str, dead_writer: str = "raise") -> N
         if gone is None and now - changed >= expiry:
             gone = (
                 f"its marker has not changed for {now - changed:.1f} s (lease_expiry_ms="
-                f"{config.tunable('lease_expiry_ms', None)}), so it died, froze or lost "
+                f"{settings.lease_expiry_ms}), so it died, froze or lost "
                 "its storage"
             )
         if gone is not None:

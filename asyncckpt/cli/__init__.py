@@ -25,15 +25,13 @@ entry point); one per command group (:mod:`~asyncckpt.cli.ls`, :mod:`~asyncckpt.
 locating checkpoints).
 """
 
-from asyncckpt._convert.safetensors import SafetensorsError, read_safetensors, write_safetensors
+from asyncckpt._convert.safetensors import read_safetensors, write_safetensors
 from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
-    CommandFailed,
     FileRef,
     RootRef,
-    UsageError,
     locate,
     parse_storage_options,
     plural,
@@ -41,6 +39,7 @@ from asyncckpt.cli.common import (
 from asyncckpt.cli.formats import FORMATS, format_of, load_ackpt, load_torch, save_ackpt, save_torch
 from asyncckpt.cli.main import build_parser, main
 from asyncckpt.cli.verify import BadChunk, FileReport, verify_file
+from asyncckpt.errors import CommandFailed, SafetensorsError, UsageError
 
 __all__ = [
     "EXIT_FAILURE",

@@ -21,17 +21,15 @@ from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
     Subparsers,
-    UsageError,
     display,
     emit,
     new_command,
     plural,
     progress,
     table,
-    threads,
 )
 from asyncckpt.cli.formats import load_torch, save_torch
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import AsyncCkptError, UsageError
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -226,7 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise UsageError("asyncckpt bench: --size-mib must be positive and --repeat at least 1")
     state = _bench_state(int(args.size_mib * (1 << 20)), getattr(torch, args.dtype))
     folder_url = _url_join(args.url, f"asyncckpt-bench-{uuid.uuid4().hex[:8]}")
-    storage, folder = resolve(folder_url, args.options)
+    storage, folder = resolve(folder_url, args.options, args.settings)
     bench = _Bench(args, state, storage, folder, folder_url)
     bench.run()
     results = bench.results()
@@ -236,7 +234,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "raw_bytes": bench.raw,
         "dtype": args.dtype,
         "repeat": args.repeat,
-        "threads": threads(),
+        "threads": args.settings.threads,
         "results": results,
         "stored_bytes": bench.sizes,
         "plot": plot,

@@ -39,6 +39,7 @@ from asyncckpt.errors import (
     CheckpointNotFoundError,
     FormatError,
     IncompleteCheckpointError,
+    UsageError,
 )
 
 log = logging.getLogger(__name__)
@@ -47,14 +48,6 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 #: The type ``ArgumentParser.add_subparsers`` returns (each command module adds to it).
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
-
-
-class UsageError(Exception):
-    """The command line is wrong (exit status 2)."""
-
-
-class CommandFailed(Exception):
-    """The command ran and its outcome is a failure (exit status 1); output is printed."""
 
 
 # -- the parser -----------------------------------------------------------------------------

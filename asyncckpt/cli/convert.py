@@ -15,7 +15,6 @@ from asyncckpt._convert.consolidate import (
     write_safetensors_stream,
 )
 from asyncckpt._convert.safetensors import (
-    SafetensorsError,
     _metadata,
     flat_tensors,
     read_safetensors,
@@ -33,7 +32,6 @@ from asyncckpt.cli.common import (
     FileRef,
     RootRef,
     Subparsers,
-    UsageError,
     add_max_bytes,
     display,
     emit,
@@ -53,6 +51,7 @@ from asyncckpt.cli.formats import (
     save_torch,
     sniff,
 )
+from asyncckpt.errors import SafetensorsError, UsageError
 
 
 def add_parser(sub: Subparsers) -> None:

@@ -20,8 +20,8 @@ from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
 from asyncckpt._engine.encode import write_snapshot
 from asyncckpt._format.container import MAGIC
 from asyncckpt._storage import AtomicWriter, LocalStorage, ReadHandle, Storage
-from asyncckpt.cli.common import FileRef, UsageError, threads
-from asyncckpt.errors import AsyncCkptError, FormatError
+from asyncckpt.cli.common import FileRef, threads
+from asyncckpt.errors import AsyncCkptError, FormatError, UsageError
 
 #: Checkpoint formats ``convert`` knows, and the file extensions that select them.
 FORMATS: dict[str, tuple[str, ...]] = {

@@ -23,13 +23,13 @@ from asyncckpt._versions.protocol import (
 from asyncckpt.cli.common import (
     EXIT_OK,
     Subparsers,
-    UsageError,
     emit,
     locate,
     need_root,
     new_command,
     version_info,
 )
+from asyncckpt.errors import UsageError
 
 
 def add_parser(sub: Subparsers) -> None:

@@ -14,20 +14,19 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from asyncckpt._settings import Settings
 from asyncckpt._version import __version__
 from asyncckpt.cli import bench, convert, gc, inspect, ls, verify
 from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
-    CommandFailed,
     Parser,
-    UsageError,
     add_common_options,
     log,
     parse_storage_options,
 )
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import AsyncCkptError, CommandFailed, UsageError
 
 #: The subcommands, in the order ``--help`` lists them.
 COMMANDS = (ls, inspect, verify, gc, convert, bench)
@@ -107,6 +106,7 @@ def _run(args_list: list[str]) -> int:
     if args.verbose and not args.debug:
         log.setLevel(logging.INFO)
     args.options = parse_storage_options(args.storage_option)
+    args.settings = Settings.resolve()  # once per command: ASYNCCKPT_* > defaults
     code: int = args.run(args)
     return code
 

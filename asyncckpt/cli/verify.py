@@ -17,11 +17,9 @@ from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import committed_steps, read_version_file, step_dirs
 from asyncckpt.cli.common import (
     EXIT_OK,
-    CommandFailed,
     FileRef,
     RootRef,
     Subparsers,
-    UsageError,
     add_max_bytes,
     chosen_step,
     display,
@@ -39,9 +37,11 @@ from asyncckpt.cli.formats import reject_other_format
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
+    CommandFailed,
     FileReplacedError,
     FormatError,
     MemoryBudgetError,
+    UsageError,
 )
 
 #: How many bytes of chunks ``verify_file`` holds at once, at most (or one chunk if larger).

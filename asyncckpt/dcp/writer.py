@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from asyncckpt import _config as config
 from asyncckpt._api.dropin import write_options
+from asyncckpt._engine.arena import ArenaPool
 from asyncckpt._engine.encode import write_snapshot
-from asyncckpt._engine.snapshot import ArenaPool, DeviceCopies, Snapshot, StagedStorage
+from asyncckpt._engine.snapshot import DeviceCopies, Snapshot, StagedStorage
 from asyncckpt._format.container import TensorEntry
 from asyncckpt._format.index import (
     ItemLocation,
@@ -46,6 +46,7 @@ from asyncckpt._format.index import (
     item_key,
 )
 from asyncckpt._format.tree import dtype_name
+from asyncckpt._settings import Settings
 from asyncckpt._threads import pool
 from asyncckpt._versions.dcp_location import CheckpointLocation
 from asyncckpt.errors import AsyncCkptError, ConflictError, IncompleteCheckpointError
@@ -99,9 +100,9 @@ class Writer(CheckpointLocation, StorageWriter):
         compression: str = "zstd",
     ) -> None:
         StorageWriter.__init__(self)
-        self._options = write_options(compression)  # validates `compression` now
-        self._compression = compression
-        CheckpointLocation.__init__(self, url, storage_options)
+        settings = Settings.resolve()  # once: the entry point (argument > environment)
+        self._options = write_options(compression, settings)  # validates `compression` now
+        CheckpointLocation.__init__(self, url, storage_options, settings)
         self._save_id = uuid.uuid4().hex
         self._attempt = uuid.uuid4().hex
         self._coordinator = True
@@ -135,7 +136,6 @@ class Writer(CheckpointLocation, StorageWriter):
         # A fresh token per attempt, so a retry into the same directory never writes over
         # the files of an earlier (failed or still running) attempt.
         self._attempt = uuid.uuid4().hex
-        self._options = write_options(self._compression)  # tunables are read per save
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Fail early, before anything is written, if the directory is already committed.
@@ -277,7 +277,7 @@ class Writer(CheckpointLocation, StorageWriter):
                 return f"{self._storage.describe(path)} is {found} bytes, written as {size}"
             return None
 
-        workers = pool("dcp-check", config.tunable("threads", None))
+        workers = pool("dcp-check", self._settings.threads)
         futures = [workers.submit(check, name, size) for name, size in files.items()]
         problems = [p for p in (f.result() for f in futures) if p is not None]
         if problems:

@@ -7,13 +7,13 @@ Usable from any project's tests:
   :class:`FaultPlan`; :class:`MemoryS3FileSystem` (``s3mem``) serves the S3 API from
   memory for link simulations.
 * :mod:`~asyncckpt.testing.servers` — real S3 servers on loopback: :class:`MotoServer`
-  and :class:`SeaweedServer`; and :class:`FaultProxy`, an HTTP proxy in front of either
-  that holds requests or loses their responses on the wire.
+  and :class:`SeaweedServer`; :mod:`~asyncckpt.testing.proxy` — :class:`FaultProxy`, an
+  HTTP proxy in front of either that holds requests or loses their responses on the wire.
 * :mod:`~asyncckpt.testing.conformance` — :class:`StorageConformanceSuite`, the tests
   every :class:`~asyncckpt._storage.Storage` backend passes.
 
 Modules depend downwards only: ``conformance`` and ``servers`` do not import each other,
-and ``faults`` imports neither.
+``proxy`` imports ``servers``, ``faults`` imports ``s3mem`` (its S3 errors) only.
 
 Example:
     >>> from asyncckpt.testing import Fault, FaultPlan
@@ -37,16 +37,15 @@ from asyncckpt.testing.faults import (
     FaultEvent,
     FaultPlan,
     FaultyFileSystem,
-    MemoryS3FileSystem,
     random_faults,
 )
+from asyncckpt.testing.proxy import FaultProxy, ProxyRule
+from asyncckpt.testing.s3mem import MemoryS3FileSystem
 from asyncckpt.testing.servers import (
     FAKE_ACCESS_KEY,
     FAKE_SECRET_KEY,
-    FaultProxy,
     LocalS3Server,
     MotoServer,
-    ProxyRule,
     SeaweedServer,
     fake_aws_environment,
     find_weed,

@@ -1,4 +1,4 @@
-"""Fault injection for any fsspec filesystem, and an in-process S3 API for simulations.
+"""Fault injection for any fsspec filesystem.
 
 * :class:`FaultyFileSystem` — an fsspec filesystem that wraps another one (local, memory,
   S3 ...) and, following a :class:`FaultPlan`, fails chosen calls (the Nth call of an
@@ -17,8 +17,9 @@
   ``create_multipart_upload``, ``upload_part``, ``complete_multipart_upload``,
   ``abort_multipart_upload``, ``head_object``, ``list_objects_v2``, ``delete_objects`` ...;
   ranged reads are ``cat_file``).
-* :class:`MemoryS3FileSystem` — the S3 calls asyncckpt makes, served from memory (the
-  ``s3mem`` protocol), to simulate links behind ``faulty::`` without a server's own cost.
+* :class:`~asyncckpt.testing.s3mem.MemoryS3FileSystem` (in its own module) — the S3 calls
+  asyncckpt makes, served from memory (the ``s3mem`` protocol), to simulate links behind
+  ``faulty::`` without a server's own cost.
 
 These fail requests *inside* the client process, at the fsspec call. To fail them on the
 wire, between a real client and a real server, use :class:`asyncckpt.testing.FaultProxy`.
@@ -29,11 +30,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import errno
-import hashlib
 import random
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +41,7 @@ import fsspec
 from fsspec.implementations.chained import ChainedFileSystem
 
 from asyncckpt._storage.objectstore import is_object_store, ranged_get
+from asyncckpt.testing.s3mem import s3_error
 
 __all__ = [
     "FAULT_KINDS",
@@ -51,7 +51,6 @@ __all__ = [
     "FaultEvent",
     "FaultPlan",
     "FaultyFileSystem",
-    "MemoryS3FileSystem",
     "random_faults",
 ]
 
@@ -285,7 +284,7 @@ def _injected(kind: str, op: str, call: int, s3: bool) -> BaseException:
     if kind in s3_errors:
         code, status, message = s3_errors[kind]
         if s3:
-            return _s3_error(code, status, f"{message} {where}", op)
+            return s3_error(code, status, f"{message} {where}", op)
         plain: dict[str, BaseException] = {
             "slowdown": OSError(errno.EBUSY, f"{message} {where}"),
             "server-error": OSError(errno.EIO, f"{message} {where}"),
@@ -526,187 +525,3 @@ class _FaultyFile:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
-
-
-# -- an in-process S3 API, for simulations --------------------------------------------------
-
-
-def _s3_error(code: str, status: int, message: str, op: str, **extra: str) -> BaseException:
-    """The exception s3fs raises for an S3 error response (a ClientError, translated)."""
-    try:
-        from botocore.exceptions import ClientError
-    except ImportError:  # pragma: no cover - s3fs needs botocore
-        return OSError(errno.EIO, f"{code}: {message}")
-    error = ClientError(
-        {
-            "Error": {"Code": code, "Message": message, **extra},
-            "ResponseMetadata": {"HTTPStatusCode": status},
-        },
-        op,
-    )
-    try:
-        from s3fs.errors import translate_boto_error
-
-        translated: BaseException = translate_boto_error(error)
-        return translated
-    except ImportError:  # pragma: no cover
-        fallback: BaseException = error
-        return fallback
-
-
-class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
-    """The S3 calls :class:`~asyncckpt._storage.objectstore.ObjectStorage` makes, from memory.
-
-    For simulations, not for tests of S3 behaviour (use :class:`MotoServer` for those): put
-    it behind a :class:`FaultyFileSystem` to model a link's latency and bandwidth without a
-    server's own cost (``faulty::s3mem://bucket/x``). Objects live in the instance (fsspec
-    shares one instance per set of options, as for ``memory://``); buckets are created on
-    first use. Conditional creates, multipart uploads and ranged reads behave as on S3;
-    ETags are random tokens rather than MD5s, so that the store itself costs no CPU (a
-    multipart ETag is derived from its parts' ETags as S3 derives it from their MD5s).
-    """
-
-    protocol = "s3mem"
-    wraps_object_store = True
-    #: Its objects live in this process: a writer process would write into its own copy.
-    process_local = True
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._lock = threading.Lock()
-        self._objects: dict[tuple[str, str], bytes] = {}
-        self._etags: dict[tuple[str, str], str] = {}
-        self._uploads: dict[str, tuple[str, str, dict[int, tuple[bytes, str]]]] = {}
-
-    @staticmethod
-    def _etag() -> str:
-        return f'"{uuid.uuid4().hex}"'
-
-    def call_s3(self, method: str, *args: Any, **kw: Any) -> dict[str, Any]:
-        bucket, key = str(kw.get("Bucket", "")), str(kw.get("Key", ""))
-        with self._lock:
-            if method in ("create_bucket", "head_bucket"):
-                return {}
-            if method == "put_object":
-                self._check_condition(method, bucket, key, kw)
-                self._objects[(bucket, key)] = bytes(kw.get("Body") or b"")
-                self._etags[(bucket, key)] = self._etag()
-                return {"ETag": self._etags[(bucket, key)]}
-            if method == "head_object":
-                if (bucket, key) not in self._objects:
-                    raise _s3_error("404", 404, "Not Found", method)
-                data, etag = self._objects[(bucket, key)], self._etags[(bucket, key)]
-                return {"ContentLength": len(data), "ETag": etag}
-            if method == "delete_object":
-                self._objects.pop((bucket, key), None)
-                self._etags.pop((bucket, key), None)
-                return {}
-            if method == "delete_objects":
-                for item in kw["Delete"]["Objects"]:
-                    self._objects.pop((bucket, item["Key"]), None)
-                    self._etags.pop((bucket, item["Key"]), None)
-                return {}
-            if method == "list_objects_v2":
-                return self._list(bucket, kw)
-            if method == "create_multipart_upload":
-                upload_id = uuid.uuid4().hex
-                self._uploads[upload_id] = (bucket, key, {})
-                return {"UploadId": upload_id}
-            if method in ("upload_part", "complete_multipart_upload", "abort_multipart_upload"):
-                upload = self._uploads.get(str(kw.get("UploadId")))
-                if upload is None or upload[:2] != (bucket, key):
-                    raise _s3_error("NoSuchUpload", 404, "The upload does not exist", method)
-                parts = upload[2]
-                if method == "upload_part":
-                    etag = self._etag()
-                    parts[int(kw["PartNumber"])] = (bytes(kw["Body"]), etag)
-                    return {"ETag": etag}
-                del self._uploads[str(kw["UploadId"])]
-                if method == "complete_multipart_upload":
-                    self._check_condition(method, bucket, key, kw)
-                    numbers = [p["PartNumber"] for p in kw["MultipartUpload"]["Parts"]]
-                    self._objects[(bucket, key)] = b"".join(parts[n][0] for n in numbers)
-                    tags = b"".join(bytes.fromhex(parts[n][1].strip('"')) for n in numbers)
-                    etag = f'"{hashlib.md5(tags).hexdigest()}-{len(numbers)}"'
-                    self._etags[(bucket, key)] = etag
-                    return {"ETag": etag}
-                return {}
-            if method == "list_multipart_uploads":
-                prefix = str(kw.get("Prefix", ""))
-                return {
-                    "Uploads": [
-                        {"Key": k, "UploadId": u}
-                        for u, (b, k, _) in self._uploads.items()
-                        if b == bucket and k.startswith(prefix)
-                    ]
-                }
-        raise NotImplementedError(f"MemoryS3FileSystem does not implement {method}")
-
-    def _check_condition(self, method: str, bucket: str, key: str, kw: dict[str, Any]) -> None:
-        """Refuse a write whose ``IfNoneMatch``/``IfMatch`` does not hold, as S3 does."""
-        etag = self._etags.get((bucket, key))
-        if kw.get("IfNoneMatch") == "*" and etag is not None:
-            failed = "If-None-Match"
-        elif "IfMatch" in kw and etag is None:
-            raise _s3_error("NoSuchKey", 404, "The specified key does not exist.", method)
-        elif "IfMatch" in kw and kw["IfMatch"] != etag:
-            failed = "If-Match"
-        else:
-            return
-        raise _s3_error(
-            "PreconditionFailed",
-            412,
-            "At least one of the pre-conditions you specified did not hold",
-            method,
-            Condition=failed,
-        )
-
-    def _list(self, bucket: str, kw: dict[str, Any]) -> dict[str, Any]:
-        prefix, delimiter = str(kw.get("Prefix", "")), kw.get("Delimiter")
-        keys = sorted(k for b, k in self._objects if b == bucket and k.startswith(prefix))
-        contents, prefixes = [], set()
-        for key in keys:
-            rest = key[len(prefix) :]
-            if delimiter and delimiter in rest:
-                prefixes.add(prefix + rest.split(delimiter, 1)[0] + delimiter)
-            else:
-                contents.append({"Key": key, "Size": len(self._objects[(bucket, key)])})
-        limit = int(kw.get("MaxKeys", 1000))
-        return {
-            "Contents": contents[:limit],
-            "CommonPrefixes": [{"Prefix": p} for p in sorted(prefixes)][:limit],
-            "IsTruncated": False,
-        }
-
-    def asyncckpt_ranged_get(
-        self, bucket: str, key: str, start: int, end: int, if_match: str | None
-    ) -> tuple[bytes, str | None]:
-        """A ranged ``GetObject`` with ``If-Match``, as S3 answers it (412 on another ETag)."""
-        with self._lock:
-            data, etag = self._objects.get((bucket, key)), self._etags.get((bucket, key))
-        if data is None or etag is None:
-            raise _s3_error("NoSuchKey", 404, "The specified key does not exist.", "get_object")
-        if if_match is not None and if_match != etag:
-            raise _s3_error(
-                "PreconditionFailed",
-                412,
-                "At least one of the pre-conditions you specified did not hold",
-                "get_object",
-                Condition="If-Match",
-            )
-        if start >= len(data):
-            raise _s3_error("InvalidRange", 416, "The requested range is not satisfiable", "get")
-        return data[start:end], etag
-
-    def cat_file(
-        self, path: str, start: int | None = None, end: int | None = None, **kw: Any
-    ) -> Any:
-        bucket, _, key = self._strip_protocol(path).lstrip("/").partition("/")
-        with self._lock:
-            data = self._objects.get((bucket, key))
-        if data is None:
-            raise _s3_error("NoSuchKey", 404, "The specified key does not exist.", "get_object")
-        start = start or 0
-        if start >= len(data) and (start or end):
-            raise _s3_error("InvalidRange", 416, "The requested range is not satisfiable", "get")
-        return data[start:end]
