@@ -143,3 +143,8 @@ class ConflictError(AsyncCkptError):
 
 class CheckpointTimeoutError(AsyncCkptError, TimeoutError):
     """Waiting for a save to become durable, or for a step to be committed, timed out."""
+
+
+class RangeNotSatisfiable(StorageError):
+    """An object store's ranged read started at or past the end of the object (416); the
+    object stores read it as empty, or as a sign that a shorter object replaced it."""
