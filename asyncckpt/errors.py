@@ -158,7 +158,8 @@ class CheckpointTimeoutError(AsyncCkptError, TimeoutError):
 
 
 class RangeNotSatisfiable(StorageError):
-    """A ranged read started at or past the end of the object (read as empty)."""
+    """An object store's ranged read started at or past the end of the object (416); the
+    object stores read it as empty, or as a sign that a shorter object replaced it."""
 
 
 class SafetensorsError(AsyncCkptError, ValueError):

@@ -24,13 +24,16 @@ Usage::
     python benchmarks/bench_storage.py [--size-mib 256] [--repeats 2] [--quick]
         [--latency-ms 20] [--bandwidth-mbps 100] [--link-mbps N] [--part-mib 8]
         [--parallel 8] [--dtype mixed|fp32|bf16] [--slow-backend memory|moto]
-        [--baseline-mib 1024] [--out benchmarks/results]
+        [--baseline-mib 1024] [--baseline-repeats 3] [--baseline-only] [--no-peers]
+        [--out benchmarks/results]
 
 It also compares asyncckpt with boto3's s3transfer (``upload_file``/``download_file``), each
 with the defaults a user gets, on the same bytes, on SeaweedFS (when ``weed`` is installed)
 at ``--baseline-mib`` sizes (64, 128 and 1024 MiB) and on moto at the smallest, reporting
-asyncckpt's throughput as a multiple of s3transfer's; beside them on SeaweedFS, the peers a
-user would pick for S3: s3torchconnector's DCP writer and reader, and tensorizer's S3 stream.
+asyncckpt's throughput as a multiple of s3transfer's (the median of ``--baseline-repeats``
+paired rounds, each ratio taken within its round, with every round's figures); beside them
+on SeaweedFS, the peers a user would pick for S3: s3torchconnector's DCP writer and reader,
+and tensorizer's S3 stream.
 
 Writes ``bench_storage.json`` and ``bench_storage.png`` under ``--out`` and prints a table.
 """
@@ -99,6 +102,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     link_bw = args.link_mbps * 1e6 if args.link_mbps else None
     results: dict[str, dict[str, Any]] = {link: {} for link in LINKS}
     errors: dict[str, str] = {}
+    if args.baseline_only:
+        return _finish(args, nbytes, results, errors, bandwidth)
     with MotoServer(min_part_bytes=min(5 * MIB, int(args.part_mib * MIB))) as server:
         server.create_bucket(BUCKET)
         s3 = server.storage_options
@@ -134,6 +139,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         )
                     except Exception as exc:  # record, keep measuring the rest
                         errors[f"{link}/{name}"] = "".join(traceback.format_exception(exc))[-2000:]
+    return _finish(args, nbytes, results, errors, bandwidth)
+
+
+def _finish(
+    args: argparse.Namespace,
+    nbytes: int,
+    results: dict[str, dict[str, Any]],
+    errors: dict[str, str],
+    bandwidth: float,
+) -> dict[str, Any]:
+    """The run's record: the links measured (none with ``--baseline-only``), the baseline."""
     wire_s = args.latency_ms / 1000 + nbytes / bandwidth
     return {
         "machine": {
@@ -148,6 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "raw_bytes": nbytes,
             "dtype": args.dtype,
             "repeats": args.repeats,
+            "baseline_repeats": args.baseline_repeats,
+            "baseline_only": args.baseline_only,
             "latency_ms": args.latency_ms,
             "bandwidth_mbps": args.bandwidth_mbps,
             "link_mbps": args.link_mbps,
@@ -306,26 +324,47 @@ def _one_size(
         for t in state.values():
             f.write(t.view(torch.uint8).numpy().tobytes())
     key = f"baseline-{uuid.uuid4().hex[:6]}"
-    up, down = s3transfer_pair(client, src, dst, f"{key}.bin")
-    ours = measure(state, f"s3://{BUCKET}", server.storage_options, None, args.repeats)
+    # Paired rounds: s3transfer, then asyncckpt, on the same bytes, round after round, so a
+    # busy moment of the machine falls on both; each ratio is taken within its round.
+    ups, downs, saves, loads, stored = [], [], [], [], 0
+    for _ in range(args.baseline_repeats):
+        up, down = s3transfer_pair(client, src, dst, f"{key}.bin")
+        ours = measure(state, f"s3://{BUCKET}", server.storage_options, None, 1)
+        ups.append(up)
+        downs.append(down)
+        saves.append(ours["save_s"])
+        loads.append(ours["load_s"])
+        stored = ours["stored_bytes"]
+    up, down = statistics.median(ups), statistics.median(downs)
+    save_ratios = [u / s for u, s in zip(ups, saves)]
+    load_ratios = [d / t for d, t in zip(downs, loads)]
     entry: dict[str, Any] = {
         "raw_bytes": raw_bytes(state),
         "s3transfer_upload_s": up,
         "s3transfer_download_s": down,
-        "save_s": ours["save_s"],
-        "load_s": ours["load_s"],
-        "stored_bytes": ours["stored_bytes"],
-        "save_vs_s3transfer": up / ours["save_s"],
-        "load_vs_s3transfer": down / ours["load_s"],
+        "save_s": statistics.median(saves),
+        "load_s": statistics.median(loads),
+        "stored_bytes": stored,
+        "save_vs_s3transfer": statistics.median(save_ratios),
+        "load_vs_s3transfer": statistics.median(load_ratios),
+        "rounds": {
+            "s3transfer_upload_s": ups,
+            "s3transfer_download_s": downs,
+            "save_s": saves,
+            "load_s": loads,
+            "save_vs_s3transfer": save_ratios,
+            "load_vs_s3transfer": load_ratios,
+        },
         "peers": {},
     }
     print(
         f"  {mib:6g} MiB s3transfer up {up:.3f} s down {down:.3f} s | asyncckpt save "
         f"{entry['save_s']:.3f} s ({entry['save_vs_s3transfer']:.2f}x) load "
-        f"{entry['load_s']:.3f} s ({entry['load_vs_s3transfer']:.2f}x)",
+        f"{entry['load_s']:.3f} s ({entry['load_vs_s3transfer']:.2f}x, rounds "
+        f"{min(load_ratios):.2f}-{max(load_ratios):.2f}x)",
         flush=True,
     )
-    if peers:
+    if peers and not args.no_peers:
         for peer, fn in (
             ("s3torchconnector DCP", s3torchconnector_pair),
             ("tensorizer S3 stream", tensorizer_pair),
@@ -517,11 +556,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[64.0, 128.0, 1024.0],
         help="sizes for the s3transfer comparison on SeaweedFS (moto: the smallest)",
     )
+    ap.add_argument(
+        "--baseline-repeats",
+        type=int,
+        default=3,
+        help="paired rounds (s3transfer, then asyncckpt) per baseline size (default 3)",
+    )
+    ap.add_argument(
+        "--baseline-only",
+        action="store_true",
+        help="only the comparison with s3transfer (and the peers), not the two links",
+    )
+    ap.add_argument("--no-peers", action="store_true", help="baseline without the S3 peers")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
     if args.quick:
         args.size_mib, args.repeats, args.part_mib = 24.0, 1, 5.0
-        args.baseline_mib = [8.0, 16.0]
+        args.baseline_mib, args.baseline_repeats = [8.0, 16.0], 1
     return args
 
 
@@ -534,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     res["note"] = closing_note(res)
     write_json(res, json_path)
     print_table(res)
-    if res["results"]["moto"] or res["results"]["slow"]:
+    if res["results"].get("moto") or res["results"].get("slow"):
         plot(res, png_path)
     if res["errors"]:
         print("\nerrors:", json.dumps(res["errors"], indent=1))

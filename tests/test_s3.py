@@ -27,13 +27,9 @@ import torch
 import asyncckpt
 from asyncckpt import Checkpointer
 from asyncckpt._storage import resolve
-from asyncckpt._storage.objectstore import (
-    ObjectStorage,
-    RetryPolicy,
-    classify,
-    multipart_etag,
-    redact,
-)
+from asyncckpt._storage.objectstore import ObjectStorage
+from asyncckpt._storage.s3multipart import multipart_etag
+from asyncckpt._storage.s3retry import RetryPolicy, classify, redact
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,

@@ -1,0 +1,60 @@
+"""Object stores: the s3fs filesystem as :class:`~asyncckpt._storage.ObjectStorage` uses it.
+
+Which filesystems are object stores, the storage options asyncckpt fills in for them
+(botocore's retries off, a connection pool sized for parallel parts and reads), and s3fs's
+own retry loop switched off, so that one retry layer sees every try.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: fsspec protocols that :func:`asyncckpt._storage.resolve` routes to an object store.
+OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a"})
+
+
+def is_object_store(fs: Any) -> bool:
+    """Whether ``fs`` is (or wraps, like ``faulty::s3``) an S3-API object store."""
+    marker = getattr(fs, "wraps_object_store", None)
+    if marker is not None:
+        return bool(marker)
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & OBJECT_STORE_PROTOCOLS) and callable(getattr(fs, "call_s3", None))
+
+
+def single_retry_layer(fs: Any) -> None:
+    """Switch off s3fs's own retry loop (``retries``) under this module's.
+
+    Two layers of retries hide lost responses from the one that decides: a ``PutObject``
+    whose response was lost and that s3fs retried returns 412 to us as if another writer
+    had won. With one layer, :meth:`ObjectStorage.request` sees every try.
+    """
+    current, depth = fs, 0
+    while current is not None and depth < 4:
+        if type(getattr(type(current), "retries", None)) is int:
+            current.retries = 1
+        current, depth = getattr(current, "fs", None), depth + 1
+
+
+def prepare_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Storage options for ``url`` with asyncckpt's defaults for S3 filled in.
+
+    botocore's own retries are switched off (unless the caller configured them) so that
+    :class:`ObjectStorage`'s policy alone decides how often and how long a request is
+    retried, and the connection pool is sized for parallel parts and reads.
+    """
+    chain = [p.split("://", 1)[0] for p in url.split("::")]
+    protocol = chain[-1] if len(chain) > 1 else chain[0]
+    if protocol not in OBJECT_STORE_PROTOCOLS:
+        return options
+    out = dict(options)
+    if len(chain) > 1:
+        target = dict(out.get(protocol) or {})
+        out[protocol] = target
+    else:
+        target = out
+    kwargs = dict(target.get("config_kwargs") or {})
+    kwargs.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+    kwargs.setdefault("max_pool_connections", 64)
+    target["config_kwargs"] = kwargs
+    return out

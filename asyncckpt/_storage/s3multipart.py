@@ -1,0 +1,241 @@
+"""Object stores: one file written as a single ``PutObject`` or a multipart upload.
+
+Up to one part (``part_bytes``) of data is one ``PutObject``, which S3 applies whole or not at
+all. Larger files are a multipart upload whose parts a pool of threads sends while the caller
+keeps writing (at most ``part_concurrency`` parts in flight, so a writer holds at most
+``(part_concurrency + 1) x part_bytes``). The object appears only when
+:meth:`ObjectWriter.commit` completes the upload; :meth:`ObjectWriter.abort`, or any failure,
+aborts it so that no parts are left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from asyncckpt._storage.base import AtomicWriter
+from asyncckpt._storage.s3retry import Attempts
+from asyncckpt._threads import pool
+from asyncckpt.errors import AsyncCkptError, CheckpointNotFoundError, StorageError
+
+if TYPE_CHECKING:  # the store creates its writers; the writer only calls back into it
+    from asyncckpt._storage.objectstore import ObjectStorage
+
+log = logging.getLogger(__name__)
+
+#: S3's limits: parts (except the last) of at least 5 MiB, at most 10,000 parts.
+MIN_PART_BYTES = 5 << 20
+MAX_PARTS = 10_000
+#: Part size doubles every this many parts, so a file of unknown size never runs out of parts.
+PARTS_PER_SIZE_STEP = 1_000
+
+
+class ObjectWriter(AtomicWriter):
+    """One object being written: a single PUT, or a multipart upload with parallel parts."""
+
+    def __init__(self, storage: ObjectStorage, path: str) -> None:
+        self.storage = storage
+        self.path = path
+        self.part_bytes = storage.settings.part_bytes
+        self.concurrency = storage.settings.part_concurrency
+        self.buffer = bytearray()
+        self.size = 0
+        self.upload_id: str | None = None
+        self.next_part = 1
+        self.etags: dict[int, str] = {}
+        self.futures: list[Future[None]] = []
+        self.slots = threading.BoundedSemaphore(self.concurrency)
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def _part_limit(self) -> int:
+        return self.part_bytes << ((self.next_part - 1) // PARTS_PER_SIZE_STEP)
+
+    def _raise_part_error(self) -> None:
+        with self.lock:
+            error = self.error
+        if error is not None:
+            raise error
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self.finished:
+            raise StorageError(f"{self.storage.describe(self.path)}: write after commit/abort")
+        self._raise_part_error()
+        view = memoryview(data).cast("B")
+        while len(view):
+            limit = self._part_limit()
+            if len(self.buffer) >= limit:  # a full part is sent only once more data comes,
+                self._send_part()  # so a file of exactly one part stays a single PUT
+                continue
+            take = view[: limit - len(self.buffer)]
+            self.buffer += take
+            self.size += len(take)
+            view = view[len(take) :]
+
+    def _send_part(self) -> None:
+        if self.next_part > MAX_PARTS:
+            raise StorageError(
+                f"{self.storage.describe(self.path)}: more than {MAX_PARTS} parts; "
+                "raise the part_bytes tunable"
+            )
+        if self.upload_id is None:
+            attempts = Attempts()
+            try:
+                started = self.storage.call(
+                    "start upload", self.path, "create_multipart_upload", attempts, Key=None
+                )
+            except AsyncCkptError:
+                if attempts.failed_transiently:  # a try whose response was lost may have
+                    self._abort_strays(None)  # started an upload that nobody knows of
+                raise
+            self.upload_id = str(started["UploadId"])
+            if attempts.failed_transiently:
+                self._abort_strays(self.upload_id)
+        self.slots.acquire()  # at most `concurrency` parts in flight: bounded memory
+        try:
+            self._raise_part_error()
+        except BaseException:
+            self.slots.release()
+            raise
+        body, self.buffer = self.buffer, bytearray()
+        number = self.next_part
+        self.next_part += 1
+        workers = pool("object-parts", self.concurrency)
+        self.futures.append(workers.submit(self._upload_part, number, body))
+
+    def _abort_strays(self, keep: str | None) -> None:
+        """Abort uploads of this key other than ``keep`` (never raises)."""
+        try:
+            self.storage.abort_uploads(self.path, exact=True, keep=keep)
+        except AsyncCkptError as exc:
+            log.warning(
+                "could not look for stray uploads of %s: %s", self.storage.describe(self.path), exc
+            )
+
+    def _upload_part(self, number: int, body: bytearray) -> None:
+        try:
+            result = self.storage.call(
+                f"upload part {number}",
+                self.path,
+                "upload_part",
+                Key=None,
+                UploadId=self.upload_id,
+                PartNumber=number,
+                Body=body,
+            )
+            with self.lock:
+                self.etags[number] = str(result["ETag"])
+        except BaseException as exc:
+            with self.lock:
+                if self.error is None:
+                    self.error = exc
+            raise
+        finally:
+            self.slots.release()
+
+    def _wait_parts(self) -> None:
+        for future in self.futures:
+            future.exception()
+
+    def commit(self) -> None:
+        if self.finished:
+            raise StorageError(f"{self.storage.describe(self.path)}: already committed/aborted")
+        try:
+            if self.upload_id is None:
+                with self.publishing():
+                    self.storage.put(self.path, self.buffer)
+            else:
+                if self.buffer:
+                    self._send_part()
+                self._wait_parts()
+                self._raise_part_error()
+                with self.publishing():
+                    self._complete()
+            self.finished = True
+            self.buffer = bytearray()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _complete(self) -> None:
+        parts = [{"PartNumber": n, "ETag": e} for n, e in sorted(self.etags.items())]
+        try:
+            self.storage.call(
+                "complete upload",
+                self.path,
+                "complete_multipart_upload",
+                Key=None,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except CheckpointNotFoundError as exc:
+            # NoSuchUpload: a retry after a completion whose response was lost. The object
+            # is ours if it has our size and the multipart ETag of our parts.
+            head = self.storage.head(self.path)
+            if head is None or not self._is_ours(head):
+                raise StorageError(
+                    f"{self.storage.describe(self.path)}: complete upload failed: the upload "
+                    "no longer exists and the object at the key is not this upload (was it "
+                    "aborted by a lifecycle rule or another process?)"
+                ) from exc
+        self.upload_id = None
+
+    def _is_ours(self, head: dict[str, Any]) -> bool:
+        if int(head.get("ContentLength", -1)) != self.size:
+            return False
+        etag = str(head.get("ETag", "")).strip('"')
+        expected = multipart_etag(list(self.etags[n] for n in sorted(self.etags)))
+        return expected is None or etag == expected
+
+    def abort(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.buffer = bytearray()
+        for future in self.futures:
+            if not future.cancel():
+                future.exception()  # parts in flight finish (or fail) before the abort
+            else:
+                self.slots.release()
+        if self.upload_id is None:
+            return
+        upload_id, self.upload_id = self.upload_id, None
+        try:
+            self.storage.call(
+                "abort upload",
+                self.path,
+                "abort_multipart_upload",
+                Key=None,
+                UploadId=upload_id,
+            )
+        except CheckpointNotFoundError:
+            pass
+        except Exception as exc:  # abort() never raises; say what is left behind
+            log.warning(
+                "could not abort multipart upload %s of %s (%s); its parts stay until "
+                "Checkpointer clean-up or a bucket lifecycle rule removes them",
+                upload_id,
+                self.storage.describe(self.path),
+                exc,
+            )
+
+
+def multipart_etag(part_etags: list[str]) -> str | None:
+    """The ETag S3 gives a multipart object with these part ETags (None if not MD5s).
+
+    Example:
+        >>> multipart_etag(['"' + "0" * 32 + '"'])
+        '4ae71336e44bf9bf79d2752e234818a5-1'
+    """
+    digests = []
+    for etag in part_etags:
+        clean = etag.strip('"')
+        if not re.fullmatch(r"[0-9a-fA-F]{32}", clean):
+            return None
+        digests.append(bytes.fromhex(clean))
+    return f"{hashlib.md5(b''.join(digests)).hexdigest()}-{len(digests)}"
