@@ -143,3 +143,7 @@ class ConflictError(AsyncCkptError):
 
 class CheckpointTimeoutError(AsyncCkptError, TimeoutError):
     """Waiting for a save to become durable, or for a step to be committed, timed out."""
+
+
+class SafetensorsError(AsyncCkptError, ValueError):
+    """A file is not valid safetensors, or a state cannot be written as safetensors."""

@@ -24,7 +24,7 @@ import torch
 from asyncckpt._engine.snapshot import byte_view
 from asyncckpt._format.tree import child_path
 from asyncckpt._storage import LocalStorage, Storage
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import SafetensorsError as SafetensorsError
 
 #: ``__metadata__`` entry: JSON ``{alias: key}``, keys whose tensor is another key's tensor.
 ALIASES_KEY = "asyncckpt.aliases"
@@ -51,10 +51,6 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint64: "U64",
     torch.complex64: "C64",
 }
-
-
-class SafetensorsError(AsyncCkptError, ValueError):
-    """A file is not valid safetensors, or a state cannot be written as safetensors."""
 
 
 def _library() -> Any:
