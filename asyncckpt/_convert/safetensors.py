@@ -293,7 +293,7 @@ def write_safetensors(
     """Write a flat dict of tensors as safetensors, atomically, tied weights written once.
 
     Written by :func:`stream_safetensors` straight from the tensors' memory (no copy of the
-    state), in key order, as the safetensors library orders its header.
+    state), laid out as the safetensors library lays it out (widest dtype first).
 
     Args:
         tensors: a flat ``{str: tensor}`` dict (see :func:`flat_tensors`).
@@ -314,7 +314,11 @@ def write_safetensors(
         112
     """
     unique, aliases = untie(tensors)
-    specs = [(key, unique[key].dtype, tuple(unique[key].shape)) for key in sorted(unique)]
+    # Widest dtype first, then by key, as the safetensors library lays data out: every
+    # tensor then starts aligned to its element size (the header is padded to 8 bytes), and
+    # readers that map the file can view each tensor in place.
+    order = sorted(unique, key=lambda key: (-unique[key].element_size(), key))
+    specs = [(key, unique[key].dtype, tuple(unique[key].shape)) for key in order]
     meta = _metadata(tensors, aliases, metadata)
     return stream_safetensors(specs, unique.__getitem__, storage, path, meta, progress)
 
