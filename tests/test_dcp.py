@@ -700,3 +700,20 @@ def test_writer_and_reader_survive_pickling(memory_root: str) -> None:
         reader.read_metadata().state_dict_metadata.keys()
         == Reader(url).read_metadata().state_dict_metadata.keys()
     )
+
+
+@pytest.mark.timeout(120)
+def test_reading_the_commit_object_imports_no_numpy_ma(tmp_path: Path) -> None:
+    # The tiling check once called np.unique, which imports numpy.ma: about 0.1-0.2 s that
+    # the first dcp.load of every process (each rank of a restart) paid before reading.
+    url = str(tmp_path / "ck")
+    _save({"w": torch.ones(4, 3), "b": torch.zeros(2)}, url)
+    code = (
+        "import sys, asyncckpt.dcp\n"
+        "from asyncckpt._format.index import overlapping_chunks\n"
+        f"asyncckpt.dcp.Reader({url!r}).read_metadata()\n"
+        "assert overlapping_chunks((4,), [((0,), (2,)), ((2,), (2,))], 'm') is None\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

@@ -24,14 +24,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 import asyncckpt
 from asyncckpt import Checkpointer, cli
 from asyncckpt._api import sharded_load
-from asyncckpt._api.sharded_load import _RANK_FILE
 from asyncckpt._convert import consolidate
 from asyncckpt._convert.consolidate import ShardedSource
 from asyncckpt._engine import decode as reader_module
-from asyncckpt._engine.decode import MAX_EXPANSION
 from asyncckpt._format import index as schema
 from asyncckpt._format.container import (
     FOOTER_SIZE,
+    MAX_EXPANSION,
     Chunk,
     Footer,
     Manifest,
@@ -43,6 +42,7 @@ from asyncckpt._format.container import (
     encode_manifest,
 )
 from asyncckpt._format.index import METADATA_NAME, decode_metadata
+from asyncckpt._format.names import rank_of_data_file
 from asyncckpt._storage import resolve
 from asyncckpt._versions import dcp_reader
 from asyncckpt.dcp import Reader, Writer
@@ -53,9 +53,9 @@ from tests import ranks
 def test_rank_file_names_take_ascii_digits_only() -> None:
     """``\\d`` would accept other scripts' digits, which ``int()`` turns into a rank."""
     tail = "-" + "0" * 32 + ".ackpt"
-    assert _RANK_FILE.fullmatch("r00001" + tail)
-    assert not _RANK_FILE.fullmatch("r\u0660\u0660\u0660\u0660\u0661" + tail)
-    assert not _RANK_FILE.fullmatch("r00001" + tail + "\n")
+    assert rank_of_data_file("r00001" + tail) == 1
+    assert rank_of_data_file("r\u0660\u0660\u0660\u0660\u0661" + tail) is None
+    assert rank_of_data_file("r00001" + tail + "\n") is None
 
 
 # -- DCP metadata: chunks must tile the tensor exactly ---------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt._engine import decode as reader
+from asyncckpt._engine import chunks
 
 
 def _model() -> torch.nn.Module:
@@ -37,13 +37,13 @@ def test_into_is_written_only_from_verified_buffers(tmp_path: Any, monkeypatch: 
     path = tmp_path / "m.ackpt"
     asyncckpt.save(source.state_dict(), path).result()
     allocated: list[int] = []
-    real = reader._allocate
+    real = chunks._allocate
 
     def counting(nbytes: int, pin: bool) -> torch.Tensor:
         allocated.append(nbytes)
         return real(nbytes, pin)
 
-    monkeypatch.setattr(reader, "_allocate", counting)
+    monkeypatch.setattr(chunks, "_allocate", counting)
     asyncckpt.load(path, into=_model().state_dict())
     assert len(allocated) == len(source.state_dict())
 

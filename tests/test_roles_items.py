@@ -16,8 +16,8 @@ import torch
 import asyncckpt
 from asyncckpt import _config as config
 from asyncckpt._device import Placement
+from asyncckpt._engine import chunks, overlap
 from asyncckpt._engine import decode as reader
-from asyncckpt._engine import overlap
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer, encode_footer
 from asyncckpt.errors import ChecksumError, FormatError
 
@@ -232,7 +232,7 @@ def _recording_allocator(
             raise RuntimeError("refusing to allocate in a test")
         return torch.empty(nbytes, dtype=torch.uint8)  # never pinned: no CUDA here
 
-    monkeypatch.setattr(reader, "_allocate", fake)
+    monkeypatch.setattr(chunks, "_allocate", fake)
     return calls
 
 

@@ -36,7 +36,7 @@ from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
-from asyncckpt._versions.protocol import SHARDED, data_file_name, read_commit, step_dir
+from asyncckpt._versions.protocol import data_file_name, read_commit, step_dir
 from asyncckpt._versions.publish import PlainPart, RankPart, write_and_commit
 from asyncckpt._versions.ranks import RankJob
 from asyncckpt._versions.reading import RootReader
@@ -470,20 +470,18 @@ class Checkpointer:
         follow_latest = step is None and not use_group
         self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
         commit = self._reader.commit_of(target)
-        if follow_latest or (commit is not None and commit.kind == SHARDED):
-            # Either kind, and a version retired between choosing and reading it.
-            return sharded_load.load(
-                self,
-                target,
-                commit,
-                placement,
-                into,
-                use_group,
-                follow_latest=follow_latest,
-                max_bytes=max_bytes,
-            )
-        sharded_load.refuse_dtensors(target, self.root, into)
-        return self._reader.read(target, placement, into, Budget(max_bytes))
+        # Either kind, and a version retired between choosing and reading it: the root's
+        # reading side dispatches on the COMMIT and follows the newest.
+        return sharded_load.load(
+            self,
+            target,
+            commit,
+            placement,
+            into,
+            use_group,
+            follow_latest=follow_latest,
+            max_bytes=max_bytes,
+        )
 
     def _newest_expected(self) -> int | None:
         pending = [h.target for h in jobs.tracked(self) if not h.failed() and not h.cancelled()]

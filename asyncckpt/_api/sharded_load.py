@@ -18,27 +18,24 @@ unwrapped, so a damaged file raises :class:`~asyncckpt.errors.ChecksumError`.
 
 from __future__ import annotations
 
-import logging
-import re
 import warnings
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from asyncckpt import _config as config
 from asyncckpt._api.sharded_save import Path, dtensor_leaves, fqn_of, holds_dtensor
 from asyncckpt._device import Placement
-from asyncckpt._engine.decode import Budget, OpenedFile, check_devices, open_file
-from asyncckpt._format.container import MAX_DEPTH, TensorEntry
+from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file
+from asyncckpt._format.container import MAX_DEPTH
 from asyncckpt._format.index import tied_names, value_bytes
-from asyncckpt._format.tree import ROOT_NAME, child_path, tensor_paths, torch_dtype, unflatten
-from asyncckpt._versions.dcp_reader import Reader, read_storage_ids
-from asyncckpt._versions.protocol import SHARDED, CommitRecord, step_dir
-from asyncckpt._versions.reading import deleted_while_loading
+from asyncckpt._format.names import rank_of_data_file
+from asyncckpt._format.tree import ROOT_NAME, child_path, tensor_paths
+from asyncckpt._settings import Settings
+from asyncckpt._versions.dcp_reader import Reader
+from asyncckpt._versions.protocol import CommitRecord, step_dir
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -49,14 +46,6 @@ from asyncckpt.errors import (
 
 if TYPE_CHECKING:
     from asyncckpt._api.checkpointer import Checkpointer
-
-log = logging.getLogger(__name__)
-
-_RANK_FILE = re.compile(r"r([0-9]{5,9})-[0-9a-f]{32}\.ackpt")
-#: How many versions a load of the newest version tries, when retention deletes each one
-#: while it is read, before it gives up (a trainer whose ``keep_last`` versions are all
-#: written faster than this process reads one).
-FOLLOW_ATTEMPTS: Final = 5
 
 
 def load(
@@ -69,14 +58,11 @@ def load(
     *,
     follow_latest: bool = False,
     max_bytes: int | None = None,
+    settings: Settings | None = None,
 ) -> Any:
-    """Load version ``step`` on this rank: sharded, or single-file when following the newest.
-
-    If retention deletes the version while it is read (its ``COMMIT`` is gone: an evaluator
-    loading the newest version while the trainer saves with ``keep_last``), a load that
-    asked for the newest version moves on to the newest one, at most
-    :data:`FOLLOW_ATTEMPTS` times in all, as a single-file load does; a load of a given
-    step raises.
+    """Load version ``step`` on this rank, of either kind, through the root's reading side
+    (:meth:`RootReader.load <asyncckpt._versions.reading.RootReader.load>`, which owns the
+    follow-the-newest loop), with this module reading it if it is sharded.
 
     Args:
         ckpt: the Checkpointer (its storage, root, group and rank).
@@ -87,7 +73,8 @@ def load(
             tensors at matching key paths receive this rank's plain values in place.
         use_group: whether this is a collective load (needed for DTensors in ``into``).
         follow_latest: the caller asked for the newest version (no step, not collective).
-        max_bytes: the memory budget of each attempt (see :class:`asyncckpt._engine.decode.Budget`).
+        max_bytes: the memory budget of each attempt (see :class:`Budget`).
+        settings: the load's settings (None: resolved here).
 
     Returns:
         The state as saved by the rank whose plain values are used, each DTensor replaced
@@ -97,11 +84,11 @@ def load(
         ``Checkpointer.load`` returns it (sharded or not).
 
     Raises:
-        ValueError: ``into`` holds DTensors but the load is not collective.
-        IncompleteCheckpointError: the version was deleted while it was read and
-            ``follow_latest`` is false (or nothing newer is committed, or the newest was
-            deleted too, :data:`FOLLOW_ATTEMPTS` times); or a file its ``COMMIT`` names
-            is missing.
+        ValueError: ``into`` holds DTensors but the load is not collective, or the version
+            is not sharded.
+        IncompleteCheckpointError: the version was deleted while it was read (see
+            :meth:`RootReader.load <asyncckpt._versions.reading.RootReader.load>`), or a
+            file its ``COMMIT`` names is missing.
         ChecksumError, FormatError: a damaged or truncated file.
         MemoryBudgetError: the version needs more than ``max_bytes`` (nothing allocated).
 
@@ -112,36 +99,44 @@ def load(
         >>> ckpt.latest() is None  # a sharded root is loaded through ckpt.load()
         True
     """
-    current = commit
-    for _ in range(FOLLOW_ATTEMPTS):
-        try:
-            return _load_step(ckpt, step, current, placement, into, use_group, Budget(max_bytes))
-        except (AsyncCkptError, CheckpointException) as exc:
-            step = _after_deletion(ckpt, step, follow_latest, exc)
-        current = ckpt._reader.commit_of(step)
-    raise IncompleteCheckpointError(
-        f"{ckpt.root}: retention deleted {FOLLOW_ATTEMPTS} versions in a row while this "
-        f"process loaded them (the last was step {step}); keep more versions (keep_last) "
-        "or give load() a step that is kept"
+    settings = settings or Settings.resolve()
+    kinds = ShardedLoad(ckpt, placement, into, use_group, settings)
+    return ckpt._reader.load(
+        step,
+        commit,
+        placement,
+        into,
+        kinds,
+        follow_latest=follow_latest,
+        max_bytes=max_bytes,
+        settings=settings,
     )
 
 
-def _load_step(
-    ckpt: Checkpointer,
-    step: int,
-    commit: CommitRecord | None,
-    placement: Placement,
-    into: Any,
-    use_group: bool,
-    budget: Budget,
-) -> Any:
-    """One attempt at loading ``step`` (``commit``), sharded or (after a move) not."""
-    if commit is None:  # deleted again before it could be read
-        raise CheckpointNotFoundError(f"step {step} under {ckpt.root} is not committed")
-    if commit.kind != SHARDED:
-        refuse_dtensors(step, ckpt.root, into)
-        return ckpt._reader.read(step, placement, into, budget)
-    return _load_sharded(ckpt, commit, placement, into, use_group, budget)
+class ShardedLoad:
+    """How one load reads a sharded version, and what it refuses of a plain one (the
+    :class:`~asyncckpt._versions.reading.KindReader` of ``Checkpointer.load``)."""
+
+    def __init__(
+        self,
+        ckpt: Checkpointer,
+        placement: Placement,
+        into: Any,
+        use_group: bool,
+        settings: Settings,
+    ) -> None:
+        self._ckpt, self._placement, self._into = ckpt, placement, into
+        self._use_group, self._settings = use_group, settings
+
+    def sharded(self, commit: CommitRecord, budget: Budget) -> Any:
+        """Load the sharded version ``commit`` on this rank."""
+        return _load_sharded(
+            self._ckpt, commit, self._placement, self._into, self._use_group, budget, self._settings
+        )
+
+    def check_plain(self, step: int) -> None:
+        """A plain version cannot load into DTensors."""
+        refuse_dtensors(step, self._ckpt.root, self._into)
 
 
 def refuse_dtensors(step: int, root: str, into: Any) -> None:
@@ -153,22 +148,6 @@ def refuse_dtensors(step: int, root: str, into: Any) -> None:
         )
 
 
-def _after_deletion(ckpt: Checkpointer, step: int, follow_latest: bool, exc: BaseException) -> int:
-    """The step to load after ``exc`` interrupted the load of ``step``; else raise.
-
-    Retention removes a version's ``COMMIT`` before its files, so a version whose files
-    went missing under a reader but whose ``COMMIT`` is still there was damaged, not
-    retired: its error is raised as it is.
-    """
-    if ckpt._reader.commit_of(step) is not None:
-        raise exc
-    newest = ckpt._reader.latest()
-    if not follow_latest or newest is None or newest == step:
-        raise deleted_while_loading(step, ckpt.root) from exc
-    log.info("step %d was deleted while loading; moving to step %d", step, newest)
-    return newest
-
-
 def _load_sharded(
     ckpt: Checkpointer,
     commit: CommitRecord,
@@ -176,11 +155,12 @@ def _load_sharded(
     into: Any,
     use_group: bool,
     budget: Budget,
+    settings: Settings,
 ) -> Any:
     storage = ckpt._storage
     directory = step_dir(storage, ckpt._root, commit.step)
     named = commit.metadata_file  # the metadata of exactly this version, as COMMIT names it
-    reader = Reader.at(storage, directory, named, budget)
+    reader = Reader.at(storage, directory, named, budget, settings)
     metadata = _read(reader.read_metadata)
     dtensors = {path: dt for path, _key, dt in dtensor_leaves(into)}
     if dtensors and not use_group:
@@ -190,16 +170,27 @@ def _load_sharded(
         )
     if dtensors:
         flat = {fqn_of(path): dt for path, dt in dtensors.items()}
-        _dcp_load(flat, Reader.at(storage, directory, named, budget), ckpt._group, no_dist=False)
+        at = Reader.at(storage, directory, named, budget, settings)
+        _dcp_load(flat, at, ckpt._group, no_dist=False)
         loaded: dict[Path, Any] = dict(dtensors)
     else:
-        reader = Reader.at(storage, directory, named, budget)
+        reader = Reader.at(storage, directory, named, budget, settings)
         loaded = _consolidated(metadata, reader, placement, into, budget, reader.checkpoint_id)
     opened, name = _rank_file(ckpt, commit, directory)
     with opened:
         skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
-        plain = read_plain(opened, skip, placement, into, set(loaded), budget)
-    return _substituted(plain, loaded, opened.name)
+        replaced = {key_path(path) for path in loaded}
+        plain = materialize(
+            opened,
+            placement,
+            settings.threads,
+            into,
+            budget,
+            settings=settings,
+            skip=skip,
+            replaced=replaced,
+        )
+    return substituted(plain, loaded, opened.name)
 
 
 def _read(fn: Any) -> Metadata:
@@ -247,7 +238,7 @@ def _consolidated(
         shared: torch.Tensor | None = None
         for fqn in names:
             path = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
-            target = targets.get(_key_path(path))
+            target = targets.get(key_path(path))
             if target is None:
                 if shared is None:
                     budget.charge(name, value_bytes(metadata, fqn), f"the whole of {fqn}")
@@ -264,8 +255,13 @@ def _consolidated(
     return paths
 
 
-def _key_path(path: Path) -> str:
-    """The key path ``flatten`` gives the leaf at ``path`` (an int key prints as an index)."""
+def key_path(path: Path) -> str:
+    """The key path ``flatten`` gives the leaf at ``path`` (an int key prints as an index).
+
+    Example:
+        >>> key_path(("model", 0))
+        "state['model'][0]"
+    """
     key = ROOT_NAME
     for k in path:
         key = child_path(key, k)
@@ -278,9 +274,9 @@ def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tupl
     committed size."""
     by_rank = {}
     for name, size in zip(commit.files, commit.sizes or [None] * len(commit.files)):
-        match = _RANK_FILE.fullmatch(name)
-        if match:
-            by_rank[int(match.group(1))] = (name, size)
+        rank = rank_of_data_file(name)
+        if rank is not None:
+            by_rank[rank] = (name, size)
     if not by_rank:
         raise FormatError(f"{ckpt.root}: step {commit.step} names no rank file")
     rank = ckpt.rank if ckpt.rank in by_rank else min(by_rank)
@@ -299,76 +295,12 @@ def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tupl
     return opened, name
 
 
-def read_plain(
-    opened: OpenedFile,
-    skip: set[int],
-    placement: Placement,
-    into: Any,
-    replaced: set[Path],
-    budget: Budget | None = None,
-) -> Any:
-    """Rebuild a rank file's state without reading the tensors ``skip`` (DTensor chunks).
-
-    Args:
-        opened: the rank's file.
-        skip: entries of its tensor table not to read; they come back as None.
-        placement: where the tensors read go.
-        into: tensors at matching key paths are loaded in place (and returned).
-        replaced: paths whose values come from elsewhere: never loaded into ``into``.
-        budget: charged with the buffers read.
+def substituted(tree: Any, values: dict[Path, Any], name: str) -> Any:
+    """``tree`` with the value at each path of ``values`` replaced (dict levels created).
 
     Raises:
-        ChecksumError: a chunk read is damaged (nothing in ``into`` has changed then).
-        MemoryBudgetError: the buffers would exceed ``budget``.
-        ValueError: a tensor of ``into`` differs in shape or dtype from the saved one.
+        FormatError: a path runs through a value that is not a dict.
     """
-    manifest = opened.manifest
-    check_devices(opened)
-    wanted = [i for i in range(len(manifest.tensors)) if i not in skip]
-    sids = {manifest.tensors[i].storage for i in wanted} | {a.storage for a in manifest.arrays}
-    raw = read_storage_ids(opened, sids, config.tunable("threads", None), budget)
-    skipped_keys = {_key_path(p) for p in replaced}
-    targets = {k: t for k, t in tensor_paths(into).items() if k not in skipped_keys}
-    tensors: list[torch.Tensor | None] = [None] * len(manifest.tensors)
-    copies = []
-    for i in wanted:
-        entry = manifest.tensors[i]
-        storage = manifest.storages[entry.storage]
-        view = _view(placement.place(raw[entry.storage], storage.device), entry)
-        target = targets.get(entry.key)
-        if target is not None:
-            if (target.shape, target.dtype) != (view.shape, view.dtype):
-                raise ValueError(
-                    f"{opened.name}: cannot load {entry.key} into the given tensor: saved "
-                    f"{view.dtype} {tuple(view.shape)}, target {target.dtype} {tuple(target.shape)}"
-                )
-            copies.append((target, view))
-            view = target
-        tensors[i] = view
-    with torch.no_grad():
-        for target, view in copies:
-            target.copy_(view)
-    placement.synchronize()
-    arrays = [_array(raw[a.storage], a.dtype, a.shape, a.scalar) for a in manifest.arrays]
-    # Skipped entries are None: the caller puts the DTensors' values there.
-    return unflatten(manifest.root, tensors, arrays, opened.name)  # type: ignore[arg-type]
-
-
-def _view(buf: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    t = torch.empty(0, dtype=torch_dtype(entry.dtype), device=buf.device)
-    t.set_(buf.untyped_storage(), entry.offset, entry.shape, entry.stride)
-    if entry.parameter:
-        return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
-    return t.requires_grad_(entry.requires_grad) if entry.requires_grad else t
-
-
-def _array(buf: torch.Tensor, dtype: str, shape: tuple[int, ...], scalar: bool) -> Any:
-    array = buf.numpy().view(np.dtype(dtype)).reshape(shape)
-    return array[()] if scalar else array
-
-
-def _substituted(tree: Any, values: dict[Path, Any], name: str) -> Any:
-    """``tree`` with the value at each path of ``values`` replaced (dict levels created)."""
     placed: set[Path] = set()
     above = {path[:i] for path in values for i in range(len(path))}
 

@@ -37,8 +37,6 @@ Example:
 from __future__ import annotations
 
 import io
-import json
-import struct
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -53,13 +51,23 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from asyncckpt import _config as config
-from asyncckpt._api.sharded_load import _RANK_FILE, _substituted, read_plain
+from asyncckpt._api.sharded_load import substituted
 from asyncckpt._api.sharded_save import Path
+from asyncckpt._convert.safetensors import (
+    safetensors_dtype,
+    safetensors_header,
+    stream_safetensors,
+)
 from asyncckpt._device import Placement
-from asyncckpt._engine.decode import OpenedFile, check_devices, open_file
+from asyncckpt._engine.decode import (
+    OpenedFile,
+    check_devices,
+    materialize,
+    open_file,
+    read_storages,
+)
 from asyncckpt._engine.encode import WriteOptions, write_chunks
-from asyncckpt._engine.snapshot import StagedStorage, _codec_hint, byte_view
+from asyncckpt._engine.snapshot import StagedStorage, _codec_hint
 from asyncckpt._format.container import (
     ArrayEntry,
     Chunk,
@@ -71,10 +79,12 @@ from asyncckpt._format.container import (
     encode_manifest,
 )
 from asyncckpt._format.index import ItemLocation, tied_names
+from asyncckpt._format.names import rank_of_data_file
 from asyncckpt._format.tree import dtype_name, flatten, torch_dtype
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._version import __version__
-from asyncckpt._versions.dcp_reader import Reader, read_storage_ids
+from asyncckpt._versions.dcp_reader import Reader
 from asyncckpt._versions.protocol import SHARDED, CommitRecord
 from asyncckpt.errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 
@@ -82,29 +92,10 @@ __all__ = [
     "ShardedSource",
     "materialize_all",
     "safetensors_dtype",
+    "safetensors_header",
     "write_ackpt_stream",
     "write_safetensors_stream",
 ]
-
-#: torch dtype -> safetensors dtype name (the format's spelling).
-_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.complex64: "C64",
-}
 
 
 @dataclass
@@ -124,12 +115,17 @@ class ShardedSource:
     metadata: Metadata
     skeleton: Any
     name: str
+    settings: Settings = field(default_factory=Settings)
     _fqn_of: dict[int, str] = field(default_factory=dict)
     _files: dict[str, OpenedFile] = field(default_factory=dict)
 
     @classmethod
     def open(
-        cls, storage: Storage, directory: str, commit: CommitRecord | None = None
+        cls,
+        storage: Storage,
+        directory: str,
+        commit: CommitRecord | None = None,
+        settings: Settings | None = None,
     ) -> ShardedSource:
         """Open the checkpoint in ``directory``.
 
@@ -141,6 +137,7 @@ class ShardedSource:
                 skeleton. Without it (a ``dcp.Writer`` directory) the skeleton is built
                 from the metadata's key paths, and DCP's bytes items (non-tensor values,
                 ``torch.save`` bytes) are unpickled with ``weights_only=True``.
+            settings: the tunables of its reads (None: resolved here, for tools and tests).
 
         Returns:
             The source; it keeps the rank files it reads open, pinned, until
@@ -155,7 +152,8 @@ class ShardedSource:
             metadata = reader.read_metadata()
         except CheckpointNotFoundError as exc:
             raise IncompleteCheckpointError(str(exc)) from exc
-        src = cls(storage, directory, metadata, None, storage.describe(directory))
+        settings = settings or Settings.resolve()
+        src = cls(storage, directory, metadata, None, storage.describe(directory), settings)
         placeholders: dict[Path, torch.Tensor] = {}
         paths = metadata.planner_data or {}
         for names in tied_names(metadata):
@@ -201,9 +199,7 @@ class ShardedSource:
     def _with_plain(self, commit: CommitRecord, placeholders: dict[Path, torch.Tensor]) -> Any:
         """Rank 0's plain state with the placeholders where its DTensors were."""
         ranks = sorted(
-            (int(m.group(1)), name)
-            for name in commit.files
-            if (m := _RANK_FILE.fullmatch(name)) is not None
+            (rank, name) for name in commit.files if (rank := rank_of_data_file(name)) is not None
         )
         if not ranks:
             raise FormatError(f"{self.name}: the COMMIT names no rank file")
@@ -211,8 +207,8 @@ class ShardedSource:
         opened = self._opened(name, None)
         check_devices(opened)
         skip = {loc.entry for loc in self._locations() if loc.file == name}
-        plain = read_plain(opened, skip, Placement("cpu"), None, set())
-        return _substituted(plain, dict(placeholders), opened.name)
+        plain = materialize(opened, Placement("cpu"), self.settings.threads, skip=skip)
+        return substituted(plain, dict(placeholders), opened.name)
 
     def _locations(self) -> Iterator[ItemLocation]:
         data: dict[MetadataIndex, ItemLocation] = self.metadata.storage_data
@@ -249,7 +245,7 @@ class ShardedSource:
         if where.entry >= len(manifest.tensors):
             raise FormatError(f"{opened.name}: no tensor {where.entry} in the file")
         entry = manifest.tensors[where.entry]
-        buf = read_storage_ids(opened, {entry.storage}, config.tunable("threads", None))
+        buf = read_storages(opened, self.settings.threads, sids={entry.storage})
         t = torch.empty(0, dtype=torch_dtype(entry.dtype))
         t.set_(buf[entry.storage].untyped_storage(), entry.offset, entry.shape, entry.stride)
         if t.numel() * t.element_size() != where.nbytes:
@@ -451,51 +447,6 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 # -- safetensors, streamed -------------------------------------------------------------------
 
 
-def safetensors_dtype(dtype: torch.dtype, key: str) -> str:
-    """The safetensors name of ``dtype``.
-
-    Raises:
-        ValueError: safetensors has no name for it.
-
-    Example:
-        >>> safetensors_dtype(torch.bfloat16, "w")
-        'BF16'
-    """
-    name = _SAFETENSORS_DTYPES.get(dtype)
-    if name is None:
-        raise ValueError(f"{key}: safetensors has no dtype for {dtype}")
-    return name
-
-
-def safetensors_header(
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
-) -> bytes:
-    """The 8-byte length and JSON header of a safetensors file holding ``specs`` in order.
-
-    The data section holds the tensors back to back in the order given; the header is
-    padded with spaces to a multiple of 8 bytes (as the safetensors library writes it), so
-    the data is aligned.
-
-    Example:
-        >>> head = safetensors_header([("w", torch.float32, (2,))], {"format": "pt"})
-        >>> int.from_bytes(head[:8], "little") == len(head) - 8, len(head) % 8
-        (True, 0)
-    """
-    doc: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    start = 0
-    for key, dtype, shape in specs:
-        end = start + _numel(shape) * dtype.itemsize
-        doc[key] = {
-            "dtype": safetensors_dtype(dtype, key),
-            "shape": list(shape),
-            "data_offsets": [start, end],
-        }
-        start = end
-    body = json.dumps(doc, separators=(",", ":")).encode()
-    body += b" " * (-(8 + len(body)) % 8)
-    return struct.pack("<Q", len(body)) + body
-
-
 def write_safetensors_stream(
     src: ShardedSource,
     tensors: dict[str, torch.Tensor],
@@ -506,9 +457,8 @@ def write_safetensors_stream(
 ) -> int:
     """Write a flat dict of (placeholder or plain) tensors as safetensors, streaming.
 
-    The safetensors library only writes a dict of tensors it holds at once; the format is
-    simple enough to write directly: the header is known from the metadata's sizes, then
-    each tensor is built, its bytes written, and dropped.
+    The header is known from the metadata's sizes; then each tensor is built, its bytes
+    written, and dropped (:func:`~asyncckpt._convert.safetensors.stream_safetensors`).
 
     Returns:
         The file's size.
@@ -517,20 +467,7 @@ def write_safetensors_stream(
         ValueError: a dtype safetensors cannot hold.
     """
     specs = [(key, *src.spec(t)) for key, t in tensors.items()]
-    head = safetensors_header(specs, metadata)
-    written = len(head)
-    with storage.atomic_write(path) as out:
-        out.write(head)
-        for key, t in tensors.items():
-            whole = src.full(t).detach().contiguous()
-            if (whole.dtype, tuple(whole.shape)) != src.spec(t)[:2]:
-                raise FormatError(f"{src.name}: {key} was built with another shape or dtype")
-            data = _bytes_of(whole)
-            if sys.byteorder != "little" and whole.element_size() > 1:
-                raise ValueError("safetensors is little-endian; this host is not")
-            out.write(byte_view(data))
-            written += data.numel()
-            if progress is not None:
-                progress(data.numel())
-            del whole, data
-    return written
+
+    return stream_safetensors(
+        specs, lambda key: src.full(tensors[key]), storage, path, metadata, progress
+    )

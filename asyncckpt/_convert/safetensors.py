@@ -11,23 +11,46 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import struct
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from asyncckpt._engine.snapshot import byte_view
 from asyncckpt._format.tree import child_path
-from asyncckpt._storage import LocalStorage, Storage, temp_name
-from asyncckpt.errors import SafetensorsError
+from asyncckpt._storage import LocalStorage, Storage
+from asyncckpt.errors import SafetensorsError as SafetensorsError
 
 #: ``__metadata__`` entry: JSON ``{alias: key}``, keys whose tensor is another key's tensor.
 ALIASES_KEY = "asyncckpt.aliases"
 #: ``__metadata__`` entry: JSON list of every key in the order of the dict that was written.
 ORDER_KEY = "asyncckpt.order"
-#: Bytes copied per step between a local scratch file and a storage.
+#: Bytes copied per step between a storage and a local scratch file.
 _COPY_BLOCK = 8 << 20
+#: torch dtype -> safetensors dtype name (the format's spelling).
+_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.complex64: "C64",
+}
 
 
 def _library() -> Any:
@@ -269,9 +292,8 @@ def write_safetensors(
 ) -> int:
     """Write a flat dict of tensors as safetensors, atomically, tied weights written once.
 
-    safetensors writes only to a named local file, straight from the tensors' memory (no
-    copy of the state). That file is a scratch file beside the target (local) or in the
-    temporary directory (remote), streamed into the storage's atomic write, then removed.
+    Written by :func:`stream_safetensors` straight from the tensors' memory (no copy of the
+    state), laid out as the safetensors library lays it out (widest dtype first).
 
     Args:
         tensors: a flat ``{str: tensor}`` dict (see :func:`flat_tensors`).
@@ -291,38 +313,98 @@ def write_safetensors(
         >>> write_safetensors({"w": torch.zeros(4)}, *resolve("memory://st/w.safetensors", None))
         112
     """
-    st = _library()
     unique, aliases = untie(tensors)
-    with _scratch(storage, path) as scratch:
-        try:
-            st.torch.save_file(unique, scratch, metadata=_metadata(tensors, aliases, metadata))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise SafetensorsError(f"cannot write {storage.describe(path)}: {exc}") from None
-        return _copy_into(scratch, storage, path, progress)
+    # Widest dtype first, then by key, as the safetensors library lays data out: every
+    # tensor then starts aligned to its element size (the header is padded to 8 bytes), and
+    # readers that map the file can view each tensor in place.
+    order = sorted(unique, key=lambda key: (-unique[key].element_size(), key))
+    specs = [(key, unique[key].dtype, tuple(unique[key].shape)) for key in order]
+    meta = _metadata(tensors, aliases, metadata)
+    return stream_safetensors(specs, unique.__getitem__, storage, path, meta, progress)
 
 
-@contextlib.contextmanager
-def _scratch(storage: Storage, path: str) -> Iterator[str]:
-    if isinstance(storage, LocalStorage):  # same disk as the target, named as a temp file
-        scratch = temp_name(path)
-    else:
-        fd, scratch = tempfile.mkstemp(suffix=".safetensors")
-        os.close(fd)
-    try:
-        yield scratch
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(scratch)
+def safetensors_dtype(dtype: torch.dtype, key: str) -> str:
+    """The safetensors name of ``dtype``.
+
+    Raises:
+        SafetensorsError: safetensors has no name for it (a ValueError).
+
+    Example:
+        >>> safetensors_dtype(torch.bfloat16, "w")
+        'BF16'
+    """
+    name = _SAFETENSORS_DTYPES.get(dtype)
+    if name is None:
+        raise SafetensorsError(f"{key}: safetensors has no dtype for {dtype}")
+    return name
 
 
-def _copy_into(
-    local: str, storage: Storage, path: str, progress: Callable[[int], None] | None
+def safetensors_header(
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
+) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding ``specs`` in order.
+
+    The data section holds the tensors back to back in the order given; the header is
+    padded with spaces to a multiple of 8 bytes (as the safetensors library writes it), so
+    the data is aligned.
+
+    Example:
+        >>> head = safetensors_header([("w", torch.float32, (2,))], {"format": "pt"})
+        >>> int.from_bytes(head[:8], "little") == len(head) - 8, len(head) % 8
+        (True, 0)
+    """
+    doc: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    start = 0
+    for key, dtype, shape in specs:
+        end = start + math.prod(shape) * dtype.itemsize
+        doc[key] = {
+            "dtype": safetensors_dtype(dtype, key),
+            "shape": list(shape),
+            "data_offsets": [start, end],
+        }
+        start = end
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-(8 + len(body)) % 8)
+    return struct.pack("<Q", len(body)) + body
+
+
+def stream_safetensors(
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    build: Callable[[str], torch.Tensor],
+    storage: Storage,
+    path: str,
+    metadata: dict[str, str],
+    progress: Callable[[int], None] | None = None,
 ) -> int:
-    written = 0
-    with open(local, "rb") as f, storage.atomic_write(path) as out:
-        while piece := f.read(_COPY_BLOCK):
-            out.write(piece)
-            written += len(piece)
+    """Write a safetensors file, atomically, one tensor at a time: the one writer of the
+    format (conversion of a state, consolidation of a sharded checkpoint).
+
+    The header comes from ``specs`` (key, dtype, shape, in data order); then each tensor is
+    asked of ``build``, its bytes written, and dropped, so that only one is held at a time.
+
+    Returns:
+        The file's size.
+
+    Raises:
+        SafetensorsError: a dtype safetensors cannot hold, or a big-endian host.
+    """
+    head = safetensors_header(specs, metadata)
+    written = len(head)
+    with storage.atomic_write(path) as out:
+        out.write(head)
+        for key, dtype, shape in specs:
+            whole = build(key).detach().contiguous()
+            if (whole.dtype, tuple(whole.shape)) != (dtype, shape):
+                raise SafetensorsError(
+                    f"{storage.describe(path)}: {key} was built as {whole.dtype} "
+                    f"{tuple(whole.shape)}; its header says {dtype} {shape}"
+                )
+            if sys.byteorder != "little" and whole.element_size() > 1:
+                raise SafetensorsError("safetensors is little-endian; this host is not")
+            data = whole.reshape(-1).view(torch.uint8) if whole.numel() else torch.empty(0)
+            out.write(byte_view(data))
+            written += data.numel()
             if progress is not None:
-                progress(len(piece))
+                progress(data.numel())
+            del whole, data
     return written

@@ -1,122 +1,45 @@
-"""Read one file: footer, manifest, then every chunk in parallel, verified, into place.
+"""Read one file and rebuild what was saved: tensors as views over their (possibly shared)
+storages, placed per ``map_location`` (see :mod:`asyncckpt._device`).
 
-Every chunk's checksum is verified before it is decoded; a mismatch raises
-:class:`~asyncckpt.errors.ChecksumError` naming the file, the chunk and the keys it holds.
-Tensors are rebuilt as views over their (possibly shared) storages and placed per
-``map_location`` (see :mod:`asyncckpt._device`).
+The chunks are read by the one chunk engine (:mod:`asyncckpt._engine.chunks`); this module
+chooses which storages to read (all, or those of the entries selected), reads them into
+fresh buffers, and only then loads them into the caller's tensors, so that a damaged chunk
+leaves those as they were.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import sys
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from asyncckpt import _config as config
 from asyncckpt._device import Placement, device_types, known_device
-from asyncckpt._engine.snapshot import byte_view
-from asyncckpt._format.codec import checksum, decode_chunk
-from asyncckpt._format.container import (
-    FOOTER_SIZE,
-    HEADER_SIZE,
-    MAX_EXPANSION,
-    Chunk,
-    Manifest,
-    StorageEntry,
-    decode_footer,
-    decode_header,
-    decode_manifest,
-)
+from asyncckpt._engine.chunks import read_runs, whole_run
+from asyncckpt._engine.opened import Budget, OpenedFile, check_sizes, open_file
+from asyncckpt._format.container import StorageEntry
 from asyncckpt._format.tree import tensor_paths, torch_dtype, unflatten
-from asyncckpt._storage import ReadHandle, Storage
-from asyncckpt._threads import DaemonPool, pool
-from asyncckpt.errors import (
-    ChecksumError,
-    FileReplacedError,
-    FormatError,
-    MemoryBudgetError,
-    TruncatedFileError,
-)
+from asyncckpt._settings import Settings
+from asyncckpt._storage import Storage
+from asyncckpt.errors import FileReplacedError, FormatError
+
+__all__ = [
+    "REPLACED_ATTEMPTS",
+    "Budget",
+    "OpenedFile",
+    "check_devices",
+    "check_overlap",
+    "check_sizes",
+    "materialize",
+    "open_file",
+    "read_file",
+    "read_storages",
+]
+
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class OpenedFile:
-    """A file whose footer and manifest have been read and validated, and the handle that
-    pins it: every chunk of one load is read through ``handle``, from the same version.
-
-    Close it when done (it is a context manager); a load closes it on every path.
-    """
-
-    storage: Storage
-    path: str
-    size: int
-    manifest: Manifest
-    handle: ReadHandle
-
-    @property
-    def name(self) -> str:
-        return self.storage.describe(self.path)
-
-    def read_into(self, start: int, out: memoryview) -> int:
-        """Fill ``out`` from byte ``start`` of the pinned file; returns the bytes read."""
-        return self.handle.read_into(start, out)
-
-    def close(self) -> None:
-        """Close the handle (idempotent)."""
-        self.handle.close()
-
-    def __enter__(self) -> OpenedFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def open_file(storage: Storage, path: str) -> OpenedFile:
-    """Open ``path`` (one handle, see :meth:`Storage.open_read`) and read and validate its
-    header, footer and manifest (three small reads through the handle).
-
-    Returns:
-        The opened file; the caller closes it (``with open_file(...) as opened:``).
-
-    Raises:
-        CheckpointNotFoundError: no file at ``path``.
-        TruncatedFileError, FormatError: the file is not a complete asyncckpt file.
-        FileReplacedError: the file was replaced between two of the reads (object stores).
-    """
-    handle = storage.open_read(path)
-    try:
-        return _opened(storage, path, handle)
-    except BaseException:
-        handle.close()
-        raise
-
-
-def _opened(storage: Storage, path: str, handle: ReadHandle) -> OpenedFile:
-    name, size = storage.describe(path), handle.size
-    if size < HEADER_SIZE + FOOTER_SIZE:
-        raise TruncatedFileError(f"{name}: {size} bytes is too short for an asyncckpt file")
-    decode_header(handle.read_range(0, HEADER_SIZE), name)
-    footer = decode_footer(handle.read_range(size - FOOTER_SIZE, FOOTER_SIZE), size, name)
-    body = handle.read_range(footer.manifest_offset, footer.manifest_length)
-    manifest = decode_manifest(body, footer, name)
-    if manifest.byteorder != sys.byteorder:
-        raise FormatError(
-            f"{name}: written on a {manifest.byteorder}-endian machine; this one is "
-            f"{sys.byteorder}-endian and asyncckpt does not swap bytes"
-        )
-    return OpenedFile(storage, path, size, manifest, handle)
-
 
 #: How many times a load starts over on a file replaced under it (an object store's
 #: ``412``) before it gives up with :class:`~asyncckpt.errors.FileReplacedError`.
@@ -180,49 +103,46 @@ def read_file(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-#: Chunks queued per reader thread ahead of the oldest unfinished one; buffers are
-#: allocated as their first chunk is queued, so a damaged file fails before most of them.
-_QUEUED_PER_THREAD = 4
-
-
-def pin_budget_bytes() -> int:
+def pin_budget_bytes(settings: Settings | None = None) -> int:
     """The pinned-memory budget of one load (the ``pin_budget_bytes`` tunable).
 
+    Args:
+        settings: the load's settings; None resolves them (for tools and tests).
+
     Example:
-        >>> pin_budget_bytes() == config.DEFAULTS["pin_budget_bytes"][0]  # variable unset
+        >>> pin_budget_bytes() == Settings().pin_budget_bytes  # variable unset
         True
     """
-    return config.tunable("pin_budget_bytes", None)
+    return (settings or Settings.resolve()).pin_budget_bytes
 
 
 def read_storages(
     opened: OpenedFile,
     threads: int,
-    destinations: Sequence[torch.Tensor | None] | None = None,
+    *,
+    sids: Collection[int] | None = None,
     pinned: Sequence[bool] | None = None,
     budget: Budget | None = None,
-) -> list[torch.Tensor]:
-    """Read, verify and decode every storage, in parallel chunks.
-
-    Buffers are allocated as reading reaches them, after the declared sizes were checked
-    against the file's size, so a crafted file cannot make the reader allocate more than
-    its bytes can decode to.
+    pin_budget: int = 0,
+) -> dict[int, torch.Tensor]:
+    """Read, verify and decode whole storages into fresh buffers (:func:`.chunks.read_runs`).
 
     Args:
         opened: the file.
         threads: reader threads.
-        destinations: per storage, a 1-D uint8 CPU tensor of exactly its size to read into,
-            or None to allocate one.
-        pinned: per storage, whether an allocated buffer should be pinned (for a CUDA copy);
-            honoured up to :func:`pin_budget_bytes` in all, in storage order.
-        budget: charged with the buffers allocated here, before the first one is.
+        sids: the storages to read (None: every one).
+        pinned: per storage of the file, whether its buffer should be pinned (for a CUDA
+            copy); honoured up to ``pin_budget`` bytes in all, in storage order.
+        budget: charged with the buffers, before the first one is allocated.
+        pin_budget: the pinned bytes allowed (:func:`pin_budget_bytes`).
 
     Returns:
-        One 1-D uint8 CPU tensor per storage.
+        ``{storage index: 1-D uint8 CPU tensor of its bytes}``.
 
     Raises:
         ChecksumError: a chunk is damaged (the first one found).
-        FormatError: the declared sizes cannot be justified by the file, or allocated.
+        FormatError: the declared sizes cannot be justified by the file, or allocated; a
+            storage index the file does not have.
         MemoryBudgetError: the buffers would exceed ``budget``.
 
     Example:
@@ -231,108 +151,15 @@ def read_storages(
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
         >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
         >>> with open_file(*resolve(path, None)) as opened:
-        ...     [b.numel() for b in read_storages(opened, threads=2)]
+        ...     [b.numel() for b in read_storages(opened, threads=2).values()]
         [24]
     """
     storages = opened.manifest.storages
-    check_sizes(opened)
-    destinations = destinations or [None] * len(storages)
-    if budget is not None:
-        fresh = sum(e.nbytes for e, dest in zip(storages, destinations) if dest is None)
-        budget.charge(opened.name, fresh, "its storages")
-    pins = _within_budget(storages, pinned or [False] * len(storages), pin_budget_bytes())
-    queue = _Queue(pool("read", threads), threads * _QUEUED_PER_THREAD)
-    buffers = []
-    try:
-        for sid, (entry, dest, pin) in enumerate(zip(storages, destinations, pins)):
-            buf = dest if dest is not None else _allocate_for(opened, entry.nbytes, pin)
-            buffers.append(buf)
-            view, start = byte_view(buf), 0
-            for index in range(entry.first_chunk, entry.first_chunk + entry.num_chunks):
-                chunk = opened.manifest.chunks[index]
-                out = view[start : start + chunk.raw_len]
-                queue.submit(_read_chunk, opened, index, chunk, sid, out)
-                start += chunk.raw_len
-        queue.drain()
-    finally:
-        queue.cancel()
-    return buffers
-
-
-def check_sizes(opened: OpenedFile) -> None:
-    """Refuse a file whose chunks claim to decode to more than its size can justify.
-
-    The manifest's validation already holds every chunk to :data:`MAX_EXPANSION` times its
-    stored bytes, chunks to disjoint bytes of the file and storages to disjoint runs of
-    chunks; this states the consequence against the file's actual size, so that nothing is
-    allocated from a manifest that contradicts it.
-
-    Raises:
-        FormatError: the storages' total exceeds ``MAX_EXPANSION`` times the file's size.
-
-    Example:
-        >>> import asyncckpt, os, tempfile, torch
-        >>> from asyncckpt._storage import resolve
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
-        >>> _ = asyncckpt.save({"w": torch.zeros(1000)}, path).result()
-        >>> with open_file(*resolve(path, None)) as opened:
-        ...     check_sizes(opened)
-    """
-    total = sum(entry.nbytes for entry in opened.manifest.storages)
-    if total > opened.size * MAX_EXPANSION:
-        raise FormatError(
-            f"{opened.name}: its storages claim {total} bytes, more than a file of "
-            f"{opened.size} bytes can decode to"
-        )
-
-
-class Budget:
-    """The memory one load may allocate for decoded data, over all the files it reads.
-
-    Args:
-        max_bytes: the limit in bytes (``max_bytes`` of ``load``); None: no limit besides
-            what the files' sizes bound.
-
-    Raises:
-        ValueError: ``max_bytes`` is not a non-negative integer.
-
-    Example:
-        >>> budget = Budget(100)
-        >>> budget.charge("x.ackpt", 60, "its storages")
-        >>> budget.charge("y.ackpt", 60, "its storages")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        asyncckpt.errors.MemoryBudgetError: y.ackpt: loading it needs 120 bytes for its ...
-    """
-
-    def __init__(self, max_bytes: int | None = None) -> None:
-        if max_bytes is not None and (type(max_bytes) is not int or max_bytes < 0):
-            raise ValueError(f"max_bytes must be a non-negative integer or None, got {max_bytes!r}")
-        self.max_bytes = max_bytes
-        self.used = 0
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        """For a reader pickled into another process: its lock is made again there."""
-        state = dict(self.__dict__)
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    def charge(self, name: str, nbytes: int, what: str) -> None:
-        """Count ``nbytes`` about to be allocated for ``name``; refuse them past the limit.
-
-        Raises:
-            MemoryBudgetError: the load would then hold more than ``max_bytes``.
-        """
-        with self._lock:
-            total = self.used + nbytes
-            if self.max_bytes is not None and total > self.max_bytes:
-                raise MemoryBudgetError(name, total, self.max_bytes, what)
-            self.used = total
+    wanted = range(len(storages)) if sids is None else sorted(sids)
+    runs = {sid: whole_run(opened, sid) for sid in wanted}
+    pins = _within_budget(storages, pinned or [False] * len(storages), pin_budget)
+    chosen = {sid for sid in runs if pins[sid]}
+    return read_runs(opened, runs, threads, pinned=chosen, budget=budget)
 
 
 def _within_budget(
@@ -347,88 +174,23 @@ def _within_budget(
     return pins
 
 
-class _Queue:
-    """Futures on a shared pool, at most ``limit`` unfinished; the first failure stops all."""
-
-    def __init__(self, workers: DaemonPool, limit: int) -> None:
-        self._workers = workers
-        self._limit = max(1, limit)
-        self._pending: collections.deque[Future[None]] = collections.deque()
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        while len(self._pending) >= self._limit:
-            self._pending.popleft().result()  # re-raises the oldest chunk's error first
-        self._pending.append(self._workers.submit(fn, *args))
-
-    def drain(self) -> None:
-        while self._pending:
-            self._pending.popleft().result()
-
-    def cancel(self) -> None:
-        # After a failure, chunks still queued must not write into buffers being dropped.
-        for future in self._pending:
-            future.cancel()
-        for future in self._pending:
-            if not future.cancelled():
-                future.exception()
-        self._pending.clear()
-
-
-def _allocate_for(opened: OpenedFile, nbytes: int, pin: bool) -> torch.Tensor:
-    try:
-        return _allocate(nbytes, pin)
-    except RuntimeError as exc:  # out of memory
-        raise FormatError(
-            f"{opened.name}: cannot allocate the {nbytes} bytes of a storage"
-        ) from exc
-
-
-def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-
-
-def _stored_scratch(size: int) -> memoryview:
-    """A per-thread buffer for compressed chunk bytes, reused across chunks."""
-    buf: bytearray | None = getattr(_local, "stored", None)
-    if buf is None or len(buf) < size:
-        buf = _local.stored = bytearray(size)
-    return memoryview(buf)[:size]
-
-
-_local = threading.local()
-
-
-def _read_chunk(opened: OpenedFile, index: int, chunk: Chunk, sid: int, out: memoryview) -> None:
-    if chunk.codec == "raw":
-        got = opened.read_into(chunk.offset, out)
-        stored = out[:got]
-    else:
-        stored = _stored_scratch(chunk.stored_len)
-        got = opened.read_into(chunk.offset, stored)
-        stored = stored[:got]
-    if got != chunk.stored_len:
-        detail = f"only {got} of {chunk.stored_len} bytes could be read"
-        raise ChecksumError(opened.name, index, opened.manifest.keys_of_storage(sid), detail)
-    if checksum(stored) != chunk.crc32:
-        raise ChecksumError(
-            opened.name, index, opened.manifest.keys_of_storage(sid), "checksum mismatch"
-        )
-    if chunk.codec != "raw":
-        try:
-            decode_chunk(stored, chunk.codec, opened.manifest.storages[sid].itemsize, out)
-        except FormatError as exc:
-            keys = opened.manifest.keys_of_storage(sid)
-            raise ChecksumError(opened.name, index, keys, str(exc)) from exc
-
-
 def materialize(
     opened: OpenedFile,
     placement: Placement,
     threads: int,
     into: Any = None,
     budget: Budget | None = None,
+    *,
+    settings: Settings | None = None,
+    skip: Collection[int] = (),
+    replaced: Collection[str] = (),
 ) -> Any:
-    """Read everything and rebuild the saved object, tensors placed per ``placement``.
+    """Read what was saved (all of it, or all but the entries ``skip``) and rebuild it,
+    tensors placed per ``placement``.
+
+    A whole load reads (and verifies) every storage of the file; with ``skip``, only the
+    storages of the tensors read and of the numpy arrays: a skipped entry's chunks are
+    never fetched, unless a tensor read shares its storage.
 
     Args:
         opened: the file.
@@ -439,8 +201,14 @@ def materialize(
             returned object holds the existing tensor. Nothing in ``into`` changes unless
             every chunk was verified and every target matches, so a failed load leaves it
             as it was.
-        budget: charged with every storage (all are read into fresh buffers) before any
-            is allocated.
+        budget: charged with every storage read (all are read into fresh buffers) before
+            any is allocated.
+        settings: the load's settings (the pinned-memory budget); None resolves them.
+        skip: indices into the file's tensor table not to read; they come back as None
+            (a sharded version's DTensor pieces, loaded by the caller).
+        replaced: key paths whose values the caller puts in place itself: never loaded
+            into ``into``. With ``skip`` or ``replaced``, ``into`` may share no tensor with
+            the file.
 
     Returns:
         The saved object.
@@ -456,25 +224,40 @@ def materialize(
         >>> import asyncckpt, os, tempfile, torch
         >>> from asyncckpt._storage import resolve
         >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
-        >>> _ = asyncckpt.save({"w": torch.arange(3)}, path).result()
+        >>> _ = asyncckpt.save({"w": torch.arange(3), "v": torch.ones(2)}, path).result()
         >>> state = {"w": torch.zeros(3, dtype=torch.int64)}
         >>> with open_file(*resolve(path, None)) as opened:
-        ...     _ = materialize(opened, Placement("cpu"), 2, into=state)
-        >>> state["w"]
-        tensor([0, 1, 2])
+        ...     got = materialize(opened, Placement("cpu"), 2, into=state, skip={1})
+        >>> state["w"], got["v"]
+        (tensor([0, 1, 2]), None)
     """
     manifest = opened.manifest
     check_devices(opened)
     targets = tensor_paths(into) if into is not None else {}
-    if into is not None:
+    targets = {k: t for k, t in targets.items() if k not in set(replaced)}
+    if into is not None and not skip and not replaced:
         check_overlap(opened, into, targets)
+    wanted = [i for i in range(len(manifest.tensors)) if i not in skip]
+    # A whole load reads (and so verifies) every storage; a partial one only those it needs.
+    sids = None
+    if skip:
+        sids = {manifest.tensors[i].storage for i in wanted} | {a.storage for a in manifest.arrays}
     pins = [placement.wants_pinned(entry.device) for entry in manifest.storages]
     # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
     # not leave the caller's tensors half overwritten.
-    raw = read_storages(opened, threads, None, pins, budget)
-    placed = [placement.place(buf, entry.device) for buf, entry in zip(raw, manifest.storages)]
-    tensors, copies = [], []
-    for entry in manifest.tensors:
+    raw = read_storages(
+        opened,
+        threads,
+        sids=sids,
+        pinned=pins,
+        budget=budget,
+        pin_budget=pin_budget_bytes(settings),
+    )
+    placed = {sid: placement.place(buf, manifest.storages[sid].device) for sid, buf in raw.items()}
+    tensors: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+    copies = []
+    for i in wanted:
+        entry = manifest.tensors[i]
         view = _view(
             placed[entry.storage],
             entry.dtype,
@@ -489,13 +272,14 @@ def materialize(
             _check_target(opened.name, entry.key, target, view)
             copies.append((target, view))
             view = target
-        tensors.append(view)
+        tensors[i] = view
     with torch.no_grad():
         for target, view in copies:
             target.copy_(view)
     placement.synchronize()
     arrays = [_array(raw[a.storage], a.dtype, a.shape, a.scalar) for a in manifest.arrays]
-    return unflatten(manifest.root, tensors, arrays, opened.name)
+    # Skipped entries are None: the caller puts their values there.
+    return unflatten(manifest.root, tensors, arrays, opened.name)  # type: ignore[arg-type]
 
 
 def check_overlap(opened: OpenedFile, into: Any, targets: dict[str, torch.Tensor]) -> None:

@@ -7,26 +7,10 @@ as the commit point, and every field is type- and range-checked before anything 
 from it. Functions here are pure (bytes in, objects out); the storage I/O lives in
 :mod:`asyncckpt.dcp.writer` and :mod:`asyncckpt._versions.dcp_reader`.
 
-The document (every key required unless marked optional)::
-
-    {
-      "format": "asyncckpt-dcp", "version": 1,
-      "dcp_version": "1.0.0" | null,          # Metadata.version
-      "attempt": "<32 hex>",                  # the save attempt; also in every file name
-      "time": "2026-...+00:00",               # informational
-      "library": "asyncckpt 0.1.0",           # informational
-      "files": [["r00000-<attempt>.ackpt", size], ...],
-      "state_dict_metadata": [[fqn, {"type": "bytes"}]
-                              | [fqn, {"type": "tensor", "dtype": "float32",
-                                       "layout": "strided", "requires_grad": false,
-                                       "memory_format": "contiguous_format",
-                                       "pin_memory": false, "size": [...],
-                                       "chunks": [[offsets, sizes], ...]}], ...],
-      "items": [[fqn, offsets | null, index_hint | null, file_no, entry, nbytes], ...],
-      "planner_data": {fqn: [path element, ...], ...} | null,
-      "storage_meta": {"checkpoint_id": str | null, "save_id": str | null,
-                       "modules": [str, ...]} | null
-    }
+The document (every key required unless marked optional) is specified in
+``docs/sharded.md`` ("Layout on storage"): the format and version, the attempt, the data
+files with their sizes, ``state_dict_metadata``, the items, ``planner_data`` and
+``storage_meta``.
 
 An item says where one stored piece (a chunk of a tensor, or a bytes object) lives: in data
 file ``files[file_no]``, as tensor ``entry`` of that file's tensor table, ``nbytes`` long.
@@ -37,7 +21,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import re
 from collections.abc import Mapping
 from typing import Any, Final, NamedTuple
 
@@ -60,24 +43,20 @@ from asyncckpt._format.container import (
     MAX_MANIFEST_BYTES,
     MAX_NDIM,
 )
+
+# Re-exported: the file names were defined here before they moved to names.py.
+from asyncckpt._format.names import METADATA_NAME as METADATA_NAME
+from asyncckpt._format.names import data_file_name as data_file_name
+from asyncckpt._format.names import is_data_file_name as is_data_file_name
 from asyncckpt._format.tree import dtype_name, torch_dtype
 from asyncckpt._version import __version__
 from asyncckpt.errors import FormatError, UnsupportedObjectError
 
-#: Name of the commit object inside a checkpoint directory (or prefix). It is DCP's own
-#: name, so tools that recognise a finished DCP checkpoint by the presence of
-#: ``<dir>/.metadata`` (torchtitan's resume-step scan, retention scripts) see these too;
-#: the content is JSON, and a pickle found there is refused (:func:`decode_metadata`).
-METADATA_NAME: Final = ".metadata"
 SCHEMA: Final = "asyncckpt-dcp"
 SCHEMA_VERSION: Final = 1
 #: Largest commit object a reader accepts (bounds the one allocation made before parsing).
 MAX_METADATA_BYTES: Final = MAX_MANIFEST_BYTES
 _MAX_INT: Final = 1 << 62
-#: ``r<rank>-<attempt>.ackpt``: the rank keeps ranks apart, the attempt token keeps two
-#: saves into one directory apart. A name from a file is matched against this before it is
-#: joined to a path, so a crafted commit object cannot point outside its directory.
-_DATA_NAME: Final = re.compile(r"r[0-9]{5,9}-[0-9a-f]{32}\.ackpt")
 _LAYOUTS: Final[Mapping[str, torch.layout]] = {"strided": torch.strided}
 _MEMORY_FORMATS: Final[Mapping[str, torch.memory_format]] = {
     "contiguous_format": torch.contiguous_format,
@@ -105,29 +84,6 @@ class ItemLocation(NamedTuple):
     file_size: int
     entry: int
     nbytes: int
-
-
-def data_file_name(rank: int, attempt: str) -> str:
-    """The name of ``rank``'s data file in save attempt ``attempt`` (32 hex digits).
-
-    Example:
-        >>> data_file_name(3, "ab" * 16)
-        'r00003-abababababababababababababababab.ackpt'
-    """
-    name = f"r{rank:05d}-{attempt}.ackpt"
-    if not _DATA_NAME.fullmatch(name):
-        raise ValueError(f"invalid rank {rank} or attempt token {attempt!r}")
-    return name
-
-
-def is_data_file_name(name: str) -> bool:
-    """Whether ``name`` is a data file name this module writes.
-
-    Example:
-        >>> is_data_file_name("r00000-" + "0" * 32 + ".ackpt"), is_data_file_name("../x")
-        (True, False)
-    """
-    return _DATA_NAME.fullmatch(name) is not None
 
 
 def item_key(index: MetadataIndex) -> str:
@@ -284,8 +240,10 @@ def overlapping_chunks(
     boxes = [(i, off, sz) for i, (off, sz) in enumerate(chunks) if math.prod(sz)]
     if len(boxes) < 2:
         return None
+    # sorted(set()) rather than np.unique: np.unique imports numpy.ma, a tenth of a second
+    # that the first load of every process paid.
     edges = [
-        np.unique([0, n, *(o[d] for _, o, _ in boxes), *(o[d] + s[d] for _, o, s in boxes)])
+        np.array(sorted({0, n, *(o[d] for _, o, _ in boxes), *(o[d] + s[d] for _, o, s in boxes)}))
         for d, n in enumerate(size)
     ]
     cells = math.prod(len(e) - 1 for e in edges)

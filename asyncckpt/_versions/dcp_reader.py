@@ -15,10 +15,8 @@ import collections
 import io
 import math
 import os
-import threading
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import Future as ThreadFuture
 from typing import Any, NamedTuple
 
 import torch
@@ -27,10 +25,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from asyncckpt import _config as config
-from asyncckpt._engine.decode import Budget, OpenedFile, check_sizes, open_file
+from asyncckpt._engine.chunks import Run, read_runs, whole_run
+from asyncckpt._engine.decode import Budget, OpenedFile, open_file
 from asyncckpt._engine.snapshot import byte_view
-from asyncckpt._format.codec import checksum, decode_chunk
 from asyncckpt._format.container import TensorEntry
 from asyncckpt._format.index import (
     MAX_METADATA_BYTES,
@@ -41,19 +38,15 @@ from asyncckpt._format.index import (
     item_key,
 )
 from asyncckpt._format.tree import torch_dtype
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage, is_temp_name
-from asyncckpt._threads import pool
 from asyncckpt._versions.dcp_location import CheckpointLocation
 from asyncckpt.errors import (
     CheckpointNotFoundError,
-    ChecksumError,
     FormatError,
     IncompleteCheckpointError,
     TruncatedFileError,
 )
-
-#: Chunks queued per reader thread ahead of the oldest unfinished one.
-_QUEUED_PER_THREAD = 4
 
 
 class Reader(CheckpointLocation, StorageReader):
@@ -73,10 +66,11 @@ class Reader(CheckpointLocation, StorageReader):
             stored tensor decoded straight into its target needs none); a load that would
             need more raises :class:`~asyncckpt.errors.MemoryBudgetError` before
             allocating. None: no limit besides what the files' sizes bound.
+        threads: reader threads (None: the ``threads`` tunable, ``ASYNCCKPT_THREADS``).
 
     Raises:
         TypeError: ``url`` is not a path or URL.
-        ValueError: ``max_bytes`` is negative.
+        ValueError: ``max_bytes`` is negative, ``threads`` not positive.
 
     Example:
         >>> import os, tempfile, torch, warnings
@@ -97,8 +91,11 @@ class Reader(CheckpointLocation, StorageReader):
         *,
         storage_options: Mapping[str, Any] | None = None,
         max_bytes: int | None = None,
+        threads: int | None = None,
     ) -> None:
         StorageReader.__init__(self)
+        # An entry point: the tunables are resolved once, here (argument > environment).
+        self._settings = Settings.resolve(threads=threads)
         CheckpointLocation.__init__(self, url, storage_options)
         self._load_id = uuid.uuid4().hex
         self._locations: dict[MetadataIndex, ItemLocation] = {}
@@ -112,6 +109,7 @@ class Reader(CheckpointLocation, StorageReader):
         path: str,
         metadata: str | None = None,
         budget: Budget | None = None,
+        settings: Settings | None = None,
     ) -> Reader:
         """A reader of the checkpoint directory ``path`` on an already opened ``storage``.
 
@@ -119,7 +117,8 @@ class Reader(CheckpointLocation, StorageReader):
         sharded version, whose ``COMMIT`` names its ``metadata``); the reader pickles as
         ``storage.describe(path)``. ``budget``, if given, is charged with this reader's
         buffers (shared with the caller's other reads), for every load, instead of a
-        budget of its own.
+        budget of its own; ``settings`` (the caller's), if given, replace those the reader
+        resolved.
 
         Example:
             >>> from asyncckpt._storage import resolve
@@ -129,6 +128,8 @@ class Reader(CheckpointLocation, StorageReader):
         reader = cls(storage.describe(path))
         reader._storage, reader._path = storage, path
         reader._metadata_name = metadata
+        if settings is not None:
+            reader._settings = settings
         if budget is not None:
             reader._budget, reader._max_bytes = budget, None
         return reader
@@ -232,7 +233,7 @@ class Reader(CheckpointLocation, StorageReader):
             if where is None:
                 raise FormatError(f"{self._url}: the metadata has no data for {req.storage_index}")
             per_file[where.file].append(req)
-        threads = config.tunable("threads", None)
+        threads = self._settings.threads
         for name, reqs in per_file.items():
             with self._open_data_file(name, self._locations[reqs[0].storage_index]) as opened:
                 self._load_file(opened, reqs, planner, threads)
@@ -247,7 +248,9 @@ class Reader(CheckpointLocation, StorageReader):
         items = [self._item(opened, req, planner) for req in reqs]
         direct = _direct_destinations(opened, items)
         spans = _spans(opened, [item for item in items if item.entry.storage not in direct])
-        buffers = _read_spans(opened, spans, direct, threads, self._budget)
+        runs = {sid: whole_run(opened, sid) for sid in direct} | spans
+        what = "buffers for its chunks"
+        buffers = read_runs(opened, runs, threads, into=direct, budget=self._budget, what=what)
         for item in items:
             sid = item.entry.storage
             if item.target is not None and sid in direct:
@@ -323,15 +326,6 @@ class _Item(NamedTuple):
     target: torch.Tensor | None  # None for a bytes item
 
 
-class _Span(NamedTuple):
-    """The chunks of a storage to read: ``[first, stop)``; ``base`` is where ``first`` starts
-    in the storage, in bytes."""
-
-    first: int
-    stop: int
-    base: int
-
-
 def _direct_destinations(opened: OpenedFile, items: list[_Item]) -> dict[int, torch.Tensor]:
     """``{storage index: the bytes to decode it into}`` for the items read in place.
 
@@ -386,7 +380,7 @@ def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     return True
 
 
-def _spans(opened: OpenedFile, items: list[_Item]) -> dict[int, _Span]:
+def _spans(opened: OpenedFile, items: list[_Item]) -> dict[int, Run]:
     """Per storage, the chunks that hold the bytes ``items`` ask for.
 
     A slice of a stored tensor (a load on another number of ranks) needs only the chunks
@@ -407,7 +401,7 @@ def _spans(opened: OpenedFile, items: list[_Item]) -> dict[int, _Span]:
         if span.base % torch_dtype(item.entry.dtype).itemsize:
             # A view cannot start inside an element: read from the storage's start.
             storage = opened.manifest.storages[item.entry.storage]
-            spans[item.entry.storage] = _Span(storage.first_chunk, span.stop, 0)
+            spans[item.entry.storage] = Run(storage.first_chunk, span.stop, 0)
     return spans
 
 
@@ -422,7 +416,7 @@ def _byte_range(item: _Item) -> tuple[int, int]:
     return first * itemsize, (last + 1) * itemsize
 
 
-def _chunk_span(opened: OpenedFile, sid: int, lo: int, hi: int) -> _Span:
+def _chunk_span(opened: OpenedFile, sid: int, lo: int, hi: int) -> Run:
     """The run of storage ``sid``'s chunks that covers its bytes ``[lo, hi)``."""
     storage, chunks = opened.manifest.storages[sid], opened.manifest.chunks
     first, stop, base, start = -1, -1, 0, 0
@@ -434,8 +428,8 @@ def _chunk_span(opened: OpenedFile, sid: int, lo: int, hi: int) -> _Span:
             stop = index + 1
         start = end
     if first < 0:  # nothing asked for
-        return _Span(storage.first_chunk, storage.first_chunk, 0)
-    return _Span(first, stop, base)
+        return Run(storage.first_chunk, storage.first_chunk, 0)
+    return Run(first, stop, base)
 
 
 def _deliver(item: _Item, buf: torch.Tensor, base: int, planner: LoadPlanner) -> None:
@@ -459,133 +453,3 @@ def _slice(buf: torch.Tensor, base: int, item: _Item) -> torch.Tensor:
     first = entry.offset + sum(o * s for o, s in zip(item.offsets, entry.stride))
     t = torch.empty(0, dtype=dtype)
     return t.set_(buf.untyped_storage(), first - base // dtype.itemsize, item.lengths, entry.stride)
-
-
-def read_storage_ids(
-    opened: OpenedFile, sids: set[int], threads: int, budget: Budget | None = None
-) -> dict[int, torch.Tensor]:
-    """Read, verify and decode only the storages ``sids`` of a file, in parallel chunks.
-
-    Args:
-        opened: the file.
-        sids: indices into its storage table.
-        threads: reader threads.
-        budget: charged with the buffers before any is allocated.
-
-    Returns:
-        ``{storage index: 1-D uint8 CPU tensor of its bytes}``.
-
-    Raises:
-        FormatError: the file's sizes are impossible.
-        ChecksumError: a chunk is damaged (the first one found).
-
-    Example:
-        >>> import asyncckpt, os, tempfile, torch
-        >>> from asyncckpt._engine.decode import open_file
-        >>> from asyncckpt._storage import resolve
-        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
-        >>> _ = asyncckpt.save({"a": torch.arange(3), "b": torch.ones(2)}, path).result()
-        >>> with open_file(*resolve(path, None)) as opened:
-        ...     {sid: buf.numel() for sid, buf in read_storage_ids(opened, {1}, 2).items()}
-        {1: 8}
-    """
-    storages = opened.manifest.storages
-    ordered = sorted(sids)
-    if ordered and not 0 <= ordered[0] <= ordered[-1] < len(storages):
-        raise FormatError(f"{opened.name}: no storage {ordered} among {len(storages)}")
-    spans = {
-        sid: _Span(
-            storages[sid].first_chunk, storages[sid].first_chunk + storages[sid].num_chunks, 0
-        )
-        for sid in ordered
-    }
-    return _read_spans(opened, spans, {}, threads, budget)
-
-
-def _read_spans(
-    opened: OpenedFile,
-    spans: dict[int, _Span],
-    direct: dict[int, torch.Tensor],
-    threads: int,
-    budget: Budget | None = None,
-) -> dict[int, torch.Tensor]:
-    """Read, verify and decode chunks in parallel: every chunk of each storage in ``direct``
-    into its given bytes, and the chunks of ``spans`` into new buffers (returned, by storage).
-
-    Raises:
-        FormatError: the file's sizes are impossible.
-        ChecksumError: a chunk is damaged (the first one found).
-        MemoryBudgetError: the new buffers would exceed ``budget``.
-    """
-    manifest = opened.manifest
-    check_sizes(opened)  # bounds every allocation below by the file's size
-    jobs: dict[int, tuple[_Span, torch.Tensor | None]]
-    jobs = {sid: (_whole(opened, sid), out) for sid, out in direct.items()}
-    jobs.update((sid, (span, None)) for sid, span in spans.items())
-    if budget is not None:
-        chunks = manifest.chunks
-        fresh = sum(chunks[i].raw_len for span in spans.values() for i in range(*span[:2]))
-        budget.charge(opened.name, fresh, "buffers for its chunks")
-    buffers: dict[int, torch.Tensor] = {}
-    workers = pool("read", threads)
-    pending: collections.deque[ThreadFuture[None]] = collections.deque()
-    try:
-        for sid in sorted(jobs):  # storage order is file order
-            span, dest = jobs[sid]
-            if dest is None:
-                raw = sum(manifest.chunks[i].raw_len for i in range(span.first, span.stop))
-                dest = buffers[sid] = torch.empty(raw, dtype=torch.uint8)
-            view, start = byte_view(dest), 0
-            for index in range(span.first, span.stop):
-                raw_len = manifest.chunks[index].raw_len
-                while len(pending) >= threads * _QUEUED_PER_THREAD:
-                    pending.popleft().result()  # the oldest chunk's error comes first
-                out = view[start : start + raw_len]
-                pending.append(workers.submit(_read_chunk, opened, index, sid, out))
-                start += raw_len
-        while pending:
-            pending.popleft().result()
-    finally:
-        # After a failure, queued chunks must not write into buffers being dropped.
-        for future in pending:
-            future.cancel()
-        for future in pending:
-            if not future.cancelled():
-                future.exception()
-    return buffers
-
-
-def _whole(opened: OpenedFile, sid: int) -> _Span:
-    storage = opened.manifest.storages[sid]
-    return _Span(storage.first_chunk, storage.first_chunk + storage.num_chunks, 0)
-
-
-def _stored_scratch(size: int) -> memoryview:
-    """A per-thread buffer for a chunk's compressed bytes, reused: a fresh one per chunk
-    would be zero-filled and page-faulted in every time."""
-    buf: bytearray | None = getattr(_local, "stored", None)
-    if buf is None or len(buf) < size:
-        buf = _local.stored = bytearray(size)
-    return memoryview(buf)[:size]
-
-
-_local = threading.local()
-
-
-def _read_chunk(opened: OpenedFile, index: int, sid: int, out: memoryview) -> None:
-    chunk = opened.manifest.chunks[index]
-    # A raw chunk is read straight into its place; it is checked there before use.
-    stored = out if chunk.codec == "raw" else _stored_scratch(chunk.stored_len)
-    got = opened.read_into(chunk.offset, stored)
-    keys = opened.manifest.keys_of_storage
-    if got != chunk.stored_len:
-        detail = f"only {got} of {chunk.stored_len} bytes could be read"
-        raise ChecksumError(opened.name, index, keys(sid), detail)
-    if checksum(stored) != chunk.crc32:
-        raise ChecksumError(opened.name, index, keys(sid), "checksum mismatch")
-    if chunk.codec == "raw":
-        return
-    try:
-        decode_chunk(stored, chunk.codec, opened.manifest.storages[sid].itemsize, out)
-    except FormatError as exc:
-        raise ChecksumError(opened.name, index, keys(sid), str(exc)) from exc

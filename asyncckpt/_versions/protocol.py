@@ -36,6 +36,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer
+
+# The file names of a version are defined once, in _format.names; imported from here too.
+from asyncckpt._format.names import METADATA_SUFFIX as METADATA_SUFFIX
+from asyncckpt._format.names import data_file_name as data_file_name
+from asyncckpt._format.names import is_metadata_name
+from asyncckpt._format.names import metadata_file_name as metadata_file_name
 from asyncckpt._settings import Settings
 from asyncckpt._storage import TEMP_MARK, Storage, is_temp_name
 from asyncckpt.errors import (
@@ -57,17 +63,10 @@ PROTOCOL_VERSION = 1
 #: per rank plus the version's metadata (see :mod:`asyncckpt._api.sharded_save`).
 SINGLE = "single"
 SHARDED = "sharded"
-#: The suffix of a sharded version's JSON index of its pieces (``asyncckpt.dcp``'s schema),
-#: named ``r<writer rank>-<attempt>.metadata`` by :func:`metadata_file_name`.
-METADATA_SUFFIX = ".metadata"
-#: The fixed name older asyncckpt versions gave that index (still read: their ``COMMIT``
-#: names it); ``asyncckpt.dcp.Writer``'s commit object has this name too.
-LEGACY_METADATA_FILE = ".metadata"
 _MAX_RECORD_BYTES = 1 << 20
 # Canonical decimal steps only: "007", "²" or "١٢" are not steps (and never alias one).
 _STEP_NAME = re.compile(r"0|[1-9][0-9]{0,18}")
 _MAX_STEP = (1 << 63) - 1
-_METADATA_NAME = re.compile(r"r[0-9]{5,9}-[0-9a-f]{32}\.metadata")
 # What a file name in a record must never hold: control characters (NUL included), path
 # separators, a parent-directory part, or lone surrogates (no file system can encode them).
 _BAD_NAME = re.compile(r"[\x00-\x1f\x7f-\x9f/\\\ud800-\udfff]|\.\.")
@@ -147,33 +146,6 @@ def parse_step(name: str) -> int | None:
         return None
     step = int(name)
     return step if step <= _MAX_STEP else None
-
-
-def data_file_name(rank: int, token: str) -> str:
-    """Name of rank ``rank``'s data file, unique to one writer attempt."""
-    return f"r{rank:05d}-{token}.ackpt"
-
-
-def metadata_file_name(rank: int, attempt: str) -> str:
-    """Name of a sharded version's metadata, written by the writer rank ``rank`` in save
-    attempt ``attempt``: no other attempt, of this writer or another, can have that name.
-
-    Example:
-        >>> metadata_file_name(0, "ab" * 16)
-        'r00000-abababababababababababababababab.metadata'
-    """
-    return f"r{rank:05d}-{attempt}{METADATA_SUFFIX}"
-
-
-def is_metadata_name(name: str) -> bool:
-    """Whether ``name`` is a sharded version's metadata: attempt-named, or the legacy
-    ``.metadata`` of roots written by older asyncckpt versions.
-
-    Example:
-        >>> [is_metadata_name(n) for n in (".metadata", metadata_file_name(1, "0" * 32), "x")]
-        [True, True, False]
-    """
-    return name == LEGACY_METADATA_FILE or _METADATA_NAME.fullmatch(name) is not None
 
 
 def bad_file_name(name: str) -> str | None:

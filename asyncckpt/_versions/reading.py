@@ -8,13 +8,17 @@ save in progress, however it is scheduled.
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, Final, Protocol
 
-from asyncckpt import _config as config
+from torch.distributed.checkpoint.api import CheckpointException
+
 from asyncckpt._device import Placement
-from asyncckpt._engine.decode import Budget, materialize, read_file
+from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import (
+    SHARDED,
     CommitRecord,
     committed_steps,
     latest_step,
@@ -22,7 +26,31 @@ from asyncckpt._versions.protocol import (
     step_dir,
     wait_for_step,
 )
-from asyncckpt.errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
+from asyncckpt.errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    FormatError,
+    IncompleteCheckpointError,
+)
+
+log = logging.getLogger(__name__)
+
+#: How many versions a load of the newest version tries, when retention deletes each one
+#: while it is read, before it gives up (a trainer whose ``keep_last`` versions are all
+#: written faster than this process reads one).
+FOLLOW_ATTEMPTS: Final = 5
+
+
+class KindReader(Protocol):
+    """What a load needs besides the root: how to read a sharded version (rank files, the
+    index, DTensors: :mod:`asyncckpt._api.sharded_load`), and what a plain one must refuse.
+    """
+
+    def sharded(self, commit: CommitRecord, budget: Budget) -> Any:
+        """Load the sharded version ``commit`` describes, charging ``budget``."""
+
+    def check_plain(self, step: int) -> None:
+        """Raise if the load cannot take plain version ``step`` (e.g. DTensors in ``into``)."""
 
 
 class RootReader:
@@ -66,28 +94,123 @@ class RootReader:
         holder's)."""
         wait_for_step(self.storage, self.root, step, timeout, writer=writer)
 
-    def read(self, step: int, placement: Placement, into: Any, budget: Budget | None = None) -> Any:
-        """Load committed version ``step``.
+    def load(
+        self,
+        step: int,
+        commit: CommitRecord | None,
+        placement: Placement,
+        into: Any,
+        kinds: KindReader,
+        *,
+        follow_latest: bool = False,
+        max_bytes: int | None = None,
+        settings: Settings | None = None,
+    ) -> Any:
+        """Load committed version ``step``, plain or sharded, as its ``COMMIT`` records.
+
+        If retention deletes the version while it is read (its ``COMMIT`` is gone: an
+        evaluator loading the newest version while the trainer saves with ``keep_last``), a
+        load that asked for the newest version moves on to the newest one, at most
+        :data:`FOLLOW_ATTEMPTS` times in all; a load of a given step raises.
+
+        Args:
+            step: the version to load.
+            commit: its commit marker, or None if it was retired since it was chosen.
+            placement: where tensors go.
+            into: an existing state to load into, or None.
+            kinds: reads a sharded version; says what a plain one must refuse.
+            follow_latest: the caller asked for the newest version (no step, not collective).
+            max_bytes: the memory budget of each attempt (see :class:`Budget`).
+            settings: the load's settings (None: resolved here, for tools and tests).
+
+        Returns:
+            The saved state (after a move, the newer version's).
+
+        Raises:
+            IncompleteCheckpointError: the version was deleted while it was read and
+                ``follow_latest`` is false (or nothing newer is committed, or the newest was
+                deleted too, :data:`FOLLOW_ATTEMPTS` times); or a file its ``COMMIT`` names
+                is missing.
+            ChecksumError, FormatError: a damaged or truncated file.
+            MemoryBudgetError: the version needs more than ``max_bytes`` (nothing allocated).
+        """
+        settings = settings or Settings.resolve()
+        for _ in range(FOLLOW_ATTEMPTS):
+            try:
+                return self._load_once(step, commit, placement, into, kinds, max_bytes, settings)
+            except (AsyncCkptError, CheckpointException) as exc:
+                step = self._after_deletion(step, follow_latest, exc)
+            commit = self.commit_of(step)
+        raise IncompleteCheckpointError(
+            f"{self.where}: retention deleted {FOLLOW_ATTEMPTS} versions in a row while this "
+            f"process loaded them (the last was step {step}); keep more versions (keep_last) "
+            "or give load() a step that is kept"
+        )
+
+    def _load_once(
+        self,
+        step: int,
+        commit: CommitRecord | None,
+        placement: Placement,
+        into: Any,
+        kinds: KindReader,
+        max_bytes: int | None,
+        settings: Settings,
+    ) -> Any:
+        """One attempt at loading ``step`` (``commit``), dispatched on its kind."""
+        if commit is None:  # deleted again before it could be read
+            raise CheckpointNotFoundError(f"step {step} under {self.where} is not committed")
+        budget = Budget(max_bytes)
+        if commit.kind == SHARDED:
+            return kinds.sharded(commit, budget)
+        kinds.check_plain(step)
+        return self.read(step, placement, into, budget, settings=settings)
+
+    def _after_deletion(self, step: int, follow_latest: bool, exc: BaseException) -> int:
+        """The step to load after ``exc`` interrupted the load of ``step``; else raise.
+
+        Retention removes a version's ``COMMIT`` before its files, so a version whose files
+        went missing under a reader but whose ``COMMIT`` is still there was damaged, not
+        retired: its error is raised as it is.
+        """
+        if self.commit_of(step) is not None:
+            raise exc
+        newest = self.latest()
+        if not follow_latest or newest is None or newest == step:
+            raise deleted_while_loading(step, self.where) from exc
+        log.info("step %d was deleted while loading; moving to step %d", step, newest)
+        return newest
+
+    def read(
+        self,
+        step: int,
+        placement: Placement,
+        into: Any,
+        budget: Budget | None = None,
+        *,
+        settings: Settings | None = None,
+    ) -> Any:
+        """Load committed plain version ``step`` (one data file).
 
         Args:
             step: a committed step.
             placement: where tensors go.
             into: an existing state to load into, or None.
             budget: the memory the load may allocate for decoded data.
+            settings: the load's settings (None: resolved here, for tools and tests).
 
         Raises:
             IncompleteCheckpointError: ``step`` is not (or no longer) committed.
             FormatError: the version has more than one data file.
             MemoryBudgetError: it needs more than ``budget`` (nothing was allocated).
         """
-        threads = config.tunable("threads", None)
+        settings = settings or Settings.resolve()
+
+        def work(opened: OpenedFile) -> Any:
+            return materialize(opened, placement, settings.threads, into, budget, settings=settings)
+
         try:
-            return read_file(
-                self.storage,
-                self._data_path(step),
-                lambda opened: materialize(opened, placement, threads, into, budget),
-                budget,
-            )
+            return read_file(self.storage, self._data_path(step), work, budget)
         except CheckpointNotFoundError as exc:
             raise deleted_while_loading(step, self.where) from exc
 

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeAlias
 
-from asyncckpt import _config as config
 from asyncckpt._engine.decode import OpenedFile, open_file
 from asyncckpt._format.tree import unflatten
 from asyncckpt._progress import Progress
+from asyncckpt._settings import Settings
 from asyncckpt._storage import LocalStorage, Storage, resolve
 from asyncckpt._versions import pending
 from asyncckpt._versions.protocol import (
@@ -214,8 +214,8 @@ def progress(args: argparse.Namespace, total: int | None, label: str) -> Progres
 
 
 def threads() -> int:
-    """Parallel readers: the ``threads`` tunable."""
-    return config.tunable("threads", None)
+    """Parallel readers: the ``threads`` tunable, resolved for the command being run."""
+    return Settings.resolve().threads
 
 
 def table(headers: list[str], rows: list[list[str]], first_align: str = "<") -> list[str]:
