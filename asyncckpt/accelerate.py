@@ -50,7 +50,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "asyncckpt.accelerate needs the `accelerate` package: pip install 'asyncckpt[transformers]'"
     ) from exc
 
-from asyncckpt import Checkpointer, SaveHandle
+from asyncckpt._api.checkpointer import Checkpointer
+from asyncckpt._api.jobs import SaveHandle
 from asyncckpt.errors import AsyncCkptError, FormatError
 
 __all__ = ["FORMAT", "METRICS_KEY", "load_state", "rng_states", "save_state", "set_rng_states"]

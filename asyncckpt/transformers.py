@@ -58,7 +58,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'asyncckpt[transformers]'"
     ) from exc
 
-from asyncckpt import Checkpointer, SaveHandle
+from asyncckpt._api.checkpointer import Checkpointer
+from asyncckpt._api.jobs import SaveHandle
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import delete_version
 from asyncckpt.accelerate import gathered_rng_states, save_with_metrics, set_rng_states

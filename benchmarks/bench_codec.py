@@ -158,10 +158,10 @@ def measure(
     import zstandard
 
     import asyncckpt
-    from asyncckpt import _config as config
+    from asyncckpt._settings import Settings
 
-    level = config.tunable("zstd_level", None)
-    chunk_bytes = config.tunable("chunk_bytes", None)
+    level = Settings.resolve().zstd_level
+    chunk_bytes = Settings.resolve().chunk_bytes
     nbytes = raw_bytes(state)
     chunks = chunks_of(state, chunk_bytes)
     entry: dict[str, Any] = {
@@ -282,11 +282,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _tunables() -> dict[str, int]:
-    from asyncckpt import _config as config
+    from asyncckpt._settings import Settings
 
     return {
-        "zstd_level": config.tunable("zstd_level", None),
-        "chunk_bytes": config.tunable("chunk_bytes", None),
+        "zstd_level": Settings.resolve().zstd_level,
+        "chunk_bytes": Settings.resolve().chunk_bytes,
     }
 
 

@@ -70,6 +70,7 @@ from common import (
 )
 
 import asyncckpt
+from asyncckpt._settings import Settings
 
 # name -> (label for the table and plot, what "blocked" means for it)
 SAVE_METHODS: dict[str, str] = {
@@ -1069,8 +1070,8 @@ def only(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     res["loadavg"] = [load_before, loadavg()]
-    res["writer_nice"] = asyncckpt._config.tunable("writer_nice", None)
-    res["threads"] = asyncckpt._config.tunable("threads", None)
+    res["writer_nice"] = Settings.resolve().writer_nice
+    res["threads"] = Settings.resolve().threads
     print(json.dumps(res))
     return 0
 

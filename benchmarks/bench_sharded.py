@@ -54,10 +54,10 @@ import fsspec
 import torch
 
 from asyncckpt import Checkpointer
-from asyncckpt import _config as config
 from asyncckpt._api.dropin import write_options
 from asyncckpt._engine.snapshot import ArenaPool, snapshot
 from asyncckpt._format.tree import flatten
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import read_commit
 from asyncckpt._versions.publish import write_and_commit
@@ -282,7 +282,7 @@ def sim_part(args: argparse.Namespace) -> dict[str, Any]:
             "per_rank_link_bytes_s": bandwidth,
             "latency_s": latency,
             "compression": "none",
-            "lease_renew_ms": config.tunable("lease_renew_ms", None),
+            "lease_renew_ms": Settings.resolve().lease_renew_ms,
             "filesystem": "faulty::memory:// (asyncckpt.testing.FaultPlan per rank)",
         },
         "results": results,

@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import MIB, pyplot, savefig, write_json
 
 import asyncckpt
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt.testing import FaultPlan, MotoServer, fake_aws_environment
 
@@ -172,7 +173,7 @@ def _finish(
             "part_mib": args.part_mib,
             "parallel": args.parallel,
             "slow_backend": args.slow_backend,
-            "threads": asyncckpt._config.tunable("threads", None),
+            "threads": Settings.resolve().threads,
         },
         "results": results,
         "baseline": baseline(args, errors),

@@ -23,7 +23,7 @@ machine is shared.
 ``--writer`` picks how the background write shares the CPU (issue 12, "training
 interference"); the figures of different variants come from separate runs:
 
-* ``default``: the library's defaults (``writer_nice`` and ``threads`` in asyncckpt._config);
+* ``default``: the library's defaults (``writer_nice`` and ``threads`` in asyncckpt._settings);
 * ``nice0``: writer threads at the caller's priority (the behaviour before issue 12);
 * ``nice``: writer threads niced by ``--nice`` (``ASYNCCKPT_WRITER_NICE``);
 * ``threads1``: one encode thread (``ASYNCCKPT_THREADS=1``), not niced;
@@ -71,6 +71,7 @@ from common import (
 )
 
 import asyncckpt
+from asyncckpt._settings import Settings
 
 #: --writer: environment variables set before the first save (None: --nice's value).
 WRITER_VARIANTS: dict[str, dict[str, str | None]] = {
@@ -312,9 +313,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "state_bytes": state_bytes,
             "state_mib": round(state_bytes / MIB, 1),
             "torch_threads": torch.get_num_threads(),
-            "asyncckpt_threads": asyncckpt._config.tunable("threads", None),
+            "asyncckpt_threads": Settings.resolve().threads,
             "writer": args.writer,
-            "writer_nice": asyncckpt._config.tunable("writer_nice", None),
+            "writer_nice": Settings.resolve().writer_nice,
             "pace_ms": args.pace_ms if args.writer == "pace" else 0,
             "quick": args.quick,
         },

@@ -31,9 +31,9 @@ from torch import nn
 import asyncckpt
 import asyncckpt.dcp
 from asyncckpt import Checkpointer, cli
-from asyncckpt import _config as config
 from asyncckpt._convert.consolidate import ShardedSource, safetensors_header
 from asyncckpt._engine.decode import open_file
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from tests import ranks, state_checks
 
@@ -198,7 +198,7 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(
     # the next task: a reader thread a view of a chunk buffer, an encoder thread a view of
     # a whole tensor. So up to one of each per thread lingers besides the ones in use
     # (bounded by the thread count, never by the checkpoint).
-    threads = config.tunable("threads", None)
+    threads = Settings.resolve().threads
     bound = (threads + 1) * (largest + stored) + (64 << 10)  # + plain values (RNG state)
     assert counter.peak <= bound, (counter.peak, bound, largest, total)
     assert counter.peak * 4 < total, (counter.peak, total)  # not the checkpoint

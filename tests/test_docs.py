@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt._config import DEFAULTS
+from asyncckpt._settings import Settings
 from asyncckpt.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,8 +119,8 @@ def test_every_tunable_is_in_the_guide() -> None:
         m.group(1): m.group(0)
         for m in re.finditer(r"^\| `(\w+)` \| `ASYNCCKPT_\w+` \|.*$", guide, re.M)
     }
-    assert set(rows) == set(DEFAULTS)
-    for name, (default, _) in DEFAULTS.items():
+    assert set(rows) == set(Settings.help())
+    for name, (default, _) in Settings.help().items():
         assert f"`ASYNCCKPT_{name.upper()}`" in rows[name]
         if name != "threads":  # depends on the machine; the table says how
             assert f"| {default}" in rows[name], (name, default)

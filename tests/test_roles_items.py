@@ -14,11 +14,11 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import _config as config
 from asyncckpt._device import Placement
 from asyncckpt._engine import chunks, overlap
 from asyncckpt._engine import decode as reader
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer, encode_footer
+from asyncckpt._settings import Settings
 from asyncckpt.errors import ChecksumError, FormatError
 
 # -- 1. storages that alias one buffer are de-duplicated by byte range ------------------------
@@ -291,7 +291,7 @@ def test_pin_budget_env_must_be_a_positive_integer(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match="positive"):
         reader.pin_budget_bytes()
     monkeypatch.delenv("ASYNCCKPT_PIN_BUDGET_BYTES")
-    assert reader.pin_budget_bytes() == config.DEFAULTS["pin_budget_bytes"][0]
+    assert reader.pin_budget_bytes() == Settings.help()["pin_budget_bytes"][0]
 
 
 # -- 4. overlap guards: wait before anything mutates snapshotted state ------------------------

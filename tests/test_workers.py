@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import asyncckpt
-from asyncckpt import _config as config
 from asyncckpt import _threads as workers
+from asyncckpt._settings import Settings
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="per-thread niceness is a Linux feature"
@@ -35,16 +35,17 @@ def fresh_pools(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_writer_nice_accepts_zero_and_refuses_negatives(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert config.tunable("writer_nice", None) == config.DEFAULTS["writer_nice"][0]
-    assert config.tunable("writer_nice", 0) == 0
+    monkeypatch.delenv("ASYNCCKPT_WRITER_NICE", raising=False)
+    assert Settings.resolve().writer_nice == Settings.help()["writer_nice"][0]
+    assert Settings.resolve(writer_nice=0).writer_nice == 0
     monkeypatch.setenv("ASYNCCKPT_WRITER_NICE", "7")
-    assert config.tunable("writer_nice", None) == 7
+    assert Settings.resolve().writer_nice == 7
     monkeypatch.setenv("ASYNCCKPT_WRITER_NICE", "-1")
     with pytest.raises(ValueError, match=r"non-negative integer.*ASYNCCKPT_WRITER_NICE"):
-        config.tunable("writer_nice", None)
+        Settings.resolve()
     # 0 stays refused where it means nothing
     with pytest.raises(ValueError, match="must be a positive integer"):
-        config.tunable("threads", 0)
+        Settings.resolve(threads=0)
 
 
 @linux_only

@@ -28,7 +28,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 import asyncckpt
 from asyncckpt import Checkpointer
-from asyncckpt import _config as config
 from asyncckpt._engine import writer_child, writer_process
 from asyncckpt._engine.arena import shared_memory_supported, shared_regions
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer, decode_manifest
@@ -355,9 +354,9 @@ def test_a_storage_that_cannot_be_pickled_stays_on_threads(
 
 
 def test_the_tunable_takes_0_or_1() -> None:
-    assert config.tunable("writer_processes", 0) == 0
+    assert Settings.resolve(writer_processes=0).writer_processes == 0
     with pytest.raises(ValueError, match="at most 1"):
-        config.tunable("writer_processes", 2)
+        Settings.resolve(writer_processes=2)
 
 
 def _script(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:

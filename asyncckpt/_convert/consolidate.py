@@ -67,7 +67,7 @@ from asyncckpt._engine.decode import (
     read_storages,
 )
 from asyncckpt._engine.encode import WriteOptions, write_chunks
-from asyncckpt._engine.snapshot import StagedStorage, _codec_hint
+from asyncckpt._engine.snapshot import StagedStorage, codec_hint
 from asyncckpt._format.container import (
     ArrayEntry,
     Chunk,
@@ -400,7 +400,7 @@ def write_ackpt_stream(
 
         for t, key in flat.tensors:
             whole = src.full(t).detach().contiguous()
-            itemsize, is_float = _codec_hint(whole.dtype)
+            itemsize, is_float = codec_hint(whole.dtype)
             put(StagedStorage(_bytes_of(whole), itemsize, is_float, "cpu"))
             tensor_entries.append(
                 TensorEntry(

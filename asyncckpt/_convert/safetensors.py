@@ -270,9 +270,11 @@ def untie(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
     return unique, aliases
 
 
-def _metadata(
+def header_metadata(
     tensors: dict[str, torch.Tensor], aliases: dict[str, str], given: dict[str, str] | None
 ) -> dict[str, str]:
+    """A safetensors header's ``__metadata__``: ``given``, the aliases of tied tensors and,
+    if the keys are not sorted, their order (safetensors sorts them; a load restores it)."""
     metadata = {"format": "pt", **(given or {})}
     metadata.pop(ALIASES_KEY, None)
     metadata.pop(ORDER_KEY, None)
@@ -319,7 +321,7 @@ def write_safetensors(
     # readers that map the file can view each tensor in place.
     order = sorted(unique, key=lambda key: (-unique[key].element_size(), key))
     specs = [(key, unique[key].dtype, tuple(unique[key].shape)) for key in order]
-    meta = _metadata(tensors, aliases, metadata)
+    meta = header_metadata(tensors, aliases, metadata)
     return stream_safetensors(specs, unique.__getitem__, storage, path, meta, progress)
 
 

@@ -395,7 +395,7 @@ def _add_region(
             placed[i] = (len(sources), (span.start - base) // tensors[i].element_size())
     first = tensors[region[0].tensors[0]]
     nbytes = max(span.end for span in region) - base
-    sources.append(_Source(nbytes, pieces, *_codec_hint(first.dtype), region[0].device))
+    sources.append(_Source(nbytes, pieces, *codec_hint(first.dtype), region[0].device))
 
 
 def _stage(
@@ -479,7 +479,7 @@ def _resolved(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _codec_hint(dtype: torch.dtype) -> tuple[int, bool]:
+def codec_hint(dtype: torch.dtype) -> tuple[int, bool]:
     """(byte-group width, worth grouping) for a dtype; complex groups by component."""
     if dtype.is_complex:
         return dtype.itemsize // 2, True

@@ -302,7 +302,7 @@ class Storage(ABC):
         this machine (and of an NFS or Lustre client only where flock is coherent there).
         Elsewhere there is no cross-process lock: a lock within this process only.
         """
-        return _process_lock(self, path)
+        return process_lock(self, path)
 
     # -- compare-and-swap of small files (the version file) ----------------------------------
 
@@ -331,7 +331,7 @@ class Storage(ABC):
         Raises:
             ConflictError: the file's tag is not ``tag`` (someone else replaced it).
         """
-        with _create_lock:
+        with create_lock:
             self._check_tag(path, tag)
             self._write_under_lock(path, data)
         return content_tag(data)
@@ -358,13 +358,13 @@ class Storage(ABC):
             )
 
 
-_create_lock = threading.Lock()
+create_lock = threading.Lock()
 _marker_locks_lock = threading.Lock()
 _marker_locks: dict[tuple[str, str], threading.Lock] = {}
 
 
 @contextlib.contextmanager
-def _process_lock(storage: Storage, path: str) -> Iterator[None]:
+def process_lock(storage: Storage, path: str) -> Iterator[None]:
     """A lock of this process for one file (its entry stays: markers are few)."""
     key = (type(storage).__name__, storage.describe(path))
     with _marker_locks_lock:
@@ -377,8 +377,8 @@ def _process_lock(storage: Storage, path: str) -> Iterator[None]:
 def _free_create_lock() -> None:
     """In a forked child: a thread of the parent may have held the lock at the fork. It is
     released in place, not replaced: ``storage.generic`` holds the same object."""
-    if _create_lock.locked():
-        _create_lock.release()
+    if create_lock.locked():
+        create_lock.release()
 
 
 def content_tag(data: bytes) -> str:

@@ -44,8 +44,8 @@ from asyncckpt._storage.base import (
     AtomicWriter,
     ReadHandle,
     Storage,
-    _create_lock,
     content_tag,
+    create_lock,
     errors_as,
     temp_name,
 )
@@ -250,7 +250,7 @@ class FsspecStorage(Storage):
         # The process-wide lock and the existence check make this exact between threads
         # (memory://, whose "create" mode is itself a check-then-write); the conditional
         # write makes it exact between processes where the backend has one.
-        with _create_lock:
+        with create_lock:
             if self.exists(path):
                 raise ConflictError(f"{self.describe(path)} already exists")
             if self.conditional_create and self._pipe_create(path, data):

@@ -26,9 +26,9 @@ from asyncckpt._storage.base import (
     AtomicWriter,
     ReadHandle,
     Storage,
-    _process_lock,
     content_tag,
     errors_as,
+    process_lock,
     temp_name,
 )
 from asyncckpt.errors import ConflictError, FormatError, StorageError
@@ -283,7 +283,7 @@ def _directory_locked(storage: LocalStorage, path: str) -> Iterator[None]:
         except OSError as exc:
             if exc.errno in _FLOCK_UNSUPPORTED:
                 _warn_no_dir_lock(directory, exc)
-                with _process_lock(storage, path):
+                with process_lock(storage, path):
                     yield
                 return
             _flock(fd, directory, storage.settings.lock_timeout_ms)

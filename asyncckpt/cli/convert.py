@@ -15,8 +15,8 @@ from asyncckpt._convert.consolidate import (
     write_safetensors_stream,
 )
 from asyncckpt._convert.safetensors import (
-    _metadata,
     flat_tensors,
+    header_metadata,
     read_safetensors,
     write_safetensors,
 )
@@ -274,7 +274,7 @@ def _convert_sharded(
             flat = flat_tensors(tree, f"{src.name} --key {args.key}" if args.key else src.name)
             try:
                 written = write_safetensors_stream(
-                    src, flat, storage, path, _metadata(flat, {}, None), bar.update
+                    src, flat, storage, path, header_metadata(flat, {}, None), bar.update
                 )
             except ValueError as exc:
                 raise SafetensorsError(f"cannot write {storage.describe(path)}: {exc}") from None
