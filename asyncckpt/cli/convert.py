@@ -22,28 +22,22 @@ from asyncckpt._convert.safetensors import (
 )
 from asyncckpt._engine.decode import Budget
 from asyncckpt._engine.encode import abort_strays
-from asyncckpt._format.index import METADATA_NAME
 from asyncckpt._format.tree import child_path
 from asyncckpt._progress import format_bytes
 from asyncckpt._storage import Storage, resolve
-from asyncckpt._versions.protocol import SHARDED, latest_step, read_commit, step_dir
 from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
     RootRef,
-    Subparsers,
-    add_max_bytes,
     display,
     emit,
     kind_of,
     locate,
-    new_command,
     plural,
     progress,
     single_file,
 )
 from asyncckpt.cli.formats import (
-    FORMATS,
     format_of,
     load_ackpt,
     load_torch,
@@ -51,41 +45,8 @@ from asyncckpt.cli.formats import (
     save_torch,
     sniff,
 )
+from asyncckpt.cli.sharded import open_sharded
 from asyncckpt.errors import SafetensorsError, UsageError
-
-
-def add_parser(sub: Subparsers) -> None:
-    """Add the ``convert`` subcommand to ``sub``."""
-    p = new_command(
-        sub,
-        "convert",
-        "convert between torch.save, asyncckpt and safetensors files",
-        "Convert a checkpoint between torch.save (.pt/.pth/.bin; read with "
-        "weights_only=True), asyncckpt (.ackpt, or ROOT[@STEP]) and safetensors "
-        "(.safetensors; a flat dict of tensors; tied weights are written once and tied "
-        "again on the way back). The same tensors come out. A sharded version (ROOT@STEP "
-        "of a sharded Checkpointer) or an asyncckpt.dcp directory is consolidated into "
-        "one file tensor by tensor: to .ackpt and .safetensors with memory bounded by the "
-        "largest tensor; torch.save output holds the whole state.",
-    )
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
-    p.add_argument("--from", dest="src_format", choices=sorted(FORMATS), help="format of SRC")
-    p.add_argument("--to", dest="dst_format", choices=sorted(FORMATS), help="format of DST")
-    p.add_argument(
-        "--key",
-        metavar="A/B",
-        help="convert only this part of the state, e.g. --key model (a /-separated path)",
-    )
-    p.add_argument(
-        "--compression",
-        choices=["zstd", "none"],
-        default="zstd",
-        help="for an asyncckpt DST (default zstd)",
-    )
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
-    add_max_bytes(p, "refuse (an asyncckpt or sharded SRC)")
-    p.set_defaults(run=cmd_convert)
 
 
 def select(obj: Any, key: str | None, src: str) -> Any:
@@ -234,27 +195,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:
-    """The sharded checkpoint SRC names, opened; None for a single file or version.
-
-    A sharded ``Checkpointer`` version (``ROOT@STEP`` or the latest of ``ROOT``, when its
-    COMMIT's kind is ``sharded``), or a directory holding an ``asyncckpt.dcp`` checkpoint
-    (its ``.metadata``, no COMMIT).
-    """
+    """The sharded checkpoint SRC names, opened; None for a single file or version (see
+    :func:`~asyncckpt.cli.sharded.open_sharded`)."""
     if args.src_format not in (None, "ackpt"):
         return None
     ref = locate(args.src, args.options)
     if not isinstance(ref, RootRef):
         return None
-    storage = ref.storage
-    if ref.step is None and storage.exists(storage.join(ref.path, METADATA_NAME)):
-        return ShardedSource.open(storage, ref.path)
-    step = ref.step if ref.step is not None else latest_step(storage, ref.path)
-    if step is None:
-        return None  # nothing committed: single_file says so
-    commit = read_commit(storage, ref.path, step)
-    if commit is None or commit.kind != SHARDED:
-        return None
-    return ShardedSource.open(storage, step_dir(storage, ref.path, step), commit)
+    return open_sharded(ref, args.settings)
 
 
 def _convert_sharded(
