@@ -116,7 +116,7 @@ def test_the_cli_package_imports_downward_only() -> None:
     layers = [
         {"main"},
         {"ls", "inspect", "verify", "gc", "convert", "bench", "parsers"},
-        {"formats", "sharded"},
+        {"formats", "sharded", "listing"},
         {"common"},
     ]
     rank = {name: i for i, layer in enumerate(layers) for name in layer}

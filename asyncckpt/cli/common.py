@@ -594,9 +594,3 @@ def dcp_files(ref: RootRef) -> list[FileRef]:
     metadata = Reader.at(ref.storage, ref.path).read_metadata()
     names = sorted({loc.file for loc in metadata.storage_data.values()})
     return [FileRef(ref.storage, ref.storage.join(ref.path, name)) for name in names]
-
-
-def version_kind(root: RootRef, step: int) -> str | None:
-    """The COMMIT's kind of committed version ``step`` (``plain``, ``sharded``), or None."""
-    commit = read_commit(root.storage, root.path, step)
-    return None if commit is None else commit.kind
