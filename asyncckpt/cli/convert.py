@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,12 +19,13 @@ from asyncckpt._convert.safetensors import (
     _metadata,
     flat_tensors,
     read_safetensors,
+    write_hub_shards,
     write_safetensors,
 )
 from asyncckpt._engine.decode import Budget
 from asyncckpt._engine.encode import abort_strays
 from asyncckpt._format.tree import child_path
-from asyncckpt._progress import format_bytes
+from asyncckpt._progress import Progress, format_bytes
 from asyncckpt._storage import Storage, resolve
 from asyncckpt.cli.common import (
     EXIT_OK,
@@ -144,7 +146,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     Raises:
         UsageError: DST exists (without ``--force``), or a format cannot be told.
     """
-    dst_format = format_of(args.dst, args.dst_format, "DST")
+    if args.shard_size is not None and args.dst_format not in (None, "safetensors"):
+        raise UsageError("asyncckpt convert: --shard-size writes safetensors shards only")
+    dst_format = "safetensors" if args.shard_size else format_of(args.dst, args.dst_format, "DST")
     dst_storage, dst_path = resolve(args.dst, args.options)
     sharded = _sharded_source(args)
     if sharded is not None:
@@ -163,7 +167,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     obj = select(obj, args.key, src.name)
     count, nbytes = tensors_in(obj)
     with progress(args, nbytes, f"write {dst_format}") as bar:
-        if dst_format == "safetensors":
+        if args.shard_size:
+            flat = flat_tensors(obj, f"{src.name} --key {args.key}" if args.key else src.name)
+            del obj
+            specs = {k: (t.dtype, tuple(t.shape)) for k, t in flat.items()}
+            written = _write_hub(args, flat, flat.__getitem__, specs, dst_storage, dst_path, bar)
+        elif dst_format == "safetensors":
             flat = flat_tensors(obj, f"{src.name} --key {args.key}" if args.key else src.name)
             del obj  # the flat dict holds the same tensors; nothing else should keep them
             written = write_safetensors(flat, dst_storage, dst_path, metadata, bar.update)
@@ -218,7 +227,11 @@ def _convert_sharded(
         Budget(args.max_bytes).charge(src.name, largest, "its largest tensor")
     sizes = {loc.file: loc.file_size for loc in src.metadata.storage_data.values()}
     with progress(args, nbytes, f"write {dst_format}") as bar:
-        if dst_format == "safetensors":
+        if args.shard_size:
+            flat = flat_tensors(tree, f"{src.name} --key {args.key}" if args.key else src.name)
+            specs = {k: src.spec(t) for k, t in flat.items()}
+            written = _write_hub(args, flat, lambda k: src.full(flat[k]), specs, storage, path, bar)
+        elif dst_format == "safetensors":
             flat = flat_tensors(tree, f"{src.name} --key {args.key}" if args.key else src.name)
             try:
                 written = write_safetensors_stream(
@@ -256,3 +269,25 @@ def _convert_sharded(
         f"{format_bytes(nbytes)}",
     )
     return EXIT_OK
+
+
+def _write_hub(
+    args: argparse.Namespace,
+    flat: dict[str, torch.Tensor],
+    build: Callable[[str], torch.Tensor],
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    storage: Storage,
+    directory: str,
+    bar: Progress,
+) -> int:
+    """``--shard-size``: the folder of safetensors shards and the index ``from_pretrained``
+    reads, one tensor in memory at a time (:func:`write_hub_shards`)."""
+    try:
+        names, written = write_hub_shards(
+            flat, build, specs, storage, directory, args.shard_size, bar.update
+        )
+    except ValueError as exc:
+        raise SafetensorsError(f"cannot write {storage.describe(directory)}: {exc}") from None
+    for name in names:
+        abort_strays(storage, storage.join(directory, name))
+    return written
