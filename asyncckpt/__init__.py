@@ -13,15 +13,40 @@ Example:
     tensor([1., 1.])
 """
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
-from asyncckpt._api.checkpointer import Checkpointer
-from asyncckpt._api.dropin import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
 from asyncckpt._version import __version__
 from asyncckpt.errors import AsyncCkptError
 
+if TYPE_CHECKING:
+    from asyncckpt._api.checkpointer import Checkpointer
+    from asyncckpt._api.dropin import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
+
+#: Public names imported on first use: ``import asyncckpt.cli`` (``asyncckpt --help``) and
+#: ``asyncckpt.errors`` then run without importing torch (seconds).
+_LAZY = {
+    "Checkpointer": "asyncckpt._api.checkpointer",
+    **dict.fromkeys(
+        ("SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "wait"),
+        "asyncckpt._api.dropin",
+    ),
+}
+
 # A library prints nothing unless the application configures logging.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def __getattr__(name: str) -> Any:
+    """``asyncckpt.save`` and the other public names, imported when first used."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
 
 __all__ = [
     "AsyncCkptError",

@@ -256,6 +256,14 @@ class ShardedSource:
         """Whether ``t`` stands for a sharded tensor of this checkpoint."""
         return id(t) in self._fqn_of
 
+    def fqn_of(self, t: torch.Tensor) -> str:
+        """The metadata's name of the sharded tensor placeholder ``t`` stands for.
+
+        Raises:
+            KeyError: ``t`` is no placeholder of this checkpoint.
+        """
+        return self._fqn_of[id(t)]
+
     def spec(self, t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
         """The dtype and shape ``t`` has once built (itself for a plain tensor)."""
         if not self.is_placeholder(t):

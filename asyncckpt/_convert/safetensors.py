@@ -410,3 +410,108 @@ def stream_safetensors(
                 progress(data.numel())
             del whole, data
     return written
+
+
+# -- sharded safetensors for the Hub (``from_pretrained``'s layout) ---------------------------
+
+#: The index ``transformers``' ``from_pretrained`` reads for a sharded checkpoint.
+HUB_INDEX_NAME = "model.safetensors.index.json"
+
+
+def hub_shard_name(index: int, count: int) -> str:
+    """The name of shard ``index`` (1-based) of ``count``, as ``transformers`` names them.
+
+    Example:
+        >>> hub_shard_name(1, 3)
+        'model-00001-of-00003.safetensors'
+    """
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def plan_shards(
+    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], shard_size: int
+) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """``specs`` in key order, cut into shards of at most ``shard_size`` bytes of data (a
+    larger tensor gets a shard of its own); each shard laid out widest dtype first.
+
+    Example:
+        >>> f = torch.float32
+        >>> [[k for k, _, _ in s] for s in plan_shards([("b", f, (2,)), ("a", f, (2,))], 8)]
+        [['a'], ['b']]
+    """
+    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    used = 0
+    for spec in sorted(specs, key=lambda s: s[0]):
+        nbytes = math.prod(spec[2]) * spec[1].itemsize
+        if shards[-1] and used + nbytes > shard_size:
+            shards.append([])
+            used = 0
+        shards[-1].append(spec)
+        used += nbytes
+    return [sorted(s, key=lambda x: (-x[1].itemsize, x[0])) for s in shards if s]
+
+
+def write_hub_shards(
+    tensors: dict[str, torch.Tensor],
+    build: Callable[[str], torch.Tensor],
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    storage: Storage,
+    directory: str,
+    shard_size: int,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[str], int]:
+    """Write ``tensors`` as sharded safetensors and ``model.safetensors.index.json``.
+
+    Each shard is written by :func:`stream_safetensors` (one tensor in memory at a time,
+    asked of ``build``), then the index, last, so a folder with an index is complete.
+    Tied weights are written once; the index's ``weight_map`` names the stored keys and
+    its ``metadata`` records the aliases (:data:`ALIASES_KEY`), as ``transformers`` ties
+    them again itself.
+
+    Args:
+        tensors: the flat ``{str: tensor}`` state (placeholders allowed: ``build`` makes
+            each whole tensor).
+        build: the whole tensor of a key.
+        specs: each key's dtype and shape once built.
+        storage: where to write.
+        directory: the output folder.
+        shard_size: the most data bytes per shard.
+        progress: called with the number of bytes written.
+
+    Returns:
+        ``(file names, bytes written)``, the index last.
+
+    Raises:
+        SafetensorsError: a dtype safetensors cannot hold.
+    """
+    aliases = _aliases_by_identity(tensors)
+    stored = [(k, *specs[k]) for k in tensors if k not in aliases]
+    shards = plan_shards(stored, shard_size)
+    names, written, weight_map = [], 0, {}
+    for number, shard in enumerate(shards, 1):
+        name = hub_shard_name(number, len(shards))
+        path = storage.join(directory, name)
+        written += stream_safetensors(shard, build, storage, path, {"format": "pt"}, progress)
+        weight_map.update({key: name for key, _, _ in shard})
+        names.append(name)
+    total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in stored)
+    meta: dict[str, Any] = {"total_size": total}
+    if aliases:
+        meta[ALIASES_KEY] = aliases
+    index = json.dumps({"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}, indent=2)
+    storage.write_bytes(storage.join(directory, HUB_INDEX_NAME), index.encode())
+    return [*names, HUB_INDEX_NAME], written + len(index)
+
+
+def _aliases_by_identity(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Keys whose tensor is an earlier key's tensor (tied weights) -> that key."""
+    first: dict[Any, str] = {}
+    aliases: dict[str, str] = {}
+    for key, t in tensors.items():
+        # A placeholder (no elements) is tied by identity; a real tensor by its view.
+        view = id(t) if t.numel() == 0 else _view_id(t)
+        if view in first:
+            aliases[key] = first[view]
+        else:
+            first[view] = key
+    return aliases

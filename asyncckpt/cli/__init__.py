@@ -18,28 +18,57 @@ sound); 1 when it failed or found damage; 2 for a usage error. Errors are one li
 stderr.
 
 Modules, each importing only those listed after it: :mod:`~asyncckpt.cli.main` (parser and
-entry point); one per command group (:mod:`~asyncckpt.cli.ls`, :mod:`~asyncckpt.cli.inspect`,
+entry point); :mod:`~asyncckpt.cli.parsers` (the parsers of the commands that need torch,
+which import it only when they run); one per command group (:mod:`~asyncckpt.cli.ls`,
+:mod:`~asyncckpt.cli.inspect`,
 :mod:`~asyncckpt.cli.verify`, :mod:`~asyncckpt.cli.gc`, :mod:`~asyncckpt.cli.convert`,
 :mod:`~asyncckpt.cli.bench`); the file formats (:mod:`~asyncckpt._convert.safetensors`,
 :mod:`~asyncckpt.cli.formats`); and :mod:`~asyncckpt.cli.common` (errors, options, output,
 locating checkpoints).
 """
 
-from asyncckpt._convert.safetensors import read_safetensors, write_safetensors
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    FORMATS,
     FileRef,
     RootRef,
     locate,
     parse_storage_options,
     plural,
 )
-from asyncckpt.cli.formats import FORMATS, format_of, load_ackpt, load_torch, save_ackpt, save_torch
 from asyncckpt.cli.main import build_parser, main
-from asyncckpt.cli.verify import BadChunk, FileReport, verify_file
 from asyncckpt.errors import CommandFailed, SafetensorsError, UsageError
+
+if TYPE_CHECKING:
+    from asyncckpt._convert.safetensors import read_safetensors, write_safetensors
+    from asyncckpt.cli.formats import format_of, load_ackpt, load_torch, save_ackpt, save_torch
+    from asyncckpt.cli.verify import BadChunk, FileReport, verify_file
+
+#: Names whose modules import torch: imported on first use, so ``asyncckpt --help`` does not.
+_LAZY = {
+    **dict.fromkeys(("read_safetensors", "write_safetensors"), "asyncckpt._convert.safetensors"),
+    **dict.fromkeys(
+        ("format_of", "load_ackpt", "load_torch", "save_ackpt", "save_torch"),
+        "asyncckpt.cli.formats",
+    ),
+    **dict.fromkeys(("BadChunk", "FileReport", "verify_file"), "asyncckpt.cli.verify"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The names of :data:`_LAZY`, imported when first used."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'asyncckpt.cli' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "EXIT_FAILURE",

@@ -20,46 +20,14 @@ from asyncckpt._storage import Storage, resolve
 from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
-    Subparsers,
     display,
     emit,
-    new_command,
     plural,
     progress,
     table,
 )
 from asyncckpt.cli.formats import load_torch, save_torch
 from asyncckpt.errors import AsyncCkptError, UsageError
-
-
-def add_parser(sub: Subparsers) -> None:
-    """Add the ``bench`` subcommand to ``sub``."""
-    p = new_command(
-        sub,
-        "bench",
-        "measure sync vs async save and load on your storage",
-        "Save and load a random state with torch.save/torch.load and asyncckpt on URL (a "
-        "directory or fsspec URL; a temporary folder is created in it and removed), print "
-        "medians as ratios to a plain in-memory copy, and plot them.",
-    )
-    p.add_argument("url", metavar="URL")
-    p.add_argument("--size-mib", type=float, default=256.0, help="state size (default 256)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per measurement (default 3)")
-    p.add_argument(
-        "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        default="float32",
-        help="dtype of the state's tensors (default float32)",
-    )
-    p.add_argument(
-        "--plot",
-        default="asyncckpt-bench.png",
-        metavar="PNG",
-        help="where to write the plot (default ./asyncckpt-bench.png; needs matplotlib)",
-    )
-    p.add_argument("--no-plot", action="store_true", help="do not write a plot")
-    p.add_argument("--keep", action="store_true", help="keep the files written on URL")
-    p.set_defaults(run=cmd_bench)
 
 
 def _bench_state(nbytes: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

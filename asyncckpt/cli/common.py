@@ -10,16 +10,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib
 import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
-from asyncckpt._engine.decode import OpenedFile, open_file
-from asyncckpt._format.tree import unflatten
+from asyncckpt._format.names import METADATA_NAME
 from asyncckpt._progress import Progress
 from asyncckpt._settings import Settings
 from asyncckpt._storage import LocalStorage, Storage, resolve
@@ -30,6 +30,7 @@ from asyncckpt._versions.protocol import (
     committed_steps,
     failure_of,
     latest_step,
+    parse_step,
     read_commit,
     read_commit_strict,
     step_dir,
@@ -42,9 +43,19 @@ from asyncckpt.errors import (
     UsageError,
 )
 
+if TYPE_CHECKING:  # torch-free at import: `asyncckpt --help` must not import torch
+    from asyncckpt._engine.decode import OpenedFile
+
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+#: Checkpoint formats ``convert`` knows, and the file extensions that select them.
+FORMATS: dict[str, tuple[str, ...]] = {
+    "torch": (".pt", ".pth", ".bin"),
+    "ackpt": (".ackpt",),
+    "safetensors": (".safetensors",),
+}
 
 #: The type ``ArgumentParser.add_subparsers`` returns (each command module adds to it).
 Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
@@ -111,6 +122,23 @@ def new_command(sub: Subparsers, name: str, help: str, description: str) -> argp
     parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description)
     add_common_options(parser, suppress=True)
     return parser
+
+
+def lazy_command(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """A command's ``run`` that imports ``module`` only when the command runs, so that
+    building the parser (``--help``) imports no torch.
+
+    Example:
+        >>> run = lazy_command("asyncckpt.cli.ls", "cmd_ls")
+        >>> callable(run)
+        True
+    """
+
+    def run(args: argparse.Namespace) -> int:
+        code: int = getattr(importlib.import_module(module), function)(args)
+        return code
+
+    return run
 
 
 def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
@@ -451,6 +479,8 @@ def _incomplete_info(storage: Storage, root: str, step: int, info: dict[str, Any
 def _committed_sizes(
     storage: Storage, directory: str, files: Sequence[str], info: dict[str, Any]
 ) -> None:
+    from asyncckpt._engine.decode import open_file  # imports torch: only when run
+
     raw: int | None = 0
     stored: int | None = 0
     for name in files:
@@ -524,7 +554,43 @@ def manifest_tree(opened: OpenedFile) -> Any:
     Raises:
         FormatError: the tree in the manifest is not valid.
     """
+    from asyncckpt._format.tree import unflatten  # imports torch: only when run
+
     manifest = opened.manifest
     tensors: list[Any] = [DataRef("tensor", i) for i in range(len(manifest.tensors))]
     arrays: list[Any] = [DataRef("array", i) for i in range(len(manifest.arrays))]
     return unflatten(manifest.root, tensors, arrays, opened.name)
+
+
+# -- the layouts: Checkpointer roots (plain, sharded), asyncckpt.dcp directories ---------------
+
+
+def is_dcp_directory(storage: Storage, path: str) -> bool:
+    """Whether ``path`` is a directory an ``asyncckpt.dcp.Writer`` wrote: its ``.metadata``
+    at the top, no versions (a Checkpointer root keeps them in step directories).
+
+    Example:
+        >>> is_dcp_directory(LocalStorage(), "/nonexistent")
+        False
+    """
+    try:
+        names = storage.list_dir(path)
+    except AsyncCkptError:
+        return False
+    return METADATA_NAME in names and not any(parse_step(n) is not None for n in names)
+
+
+def dcp_files(ref: RootRef) -> list[FileRef]:
+    """The data files an ``asyncckpt.dcp`` directory's metadata names, in name order.
+
+    Raises:
+        IncompleteCheckpointError: data files but no metadata (a save still writing).
+        FormatError: the metadata is malformed.
+    """
+    from asyncckpt._versions.dcp_reader import Reader  # imports torch: only when run
+
+    if ref.step is not None:
+        raise UsageError(f"asyncckpt: {ref.name} is an asyncckpt.dcp directory; it has no @STEP")
+    metadata = Reader.at(ref.storage, ref.path).read_metadata()
+    names = sorted({loc.file for loc in metadata.storage_data.values()})
+    return [FileRef(ref.storage, ref.storage.join(ref.path, name)) for name in names]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,32 +19,27 @@ from asyncckpt._convert.safetensors import (
     flat_tensors,
     header_metadata,
     read_safetensors,
+    write_hub_shards,
     write_safetensors,
 )
 from asyncckpt._engine.decode import Budget
 from asyncckpt._engine.encode import abort_strays
-from asyncckpt._format.index import METADATA_NAME
 from asyncckpt._format.tree import child_path
-from asyncckpt._progress import format_bytes
+from asyncckpt._progress import Progress, format_bytes
 from asyncckpt._storage import Storage, resolve
-from asyncckpt._versions.protocol import SHARDED, latest_step, read_commit, step_dir
 from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
     RootRef,
-    Subparsers,
-    add_max_bytes,
     display,
     emit,
     kind_of,
     locate,
-    new_command,
     plural,
     progress,
     single_file,
 )
 from asyncckpt.cli.formats import (
-    FORMATS,
     format_of,
     load_ackpt,
     load_torch,
@@ -51,41 +47,8 @@ from asyncckpt.cli.formats import (
     save_torch,
     sniff,
 )
+from asyncckpt.cli.sharded import open_sharded
 from asyncckpt.errors import SafetensorsError, UsageError
-
-
-def add_parser(sub: Subparsers) -> None:
-    """Add the ``convert`` subcommand to ``sub``."""
-    p = new_command(
-        sub,
-        "convert",
-        "convert between torch.save, asyncckpt and safetensors files",
-        "Convert a checkpoint between torch.save (.pt/.pth/.bin; read with "
-        "weights_only=True), asyncckpt (.ackpt, or ROOT[@STEP]) and safetensors "
-        "(.safetensors; a flat dict of tensors; tied weights are written once and tied "
-        "again on the way back). The same tensors come out. A sharded version (ROOT@STEP "
-        "of a sharded Checkpointer) or an asyncckpt.dcp directory is consolidated into "
-        "one file tensor by tensor: to .ackpt and .safetensors with memory bounded by the "
-        "largest tensor; torch.save output holds the whole state.",
-    )
-    p.add_argument("src", metavar="SRC")
-    p.add_argument("dst", metavar="DST")
-    p.add_argument("--from", dest="src_format", choices=sorted(FORMATS), help="format of SRC")
-    p.add_argument("--to", dest="dst_format", choices=sorted(FORMATS), help="format of DST")
-    p.add_argument(
-        "--key",
-        metavar="A/B",
-        help="convert only this part of the state, e.g. --key model (a /-separated path)",
-    )
-    p.add_argument(
-        "--compression",
-        choices=["zstd", "none"],
-        default="zstd",
-        help="for an asyncckpt DST (default zstd)",
-    )
-    p.add_argument("--force", action="store_true", help="replace DST if it exists")
-    add_max_bytes(p, "refuse (an asyncckpt or sharded SRC)")
-    p.set_defaults(run=cmd_convert)
 
 
 def select(obj: Any, key: str | None, src: str) -> Any:
@@ -183,7 +146,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     Raises:
         UsageError: DST exists (without ``--force``), or a format cannot be told.
     """
-    dst_format = format_of(args.dst, args.dst_format, "DST")
+    if args.shard_size is not None and args.dst_format not in (None, "safetensors"):
+        raise UsageError("asyncckpt convert: --shard-size writes safetensors shards only")
+    dst_format = "safetensors" if args.shard_size else format_of(args.dst, args.dst_format, "DST")
     dst_storage, dst_path = resolve(args.dst, args.options)
     sharded = _sharded_source(args)
     if sharded is not None:
@@ -202,7 +167,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     obj = select(obj, args.key, src.name)
     count, nbytes = tensors_in(obj)
     with progress(args, nbytes, f"write {dst_format}") as bar:
-        if dst_format == "safetensors":
+        if args.shard_size:
+            flat = flat_tensors(obj, f"{src.name} --key {args.key}" if args.key else src.name)
+            del obj
+            specs = {k: (t.dtype, tuple(t.shape)) for k, t in flat.items()}
+            written = _write_hub(args, flat, flat.__getitem__, specs, dst_storage, dst_path, bar)
+        elif dst_format == "safetensors":
             flat = flat_tensors(obj, f"{src.name} --key {args.key}" if args.key else src.name)
             del obj  # the flat dict holds the same tensors; nothing else should keep them
             written = write_safetensors(flat, dst_storage, dst_path, metadata, bar.update)
@@ -234,27 +204,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:
-    """The sharded checkpoint SRC names, opened; None for a single file or version.
-
-    A sharded ``Checkpointer`` version (``ROOT@STEP`` or the latest of ``ROOT``, when its
-    COMMIT's kind is ``sharded``), or a directory holding an ``asyncckpt.dcp`` checkpoint
-    (its ``.metadata``, no COMMIT).
-    """
+    """The sharded checkpoint SRC names, opened; None for a single file or version (see
+    :func:`~asyncckpt.cli.sharded.open_sharded`)."""
     if args.src_format not in (None, "ackpt"):
         return None
     ref = locate(args.src, args.options)
     if not isinstance(ref, RootRef):
         return None
-    storage = ref.storage
-    if ref.step is None and storage.exists(storage.join(ref.path, METADATA_NAME)):
-        return ShardedSource.open(storage, ref.path)
-    step = ref.step if ref.step is not None else latest_step(storage, ref.path)
-    if step is None:
-        return None  # nothing committed: single_file says so
-    commit = read_commit(storage, ref.path, step)
-    if commit is None or commit.kind != SHARDED:
-        return None
-    return ShardedSource.open(storage, step_dir(storage, ref.path, step), commit)
+    return open_sharded(ref, args.settings)
 
 
 def _convert_sharded(
@@ -270,7 +227,11 @@ def _convert_sharded(
         Budget(args.max_bytes).charge(src.name, largest, "its largest tensor")
     sizes = {loc.file: loc.file_size for loc in src.metadata.storage_data.values()}
     with progress(args, nbytes, f"write {dst_format}") as bar:
-        if dst_format == "safetensors":
+        if args.shard_size:
+            flat = flat_tensors(tree, f"{src.name} --key {args.key}" if args.key else src.name)
+            specs = {k: src.spec(t) for k, t in flat.items()}
+            written = _write_hub(args, flat, lambda k: src.full(flat[k]), specs, storage, path, bar)
+        elif dst_format == "safetensors":
             flat = flat_tensors(tree, f"{src.name} --key {args.key}" if args.key else src.name)
             try:
                 written = write_safetensors_stream(
@@ -308,3 +269,25 @@ def _convert_sharded(
         f"{format_bytes(nbytes)}",
     )
     return EXIT_OK
+
+
+def _write_hub(
+    args: argparse.Namespace,
+    flat: dict[str, torch.Tensor],
+    build: Callable[[str], torch.Tensor],
+    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    storage: Storage,
+    directory: str,
+    bar: Progress,
+) -> int:
+    """``--shard-size``: the folder of safetensors shards and the index ``from_pretrained``
+    reads, one tensor in memory at a time (:func:`write_hub_shards`)."""
+    try:
+        names, written = write_hub_shards(
+            flat, build, specs, storage, directory, args.shard_size, bar.update
+        )
+    except ValueError as exc:
+        raise SafetensorsError(f"cannot write {storage.describe(directory)}: {exc}") from None
+    for name in names:
+        abort_strays(storage, storage.join(directory, name))
+    return written

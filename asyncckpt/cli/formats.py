@@ -20,15 +20,8 @@ from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
 from asyncckpt._engine.encode import write_snapshot
 from asyncckpt._format.container import MAGIC
 from asyncckpt._storage import AtomicWriter, LocalStorage, ReadHandle, Storage
-from asyncckpt.cli.common import FileRef, threads
+from asyncckpt.cli.common import FORMATS, FileRef, threads
 from asyncckpt.errors import AsyncCkptError, FormatError, UsageError
-
-#: Checkpoint formats ``convert`` knows, and the file extensions that select them.
-FORMATS: dict[str, tuple[str, ...]] = {
-    "torch": (".pt", ".pth", ".bin"),
-    "ackpt": (".ackpt",),
-    "safetensors": (".safetensors",),
-}
 
 #: Bytes a remote ``torch.load`` reads per request.
 _READ_BLOCK = 8 << 20

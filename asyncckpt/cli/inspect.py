@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from asyncckpt._convert.consolidate import ShardedSource
 from asyncckpt._engine.decode import Budget
 from asyncckpt._format.container import DTYPE_ITEMSIZE, FORMAT_VERSION, Manifest
 from asyncckpt._format.tree import child_path
@@ -16,12 +18,12 @@ from asyncckpt._progress import format_bytes
 from asyncckpt.cli.common import (
     EXIT_OK,
     DataRef,
-    Subparsers,
-    add_max_bytes,
+    RootRef,
+    chosen_step,
+    display,
     emit,
     locate,
     manifest_tree,
-    new_command,
     pending_note,
     plural,
     short_time,
@@ -29,20 +31,7 @@ from asyncckpt.cli.common import (
     table,
 )
 from asyncckpt.cli.formats import read_ackpt
-
-
-def add_parser(sub: Subparsers) -> None:
-    """Add the ``inspect`` subcommand to ``sub``."""
-    p = new_command(
-        sub,
-        "inspect",
-        "show the keys, dtypes, shapes, sizes and codecs of a checkpoint",
-        "Show what a checkpoint holds without reading its data: the key tree with dtypes, "
-        "shapes, sizes, saved devices and codecs. ROOT alone means its latest version.",
-    )
-    p.add_argument("target", metavar="PATH|ROOT[@STEP]")
-    add_max_bytes(p, "fail on")
-    p.set_defaults(run=cmd_inspect)
+from asyncckpt.cli.sharded import open_sharded, shard_info
 
 
 def _codecs(manifest: Manifest, sid: int) -> tuple[list[str], int]:
@@ -98,19 +87,27 @@ def entries(manifest: Manifest, obj: Any) -> list[dict[str, Any]]:
     Returns:
         The rows, parents before their children.
     """
-    rows: list[dict[str, Any]] = []
     seen: dict[int, str] = {}
 
-    def leaf(value: Any) -> dict[str, Any]:
+    def leaf(value: Any) -> dict[str, Any] | None:
         if isinstance(value, DataRef) and value.table == "tensor":
             return _tensor_row(manifest, value.index, seen)
         if isinstance(value, DataRef):
             return _array_row(manifest, value.index)
-        text = repr(value)
-        return {
-            "kind": type(value).__name__,
-            "value": text if len(text) <= 60 else text[:57] + "...",
-        }
+        return None
+
+    return walk_tree(obj, leaf)
+
+
+def _value_row(value: Any) -> dict[str, Any]:
+    text = repr(value)
+    return {"kind": type(value).__name__, "value": text if len(text) <= 60 else text[:57] + "..."}
+
+
+def walk_tree(obj: Any, leaf: Callable[[Any], dict[str, Any] | None]) -> list[dict[str, Any]]:
+    """Rows of a tree, parents before children: containers with their length, leaves as
+    ``leaf`` describes them (None: shown by their ``repr``)."""
+    rows: list[dict[str, Any]] = []
 
     def walk(value: Any, path: str, depth: int) -> None:
         if isinstance(value, dict):
@@ -124,7 +121,7 @@ def entries(manifest: Manifest, obj: Any) -> list[dict[str, Any]]:
             for i, v in enumerate(value):
                 walk(v, f"{path}[{i}]", depth + 1)
         else:
-            rows.append({"key": path, "depth": depth, **leaf(value)})
+            rows.append({"key": path, "depth": depth, **(leaf(value) or _value_row(value))})
 
     walk(obj, "state", 0)
     return rows
@@ -150,6 +147,8 @@ def _table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         elif "dtype" in row:
             detail = f"{row['dtype']} {list(row['shape'])}"
             codecs = ",".join(row["codecs"]) or "-"
+            if "shards" in row:
+                codecs = plural(row["shards"], "shard")
             if "shares_storage_with" in row:
                 codecs = f"shares storage with {row['shares_storage_with']}"
             out.append([label, kind, detail, format_bytes(row["nbytes"]), row["device"], codecs])
@@ -183,7 +182,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     Raises:
         MemoryBudgetError: loading the file would need more than ``--max-bytes``.
     """
-    ref = single_file(locate(args.target, args.options))
+    located = locate(args.target, args.options)
+    if isinstance(located, RootRef):
+        src = open_sharded(located, args.settings)
+        if src is not None:
+            with src:
+                return _inspect_sharded(args, located, src)
+    ref = single_file(located)
     manifest, tree, size = read_ackpt(ref, lambda o: (o.manifest, manifest_tree(o), o.size))
     rows = entries(manifest, tree)
     raw = sum(s.nbytes for s in manifest.storages)
@@ -215,5 +220,55 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     )
     if doc["pending"]:
         lines.append(f"note: {doc['pending']}; this is the file as it was before that save")
+    emit(args, doc, lines)
+    return EXIT_OK
+
+
+def _sharded_rows(src: ShardedSource) -> list[dict[str, Any]]:
+    def leaf(value: Any) -> dict[str, Any] | None:
+        if isinstance(value, torch.Tensor) and src.is_placeholder(value):
+            return shard_info(src, value)
+        if isinstance(value, torch.Tensor):  # a plain tensor of rank 0's state
+            return {
+                "kind": "tensor",
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "shape": list(value.shape),
+                "nbytes": value.numel() * value.element_size(),
+                "device": "cpu",
+                "codecs": [],
+            }
+        return None
+
+    return walk_tree(src.skeleton, leaf)
+
+
+def _inspect_sharded(args: argparse.Namespace, ref: RootRef, src: ShardedSource) -> int:
+    """``inspect`` of a sharded version or an ``asyncckpt.dcp`` directory: global dtypes,
+    shapes and shard counts from its metadata, plain values from rank 0's file."""
+    rows = _sharded_rows(src)
+    sizes = {loc.file: loc.file_size for loc in src.metadata.storage_data.values()}
+    step = None if ref.step is None and src.directory == ref.path else chosen_step(ref)
+    tensors = [r for r in rows if "dtype" in r]
+    raw = sum(int(r["nbytes"]) for r in tensors)
+    doc = {
+        "file": display(src.storage, src.directory),
+        "step": step,
+        "layout": "sharded" if step is not None else "dcp",
+        "rank_files": sorted(sizes),
+        "raw_bytes": raw,
+        "stored_bytes": sum(sizes.values()),
+        "tensors": len(tensors),
+        "entries": rows,
+    }
+    what = "sharded version" if step is not None else "asyncckpt.dcp checkpoint"
+    lines = [
+        doc["file"] + (f" (step {step})" if step is not None else ""),
+        f"  {what}: {plural(len(tensors), 'tensor')} in {plural(len(sizes), 'rank file')}",
+        f"  {format_bytes(raw)} raw, {format_bytes(doc['stored_bytes'])} stored",
+        "",
+    ]
+    lines += table(
+        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "SHARDS"], _table_rows(rows)
+    )
     emit(args, doc, lines)
     return EXIT_OK

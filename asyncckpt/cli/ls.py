@@ -10,8 +10,10 @@ from asyncckpt._storage import is_temp_name
 from asyncckpt._versions.protocol import latest_step, read_version_file, step_dirs
 from asyncckpt.cli.common import (
     EXIT_OK,
+    RootRef,
     Subparsers,
     emit,
+    is_dcp_directory,
     locate,
     need_root,
     new_command,
@@ -19,6 +21,8 @@ from asyncckpt.cli.common import (
     table,
     version_info,
 )
+from asyncckpt.cli.listing import MAX_DEPTH, describe, find_checkpoints, is_root
+from asyncckpt.errors import CommandFailed
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -61,13 +65,18 @@ def _row(v: dict[str, Any], record_step: int | None) -> list[str]:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``asyncckpt ls ROOT``.
+    """``asyncckpt ls ROOT``; of a folder or bucket above roots, the checkpoints below.
 
     Returns:
         The exit status (0).
+
+    Raises:
+        CommandFailed: the folder holds nothing asyncckpt wrote.
     """
     ref = need_root(locate(args.root, args.options), args.root)
     storage, root = ref.storage, ref.path
+    if not is_root(storage, root):
+        return _ls_below(args, ref)
     record = read_version_file(storage, root)
     record_step = None if record is None else record.step
     latest = latest_step(storage, root)
@@ -92,4 +101,35 @@ def cmd_ls(args: argparse.Namespace) -> int:
         lines.append(f"{len(temps)} temp file(s) of unfinished writes under the root")
     lines += [f"step {v['step']}: {v['problem']}" for v in versions if v["problem"]]
     emit(args, doc, lines)
+    return EXIT_OK
+
+
+def _ls_below(args: argparse.Namespace, ref: RootRef) -> int:
+    """``ls`` of a folder that is no root: the checkpoints below it, one line each."""
+    if is_dcp_directory(ref.storage, ref.path):
+        found = [describe(ref.storage, ref.path, "dcp")]
+    else:
+        found = find_checkpoints(ref.storage, ref.path)
+    if not found:
+        raise CommandFailed(
+            f"ls: {ref.name}: nothing asyncckpt wrote is here (no Checkpointer root, "
+            f"asyncckpt.dcp directory or .ackpt file within {MAX_DEPTH} levels); give a "
+            "checkpoint root or a folder or bucket above roots"
+        )
+    rows = [
+        [
+            r["path"],
+            r["layout"] if r.get("kind") != "sharded" else "root (sharded)",
+            "-" if r["latest"] is None else str(r["latest"]),
+            "-" if r["versions"] is None else str(r["versions"]),
+            "-" if r["stored_bytes"] is None else format_bytes(r["stored_bytes"]),
+            short_time(r["time"]),
+            r["age"],
+        ]
+        for r in found
+    ]
+    lines = [f"{ref.name}: {len(found)} checkpoint(s) below"]
+    lines += table(["PATH", "LAYOUT", "NEWEST", "VERSIONS", "SIZE", "TIME (UTC)", "AGE"], rows)
+    lines += [f"{r['path']}: {r['problem']}" for r in found if r["problem"]]
+    emit(args, {"path": ref.name, "roots": found}, lines)
     return EXIT_OK

@@ -13,23 +13,33 @@ import pickle
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import cast
 
 from asyncckpt._settings import Settings
 from asyncckpt._version import __version__
-from asyncckpt.cli import bench, convert, gc, inspect, ls, verify
+from asyncckpt.cli import gc, ls, parsers
 from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
     Parser,
+    Subparsers,
     add_common_options,
     log,
     parse_storage_options,
 )
 from asyncckpt.errors import AsyncCkptError, CommandFailed, UsageError
 
-#: The subcommands, in the order ``--help`` lists them.
-COMMANDS = (ls, inspect, verify, gc, convert, bench)
+#: The subcommands' parsers, in the order ``--help`` lists them. None imports torch (the
+#: commands that need it import it when they run): ``--help`` returns at once.
+COMMANDS = (
+    ls.add_parser,
+    parsers.add_inspect,
+    parsers.add_verify,
+    gc.add_parser,
+    parsers.add_convert,
+    parsers.add_bench,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,9 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"asyncckpt {__version__}")
     add_common_options(parser, suppress=False)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
-        command.add_parser(sub)
+    # Subcommand parsers are plain ArgumentParsers (the type the command modules add to).
+    sub = cast(Subparsers, parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    for add_parser in COMMANDS:
+        add_parser(sub)
     return parser
 
 

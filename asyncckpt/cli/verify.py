@@ -19,15 +19,14 @@ from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
     RootRef,
-    Subparsers,
-    add_max_bytes,
     chosen_step,
+    dcp_files,
     display,
     emit,
     files_of,
+    is_dcp_directory,
     locate,
     manifest_tree,
-    new_command,
     pending_note,
     plural,
     progress,
@@ -46,22 +45,6 @@ from asyncckpt.errors import (
 
 #: How many bytes of chunks ``verify_file`` holds at once, at most (or one chunk if larger).
 _VERIFY_BUDGET = 512 << 20
-
-
-def add_parser(sub: Subparsers) -> None:
-    """Add the ``verify`` subcommand to ``sub``."""
-    p = new_command(
-        sub,
-        "verify",
-        "read a checkpoint and check every checksum",
-        "Read every byte of a checkpoint and check every chunk's checksum and the whole "
-        "structure. Exit status 0 only when everything is sound; each bad chunk is named "
-        "with the keys it holds. ROOT alone means its latest version.",
-    )
-    p.add_argument("target", metavar="PATH|ROOT[@STEP]")
-    p.add_argument("--all", action="store_true", help="verify every committed version of ROOT")
-    add_max_bytes(p, "report as too large")
-    p.set_defaults(run=cmd_verify)
 
 
 @dataclass
@@ -274,6 +257,10 @@ def _root_files(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]
     if every and ref.step is not None:
         raise UsageError("asyncckpt: give either ROOT@STEP or --all, not both")
     storage, root = ref.storage, ref.path
+    if is_dcp_directory(storage, root):
+        if every:
+            raise UsageError(f"asyncckpt: {ref.name} is an asyncckpt.dcp directory; no --all")
+        return dcp_files(ref)
     committed = committed_steps(storage, root)
     if every and not committed:
         raise CheckpointNotFoundError(f"no committed checkpoint under {ref.name}")

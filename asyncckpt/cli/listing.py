@@ -1,0 +1,126 @@
+"""What ``asyncckpt ls`` shows of a folder or bucket that is not itself a checkpoint root:
+the checkpoints below it (``Checkpointer`` roots, ``asyncckpt.dcp`` directories, single
+``.ackpt`` files), each with its newest step, size and age, as ``aws s3 ls`` lists prefixes.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections import deque
+from typing import Any
+
+from asyncckpt._storage import Storage
+from asyncckpt._versions.protocol import VERSION_FILE, committed_steps, latest_step, parse_step
+from asyncckpt.cli.common import (
+    RootRef,
+    dcp_files,
+    display,
+    is_dcp_directory,
+    version_info,
+)
+from asyncckpt.errors import AsyncCkptError
+
+#: How many folders below the one given are searched, and how many are listed at most.
+MAX_DEPTH, MAX_FOLDERS = 4, 2000
+
+
+def is_root(storage: Storage, path: str, names: list[str] | None = None) -> bool:
+    """Whether ``path`` is a Checkpointer root: a version file or a step directory."""
+    names = storage.list_dir(path) if names is None else names
+    return VERSION_FILE in names or any(parse_step(n) is not None for n in names)
+
+
+def find_checkpoints(storage: Storage, top: str) -> list[dict[str, Any]]:
+    """The checkpoints below ``top`` (breadth first, at most :data:`MAX_DEPTH` levels; a
+    checkpoint's own folders are not searched), each as :func:`describe` shows it."""
+    found: list[dict[str, Any]] = []
+    queue: deque[tuple[str, int]] = deque([(top, 0)])
+    visited = 0
+    while queue and visited < MAX_FOLDERS:
+        folder, depth = queue.popleft()
+        visited += 1
+        for name in sorted(storage.list_dir(folder)):
+            path = storage.join(folder, name)
+            if name.endswith(".ackpt"):
+                found.append(describe(storage, path, "file"))
+                continue
+            try:
+                names = storage.list_dir(path)
+            except AsyncCkptError:
+                continue
+            if not names:
+                continue  # a file, or an empty folder
+            if is_root(storage, path, names):
+                found.append(describe(storage, path, "root"))
+            elif is_dcp_directory(storage, path):
+                found.append(describe(storage, path, "dcp"))
+            elif depth + 1 < MAX_DEPTH:
+                queue.append((path, depth + 1))
+    return found
+
+
+def _file_facts(storage: Storage, path: str) -> tuple[int | None, str | None]:
+    """An asyncckpt file's size and creation time (from its manifest), or Nones."""
+    from asyncckpt._engine.decode import open_file  # imports torch: only when run
+
+    try:
+        with open_file(storage, path) as opened:
+            created = opened.manifest.meta.get("created")
+            return opened.size, created if isinstance(created, str) else None
+    except AsyncCkptError:
+        return None, None
+
+
+def describe(storage: Storage, path: str, layout: str) -> dict[str, Any]:
+    """One checkpoint's row: layout, newest step, committed versions, bytes, time, age."""
+    row: dict[str, Any] = {
+        "path": display(storage, path),
+        "layout": layout,
+        "latest": None,
+        "versions": None,
+        "stored_bytes": None,
+        "time": None,
+        "problem": None,
+    }
+    try:
+        if layout == "root":
+            latest = latest_step(storage, path)
+            row["latest"], row["versions"] = latest, len(committed_steps(storage, path))
+            if latest is not None:
+                info = version_info(storage, path, latest, latest)
+                row["stored_bytes"], row["time"] = info["stored_bytes"], info["time"]
+                row["kind"] = info.get("kind")
+        elif layout == "dcp":
+            files = dcp_files(RootRef(storage, path))
+            facts = [_file_facts(f.storage, f.path) for f in files]
+            row["stored_bytes"] = sum(size or 0 for size, _ in facts)
+            row["time"] = max((t for _, t in facts if t), default=None)
+        else:
+            row["stored_bytes"], row["time"] = _file_facts(storage, path)
+    except AsyncCkptError as exc:
+        row["problem"] = str(exc)
+    row["age"] = age(row["time"])
+    return row
+
+
+def age(iso: str | None, now: datetime.datetime | None = None) -> str:
+    """How long ago ``iso`` was, roughly: ``42s``, ``5m``, ``3h``, ``12d``; ``-`` if unknown.
+
+    Example:
+        >>> now = datetime.datetime(2026, 1, 2, tzinfo=datetime.timezone.utc)
+        >>> age("2026-01-01T21:00:00+00:00", now), age(None)
+        ('3h', '-')
+    """
+    if not iso:
+        return "-"
+    try:
+        moment = datetime.datetime.fromisoformat(iso)
+    except ValueError:
+        return "-"
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    seconds = int(((now or datetime.datetime.now(datetime.timezone.utc)) - moment).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{max(seconds, 0)}s"

@@ -1,0 +1,186 @@
+"""``inspect``, ``verify`` and ``ls`` on every layout asyncckpt writes.
+
+Layouts: a single ``asyncckpt.save`` file, a ``Checkpointer`` root of plain versions, a
+``Checkpointer`` root whose version is sharded (one gloo rank saving a DTensor), and a
+directory written by ``asyncckpt.dcp.Writer``. ``ls`` on a parent folder (or a bucket)
+lists the roots below it; a folder holding nothing asyncckpt wrote fails with a hint.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import asyncckpt
+from asyncckpt import Checkpointer, cli
+from asyncckpt.dcp import Writer
+from tests import ranks
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is unavailable"),
+]
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: Any) -> Any:
+    code, out, err = run(capsys, "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _save_sharded(rank: int, world: int, workdir: Path, root: str) -> None:
+    """One gloo rank saves steps 1 and 2 of a DTensor ``w`` and a plain ``step``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    with Checkpointer(root) as ckpt:
+        for step in (1, 2):
+            w = distribute_tensor(torch.arange(12.0).reshape(4, 3) * step, mesh, [Shard(0)])
+            ckpt.save(step, {"model": {"w": w}, "step": step}).result(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each layout, under one parent folder ``top`` (the sharded root ``top/sharded``)."""
+    top = tmp_path_factory.mktemp("layouts") / "top"
+    top.mkdir()
+    state = {"model": {"w": torch.ones(4, 3), "b": torch.zeros(3)}, "step": 7}
+    asyncckpt.save(state, top / "single.ackpt").result()
+    with Checkpointer(top / "plain") as ckpt:
+        for step in (10, 20):
+            ckpt.save(step, state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"w": torch.ones(4, 3)}}, storage_writer=Writer(str(top / "dcpdir")))
+    ranks.run(__name__, "_save_sharded", 1, top, str(top / "sharded"), timeout=200)
+    return {
+        "top": top,
+        "single": top / "single.ackpt",
+        "plain": top / "plain",
+        "sharded": top / "sharded",
+        "dcp": top / "dcpdir",
+    }
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["single", "plain", "sharded", "dcp"])
+def test_inspect_shows_the_keys_of_every_layout(
+    layouts: dict[str, Path], layout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "inspect", layouts[layout])
+    assert code == 0, err
+    assert "model" in out and "w" in out and "float32" in out and "[4, 3]" in out
+    doc = run_json(capsys, "inspect", layouts[layout])
+    keys = {row["key"]: row for row in doc["entries"]}
+    w = keys["state['model']['w']"]
+    assert (w["dtype"], w["shape"], w["nbytes"]) == ("float32", [4, 3], 48)
+
+
+@pytest.mark.timeout(300)
+def test_inspect_of_a_sharded_version_shows_global_shapes_and_shards(
+    layouts: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = run_json(capsys, "inspect", f"{layouts['sharded']}@1")
+    assert doc["step"] == 1 and doc["layout"] == "sharded"
+    keys = {row["key"]: row for row in doc["entries"]}
+    assert keys["state['model']['w']"]["kind"] == "sharded tensor"
+    assert keys["state['model']['w']"]["shards"] == 1
+    assert keys["state['step']"]["value"] == "1"  # rank 0's plain values are shown
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["single", "plain", "sharded", "dcp"])
+def test_verify_passes_every_layout(
+    layouts: dict[str, Path], layout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = run_json(capsys, "verify", layouts[layout])
+    assert doc["ok"] and doc["files"] and all(f["ok"] for f in doc["files"])
+
+
+@pytest.mark.timeout(300)
+def test_verify_of_a_damaged_dcp_directory_fails(
+    layouts: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    copy = tmp_path / "dcpdir"
+    shutil.copytree(layouts["dcp"], copy)
+    data = next(copy.glob("*.ackpt"))
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF  # inside the first chunk's data
+    data.write_bytes(bytes(raw))
+    code, out, err = run(capsys, "verify", copy)
+    assert code == 1 and "BAD" in out and "damaged" in err
+
+
+@pytest.mark.timeout(300)
+def test_ls_of_a_parent_folder_lists_the_roots_below(
+    layouts: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "ls", layouts["top"])
+    assert code == 0, err
+    for name in ("plain", "sharded", "dcpdir", "single.ackpt"):
+        assert name in out
+    doc = run_json(capsys, "ls", layouts["top"])
+    roots = {Path(r["path"]).name: r for r in doc["roots"]}
+    assert roots["plain"]["layout"] == "root" and roots["plain"]["latest"] == 20
+    assert roots["sharded"]["latest"] == 2 and roots["sharded"]["stored_bytes"] > 0
+    assert roots["dcpdir"]["layout"] == "dcp" and roots["dcpdir"]["latest"] is None
+    assert roots["single.ackpt"]["layout"] == "file"
+    assert all(r["time"] for r in roots.values())
+
+
+@pytest.mark.timeout(300)
+def test_ls_of_a_root_keeps_listing_its_versions(
+    layouts: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = run_json(capsys, "ls", layouts["plain"])
+    assert [v["step"] for v in doc["versions"]] == [10, 20]
+
+
+def test_ls_of_a_folder_without_checkpoints_fails_with_a_hint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "readme.txt").write_text("hello")
+    code, out, err = run(capsys, "ls", tmp_path / "notes")
+    assert code == 1 and out == ""
+    assert "nothing asyncckpt wrote" in err and "notes" in err
+
+
+def test_ls_of_a_bucket_lists_the_roots_below() -> None:
+    """``asyncckpt ls memory://bucket/`` (as ``aws s3 ls s3://bucket/`` lists prefixes)."""
+    fs = fsspec.filesystem("memory")
+    url = "memory://ls-bucket"
+    try:
+        with Checkpointer(f"{url}/runs/a") as ckpt:
+            ckpt.save(5, {"w": torch.ones(2)})
+        with Checkpointer(f"{url}/b") as ckpt:
+            ckpt.save(3, {"w": torch.ones(2)})
+        import contextlib
+        import io
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert cli.main(["--json", "ls", f"{url}/"]) == 0
+        roots = {
+            r["path"].rstrip("/").rsplit("/", 1)[-1]: r for r in json.loads(out.getvalue())["roots"]
+        }
+        assert roots["a"]["latest"] == 5 and roots["b"]["latest"] == 3
+    finally:
+        if fs.exists(url):
+            fs.rm(url, recursive=True)
