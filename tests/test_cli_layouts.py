@@ -184,3 +184,21 @@ def test_ls_of_a_bucket_lists_the_roots_below() -> None:
     finally:
         if fs.exists(url):
             fs.rm(url, recursive=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["single", "plain", "sharded", "dcp"])
+def test_inspect_key_and_depth_filter_the_rows(
+    layouts: dict[str, Path], layout: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keys = [
+        r["key"] for r in run_json(capsys, "inspect", layouts[layout], "--key", "model")["entries"]
+    ]
+    assert keys[0] == "state['model']" and "state['model']['w']" in keys
+    assert all(k.startswith("state['model']") for k in keys)
+    shallow = run_json(capsys, "inspect", layouts[layout], "--depth", "1")["entries"]
+    assert {r["depth"] for r in shallow} == {0, 1} and "state['model']" in {
+        r["key"] for r in shallow
+    }
+    code, _, err = run(capsys, "inspect", layouts[layout], "--key", "nope")
+    assert code == 2 and "has no key 'nope'" in err

@@ -69,10 +69,18 @@ def select(obj: Any, key: str | None, src: str) -> Any:
         >>> select({"model": {"w": 1}, "step": 3}, "model/w", "x.pt")
         1
     """
-    if not key:
-        return obj
+    return part_at(obj, key, src)[0]
+
+
+def part_at(obj: Any, key: str | None, src: str) -> tuple[Any, str]:
+    """:func:`select`, with the key path of the part as ``inspect`` shows it
+    (``state['model']['w']``).
+
+    Raises:
+        UsageError: a part of the path is not there; the message lists what is.
+    """
     path = "state"
-    for part in key.strip("/").split("/"):
+    for part in (key or "").strip("/").split("/") if key else ():
         if isinstance(obj, dict):
             if part in obj:
                 obj, path = obj[part], child_path(path, part)
@@ -81,14 +89,14 @@ def select(obj: Any, key: str | None, src: str) -> Any:
                 obj, path = obj[int(part)], child_path(path, int(part))
                 continue
             raise UsageError(
-                f"asyncckpt convert: {src} has no key {part!r} at {path}; keys there: "
+                f"{src} has no key {part!r} at {path}; keys there: "
                 + ", ".join(repr(k) for k in list(obj)[:20])
             )
         if isinstance(obj, (list, tuple)) and part.isdigit() and int(part) < len(obj):
             obj, path = obj[int(part)], f"{path}[{part}]"
             continue
-        raise UsageError(f"asyncckpt convert: {path} in {src} has no part {part!r}")
-    return obj
+        raise UsageError(f"{path} in {src} has no part {part!r}")
+    return obj, path
 
 
 def tensors_in(obj: Any) -> tuple[int, int]:

@@ -30,6 +30,7 @@ from asyncckpt.cli.common import (
     single_file,
     table,
 )
+from asyncckpt.cli.convert import part_at
 from asyncckpt.cli.formats import read_ackpt
 from asyncckpt.cli.sharded import open_sharded, shard_info
 
@@ -77,12 +78,13 @@ def _array_row(manifest: Manifest, index: int) -> dict[str, Any]:
     }
 
 
-def entries(manifest: Manifest, obj: Any) -> list[dict[str, Any]]:
+def entries(manifest: Manifest, obj: Any, root: str = "state") -> list[dict[str, Any]]:
     """One row per node of the tree: key path, depth, kind and details.
 
     Args:
         manifest: the file's manifest.
-        obj: its tree, from :func:`~asyncckpt.cli.common.manifest_tree`.
+        obj: its tree, from :func:`~asyncckpt.cli.common.manifest_tree` (or a part of it).
+        root: the label of ``obj``'s row.
 
     Returns:
         The rows, parents before their children.
@@ -96,7 +98,7 @@ def entries(manifest: Manifest, obj: Any) -> list[dict[str, Any]]:
             return _array_row(manifest, value.index)
         return None
 
-    return walk_tree(obj, leaf)
+    return walk_tree(obj, leaf, root)
 
 
 def _value_row(value: Any) -> dict[str, Any]:
@@ -104,9 +106,11 @@ def _value_row(value: Any) -> dict[str, Any]:
     return {"kind": type(value).__name__, "value": text if len(text) <= 60 else text[:57] + "..."}
 
 
-def walk_tree(obj: Any, leaf: Callable[[Any], dict[str, Any] | None]) -> list[dict[str, Any]]:
+def walk_tree(
+    obj: Any, leaf: Callable[[Any], dict[str, Any] | None], root: str = "state"
+) -> list[dict[str, Any]]:
     """Rows of a tree, parents before children: containers with their length, leaves as
-    ``leaf`` describes them (None: shown by their ``repr``)."""
+    ``leaf`` describes them (None: shown by their ``repr``); ``root`` names the top."""
     rows: list[dict[str, Any]] = []
 
     def walk(value: Any, path: str, depth: int) -> None:
@@ -123,8 +127,22 @@ def walk_tree(obj: Any, leaf: Callable[[Any], dict[str, Any] | None]) -> list[di
         else:
             rows.append({"key": path, "depth": depth, **(leaf(value) or _value_row(value))})
 
-    walk(obj, "state", 0)
+    walk(obj, root, 0)
     return rows
+
+
+def shown(args: argparse.Namespace, obj: Any, name: str) -> tuple[Any, str]:
+    """The part of a tree that ``--key`` asks for, and the label of its top row.
+
+    Raises:
+        UsageError: ``--key`` names a part that is not there (the message lists what is).
+    """
+    return part_at(obj, args.key, name)
+
+
+def deep_enough(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows down to ``--depth`` (all of them without it)."""
+    return [r for r in rows if args.depth is None or int(r["depth"]) <= args.depth]
 
 
 def _label(row: dict[str, Any], parent: str | None) -> str:
@@ -190,7 +208,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 return _inspect_sharded(args, located, src)
     ref = single_file(located)
     manifest, tree, size = read_ackpt(ref, lambda o: (o.manifest, manifest_tree(o), o.size))
-    rows = entries(manifest, tree)
+    rows = deep_enough(args, entries(manifest, *shown(args, tree, ref.name)))
     raw = sum(s.nbytes for s in manifest.storages)
     Budget(args.max_bytes).charge(ref.name, raw, "its storages")
     stored = sum(c.stored_len for c in manifest.chunks)
@@ -224,7 +242,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _sharded_rows(src: ShardedSource) -> list[dict[str, Any]]:
+def _sharded_rows(args: argparse.Namespace, src: ShardedSource) -> list[dict[str, Any]]:
     def leaf(value: Any) -> dict[str, Any] | None:
         if isinstance(value, torch.Tensor) and src.is_placeholder(value):
             return shard_info(src, value)
@@ -239,13 +257,14 @@ def _sharded_rows(src: ShardedSource) -> list[dict[str, Any]]:
             }
         return None
 
-    return walk_tree(src.skeleton, leaf)
+    tree, root = shown(args, src.skeleton, display(src.storage, src.directory))
+    return deep_enough(args, walk_tree(tree, leaf, root))
 
 
 def _inspect_sharded(args: argparse.Namespace, ref: RootRef, src: ShardedSource) -> int:
     """``inspect`` of a sharded version or an ``asyncckpt.dcp`` directory: global dtypes,
     shapes and shard counts from its metadata, plain values from rank 0's file."""
-    rows = _sharded_rows(src)
+    rows = _sharded_rows(args, src)
     sizes = {loc.file: loc.file_size for loc in src.metadata.storage_data.values()}
     step = None if ref.step is None and src.directory == ref.path else chosen_step(ref)
     tensors = [r for r in rows if "dtype" in r]
