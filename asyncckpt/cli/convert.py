@@ -24,7 +24,6 @@ from asyncckpt._convert.safetensors import (
 )
 from asyncckpt._engine.decode import Budget
 from asyncckpt._engine.encode import abort_strays
-from asyncckpt._format.tree import child_path
 from asyncckpt._progress import Progress, format_bytes
 from asyncckpt._storage import Storage, resolve
 from asyncckpt.cli.common import (
@@ -45,58 +44,11 @@ from asyncckpt.cli.formats import (
     load_torch,
     save_ackpt,
     save_torch,
+    select,
     sniff,
 )
 from asyncckpt.cli.sharded import open_sharded
 from asyncckpt.errors import SafetensorsError, UsageError
-
-
-def select(obj: Any, key: str | None, src: str) -> Any:
-    """The part of ``obj`` at ``key`` (``"model"``, ``"optim/state/0"``), or all of it.
-
-    Args:
-        obj: the loaded state.
-        key: a ``/``-separated path; integer parts index lists and int-keyed dicts.
-        src: how to name the source in errors.
-
-    Returns:
-        The selected part.
-
-    Raises:
-        UsageError: a part of the path is not there; the message lists what is.
-
-    Example:
-        >>> select({"model": {"w": 1}, "step": 3}, "model/w", "x.pt")
-        1
-    """
-    return part_at(obj, key, src)[0]
-
-
-def part_at(obj: Any, key: str | None, src: str) -> tuple[Any, str]:
-    """:func:`select`, with the key path of the part as ``inspect`` shows it
-    (``state['model']['w']``).
-
-    Raises:
-        UsageError: a part of the path is not there; the message lists what is.
-    """
-    path = "state"
-    for part in (key or "").strip("/").split("/") if key else ():
-        if isinstance(obj, dict):
-            if part in obj:
-                obj, path = obj[part], child_path(path, part)
-                continue
-            if part.lstrip("-").isdigit() and int(part) in obj:
-                obj, path = obj[int(part)], child_path(path, int(part))
-                continue
-            raise UsageError(
-                f"{src} has no key {part!r} at {path}; keys there: "
-                + ", ".join(repr(k) for k in list(obj)[:20])
-            )
-        if isinstance(obj, (list, tuple)) and part.isdigit() and int(part) < len(obj):
-            obj, path = obj[int(part)], f"{path}[{part}]"
-            continue
-        raise UsageError(f"{path} in {src} has no part {part!r}")
-    return obj, path
 
 
 def tensors_in(obj: Any) -> tuple[int, int]:

@@ -30,8 +30,7 @@ from asyncckpt.cli.common import (
     single_file,
     table,
 )
-from asyncckpt.cli.convert import part_at
-from asyncckpt.cli.formats import read_ackpt
+from asyncckpt.cli.formats import part_at, read_ackpt
 from asyncckpt.cli.sharded import open_sharded, shard_info
 
 
