@@ -1,6 +1,6 @@
 """``asyncckpt gc ROOT --keep-last N``: retention, as the Checkpointer applies it.
 
-What goes is decided by :func:`asyncckpt._versions.protocol.deletion_plan`, the rule the writer's
+What goes is decided by :func:`asyncckpt._versions.retention.deletion_plan`, the rule the writer's
 retention and recovery use, from the same listing (:func:`asyncckpt._versions.protocol.list_steps`).
 """
 
@@ -13,13 +13,12 @@ from asyncckpt._progress import format_bytes
 from asyncckpt._storage import Storage, is_temp_name
 from asyncckpt._versions.protocol import (
     UNREADABLE,
-    RetentionPolicy,
     StepEntry,
     delete_version,
-    deletion_plan,
     list_steps,
     read_version_file,
 )
+from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
 from asyncckpt.cli.common import (
     EXIT_OK,
     Subparsers,
