@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from asyncckpt._settings import Settings
 from asyncckpt._version import __version__
-from asyncckpt.cli import bench, convert, gc, inspect, ls, verify
+from asyncckpt.cli import bench, convert, gc, inspect, ls, rewind, verify
 from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -29,7 +29,7 @@ from asyncckpt.cli.common import (
 from asyncckpt.errors import AsyncCkptError, CommandFailed, UsageError
 
 #: The subcommands, in the order ``--help`` lists them.
-COMMANDS = (ls, inspect, verify, gc, convert, bench)
+COMMANDS = (ls, inspect, verify, gc, rewind, convert, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
