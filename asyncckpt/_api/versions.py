@@ -7,10 +7,12 @@ rule itself is :mod:`asyncckpt._versions.retention`.
 
 from __future__ import annotations
 
+import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from asyncckpt._api.preemption import Preemption
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import COMMITTED, StepEntry
 from asyncckpt._versions.reading import RootReader
@@ -181,3 +183,30 @@ class VersionsMixin:
             removed = rewind(self._writer, step)
             self._last_step = step
         return removed
+
+    def on_preemption(self, signals: Iterable[int] = (signal.SIGTERM,)) -> Preemption:
+        """Catch SIGTERM (SLURM, Kubernetes) as a flag, so a write in flight can finish and
+        the loop can save one last version within the grace period.
+
+        Call from the main thread; check ``.requested`` in the loop. A second signal ends
+        the process as usual. See the guide's "Preemption" section.
+
+        Args:
+            signals: the signals to catch.
+
+        Returns:
+            The :class:`~asyncckpt._api.preemption.Preemption` (``.remove()`` restores the
+            previous handlers).
+
+        Example:
+            >>> import asyncckpt, tempfile, torch
+            >>> ckpt = asyncckpt.Checkpointer(tempfile.mkdtemp())
+            >>> stop = ckpt.on_preemption()
+            >>> for step in range(1, 4):
+            ...     if step % 2 == 0 or stop.requested:  # one last save when preempted
+            ...         _ = ckpt.save(step, {"w": torch.ones(1)})
+            ...     if stop.requested:
+            ...         break
+            >>> ckpt.close(); stop.remove()
+        """
+        return Preemption(signals, self.root)
