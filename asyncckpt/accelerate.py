@@ -19,8 +19,6 @@ What a version holds (the top-level keys; ``FORMAT`` below is bumped on a change
   indexed by process; each process restores its own;
 - ``step``: the version's step;
 - ``accelerator``: ``accelerator.step`` and the project configuration's save iteration;
-- :data:`METRICS_KEY`: the ``metrics`` passed to :func:`save_state` (until the COMMIT record
-  carries metrics; then they are passed to ``Checkpointer.save(metrics=...)`` instead).
 
 Unlike ``Accelerator.load_state``, the dataloaders' epoch counters come back too, so a
 resumed ``for batch in dataloader`` shuffles as the uninterrupted run would have.
@@ -33,7 +31,6 @@ This module imports ``accelerate`` (``pip install 'asyncckpt[transformers]'``);
 
 from __future__ import annotations
 
-import inspect
 import random
 from typing import Any
 
@@ -54,12 +51,10 @@ from asyncckpt._api.checkpointer import Checkpointer
 from asyncckpt._api.jobs import SaveHandle
 from asyncckpt.errors import AsyncCkptError, FormatError
 
-__all__ = ["FORMAT", "METRICS_KEY", "load_state", "rng_states", "save_state", "set_rng_states"]
+__all__ = ["FORMAT", "load_state", "rng_states", "save_state", "set_rng_states"]
 
 #: Bumped when the layout of a version changes; a newer one is refused, not misread.
 FORMAT = 1
-#: The reserved top-level key holding ``metrics`` while the COMMIT record has none.
-METRICS_KEY = "asyncckpt_metrics"
 _FORMAT_KEY = "asyncckpt_accelerate"
 
 # Where the state is sharded or owned by an engine, get_state_dict/state_dict() is not the
@@ -134,20 +129,6 @@ def gathered_rng_states() -> list[dict[str, Any]]:
     return everyone
 
 
-def save_with_metrics(
-    checkpointer: Checkpointer, step: int, state: dict[str, Any], metrics: dict[str, Any] | None
-) -> SaveHandle:
-    """``checkpointer.save(step, state, metrics=...)`` where it takes metrics, else the metrics
-    go under :data:`METRICS_KEY` inside the version."""
-    if metrics is not None and "metrics" in inspect.signature(checkpointer.save).parameters:
-        save: Any = checkpointer.save
-        handle: SaveHandle = save(step, state, metrics=dict(metrics))
-        return handle
-    if metrics is not None:
-        state = {**state, METRICS_KEY: dict(metrics)}
-    return checkpointer.save(step, state)
-
-
 def save_state(
     accelerator: Accelerator,
     checkpointer: Checkpointer,
@@ -165,7 +146,9 @@ def save_state(
             and dataloaders.
         checkpointer: where versions go (e.g. ``Checkpointer("ckpts/")``).
         step: the version's step, greater than every one saved before.
-        metrics: small JSON-able numbers to keep with the version (e.g. ``{"loss": 0.3}``).
+        metrics: small JSON metadata kept in the version's ``COMMIT`` record
+            (``Checkpointer.save(metrics=...)``: read by ``checkpointer.info(step)``,
+            ``keep_best`` and ``asyncckpt ls``), e.g. ``{"loss": 0.3}``.
 
     Returns:
         The :class:`~asyncckpt.SaveHandle` of the write; ``checkpointer.wait()`` waits too.
@@ -203,7 +186,7 @@ def save_state(
             "iteration": int(accelerator.project_configuration.iteration),
         },
     }
-    handle = save_with_metrics(checkpointer, step, state, metrics)
+    handle = checkpointer.save(step, state, metrics=metrics)
     accelerator.project_configuration.iteration += 1  # as save_state does
     return handle
 

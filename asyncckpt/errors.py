@@ -153,6 +153,11 @@ class FencedError(ConflictError):
     """Another writer took the root over; this writer may no longer commit to it."""
 
 
+class InvalidMetricsError(AsyncCkptError, ValueError):
+    """The ``metrics`` of a version are not small JSON metadata (finite numbers and short
+    strings under short names); the message names the key."""
+
+
 class CheckpointTimeoutError(AsyncCkptError, TimeoutError):
     """Waiting for a save to become durable, or for a step to be committed, timed out."""
 

@@ -21,11 +21,14 @@ Layout under ``output_dir``:
 ``train(resume_from_checkpoint=True)`` resumes from the newest committed version (falling
 back to the stock Trainer's folders when the root has none); a path ``.../checkpoint-N``
 resumes from version N if it is committed, else from the stock files in that folder.
-Rotation (``save_total_limit``) runs on the writer after each save and when ``train``
-returns: it deletes committed versions beyond the newest ``save_total_limit`` but never the
-best one (``state.best_global_step``), the newest committed one, nor one being written.
-Until ``Checkpointer`` has a keep-best policy this protection lives here: the Checkpointer
-is built with ``keep_last=None`` and the mixin deletes versions itself.
+Rotation is the Checkpointer's retention (run by the writer after each commit, fenced by its
+lease, with the root's storage options): ``save_total_limit`` is ``keep_last``, and
+``metric_for_best_model`` / ``greater_is_better`` are ``keep_best=1`` with that metric
+(``eval_<name>``, as the Trainer logs it) and ``best_mode``; each version is saved with the
+numbers of its step's evaluation as ``metrics``. So rotation never deletes the best version,
+the newest committed one, nor one being written. A ``checkpoint-N`` folder of ours (it holds
+only ``trainer_state.json``) is removed once version N is gone; stock Trainer folders are
+never touched. A ``checkpointer=`` passed in is used as it is, with its own retention.
 
 Overridden ``Trainer`` methods (:data:`OVERRIDDEN`; ``tests/test_transformers.py`` fails if
 a ``transformers`` release renames one or changes its parameters): ``train`` (translates
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -60,9 +64,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from asyncckpt._api.checkpointer import Checkpointer
 from asyncckpt._api.jobs import SaveHandle
-from asyncckpt._storage import resolve
-from asyncckpt._versions.protocol import delete_version
-from asyncckpt.accelerate import gathered_rng_states, save_with_metrics, set_rng_states
+from asyncckpt.accelerate import gathered_rng_states, set_rng_states
 from asyncckpt.errors import AsyncCkptError, FormatError
 
 __all__ = ["OVERRIDDEN", "ROOT_NAME", "AsyncCkptTrainer", "AsyncCkptTrainerMixin"]
@@ -120,7 +122,17 @@ class AsyncCkptTrainerMixin:
     def checkpointer(self) -> Checkpointer:
         """The Checkpointer the trainer saves to (built on first use)."""
         if self._ackpt is None:
-            self._ackpt = Checkpointer(os.path.join(self.args.output_dir, ROOT_NAME))
+            args = self.args
+            metric = args.metric_for_best_model
+            if metric is not None and not metric.startswith("eval_"):
+                metric = f"eval_{metric}"  # the name the Trainer logs it under
+            self._ackpt = Checkpointer(
+                os.path.join(args.output_dir, ROOT_NAME),
+                keep_last=args.save_total_limit,
+                keep_best=None if metric is None else 1,
+                best_metric=metric,
+                best_mode="max" if args.greater_is_better else "min",
+            )
         return self._ackpt
 
     # -- train ------------------------------------------------------------------------
@@ -175,7 +187,7 @@ class AsyncCkptTrainerMixin:
             self.state.best_model_checkpoint = os.path.join(run_dir, best)
         self._update_callback_states()
         self._finish_saves(wait=False)
-        handle = save_with_metrics(self.checkpointer, step, self._state(), self._eval_metrics())
+        handle = self.checkpointer.save(step, self._state(), metrics=self._eval_metrics())
         if self.checkpointer.is_writer:
             folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
             self._ackpt_pending[step] = (handle, folder, self._state_json())
@@ -211,12 +223,17 @@ class AsyncCkptTrainerMixin:
                 self.state.stateful_callbacks[name] = cb_state
 
     def _eval_metrics(self) -> dict[str, float] | None:
-        """The numbers of this step's evaluation log entry, if it evaluated."""
+        """The finite numbers of this step's evaluation log entry, if it evaluated (a NaN
+        loss is left out: the version is then not ranked by it)."""
         for entry in reversed(self.state.log_history):
             if entry.get("step") != self.state.global_step:
                 break
             if any(str(k).startswith("eval_") for k in entry):
-                return {k: v for k, v in entry.items() if isinstance(v, (int, float))}
+                return {
+                    str(k): v
+                    for k, v in entry.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                }
         return None
 
     def _finish_saves(self, wait: bool) -> None:
@@ -231,21 +248,23 @@ class AsyncCkptTrainerMixin:
                 _write_state_file(folder, text)
 
     def _rotate(self, run_dir: str) -> None:
-        """Delete committed versions beyond ``save_total_limit``, sparing the best and newest."""
-        limit = self.args.save_total_limit
-        if limit is None or not self.checkpointer.is_writer:
+        """Remove our ``checkpoint-N`` folders whose version retention deleted.
+
+        Only folders that hold nothing but ``trainer_state.json`` (ours): a stock Trainer
+        folder with weights stays.
+        """
+        if not self.checkpointer.is_writer or not os.path.isdir(run_dir):
             return
-        committed = self.checkpointer.versions()
-        keep = set(committed[-limit:]) | set(committed[-1:]) | {self.state.best_global_step}
-        doomed = [s for s in committed if s not in keep]
-        if not doomed:
-            return
-        storage, root = resolve(self.checkpointer.root, None)
-        for step in doomed:
-            delete_version(storage, root, step)
-            shutil.rmtree(
-                os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}"), ignore_errors=True
-            )
+        committed = set(self.checkpointer.versions())
+        for name in os.listdir(run_dir):
+            match = _FOLDER.match(name)
+            folder = os.path.join(run_dir, name)
+            if match is None or int(match.group(1)) in committed:
+                continue
+            if int(match.group(1)) in self._ackpt_pending or not os.path.isdir(folder):
+                continue
+            if set(os.listdir(folder)) <= {_STATE_FILE}:
+                shutil.rmtree(folder, ignore_errors=True)
 
     # -- loading ----------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 
 import asyncckpt
-from asyncckpt.accelerate import METRICS_KEY, load_state, save_state
+from asyncckpt.accelerate import load_state, save_state
 from asyncckpt.errors import AsyncCkptError, FormatError
 from tests import ranks
 
@@ -120,8 +120,10 @@ def test_version_holds_every_part_and_the_metrics(tmp_path: Path) -> None:
     with asyncckpt.Checkpointer(tmp_path) as ckpt:
         save_state(acc, ckpt, step=5, metrics={"loss": 0.25})
         state = ckpt.load(5)
+        metrics = ckpt.info(5).metrics
     assert state["step"] == 5
-    assert state[METRICS_KEY] == {"loss": 0.25}
+    assert metrics == {"loss": 0.25}  # in the COMMIT record, not in the state
+    assert "asyncckpt_metrics" not in state
     assert state["custom"] == [{"count": 8}]
     assert len(state["rng"]) == 1 and set(state["rng"][0]) >= {"python", "numpy", "cpu"}
     assert state["dataloaders"][0]["iteration"] == 1

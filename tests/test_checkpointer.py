@@ -37,9 +37,9 @@ from asyncckpt._versions.protocol import (
     create_commit,
     data_file_name,
     read_version_file,
-    retention_plan,
     write_version_file,
 )
+from asyncckpt._versions.retention import retention_plan
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,

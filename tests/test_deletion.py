@@ -4,7 +4,7 @@
   retention, not in its recovery, not in a sweep, not after a failure (no ``FAILED``);
 * deleting never follows a symbolic link: a step directory that links to another run's
   step is removed as a link, in retention and in recovery;
-* one rule (:func:`asyncckpt._versions.protocol.deletion_plan`, fed by ``list_steps``) for the
+* one rule (:func:`asyncckpt._versions.retention.deletion_plan`, fed by ``list_steps``) for the
   writer's retention and recovery and ``asyncckpt gc``: a step whose ``COMMIT`` cannot be
   read (damaged, newer protocol) is never deleted, even by ``gc``;
 * a ``COMMIT`` naming a file with a NUL byte (or any name a file cannot have) is an
@@ -34,13 +34,12 @@ from asyncckpt._versions.protocol import (
     COMMITTED,
     UNCOMMITTED,
     UNREADABLE,
-    RetentionPolicy,
     StepEntry,
     commit_from,
-    deletion_plan,
     list_steps,
     read_failure,
 )
+from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import CheckpointTimeoutError, ConflictError, UnreadableRecordError
 from tests.test_checkpointer import (

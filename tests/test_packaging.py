@@ -115,7 +115,7 @@ def test_the_cli_package_imports_downward_only() -> None:
     sharded layouts, which import common."""
     layers = [
         {"main"},
-        {"ls", "inspect", "verify", "gc", "convert", "bench", "parsers"},
+        {"ls", "inspect", "verify", "gc", "rewind", "convert", "bench", "parsers"},
         {"formats", "sharded", "listing"},
         {"common"},
     ]

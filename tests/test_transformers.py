@@ -16,6 +16,7 @@ pytest.importorskip("accelerate")
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import asyncckpt  # noqa: E402
+from asyncckpt._versions.retention import RetentionPolicy  # noqa: E402
 from asyncckpt.transformers import OVERRIDDEN, ROOT_NAME, AsyncCkptTrainer  # noqa: E402
 
 
@@ -124,6 +125,16 @@ def test_rotation_keeps_the_best_and_the_newest(tmp_path: Path) -> None:
     best = trainer.state.best_global_step
     versions = trainer.checkpointer.versions()
     assert versions == sorted({best, 8}), (versions, best)
+    # Rotation is the Checkpointer's own retention, ranking by the metric in each COMMIT.
+    assert trainer.checkpointer.retention == RetentionPolicy(
+        keep_last=1, keep_best=1, best_metric="eval_loss", best_mode="min"
+    )
+    assert trainer.checkpointer.best() == best
+    assert "eval_loss" in trainer.checkpointer.info(best).metrics
+    folders = sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("checkpoint-*"))
+    # The deleted versions' folders went with them (the stock Trainer itself removes the
+    # last folder at the end when save_total_limit=1 and it is not the best one).
+    assert best in folders and set(folders) <= set(versions), (folders, versions)
     # load_best_model_at_end loaded the best version's weights.
     saved = trainer.checkpointer.load(best)["model"]
     for name, value in trainer.model.state_dict().items():

@@ -8,11 +8,13 @@ loading rank's own device, and no rank sits in a collective while a write is in 
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
@@ -29,6 +31,7 @@ from asyncckpt._api.collective import (
 )
 from asyncckpt._api.jobs import SaveHandle, completed_handle, stage_and_submit
 from asyncckpt._api.staging import reserve_arena, stage, write_options
+from asyncckpt._api.versions import VersionsMixin
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import overlap
 from asyncckpt._engine.decode import Budget
@@ -36,10 +39,12 @@ from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
+from asyncckpt._versions.metrics import Metrics, check_metrics
 from asyncckpt._versions.protocol import data_file_name, read_commit, step_dir
 from asyncckpt._versions.publish import PlainPart, RankPart, write_and_commit
 from asyncckpt._versions.ranks import RankJob
 from asyncckpt._versions.reading import RootReader
+from asyncckpt._versions.retention import RetentionPolicy
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import (
     AsyncCkptError,
@@ -50,7 +55,7 @@ from asyncckpt.errors import (
 log = logging.getLogger(__name__)
 
 
-class Checkpointer:
+class Checkpointer(VersionsMixin):
     """Versioned checkpoints of a training run under ``root``, safe across ranks and jobs.
 
     Constructing one, :meth:`latest`, :meth:`versions` and :meth:`load` never change
@@ -61,8 +66,15 @@ class Checkpointer:
 
     Args:
         root: local directory or fsspec URL holding one directory per step.
-        keep_last: keep only the newest N committed versions (None keeps all). Older ones
-            are deleted only after a newer one is committed; the version file's is never.
+        keep_last: keep the newest N committed versions. Retention runs after each commit
+            and keeps the union of what its rules keep (none set: every version); it never
+            deletes the newest committed version nor one a collective load may be reading.
+        keep_best: keep the K best versions by ``best_metric`` (saved with
+            ``save(..., metrics=...)``); versions without the metric are not ranked.
+        best_metric: the metric ``keep_best`` and :meth:`best` rank by.
+        best_mode: ``"min"`` (default: lower is better) or ``"max"``.
+        keep_every: keep every version whose step is a multiple of M, for ever.
+        keep_for: keep every version younger than this (seconds or a ``timedelta``).
         compression: ``"auto"`` (default), ``"zstd"`` or ``"none"``, as for
             :func:`asyncckpt.save`.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
@@ -76,7 +88,7 @@ class Checkpointer:
         read_only: a reader: :meth:`save` raises at once.
 
     Raises:
-        ValueError: a bad ``keep_last`` or ``compression``.
+        ValueError: a bad retention argument or ``compression``.
         StorageError: the root's URL cannot be resolved.
 
     Example:
@@ -94,6 +106,11 @@ class Checkpointer:
         root: str | os.PathLike[str],
         *,
         keep_last: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        keep_every: int | None = None,
+        keep_for: float | datetime.timedelta | None = None,
         compression: str = "auto",
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
@@ -101,8 +118,9 @@ class Checkpointer:
         overlap: bool = False,
         read_only: bool = False,
     ) -> None:
-        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
-            raise ValueError(f"keep_last must be None or a positive int, got {keep_last!r}")
+        self.retention = RetentionPolicy(
+            keep_last, keep_best, best_metric, best_mode, keep_every, keep_for
+        )
         self.compression = check_compression(compression)
         self.keep_last = keep_last
         self._settings = Settings.resolve()
@@ -144,7 +162,9 @@ class Checkpointer:
 
     # -- writing ------------------------------------------------------------------------
 
-    def save(self, step: int, state: Any) -> SaveHandle:
+    def save(
+        self, step: int, state: Any, *, metrics: Mapping[str, Any] | None = None
+    ) -> SaveHandle:
         """Snapshot ``state`` and write it as version ``step`` in the background.
 
         On ranks other than ``writer_rank`` this copies nothing and returns a completed
@@ -165,6 +185,9 @@ class Checkpointer:
         Args:
             step: a non-negative int, greater than every step saved before under this root.
             state: what ``asyncckpt.save`` accepts.
+            metrics: small JSON metadata kept in the version's ``COMMIT`` record (finite
+                numbers and strings of at most 256 characters, at most 64 names): read by
+                :meth:`info`, ``keep_best``, :meth:`best` and ``asyncckpt ls``.
 
         Returns:
             A :class:`SaveHandle`; its ``result()`` returns once the version is committed.
@@ -172,7 +195,9 @@ class Checkpointer:
         Raises:
             ConflictError: ``step`` is already committed under this root; or (from the
                 handle) another writer took the root over.
-            ValueError: ``step`` is negative, not an int, or not greater than the last one.
+            ValueError: ``step`` is negative, not an int, or not greater than the last one
+                (see :meth:`rewind`).
+            InvalidMetricsError: ``metrics`` break a rule (the message names the key).
             UnsupportedObjectError: ``state`` holds something that cannot be stored.
             AsyncCkptError: the Checkpointer is read-only or closed, or WORLD_SIZE says this
                 is one of several ranks but no process group is initialized.
@@ -182,6 +207,11 @@ class Checkpointer:
         self._check_writable()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        checked = (
+            check_metrics(metrics, f"{self.root} step {step}: metrics")
+            if metrics is not None
+            else {}
+        )
         self._check_world()
         is_sharded = sharded.holds_dtensor(state)
         if is_sharded and not self._distributed:
@@ -199,7 +229,7 @@ class Checkpointer:
             self._check_new_step(step)
             part = self._part(step, attempt, plan)
             snap, handle = self._stage_and_write(
-                part, state if plan is None else plan.plain, started
+                part, state if plan is None else plan.plain, started, checked
             )
             self._last_snapshot = snap
             self._last_step = step
@@ -225,7 +255,7 @@ class Checkpointer:
         return job
 
     def _stage_and_write(
-        self, part: RankPart, staged: Any, started: float
+        self, part: RankPart, staged: Any, started: float, metrics: Metrics
     ) -> tuple[Snapshot, SaveHandle]:
         """Stage ``staged`` while this rank's job already writes (the pipelined save).
 
@@ -248,7 +278,7 @@ class Checkpointer:
             if not self.is_writer:
                 return part.write(snap)
             spare = lambda: self._agreed_step  # noqa: E731
-            return write_and_commit(self._writer, part, snap, self.keep_last, spare)
+            return write_and_commit(self._writer, part, snap, self.retention, spare, metrics)
 
         # A rank's part of a sharded version cannot be cancelled: the writer waits for it.
         on_cancel = None if rank_job is not None else (lambda: None)
@@ -529,7 +559,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for pending saves (raising a failure nobody observed) and stop.
 
-        A writer applies ``keep_last`` once more: the last save's retention may have spared
+        A writer applies retention once more: the last save's retention may have spared
         the step of the collective load before it, which no rank can still be reading now.
         """
         if self._closed:
@@ -539,7 +569,7 @@ class Checkpointer:
             self.wait()
             writer = self._writer
             if writer.epoch is not None and writer.published is not None:
-                writer.apply_retention(self.keep_last, writer.published, self._agreed_step)
+                writer.apply_retention(self.retention, writer.published, self._agreed_step)
         finally:
             self._writer.release()
 

@@ -18,9 +18,9 @@ A version exists for readers once its ``COMMIT`` marker does; the marker is crea
 exclusive create after every data file is durable, and the version file is moved forward
 after that with a compare-and-swap (:meth:`Storage.replace_if`) on the value this writer
 last read, so a writer that lost the lease can never move it. What may be deleted is decided
-in one place, :func:`deletion_plan`, from one listing, :func:`list_steps`. Everything here is
-a function of a :class:`Storage` and a root path; the roles that use it are
-:mod:`asyncckpt._versions.reading` and :mod:`asyncckpt._versions.writing`.
+in one place, :func:`asyncckpt._versions.retention.deletion_plan`, from one listing,
+:func:`list_steps`. Everything here is a function of a :class:`Storage` and a root path;
+the roles that use it are :mod:`asyncckpt._versions.reading` and :mod:`asyncckpt._versions.writing`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import logging
 import random
 import re
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer
@@ -44,11 +44,13 @@ from asyncckpt._format.names import is_metadata_name
 from asyncckpt._format.names import metadata_file_name as metadata_file_name
 from asyncckpt._settings import Settings
 from asyncckpt._storage import TEMP_MARK, Storage, is_temp_name
+from asyncckpt._versions.metrics import check_metrics
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     CheckpointTimeoutError,
     FormatError,
     IncompleteCheckpointError,
+    InvalidMetricsError,
     UnreadableRecordError,
 )
 
@@ -84,6 +86,10 @@ class CommitRecord:
         epoch: the writer's lease epoch (0 when unknown).
         kind: :data:`SINGLE` (one data file) or :data:`SHARDED` (one data file per rank,
             then its metadata, :func:`metadata_file_name`).
+        metrics: the small JSON metadata saved with the version
+            (:func:`~asyncckpt._versions.metrics.check_metrics`; empty in older markers).
+        time: when the marker was written (ISO 8601, UTC), as read; None when writing one
+            (:func:`encode_record` stamps it) or when an older marker has none.
     """
 
     step: int
@@ -92,6 +98,26 @@ class CommitRecord:
     sizes: tuple[int, ...] = ()
     epoch: int = 0
     kind: str = SINGLE
+    metrics: Mapping[str, float | int | str] = field(default_factory=dict)
+    time: str | None = None
+
+    @property
+    def timestamp(self) -> float | None:
+        """:attr:`time` as seconds since the epoch (None when unknown or not a time).
+
+        Example:
+            >>> CommitRecord(1, ("a.ackpt",), "w", time="1970-01-01T00:01:00+00:00").timestamp
+            60.0
+        """
+        if self.time is None:
+            return None
+        try:
+            stamp = datetime.datetime.fromisoformat(self.time)
+        except ValueError:
+            return None
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=datetime.timezone.utc)
+        return stamp.timestamp()
 
     @property
     def metadata_file(self) -> str | None:
@@ -341,7 +367,21 @@ def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
     )
     if not valid:
         raise UnreadableRecordError(f"{where}: malformed commit marker")
-    return CommitRecord(step, tuple(files), writer, sizes or (), epoch, kind)  # type: ignore[arg-type]
+    try:
+        metrics = check_metrics(doc.get("metrics", {}), f"{where}: metrics")
+    except InvalidMetricsError as exc:
+        raise UnreadableRecordError(str(exc)) from None
+    stamp = doc.get("time")
+    return CommitRecord(
+        step,
+        tuple(files),  # type: ignore[arg-type]
+        writer,  # type: ignore[arg-type]
+        sizes or (),
+        epoch,
+        kind,
+        metrics,
+        stamp if isinstance(stamp, str) else None,
+    )
 
 
 def _check_file_names(files: list[Any], step: int, where: str) -> None:
@@ -402,6 +442,8 @@ def create_commit(storage: Storage, root: str, record: CommitRecord) -> None:
     }
     if record.kind != SINGLE:  # single-file markers keep the bytes older readers know
         doc["kind"] = record.kind
+    if record.metrics:  # older readers ignore the field; without metrics, it is left out
+        doc["metrics"] = dict(record.metrics)
     storage.create_exclusive(path, encode_record(doc))
 
 
@@ -679,7 +721,8 @@ class StepEntry:
 
 def list_steps(storage: Storage, root: str) -> list[StepEntry]:
     """Every step directory under ``root``, ascending, with its state: the one listing
-    that every decision to delete is made from (:func:`deletion_plan`).
+    that every decision to delete is made from
+    (:func:`~asyncckpt._versions.retention.deletion_plan`).
 
     Raises:
         StorageError: listing or reading a marker failed.
@@ -695,78 +738,6 @@ def list_steps(storage: Storage, root: str) -> list[StepEntry]:
         state = UNCOMMITTED if commit is None else COMMITTED
         entries.append(StepEntry(step, state, link, commit))
     return entries
-
-
-@dataclass(frozen=True)
-class RetentionPolicy:
-    """Which committed versions retention keeps: the union of what each rule set keeps.
-
-    Each field is one rule, and a policy with no rule set keeps every committed version.
-    A new rule (keep the best N by a metric, keep every K-th step, keep for a duration) is
-    a new field here and its clause in :meth:`keeps`; :func:`deletion_plan` applies it
-    with every other rule of the protocol unchanged.
-
-    Attributes:
-        keep_last: keep the newest N committed versions (None: no such rule).
-
-    Example:
-        >>> RetentionPolicy(keep_last=2).keeps([StepEntry(s, COMMITTED) for s in (1, 2, 3)])
-        {2, 3}
-    """
-
-    keep_last: int | None = None
-
-    def keeps(self, committed: Sequence[StepEntry]) -> set[int]:
-        """The steps, among ``committed`` (ascending), that some rule of the policy keeps."""
-        rules: list[set[int]] = []
-        if self.keep_last is not None:
-            newest = committed[max(0, len(committed) - self.keep_last) :]
-            rules.append({e.step for e in newest})
-        if not rules:
-            return {e.step for e in committed}
-        return set().union(*rules)
-
-
-def deletion_plan(
-    entries: Sequence[StepEntry],
-    policy: RetentionPolicy,
-    pinned: int | None,
-    spare: Collection[int] = (),
-) -> list[StepEntry]:
-    """The one rule for which step directories may be deleted.
-
-    Pure function of a :func:`list_steps` listing; the writer's retention and recovery and
-    ``asyncckpt gc`` all delete exactly what it returns (see docs/PROTOCOL.md §5):
-
-    * nothing at all when ``pinned`` is None (no version file, or one that cannot be
-      understood: what is newest is unknown);
-    * never ``pinned`` (the version file's step), nor anything newer (a save in
-      progress), nor a step in ``spare`` (one a slower rank may still be reading);
-    * never an :data:`UNREADABLE` step: it may be a version this asyncckpt cannot read;
-    * a committed step older than ``pinned`` that ``policy`` does not keep;
-    * an uncommitted step older than ``pinned``: a failed or interrupted save, which can
-      never commit, since steps only increase.
-
-    Args:
-        entries: the root's step directories, ascending (:func:`list_steps`).
-        policy: which committed versions to keep.
-        pinned: the version file's step.
-        spare: steps never to delete besides ``pinned``.
-
-    Returns:
-        The entries to delete, ascending.
-
-    Example:
-        >>> entries = [StepEntry(1, COMMITTED), StepEntry(2, UNREADABLE),
-        ...            StepEntry(3, UNCOMMITTED), StepEntry(4, COMMITTED),
-        ...            StepEntry(5, COMMITTED), StepEntry(6, UNCOMMITTED)]
-        >>> [e.step for e in deletion_plan(entries, RetentionPolicy(keep_last=1), pinned=5)]
-        [1, 3, 4]
-    """
-    if pinned is None:
-        return []
-    keep = policy.keeps([e for e in entries if e.state == COMMITTED]) | {pinned} | set(spare)
-    return [e for e in entries if e.step < pinned and e.state != UNREADABLE and e.step not in keep]
 
 
 def delete_version(storage: Storage, root: str, step: int) -> None:
@@ -785,25 +756,6 @@ def delete_version(storage: Storage, root: str, step: int) -> None:
     else:
         storage.delete(storage.join(directory, COMMIT_FILE))
     storage.delete_tree(directory)
-
-
-def retention_plan(
-    committed: list[int], all_dirs: list[int], keep_last: int | None, pinned: int | None
-) -> list[int]:
-    """Which steps to delete: :func:`deletion_plan` for plain step lists (every step
-    directory in ``all_dirs`` not in ``committed`` counts as uncommitted).
-
-    Example:
-        >>> retention_plan([1, 2, 3], [1, 2, 3, 4], keep_last=2, pinned=3)
-        [1]
-    """
-    done = set(committed)
-    entries = [
-        StepEntry(s, COMMITTED if s in done else UNCOMMITTED) for s in sorted(done | set(all_dirs))
-    ]
-    plan = deletion_plan(entries, RetentionPolicy(keep_last), pinned)
-    dirs = set(all_dirs)
-    return [e.step for e in plan if e.step in dirs]
 
 
 def temp_files(storage: Storage, directory: str) -> list[str]:

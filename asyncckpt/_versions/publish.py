@@ -14,7 +14,7 @@ fencing and retention.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,6 +23,7 @@ from asyncckpt._engine.encode import WriteOptions
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import SINGLE, read_commit
+from asyncckpt._versions.retention import RetentionPolicy
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import AsyncCkptError, ConflictError, FencedError
 
@@ -99,8 +100,9 @@ def write_and_commit(
     writer: RootWriter,
     part: RankPart,
     snap: Snapshot,
-    keep_last: int | None,
+    policy: RetentionPolicy | None,
     spare: Callable[[], int | None],
+    metrics: Mapping[str, float | int | str] | None = None,
 ) -> int:
     """The writer rank's job of a save: lease (first save only), write, gather, commit,
     retention.
@@ -111,9 +113,10 @@ def write_and_commit(
         writer: the root's writer (its lease is taken by the first save).
         part: this rank's part of the version.
         snap: the state's snapshot.
-        keep_last: retention (None keeps every version).
+        policy: retention (None keeps every version).
         spare: the step a collective load may still read (retention spares it), asked
             when retention runs.
+        metrics: the version's metrics (checked), recorded in its ``COMMIT``.
 
     Returns:
         The size of this rank's file.
@@ -136,7 +139,14 @@ def write_and_commit(
     try:
         size = part.write(snap)
         gathered = part.gather(writer, size, started)
-        writer.commit(step, gathered.files, gathered.sizes, kind=gathered.kind, keep=gathered.keep)
+        writer.commit(
+            step,
+            gathered.files,
+            gathered.sizes,
+            kind=gathered.kind,
+            keep=gathered.keep,
+            metrics=metrics,
+        )
     except FencedError:
         raise  # the root is another writer's now: leave no marker in it
     except BaseException as exc:
@@ -146,7 +156,7 @@ def write_and_commit(
             raise
         _report_failure(writer, step, exc)
         raise
-    writer.apply_retention(keep_last, step, spare())
+    writer.apply_retention(policy or RetentionPolicy(), step, spare())
     return size
 
 

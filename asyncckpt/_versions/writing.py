@@ -10,7 +10,7 @@ another job has taken the root from (a frozen or restarted predecessor) fails wi
 What a writer deletes follows two rules (``docs/PROTOCOL.md`` §5): anything another writer
 may own (old versions, leftovers, temp files, lease records, markers) only while it holds
 the lease, checked right before (:meth:`RootWriter.holds_lease`), and only what
-:func:`~asyncckpt._versions.protocol.deletion_plan` allows; and, at any time, the files of its own
+:func:`~asyncckpt._versions.retention.deletion_plan` allows; and, at any time, the files of its own
 save attempt, which are named by that attempt so no other writer can have written them.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Mapping
 
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
@@ -32,13 +33,11 @@ from asyncckpt._versions.protocol import (
     UNREADABLE,
     CommitRecord,
     LeaseRecord,
-    RetentionPolicy,
     StepEntry,
     VersionRecord,
     create_commit,
     create_lease,
     delete_version,
-    deletion_plan,
     lease_epoch_of,
     lease_epochs,
     list_steps,
@@ -53,6 +52,7 @@ from asyncckpt._versions.protocol import (
     temp_files,
     verify_commit,
 )
+from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
 from asyncckpt.errors import AsyncCkptError, ConflictError, FencedError, FormatError
 
 log = logging.getLogger(__name__)
@@ -298,13 +298,13 @@ class RootWriter:
             for name in older:
                 self.storage.delete(self.storage.join(directory, name))
 
-    def apply_retention(self, keep_last: int | None, pinned: int, spare: int | None) -> None:
-        """Delete versions beyond the newest ``keep_last`` and leftovers older than ``pinned``.
+    def apply_retention(self, policy: RetentionPolicy, pinned: int, spare: int | None) -> None:
+        """Delete the versions ``policy`` does not keep and leftovers older than ``pinned``.
 
-        Exactly what :func:`~asyncckpt._versions.protocol.deletion_plan` allows: never ``pinned``
-        (just published), ``spare`` (a step other ranks may be reading), anything newer, or
-        a step whose marker cannot be understood. Each deletion first checks that this
-        writer still holds the lease; a writer another job took the root from deletes
+        Exactly what :func:`~asyncckpt._versions.retention.deletion_plan` allows: never
+        ``pinned`` (just published), ``spare`` (a step other ranks may be reading), anything
+        newer, or a step whose marker cannot be understood. Each deletion first checks that
+        this writer still holds the lease; a writer another job took the root from deletes
         nothing. Failures only warn: the new version is committed, and the next save
         retries.
         """
@@ -315,7 +315,6 @@ class RootWriter:
                 if entry.state == UNREADABLE:
                     log.warning("retention leaves step %d alone: %s", entry.step, entry.problem)
             spared = () if spare is None else (spare,)
-            policy = RetentionPolicy(keep_last=keep_last)
             for entry in deletion_plan(entries, policy, pinned, spared):
                 if not self._may_delete(f"step {entry.step} (retention)"):
                     return
@@ -355,6 +354,7 @@ class RootWriter:
         *,
         kind: str = SINGLE,
         keep: tuple[str, ...] = (),
+        metrics: Mapping[str, float | int | str] | None = None,
     ) -> None:
         """Publish version ``step`` whose data ``files`` (in its directory) are durable.
 
@@ -367,6 +367,7 @@ class RootWriter:
                 recorded in ``COMMIT``.
             keep: other files of this save in the directory that the sweep after the
                 commit must leave (a sharded version's per-rank completion markers).
+            metrics: the version's metrics, already checked, recorded in ``COMMIT``.
 
         Raises:
             FencedError: another writer took the root over; our files were removed.
@@ -383,7 +384,7 @@ class RootWriter:
                 f"{self.where}"
             )
         try:
-            self._create_commit(step, files, sizes, kind, own)
+            self._create_commit(step, files, sizes, kind, own, dict(metrics or {}))
             self._publish(step, tag)
             self._sweep(step, files + keep)
         except AsyncCkptError as exc:
@@ -447,8 +448,9 @@ class RootWriter:
         sizes: tuple[int, ...],
         kind: str,
         own: tuple[str, ...],
+        metrics: dict[str, float | int | str],
     ) -> None:
-        record = CommitRecord(step, files, self.token, sizes, self.epoch or 0, kind)
+        record = CommitRecord(step, files, self.token, sizes, self.epoch or 0, kind, metrics)
         try:
             create_commit(self.storage, self.root, record)
         except ConflictError:

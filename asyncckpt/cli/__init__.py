@@ -6,6 +6,7 @@ Subcommands (``asyncckpt COMMAND --help`` for each)::
     asyncckpt inspect PATH | ROOT[@STEP]         keys, dtypes, shapes, sizes, devices, codecs
     asyncckpt verify PATH | ROOT[@STEP|--all]    read everything, check every checksum
     asyncckpt gc ROOT --keep-last N [--dry-run]  retention, as the Checkpointer applies it
+    asyncckpt rewind ROOT STEP --yes             delete the versions newer than STEP
     asyncckpt convert SRC DST                    torch.save <-> asyncckpt <-> safetensors
     asyncckpt bench URL                          sync vs async save and load on your storage
 

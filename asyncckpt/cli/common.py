@@ -522,6 +522,7 @@ def version_info(storage: Storage, root: str, step: int, latest: int | None) -> 
     info["time"] = record_time(storage, storage.join(directory, COMMIT_FILE))
     info["files"] = list(commit.files)
     info["kind"] = commit.kind
+    info["metrics"] = dict(commit.metrics)
     _committed_sizes(storage, directory, [n for n in commit.files if n.endswith(".ackpt")], info)
     return info
 
@@ -536,6 +537,7 @@ def _empty_info(step: int, state: str) -> dict[str, Any]:
         "raw_bytes": None,
         "stored_bytes": None,
         "ratio": None,
+        "metrics": {},
         "problem": None,
     }
 

@@ -1,25 +1,29 @@
-"""``asyncckpt gc ROOT --keep-last N``: retention, as the Checkpointer applies it.
+"""``asyncckpt gc ROOT --keep-last N ...``: retention, as the Checkpointer applies it.
 
-What goes is decided by :func:`asyncckpt._versions.protocol.deletion_plan`, the rule the writer's
+The flags are the Checkpointer's retention arguments (``--keep-last``, ``--keep-best K
+--best-metric NAME --best-mode min|max``, ``--keep-every M``, ``--keep-for DURATION``),
+combined as there: a version stays if any rule keeps it.
+
+What goes is decided by :func:`asyncckpt._versions.retention.deletion_plan`, the rule the writer's
 retention and recovery use, from the same listing (:func:`asyncckpt._versions.protocol.list_steps`).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from asyncckpt._progress import format_bytes
 from asyncckpt._storage import Storage, is_temp_name
 from asyncckpt._versions.protocol import (
     UNREADABLE,
-    RetentionPolicy,
     StepEntry,
     delete_version,
-    deletion_plan,
     list_steps,
     read_version_file,
 )
+from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
 from asyncckpt.cli.common import (
     EXIT_OK,
     Subparsers,
@@ -42,9 +46,10 @@ def add_parser(sub: Subparsers) -> None:
         sub,
         "gc",
         "delete old versions as the Checkpointer's retention would",
-        "Apply the Checkpointer's retention rules (its keep_last): keep the newest N committed "
-        "versions and the one the version file names, delete older committed versions and "
-        "leftovers of interrupted saves older than it. Never touches anything newer than the "
+        "Apply the Checkpointer's retention rules (keep_last, keep_best, keep_every, keep_for; "
+        "a version stays if any rule keeps it) and keep the one the version file names; delete "
+        "older committed versions no rule keeps and leftovers of interrupted saves older than "
+        "it. Never touches anything newer than the "
         "version file's step (a save in progress), nor a step whose COMMIT this asyncckpt "
         "cannot read (damaged, or from a newer asyncckpt).",
     )
@@ -54,9 +59,30 @@ def add_parser(sub: Subparsers) -> None:
         dest="keep_last",
         type=int,
         metavar="N",
-        help="committed versions to keep, newest first (required; the Checkpointer's keep_last)",
+        help="committed versions to keep, newest first (the Checkpointer's keep_last)",
     )
     p.add_argument("--keep", dest="keep_last", type=int, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--keep-best", type=int, metavar="K", help="keep the K best versions by --best-metric"
+    )
+    p.add_argument("--best-metric", metavar="NAME", help="the metric --keep-best ranks by")
+    p.add_argument(
+        "--best-mode",
+        choices=("min", "max"),
+        default="min",
+        help="min: lower is better (default); max: higher is better",
+    )
+    p.add_argument(
+        "--keep-every",
+        type=int,
+        metavar="M",
+        help="keep every version whose step is a multiple of M",
+    )
+    p.add_argument(
+        "--keep-for",
+        metavar="DURATION",
+        help="keep versions younger than DURATION: seconds, or a number with s, m, h or d (7d)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would go; delete nothing")
     p.add_argument(
         "--remove-temp",
@@ -102,25 +128,71 @@ def _delete_temps(
     return temps
 
 
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*([smhd]?)")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``--keep-for``'s DURATION: a number with an optional unit s, m, h or d.
+
+    Raises:
+        UsageError: not such a duration.
+
+    Example:
+        >>> parse_duration("7d"), parse_duration("90")
+        (604800.0, 90.0)
+    """
+    match = _DURATION.fullmatch(text.strip().lower())
+    if match is None or float(match.group(1)) <= 0:
+        raise UsageError(
+            f"asyncckpt gc: --keep-for takes a positive duration such as 3600, 90m, 12h or 7d; "
+            f"got {text!r}"
+        )
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def policy_of(args: argparse.Namespace) -> RetentionPolicy:
+    """The :class:`RetentionPolicy` the flags describe.
+
+    Raises:
+        UsageError: no rule is given, or a rule's value is invalid.
+    """
+    rules = (args.keep_last, args.keep_best, args.keep_every, args.keep_for)
+    if all(r is None for r in rules):  # not required=True: the hidden --keep may give it
+        raise UsageError(
+            "asyncckpt gc: the following arguments are required: --keep-last N (or another "
+            "rule: --keep-best K --best-metric NAME, --keep-every M, --keep-for DURATION)"
+        )
+    for flag, value in (("--keep-last", args.keep_last), ("--keep-best", args.keep_best)):
+        if value is not None and value < 1:
+            raise UsageError(f"asyncckpt gc: {flag} must be at least 1, got {value}")
+    if args.keep_every is not None and args.keep_every < 1:
+        raise UsageError(f"asyncckpt gc: --keep-every must be at least 1, got {args.keep_every}")
+    if args.keep_best is not None and not args.best_metric:
+        raise UsageError("asyncckpt gc: --keep-best needs --best-metric NAME")
+    keep_for = None if args.keep_for is None else parse_duration(args.keep_for)
+    return RetentionPolicy(
+        args.keep_last, args.keep_best, args.best_metric, args.best_mode, args.keep_every, keep_for
+    )
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
-    """``asyncckpt gc ROOT --keep-last N [--dry-run] [--remove-temp]``.
+    """``asyncckpt gc ROOT [--keep-last N] [--keep-best K --best-metric NAME] [--keep-every M]
+    [--keep-for DURATION] [--dry-run] [--remove-temp]``.
 
     Returns:
         The exit status (0).
 
     Raises:
-        UsageError: ``N`` is missing or below 1, or ROOT is not a root.
+        UsageError: no rule, a bad rule, or ROOT is not a root.
     """
-    if args.keep_last is None:  # not required=True: the hidden --keep may give it instead
-        raise UsageError("asyncckpt gc: the following arguments are required: --keep-last N")
-    if args.keep_last < 1:
-        raise UsageError(f"asyncckpt gc: --keep-last must be at least 1, got {args.keep_last}")
+    policy = policy_of(args)
     ref = need_root(locate(args.root, args.options), args.root)
     storage, root = ref.storage, ref.path
     record = read_version_file(storage, root)
     entries = list_steps(storage, root)
     pinned = record.step if record is not None else None
-    plan = deletion_plan(entries, RetentionPolicy(keep_last=args.keep_last), pinned)
+    plan = deletion_plan(entries, policy, pinned)
     lines = []
     if pinned is None:
         lines.append(
@@ -143,6 +215,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         "root": ref.name,
         "keep_last": args.keep_last,
         "keep": args.keep_last,  # the old name of the same field, for existing scripts
+        "keep_best": args.keep_best,
+        "best_metric": args.best_metric,
+        "best_mode": args.best_mode,
+        "keep_every": args.keep_every,
+        "keep_for_s": policy.keep_for_s,
         "dry_run": args.dry_run,
         "version_file_step": pinned,
         "delete": goes,

@@ -32,7 +32,7 @@ def add_parser(sub: Subparsers) -> None:
         "ls",
         "list the versions under a checkpoint root",
         "List the versions under a Checkpointer root: step, committed or not, time, raw and "
-        "stored size, and which one the version file names.",
+        "stored size, metrics (save(..., metrics=...)), and which one the version file names.",
     )
     p.add_argument("root", metavar="ROOT", help="checkpoint root (directory or URL)")
     p.set_defaults(run=cmd_ls)
@@ -60,8 +60,24 @@ def _row(v: dict[str, Any], record_step: int | None) -> list[str]:
         "-" if raw is None else format_bytes(raw),
         "-" if stored is None else format_bytes(stored),
         "-" if v["ratio"] is None else f"{100 * v['ratio']:.1f}%",
+        _metrics_text(v["metrics"]),
         "<- version file" if v["step"] == record_step else "",
     ]
+
+
+def _metrics_text(metrics: dict[str, Any], width: int = 40) -> str:
+    """``name=value`` pairs, cut to ``width`` characters (``--json`` has them whole).
+
+    Example:
+        >>> _metrics_text({"eval_loss": 0.31, "tag": "warmup"})
+        'eval_loss=0.31 tag=warmup'
+    """
+    if not metrics:
+        return "-"
+    text = " ".join(
+        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+    )
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -96,7 +112,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     ]
     if versions:
         rows = [_row(v, record_step) for v in versions]
-        lines += table(["STEP", "STATE", "TIME (UTC)", "RAW", "STORED", "RATIO", ""], rows, ">")
+        lines += table(
+            ["STEP", "STATE", "TIME (UTC)", "RAW", "STORED", "RATIO", "METRICS", ""], rows, ">"
+        )
     if temps:
         lines.append(f"{len(temps)} temp file(s) of unfinished writes under the root")
     lines += [f"step {v['step']}: {v['problem']}" for v in versions if v["problem"]]

@@ -17,7 +17,7 @@ from typing import cast
 
 from asyncckpt._settings import Settings
 from asyncckpt._version import __version__
-from asyncckpt.cli import gc, ls, parsers
+from asyncckpt.cli import gc, ls, parsers, rewind
 from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
@@ -37,6 +37,7 @@ COMMANDS = (
     parsers.add_inspect,
     parsers.add_verify,
     gc.add_parser,
+    rewind.add_parser,
     parsers.add_convert,
     parsers.add_bench,
 )
