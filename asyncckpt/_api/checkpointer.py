@@ -13,6 +13,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from types import TracebackType
 from typing import Any
 
@@ -396,6 +397,7 @@ class Checkpointer:
         collective: bool | None = None,
         into: Any = None,
         max_bytes: int | None = None,
+        keys: Collection[Any] | None = None,
     ) -> Any:
         """Load a committed version; with a process group, every rank gets the same one.
 
@@ -429,9 +431,12 @@ class Checkpointer:
             max_bytes: at most this many bytes of host memory for decoded data (as in
                 :func:`asyncckpt.load`; for a consolidated sharded version, the whole
                 tensors count too); None: no limit besides what the files' sizes bound.
+            keys: top-level keys of the saved state to load (e.g. ``["model"]`` for an
+                evaluation job), as in :func:`asyncckpt.load`: only their chunks are read
+                (of a sharded version, only the rank files and chunks holding them).
 
         Returns:
-            The saved state.
+            The saved state (with ``keys``, the dict of those keys).
 
         Raises:
             CheckpointNotFoundError: nothing is committed under the root.
@@ -446,6 +451,7 @@ class Checkpointer:
                 with the version.
             MemoryBudgetError: the version needs more than ``max_bytes``; nothing was
                 allocated from it.
+            MissingKeyError: a key of ``keys`` is not in the version (lists its keys).
             TypeError: ``step`` is neither None nor an int (e.g. ``"latest"``).
             DeviceUnavailableError: ``map_location`` names a device this machine lacks.
         """
@@ -481,6 +487,7 @@ class Checkpointer:
             use_group,
             follow_latest=follow_latest,
             max_bytes=max_bytes,
+            keys=keys,
         )
 
     def _newest_expected(self) -> int | None:

@@ -12,7 +12,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Collection
 from concurrent.futures import CancelledError
 from typing import Any, BinaryIO
 
@@ -21,14 +22,14 @@ from asyncckpt._api.jobs import SaveHandle, SaveInfo, SaveStats, completed_handl
 from asyncckpt._api.staging import reserve_arena, stage, write_options
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import writer_process
-from asyncckpt._engine.decode import Budget, materialize, read_file
+from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._storage.stream import StreamStorage, is_file_object, stream_label
 from asyncckpt._versions import pending
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import AsyncCkptError, AsyncCkptWarning
 
 #: Re-exported: the public names of handles, and what integrations stage with.
 __all__ = ["SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "stage", "wait"]
@@ -263,6 +264,7 @@ def load(
     *,
     storage_options: dict[str, Any] | None = None,
     into: Any = None,
+    keys: Collection[Any] | None = None,
     dead_writer: str = "raise",
     weights_only: bool | None = None,
     mmap: bool | None = None,
@@ -288,15 +290,21 @@ def load(
         into: an existing state (e.g. ``model.state_dict()``) to load into, in place: each
             saved tensor whose key path matches a tensor there is copied into it (CPU
             tensors of the same shape and dtype are read straight into their memory, with
-            no second copy) and the returned object holds those tensors.
+            no second copy) and the returned object holds those tensors. If the file holds
+            a dict, only the top-level entries ``into`` has are read (and those that hold
+            no tensor or array, such as a step count): the rest, e.g. ``"optim"`` for
+            ``into={"model": ...}``, is neither read nor returned.
+        keys: top-level keys of the saved dict to load (e.g. ``["model"]``); only their
+            chunks are read and the result is the dict of those keys. None: all of it.
         dead_writer: what to do when a save of ``f`` was in flight in a process that is now
             dead (it left its marker): ``"raise"`` ``CheckpointTimeoutError`` (default), or
             ``"load"`` the file as it is, the previous save's state, with a warning: for a
             job resuming after that very process crashed.
         weights_only: accepted and ignored: loading is always as safe as
             ``weights_only=True`` because nothing is unpickled.
-        mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
-            read into memory rather than mapped.
+        mmap: not honoured (data is checksummed and possibly compressed, so it is read
+            into memory rather than mapped): ``mmap=True`` warns once per process
+            (:class:`~asyncckpt.errors.AsyncCkptWarning`) and loads into memory.
         max_bytes: at most this many bytes of host memory for the decoded data (the sum of
             the file's storages, all read into fresh buffers); a file that needs more
             raises :class:`~asyncckpt.errors.MemoryBudgetError` before anything is
@@ -325,6 +333,8 @@ def load(
             ``"load"``, or ``into`` shares no tensor with the file (its top-level keys are
             named).
         MemoryBudgetError: the file needs more than ``max_bytes`` (a ``FormatError``).
+        MissingKeyError: a key of ``keys`` is not a top-level key of the file (a
+            ``KeyError``; the message lists the file's keys).
         TypeError: a keyword argument that neither ``load`` nor ``torch.load`` takes.
         DeviceUnavailableError: ``map_location`` names a device this machine does not have
             (checked before anything is read).
@@ -337,6 +347,8 @@ def load(
         {'step': 3, 'w': tensor([0, 1])}
     """
     _refuse_unknown_keywords(pickle_load_args)
+    if mmap:
+        warn_mmap_once()
     del pickle_module, weights_only, mmap, pickle_load_args
     budget = Budget(max_bytes)
     if dead_writer not in pending.DEAD_WRITER_CHOICES:
@@ -359,8 +371,28 @@ def load(
             f"reading, got {stream_label(f)}; open the file with mode 'rb', or pass its path"
         )
     threads = Settings.resolve().threads
-    return read_file(
-        storage, path, lambda opened: materialize(opened, placement, threads, into, budget), budget
+
+    def work(opened: OpenedFile) -> Any:
+        return materialize(opened, placement, threads, into, budget, keys=keys)
+
+    return read_file(storage, path, work, budget)
+
+
+_mmap_warned = threading.Event()
+
+
+def warn_mmap_once() -> None:
+    """Say once per process that ``mmap=True`` is not honoured (never ignore it silently)."""
+    if _mmap_warned.is_set():
+        return
+    _mmap_warned.set()
+    warnings.warn(
+        "asyncckpt.load ignores mmap=True: every chunk is checksummed (and may be "
+        "compressed), so tensors are read into memory, not mapped from the file. To read "
+        "less, load only what you need: keys=[...], or asyncckpt.open(path) for one entry "
+        "at a time",
+        AsyncCkptWarning,
+        stacklevel=3,
     )
 
 
