@@ -17,6 +17,7 @@ import logging
 
 from asyncckpt._api.checkpointer import Checkpointer
 from asyncckpt._api.dropin import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
+from asyncckpt._api.dropin import open_checkpoint as open
 from asyncckpt._version import __version__
 from asyncckpt.errors import AsyncCkptError
 
@@ -31,6 +32,7 @@ __all__ = [
     "SaveStats",
     "__version__",
     "load",
+    "open",
     "reserve",
     "save",
     "wait",

@@ -149,3 +149,80 @@ def test_mmap_true_warns_once_and_loads(
         warnings.simplefilter("error")
         asyncckpt.load(path, mmap=True)  # once per process
         asyncckpt.load(path, mmap=False)  # mmap=False asks for nothing: no warning
+
+
+# --------------------------------------------------------------------------- asyncckpt.open
+
+
+def test_open_lists_keys_shapes_dtypes_and_reads_one_entry_at_a_time(
+    saved: tuple[Path, dict[str, Any]], bytes_read: list[int]
+) -> None:
+    path, state = saved
+    with asyncckpt.open(path) as ckpt:
+        assert list(ckpt) == ["model", "optim", "step"] and len(ckpt) == 3 and "model" in ckpt
+        shapes = ckpt.tensors()
+        assert shapes["state['model']['0.weight']"] == (torch.Size([64, 64]), torch.float32)
+        assert sum(bytes_read) == 0  # the manifest only
+        model = ckpt["model"]
+        assert sum(bytes_read) == _model_bytes(state)
+        assert torch.equal(model["2.bias"], state["model"]["2.bias"])
+        assert ckpt["step"] == 7 and ckpt.get_tensor("step") == 7
+        with pytest.raises(MissingKeyError, match=r"top-level keys are \['model', 'optim'"):
+            ckpt["ema"]
+    with pytest.raises(AsyncCkptError, match="after close"):
+        ckpt["model"]
+
+
+def test_open_holds_one_handle_pinned_on_the_version_opened(
+    saved: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt._storage.local import LocalStorage
+
+    path, state = saved
+    opens: list[str] = []
+    real = LocalStorage.open_read
+
+    def counting(self: LocalStorage, where: str) -> Any:
+        opens.append(where)
+        return real(self, where)
+
+    monkeypatch.setattr(LocalStorage, "open_read", counting)
+    with asyncckpt.open(path) as ckpt:
+        asyncckpt.save({"model": {"x": torch.zeros(1)}}, path).result()  # replaced meanwhile
+        assert torch.equal(ckpt["model"]["0.weight"], state["model"]["0.weight"])
+        assert ckpt["step"] == 7
+    assert len(opens) == 1
+
+
+def test_open_detects_a_damaged_entry(tmp_path: Path) -> None:
+    from asyncckpt.errors import ChecksumError
+
+    path = tmp_path / "d.ackpt"
+    asyncckpt.save({"a": torch.ones(1000), "b": torch.zeros(10)}, path, compression="none").result()
+    data = bytearray(path.read_bytes())
+    data[200] ^= 0xFF  # inside "a"'s chunk (the first after the header)
+    path.write_bytes(bytes(data))
+    with asyncckpt.open(path) as ckpt:
+        assert torch.equal(ckpt["b"], torch.zeros(10))
+        with pytest.raises(ChecksumError):
+            ckpt["a"]
+
+
+def test_open_of_a_file_that_is_no_dict_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "l.ackpt"
+    asyncckpt.save([1, 2], path).result()
+    with pytest.raises(AsyncCkptError, match="holds something else"):
+        asyncckpt.open(path)
+
+
+def test_checkpointer_open_plain_versions(tmp_path: Path) -> None:
+    with asyncckpt.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save(1, {"model": {"w": torch.ones(2)}, "step": 1})
+        ckpt.save(2, {"model": {"w": torch.full((2,), 2.0)}, "step": 2})
+        with ckpt.open() as newest:
+            assert newest["step"] == 2 and torch.equal(newest["model"]["w"], torch.full((2,), 2.0))
+        with ckpt.open(1) as first:
+            assert first["step"] == 1
+    empty = asyncckpt.Checkpointer(tmp_path / "empty", read_only=True)
+    with pytest.raises(asyncckpt.errors.CheckpointNotFoundError):
+        empty.open()

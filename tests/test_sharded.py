@@ -289,6 +289,13 @@ def test_one_process_loads_only_the_keys_asked_for(
         Checkpointer(four / "ckpt").load(keys=["ema"])
 
 
+def test_open_refuses_a_sharded_version_saying_what_to_do(four: Path) -> None:
+    from asyncckpt.errors import AsyncCkptError
+
+    with pytest.raises(AsyncCkptError, match=r"sharded.*load\(keys="):
+        Checkpointer(four / "ckpt").open()
+
+
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
     from asyncckpt._format.tree import tensor_paths
 

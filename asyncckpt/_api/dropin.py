@@ -22,7 +22,8 @@ from asyncckpt._api.jobs import SaveHandle, SaveInfo, SaveStats, completed_handl
 from asyncckpt._api.staging import reserve_arena, stage, write_options
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import writer_process
-from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
+from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file, read_file
+from asyncckpt._engine.decode_lazy import LazyCheckpoint
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._settings import Settings
@@ -33,7 +34,7 @@ from asyncckpt.errors import AsyncCkptError, AsyncCkptWarning
 
 #: Re-exported: the public names of handles, and what integrations stage with.
 __all__ = ["SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "stage", "wait"]
-__all__ += ["write_options"]
+__all__ += ["open_checkpoint", "write_options"]
 
 log = logging.getLogger(__name__)
 PathOrUrl = str | os.PathLike[str]
@@ -351,31 +352,56 @@ def load(
         warn_mmap_once()
     del pickle_module, weights_only, mmap, pickle_load_args
     budget = Budget(max_bytes)
-    if dead_writer not in pending.DEAD_WRITER_CHOICES:
-        raise ValueError(
-            f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
-        )
     placement = Placement(map_location)
-    storage: Storage
-    if isinstance(f, (str, os.PathLike)):
-        storage, path = resolve(f, storage_options)
-        _wait_for_writes_to(storage, path)
-        settings = Settings.resolve()
-        pending.wait_for_saves(storage, path, dead_writer, settings=settings)  # other processes
-    elif is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
-        # From its position to its end, as torch.load reads.
-        storage, path = StreamStorage(f), ""
-    else:
-        raise TypeError(
-            f"expected a path, os.PathLike, fsspec URL or binary file object open for "
-            f"reading, got {stream_label(f)}; open the file with mode 'rb', or pass its path"
-        )
+    storage, path = _load_source(f, storage_options, dead_writer)
     threads = Settings.resolve().threads
 
     def work(opened: OpenedFile) -> Any:
         return materialize(opened, placement, threads, into, budget, keys=keys)
 
     return read_file(storage, path, work, budget)
+
+
+def open_checkpoint(
+    f: PathOrUrl | BinaryIO,
+    map_location: MapLocation = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    dead_writer: str = "raise",
+) -> LazyCheckpoint:
+    """Open a saved dict for reading one top-level key at a time (``asyncckpt.open``).
+
+    Like safetensors' ``safe_open``: opening reads only the manifest (keys, shapes and
+    dtypes: ``tensors()``); ``ckpt[key]`` reads and verifies that entry's chunks. The file
+    is held open (one handle, pinned) until the mapping is closed: use it as a context
+    manager. A save to ``f`` in flight is waited for first, as :func:`load` does.
+
+    Args:
+        f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object.
+        map_location: as for :func:`load`.
+        storage_options: keyword arguments for the fsspec filesystem of a URL.
+        dead_writer: as for :func:`load`.
+
+    Returns:
+        A read-only :class:`~collections.abc.Mapping` of the file's top-level keys.
+
+    Raises:
+        CheckpointNotFoundError: no file at ``f``.
+        FormatError: the file is not a complete asyncckpt file.
+        AsyncCkptError: the file does not hold a dict.
+        MissingKeyError: (on ``ckpt[key]``) a key the file does not have.
+
+    Example:
+        >>> import torch, asyncckpt, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"model": {"w": torch.ones(2)}, "step": 3}, path).result()
+        >>> with asyncckpt.open(path) as ckpt:
+        ...     print(list(ckpt), ckpt.tensors(), ckpt["model"]["w"])
+        ['model', 'step'] {"state['model']['w']": (torch.Size([2]), torch.float32)} tensor([1., 1.])
+    """
+    placement = Placement(map_location)
+    storage, path = _load_source(f, storage_options, dead_writer)
+    return LazyCheckpoint(open_file(storage, path), placement, Settings.resolve())
 
 
 _mmap_warned = threading.Event()
@@ -393,6 +419,29 @@ def warn_mmap_once() -> None:
         "at a time",
         AsyncCkptWarning,
         stacklevel=3,
+    )
+
+
+def _load_source(
+    f: PathOrUrl | BinaryIO, storage_options: dict[str, Any] | None, dead_writer: str
+) -> tuple[Storage, str]:
+    """The storage and path a load reads, once this and other processes' saves to it are
+    done (a file object: from its position to its end, as ``torch.load`` reads)."""
+    if dead_writer not in pending.DEAD_WRITER_CHOICES:
+        raise ValueError(
+            f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
+        )
+    if isinstance(f, (str, os.PathLike)):
+        storage, path = resolve(f, storage_options)
+        _wait_for_writes_to(storage, path)
+        settings = Settings.resolve()
+        pending.wait_for_saves(storage, path, dead_writer, settings=settings)  # other processes
+        return storage, path
+    if is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
+        return StreamStorage(f), ""
+    raise TypeError(
+        f"expected a path, os.PathLike, fsspec URL or binary file object open for "
+        f"reading, got {stream_label(f)}; open the file with mode 'rb', or pass its path"
     )
 
 

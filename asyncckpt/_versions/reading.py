@@ -15,7 +15,7 @@ from typing import Any, Final, Protocol
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncckpt._device import Placement
-from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
+from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file, read_file
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import (
@@ -225,6 +225,21 @@ class RootReader:
             return read_file(self.storage, self._data_path(step), work, budget)
         except CheckpointNotFoundError as exc:
             raise deleted_while_loading(step, self.where) from exc
+
+    def open(self, step: int) -> OpenedFile:
+        """Open committed plain version ``step``'s data file (the caller closes it).
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed.
+            AsyncCkptError: the version is sharded (several rank files).
+        """
+        commit = self.commit_of(step)
+        if commit is not None and commit.kind == SHARDED:
+            raise AsyncCkptError(
+                f"step {step} under {self.where} is sharded (saved from DTensors): open() "
+                "reads plain versions only; load what you need with load(keys=[...])"
+            )
+        return open_file(self.storage, self._data_path(step))
 
     def _data_path(self, step: int) -> str:
         commit = read_commit(self.storage, self.root, step)
