@@ -23,15 +23,17 @@ from asyncckpt.errors import AsyncCkptError
 if TYPE_CHECKING:
     from asyncckpt._api.checkpointer import Checkpointer
     from asyncckpt._api.dropin import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
+    from asyncckpt._api.dropin import open_checkpoint as open
 
 #: Public names imported on first use: ``import asyncckpt.cli`` (``asyncckpt --help``) and
 #: ``asyncckpt.errors`` then run without importing torch (seconds).
 _LAZY = {
-    "Checkpointer": "asyncckpt._api.checkpointer",
-    **dict.fromkeys(
-        ("SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "wait"),
-        "asyncckpt._api.dropin",
-    ),
+    "Checkpointer": ("asyncckpt._api.checkpointer", "Checkpointer"),
+    "open": ("asyncckpt._api.dropin", "open_checkpoint"),
+    **{
+        name: ("asyncckpt._api.dropin", name)
+        for name in ("SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "wait")
+    },
 }
 
 # A library prints nothing unless the application configures logging.
@@ -40,10 +42,10 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 def __getattr__(name: str) -> Any:
     """``asyncckpt.save`` and the other public names, imported when first used."""
-    module = _LAZY.get(name)
-    if module is None:
+    where = _LAZY.get(name)
+    if where is None:
         raise AttributeError(f"module 'asyncckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(importlib.import_module(where[0]), where[1])
     globals()[name] = value  # later lookups skip this function
     return value
 
@@ -56,6 +58,7 @@ __all__ = [
     "SaveStats",
     "__version__",
     "load",
+    "open",
     "reserve",
     "save",
     "wait",

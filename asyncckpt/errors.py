@@ -167,6 +167,15 @@ class RangeNotSatisfiable(StorageError):
     object stores read it as empty, or as a sign that a shorter object replaced it."""
 
 
+class MissingKeyError(AsyncCkptError, KeyError):
+    """A partial load (``keys=``) or a lazy read (``asyncckpt.open``) asked for a key the
+    checkpoint does not hold; the message names the file and the keys it has."""
+
+    def __str__(self) -> str:
+        # KeyError's str() is the repr of its argument; the message reads better plain.
+        return str(self.args[0]) if self.args else ""
+
+
 class SafetensorsError(AsyncCkptError, ValueError):
     """A file is not valid safetensors, or a state cannot be written as safetensors."""
 

@@ -60,12 +60,17 @@ def test_views_and_mismatched_layouts_are_copied(tmp_path: Any) -> None:
         assert loaded[key] is target[key]
 
 
-def test_keys_missing_from_target_load_normally(tmp_path: Any) -> None:
+def test_keys_missing_from_target_are_read_only_when_asked_for(tmp_path: Any) -> None:
+    # Until issue 21 part 3, into= read the whole file and returned "b" too; now it reads
+    # only the subtrees the target has (and tensor-free values such as "step"), and keys=
+    # asks for more.
     path = tmp_path / "p.ackpt"
     asyncckpt.save({"a": torch.ones(3), "b": torch.full((2,), 7.0), "step": 4}, path).result()
     target = {"a": torch.zeros(3)}
     loaded = asyncckpt.load(path, into=target)
     assert torch.equal(target["a"], torch.ones(3))
+    assert set(loaded) == {"a", "step"} and loaded["step"] == 4
+    loaded = asyncckpt.load(path, into={"a": torch.zeros(3)}, keys=["a", "b", "step"])
     assert torch.equal(loaded["b"], torch.full((2,), 7.0)) and loaded["step"] == 4
 
 

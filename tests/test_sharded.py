@@ -263,6 +263,46 @@ def test_one_process_without_a_group_loads_the_full_state(four: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_one_process_loads_only_the_keys_asked_for(
+    four: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt._engine.opened import OpenedFile
+    from asyncckpt.errors import MissingKeyError
+
+    read: list[int] = []
+    real = OpenedFile.read_into
+
+    def counting(self: OpenedFile, start: int, out: memoryview) -> int:
+        read.append(real(self, start, out))
+        return read[-1]
+
+    monkeypatch.setattr(OpenedFile, "read_into", counting)
+    want = torch.load(four / "full.pt", weights_only=True)
+    full = Checkpointer(four / "ckpt").load()
+    everything, read[:] = sum(read), []
+    loaded = Checkpointer(four / "ckpt").load(keys=["model"])
+    assert list(loaded) == ["model"]
+    state_checks.assert_same(loaded["model"], want["model"])
+    optim_bytes = sum(t.numel() * t.element_size() for t in tensor_leaves(full["optim"]))
+    assert optim_bytes > 0 and sum(read) + optim_bytes <= everything  # optim never fetched
+    with pytest.raises(MissingKeyError, match="top-level keys are"):
+        Checkpointer(four / "ckpt").load(keys=["ema"])
+
+
+def test_open_refuses_a_sharded_version_saying_what_to_do(four: Path) -> None:
+    from asyncckpt.errors import AsyncCkptError
+
+    with pytest.raises(AsyncCkptError, match=r"sharded.*load\(keys="):
+        Checkpointer(four / "ckpt").open()
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    from asyncckpt._format.tree import tensor_paths
+
+    return list(tensor_paths(tree).values())
+
+
+@pytest.mark.timeout(300)
 def test_dcp_reader_finds_a_versions_metadata_through_its_commit(four: Path) -> None:
     import asyncckpt.dcp
 

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -35,6 +35,7 @@ from asyncckpt._api.versions import VersionsMixin
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import overlap
 from asyncckpt._engine.decode import Budget
+from asyncckpt._engine.decode_lazy import LazyCheckpoint
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._settings import Settings
@@ -426,6 +427,7 @@ class Checkpointer(VersionsMixin):
         collective: bool | None = None,
         into: Any = None,
         max_bytes: int | None = None,
+        keys: Collection[Any] | None = None,
     ) -> Any:
         """Load a committed version; with a process group, every rank gets the same one.
 
@@ -459,9 +461,12 @@ class Checkpointer(VersionsMixin):
             max_bytes: at most this many bytes of host memory for decoded data (as in
                 :func:`asyncckpt.load`; for a consolidated sharded version, the whole
                 tensors count too); None: no limit besides what the files' sizes bound.
+            keys: top-level keys of the saved state to load (e.g. ``["model"]`` for an
+                evaluation job), as in :func:`asyncckpt.load`: only their chunks are read
+                (of a sharded version, only the rank files and chunks holding them).
 
         Returns:
-            The saved state.
+            The saved state (with ``keys``, the dict of those keys).
 
         Raises:
             CheckpointNotFoundError: nothing is committed under the root.
@@ -476,6 +481,7 @@ class Checkpointer(VersionsMixin):
                 with the version.
             MemoryBudgetError: the version needs more than ``max_bytes``; nothing was
                 allocated from it.
+            MissingKeyError: a key of ``keys`` is not in the version (lists its keys).
             TypeError: ``step`` is neither None nor an int (e.g. ``"latest"``).
             DeviceUnavailableError: ``map_location`` names a device this machine lacks.
         """
@@ -511,7 +517,33 @@ class Checkpointer(VersionsMixin):
             use_group,
             follow_latest=follow_latest,
             max_bytes=max_bytes,
+            keys=keys,
         )
+
+    def open(self, step: int | None = None, *, map_location: MapLocation = None) -> Any:
+        """Open a committed plain version for reading one top-level key at a time, as
+        :func:`asyncckpt.open` opens a file (not collective; waits for nothing but this
+        process's own pending save of the step).
+
+        Args:
+            step: the version; None: the newest (this process's pending saves included).
+            map_location: as in :func:`asyncckpt.load`.
+
+        Returns:
+            A read-only mapping (a context manager holding the version's file open).
+
+        Raises:
+            CheckpointNotFoundError: nothing (or not ``step``) is committed.
+            AsyncCkptError: the version is sharded (open() reads plain versions only).
+        """
+        self._check_open()
+        check_load_step(step)
+        placement = Placement(map_location)
+        target = self._newest_expected() if step is None and self.is_writer else step
+        if (target := self.latest() if target is None else target) is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+        self._wait_committed(target, None, poll=False)
+        return LazyCheckpoint(self._reader.open(target), placement, self._settings)
 
     def _newest_expected(self) -> int | None:
         pending = [h.target for h in jobs.tracked(self) if not h.failed() and not h.cancelled()]

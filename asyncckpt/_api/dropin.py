@@ -12,7 +12,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Collection
 from concurrent.futures import CancelledError
 from typing import Any, BinaryIO
 
@@ -21,18 +22,19 @@ from asyncckpt._api.jobs import SaveHandle, SaveInfo, SaveStats, completed_handl
 from asyncckpt._api.staging import reserve_arena, stage, write_options
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import writer_process
-from asyncckpt._engine.decode import Budget, materialize, read_file
+from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file, read_file
+from asyncckpt._engine.decode_lazy import LazyCheckpoint
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._storage.stream import StreamStorage, is_file_object, stream_label
 from asyncckpt._versions import pending
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import AsyncCkptError, AsyncCkptWarning
 
 #: Re-exported: the public names of handles, and what integrations stage with.
 __all__ = ["SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "stage", "wait"]
-__all__ += ["write_options"]
+__all__ += ["open_checkpoint", "write_options"]
 
 log = logging.getLogger(__name__)
 PathOrUrl = str | os.PathLike[str]
@@ -263,6 +265,7 @@ def load(
     *,
     storage_options: dict[str, Any] | None = None,
     into: Any = None,
+    keys: Collection[Any] | None = None,
     dead_writer: str = "raise",
     weights_only: bool | None = None,
     mmap: bool | None = None,
@@ -288,15 +291,21 @@ def load(
         into: an existing state (e.g. ``model.state_dict()``) to load into, in place: each
             saved tensor whose key path matches a tensor there is copied into it (CPU
             tensors of the same shape and dtype are read straight into their memory, with
-            no second copy) and the returned object holds those tensors.
+            no second copy) and the returned object holds those tensors. If the file holds
+            a dict, only the top-level entries ``into`` has are read (and those that hold
+            no tensor or array, such as a step count): the rest, e.g. ``"optim"`` for
+            ``into={"model": ...}``, is neither read nor returned.
+        keys: top-level keys of the saved dict to load (e.g. ``["model"]``); only their
+            chunks are read and the result is the dict of those keys. None: all of it.
         dead_writer: what to do when a save of ``f`` was in flight in a process that is now
             dead (it left its marker): ``"raise"`` ``CheckpointTimeoutError`` (default), or
             ``"load"`` the file as it is, the previous save's state, with a warning: for a
             job resuming after that very process crashed.
         weights_only: accepted and ignored: loading is always as safe as
             ``weights_only=True`` because nothing is unpickled.
-        mmap: accepted and ignored: data is checksummed and possibly compressed, so it is
-            read into memory rather than mapped.
+        mmap: not honoured (data is checksummed and possibly compressed, so it is read
+            into memory rather than mapped): ``mmap=True`` warns once per process
+            (:class:`~asyncckpt.errors.AsyncCkptWarning`) and loads into memory.
         max_bytes: at most this many bytes of host memory for the decoded data (the sum of
             the file's storages, all read into fresh buffers); a file that needs more
             raises :class:`~asyncckpt.errors.MemoryBudgetError` before anything is
@@ -325,6 +334,8 @@ def load(
             ``"load"``, or ``into`` shares no tensor with the file (its top-level keys are
             named).
         MemoryBudgetError: the file needs more than ``max_bytes`` (a ``FormatError``).
+        MissingKeyError: a key of ``keys`` is not a top-level key of the file (a
+            ``KeyError``; the message lists the file's keys).
         TypeError: a keyword argument that neither ``load`` nor ``torch.load`` takes.
         DeviceUnavailableError: ``map_location`` names a device this machine does not have
             (checked before anything is read).
@@ -337,30 +348,100 @@ def load(
         {'step': 3, 'w': tensor([0, 1])}
     """
     _refuse_unknown_keywords(pickle_load_args)
+    if mmap:
+        warn_mmap_once()
     del pickle_module, weights_only, mmap, pickle_load_args
     budget = Budget(max_bytes)
+    placement = Placement(map_location)
+    storage, path = _load_source(f, storage_options, dead_writer)
+    threads = Settings.resolve().threads
+
+    def work(opened: OpenedFile) -> Any:
+        return materialize(opened, placement, threads, into, budget, keys=keys)
+
+    return read_file(storage, path, work, budget)
+
+
+def open_checkpoint(
+    f: PathOrUrl | BinaryIO,
+    map_location: MapLocation = None,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    dead_writer: str = "raise",
+) -> LazyCheckpoint:
+    """Open a saved dict for reading one top-level key at a time (``asyncckpt.open``).
+
+    Like safetensors' ``safe_open``: opening reads only the manifest (keys, shapes and
+    dtypes: ``tensors()``); ``ckpt[key]`` reads and verifies that entry's chunks. The file
+    is held open (one handle, pinned) until the mapping is closed: use it as a context
+    manager. A save to ``f`` in flight is waited for first, as :func:`load` does.
+
+    Args:
+        f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object.
+        map_location: as for :func:`load`.
+        storage_options: keyword arguments for the fsspec filesystem of a URL.
+        dead_writer: as for :func:`load`.
+
+    Returns:
+        A read-only :class:`~collections.abc.Mapping` of the file's top-level keys.
+
+    Raises:
+        CheckpointNotFoundError: no file at ``f``.
+        FormatError: the file is not a complete asyncckpt file.
+        AsyncCkptError: the file does not hold a dict.
+        MissingKeyError: (on ``ckpt[key]``) a key the file does not have.
+
+    Example:
+        >>> import torch, asyncckpt, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "x.ackpt")
+        >>> _ = asyncckpt.save({"model": {"w": torch.ones(2)}, "step": 3}, path).result()
+        >>> with asyncckpt.open(path) as ckpt:
+        ...     print(list(ckpt), ckpt.tensors(), ckpt["model"]["w"])
+        ['model', 'step'] {"state['model']['w']": (torch.Size([2]), torch.float32)} tensor([1., 1.])
+    """
+    placement = Placement(map_location)
+    storage, path = _load_source(f, storage_options, dead_writer)
+    return LazyCheckpoint(open_file(storage, path), placement, Settings.resolve())
+
+
+_mmap_warned = threading.Event()
+
+
+def warn_mmap_once() -> None:
+    """Say once per process that ``mmap=True`` is not honoured (never ignore it silently)."""
+    if _mmap_warned.is_set():
+        return
+    _mmap_warned.set()
+    warnings.warn(
+        "asyncckpt.load ignores mmap=True: every chunk is checksummed (and may be "
+        "compressed), so tensors are read into memory, not mapped from the file. To read "
+        "less, load only what you need: keys=[...], or asyncckpt.open(path) for one entry "
+        "at a time",
+        AsyncCkptWarning,
+        stacklevel=3,
+    )
+
+
+def _load_source(
+    f: PathOrUrl | BinaryIO, storage_options: dict[str, Any] | None, dead_writer: str
+) -> tuple[Storage, str]:
+    """The storage and path a load reads, once this and other processes' saves to it are
+    done (a file object: from its position to its end, as ``torch.load`` reads)."""
     if dead_writer not in pending.DEAD_WRITER_CHOICES:
         raise ValueError(
             f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
         )
-    placement = Placement(map_location)
-    storage: Storage
     if isinstance(f, (str, os.PathLike)):
         storage, path = resolve(f, storage_options)
         _wait_for_writes_to(storage, path)
         settings = Settings.resolve()
         pending.wait_for_saves(storage, path, dead_writer, settings=settings)  # other processes
-    elif is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
-        # From its position to its end, as torch.load reads.
-        storage, path = StreamStorage(f), ""
-    else:
-        raise TypeError(
-            f"expected a path, os.PathLike, fsspec URL or binary file object open for "
-            f"reading, got {stream_label(f)}; open the file with mode 'rb', or pass its path"
-        )
-    threads = Settings.resolve().threads
-    return read_file(
-        storage, path, lambda opened: materialize(opened, placement, threads, into, budget), budget
+        return storage, path
+    if is_file_object(f, "read") and not isinstance(f, io.TextIOBase):
+        return StreamStorage(f), ""
+    raise TypeError(
+        f"expected a path, os.PathLike, fsspec URL or binary file object open for "
+        f"reading, got {stream_label(f)}; open the file with mode 'rb', or pass its path"
     )
 
 

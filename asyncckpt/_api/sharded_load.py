@@ -19,6 +19,7 @@ unwrapped, so a damaged file raises :class:`~asyncckpt.errors.ChecksumError`.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +60,7 @@ def load(
     follow_latest: bool = False,
     max_bytes: int | None = None,
     settings: Settings | None = None,
+    keys: Collection[Any] | None = None,
 ) -> Any:
     """Load version ``step`` on this rank, of either kind, through the root's reading side
     (:meth:`RootReader.load <asyncckpt._versions.reading.RootReader.load>`, which owns the
@@ -75,6 +77,8 @@ def load(
         follow_latest: the caller asked for the newest version (no step, not collective).
         max_bytes: the memory budget of each attempt (see :class:`Budget`).
         settings: the load's settings (None: resolved here).
+        keys: top-level keys to load (None: all); of a sharded version, only the tensors
+            under them are read (so only the rank files and chunks that hold them).
 
     Returns:
         The state as saved by the rank whose plain values are used, each DTensor replaced
@@ -100,7 +104,7 @@ def load(
         True
     """
     settings = settings or Settings.resolve()
-    kinds = ShardedLoad(ckpt, placement, into, use_group, settings)
+    kinds = ShardedLoad(ckpt, placement, into, use_group, settings, keys)
     return ckpt._reader.load(
         step,
         commit,
@@ -110,6 +114,7 @@ def load(
         follow_latest=follow_latest,
         max_bytes=max_bytes,
         settings=settings,
+        keys=keys,
     )
 
 
@@ -124,14 +129,22 @@ class ShardedLoad:
         into: Any,
         use_group: bool,
         settings: Settings,
+        keys: Collection[Any] | None = None,
     ) -> None:
         self._ckpt, self._placement, self._into = ckpt, placement, into
-        self._use_group, self._settings = use_group, settings
+        self._use_group, self._settings, self._keys = use_group, settings, keys
 
     def sharded(self, commit: CommitRecord, budget: Budget) -> Any:
         """Load the sharded version ``commit`` on this rank."""
         return _load_sharded(
-            self._ckpt, commit, self._placement, self._into, self._use_group, budget, self._settings
+            self._ckpt,
+            commit,
+            self._placement,
+            self._into,
+            self._use_group,
+            budget,
+            self._settings,
+            self._keys,
         )
 
     def check_plain(self, step: int) -> None:
@@ -156,13 +169,14 @@ def _load_sharded(
     use_group: bool,
     budget: Budget,
     settings: Settings,
+    keys: Collection[Any] | None = None,
 ) -> Any:
     storage = ckpt._storage
     directory = step_dir(storage, ckpt._root, commit.step)
     named = commit.metadata_file  # the metadata of exactly this version, as COMMIT names it
     reader = Reader.at(storage, directory, named, budget, settings)
     metadata = _read(reader.read_metadata)
-    dtensors = {path: dt for path, _key, dt in dtensor_leaves(into)}
+    dtensors = {path: dt for path, _key, dt in dtensor_leaves(into) if _kept(path, keys)}
     if dtensors and not use_group:
         raise ValueError(
             "loading into DTensors is collective: call load() on every rank of the group "
@@ -175,7 +189,9 @@ def _load_sharded(
         loaded: dict[Path, Any] = dict(dtensors)
     else:
         reader = Reader.at(storage, directory, named, budget, settings)
-        loaded = _consolidated(metadata, reader, placement, into, budget, reader.checkpoint_id)
+        loaded = _consolidated(
+            metadata, reader, placement, into, budget, reader.checkpoint_id, keys
+        )
     opened, name = _rank_file(ckpt, commit, directory)
     with opened:
         skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
@@ -189,6 +205,7 @@ def _load_sharded(
             settings=settings,
             skip=skip,
             replaced=replaced,
+            keys=keys,
         )
     return substituted(plain, loaded, opened.name)
 
@@ -221,6 +238,7 @@ def _consolidated(
     into: Any,
     budget: Budget,
     name: str,
+    keys: Collection[Any] | None = None,
 ) -> dict[Path, torch.Tensor]:
     """Every tensor of the version, whole, by its path in the saved state.
 
@@ -238,6 +256,8 @@ def _consolidated(
         shared: torch.Tensor | None = None
         for fqn in names:
             path = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
+            if not _kept(path, keys):
+                continue  # not asked for: its chunks are never read
             target = targets.get(key_path(path))
             if target is None:
                 if shared is None:
@@ -253,6 +273,11 @@ def _consolidated(
             full[fqn] = paths[path] = target
     _dcp_load(full, reader, None, no_dist=True)
     return paths
+
+
+def _kept(path: Path, keys: Collection[Any] | None) -> bool:
+    """Whether the leaf at ``path`` is under one of the top-level ``keys`` (None: all)."""
+    return keys is None or (bool(path) and path[0] in keys)
 
 
 def key_path(path: Path) -> str:

@@ -18,6 +18,7 @@ import torch
 
 from asyncckpt._device import Placement, device_types, known_device
 from asyncckpt._engine.chunks import read_runs, whole_run
+from asyncckpt._engine.decode_select import Selection, for_into, select
 from asyncckpt._engine.opened import Budget, OpenedFile, check_sizes, open_file
 from asyncckpt._format.container import StorageEntry
 from asyncckpt._format.tree import tensor_paths, torch_dtype, unflatten
@@ -184,13 +185,15 @@ def materialize(
     settings: Settings | None = None,
     skip: Collection[int] = (),
     replaced: Collection[str] = (),
+    keys: Collection[Any] | None = None,
 ) -> Any:
-    """Read what was saved (all of it, or all but the entries ``skip``) and rebuild it,
-    tensors placed per ``placement``.
+    """Read what was saved (all of it, the top-level ``keys``, or all but the entries
+    ``skip``) and rebuild it, tensors placed per ``placement``.
 
-    A whole load reads (and verifies) every storage of the file; with ``skip``, only the
-    storages of the tensors read and of the numpy arrays: a skipped entry's chunks are
-    never fetched, unless a tensor read shares its storage.
+    A whole load reads (and verifies) every storage of the file; a partial one (``skip``,
+    ``keys``, or an ``into`` dict that lacks some top-level subtree of a saved dict) only
+    the storages of the entries it returns: the others' chunks are never fetched, unless
+    an entry read shares their storage.
 
     Args:
         opened: the file.
@@ -200,7 +203,9 @@ def materialize(
             key path matches a tensor there is loaded into that tensor, in place, and the
             returned object holds the existing tensor. Nothing in ``into`` changes unless
             every chunk was verified and every target matches, so a failed load leaves it
-            as it was.
+            as it was. If both ``into`` and the saved object are dicts (and no
+            ``keys``), only the top-level subtrees ``into`` has are read, and the top-level
+            values holding no tensor or array: the others are left out of the result.
         budget: charged with every storage read (all are read into fresh buffers) before
             any is allocated.
         settings: the load's settings (the pinned-memory budget); None resolves them.
@@ -209,11 +214,14 @@ def materialize(
         replaced: key paths whose values the caller puts in place itself: never loaded
             into ``into``. With ``skip`` or ``replaced``, ``into`` may share no tensor with
             the file.
+        keys: top-level keys of the saved dict to load (see
+            :mod:`asyncckpt._engine.decode_select`); the result holds only those.
 
     Returns:
-        The saved object.
+        The saved object (with ``keys``, the dict of those keys).
 
     Raises:
+        MissingKeyError: a key of ``keys`` is not in the file (the message lists its keys).
         FormatError: a storage names an unknown device type, or sizes the file cannot hold.
         MemoryBudgetError: the storages would exceed ``budget``.
         ChecksumError: a chunk is damaged.
@@ -237,11 +245,13 @@ def materialize(
     targets = {k: t for k, t in targets.items() if k not in set(replaced)}
     if into is not None and not skip and not replaced:
         check_overlap(opened, into, targets)
-    wanted = [i for i in range(len(manifest.tensors)) if i not in skip]
+    chosen = _selection(opened, keys, into, skip, replaced)
+    wanted = sorted(i for i in chosen.tensors if i not in skip)
     # A whole load reads (and so verifies) every storage; a partial one only those it needs.
     sids = None
-    if skip:
-        sids = {manifest.tensors[i].storage for i in wanted} | {a.storage for a in manifest.arrays}
+    if len(wanted) < len(manifest.tensors) or len(chosen.arrays) < len(manifest.arrays):
+        sids = {manifest.tensors[i].storage for i in wanted}
+        sids |= {manifest.arrays[i].storage for i in chosen.arrays}
     pins = [placement.wants_pinned(entry.device) for entry in manifest.storages]
     # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
     # not leave the caller's tensors half overwritten.
@@ -277,9 +287,32 @@ def materialize(
         for target, view in copies:
             target.copy_(view)
     placement.synchronize()
-    arrays = [_array(raw[a.storage], a.dtype, a.shape, a.scalar) for a in manifest.arrays]
+    arrays = [
+        _array(raw[a.storage], a.dtype, a.shape, a.scalar) if i in chosen.arrays else None
+        for i, a in enumerate(manifest.arrays)
+    ]
     # Skipped entries are None: the caller puts their values there.
-    return unflatten(manifest.root, tensors, arrays, opened.name)  # type: ignore[arg-type]
+    return unflatten(chosen.root, tensors, arrays, opened.name)  # type: ignore[arg-type]
+
+
+def _selection(
+    opened: OpenedFile,
+    keys: Collection[Any] | None,
+    into: Any,
+    skip: Collection[int],
+    replaced: Collection[str],
+) -> Selection:
+    """What the load returns: the ``keys`` asked for, the subtrees ``into`` has, or all."""
+    manifest = opened.manifest
+    chosen: Selection | None = None
+    if keys is not None:
+        chosen = select(manifest, keys, opened.name)
+    elif into is not None and not skip and not replaced:
+        chosen = for_into(manifest, into, opened.name)
+    if chosen is None:
+        everything = frozenset(range(len(manifest.tensors)))
+        chosen = Selection(manifest.root, everything, frozenset(range(len(manifest.arrays))))
+    return chosen
 
 
 def check_overlap(opened: OpenedFile, into: Any, targets: dict[str, torch.Tensor]) -> None:

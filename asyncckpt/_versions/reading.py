@@ -9,12 +9,13 @@ save in progress, however it is scheduled.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any, Final, Protocol
 
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncckpt._device import Placement
-from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
+from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file, read_file
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import (
@@ -105,6 +106,7 @@ class RootReader:
         follow_latest: bool = False,
         max_bytes: int | None = None,
         settings: Settings | None = None,
+        keys: Collection[Any] | None = None,
     ) -> Any:
         """Load committed version ``step``, plain or sharded, as its ``COMMIT`` records.
 
@@ -122,6 +124,8 @@ class RootReader:
             follow_latest: the caller asked for the newest version (no step, not collective).
             max_bytes: the memory budget of each attempt (see :class:`Budget`).
             settings: the load's settings (None: resolved here, for tools and tests).
+            keys: top-level keys to load (a plain version; ``kinds`` selects a sharded
+                version's itself), None for all.
 
         Returns:
             The saved state (after a move, the newer version's).
@@ -137,7 +141,9 @@ class RootReader:
         settings = settings or Settings.resolve()
         for _ in range(FOLLOW_ATTEMPTS):
             try:
-                return self._load_once(step, commit, placement, into, kinds, max_bytes, settings)
+                return self._load_once(
+                    step, commit, placement, into, kinds, max_bytes, settings, keys
+                )
             except (AsyncCkptError, CheckpointException) as exc:
                 step = self._after_deletion(step, follow_latest, exc)
             commit = self.commit_of(step)
@@ -156,6 +162,7 @@ class RootReader:
         kinds: KindReader,
         max_bytes: int | None,
         settings: Settings,
+        keys: Collection[Any] | None,
     ) -> Any:
         """One attempt at loading ``step`` (``commit``), dispatched on its kind."""
         if commit is None:  # deleted again before it could be read
@@ -164,7 +171,7 @@ class RootReader:
         if commit.kind == SHARDED:
             return kinds.sharded(commit, budget)
         kinds.check_plain(step)
-        return self.read(step, placement, into, budget, settings=settings)
+        return self.read(step, placement, into, budget, settings=settings, keys=keys)
 
     def _after_deletion(self, step: int, follow_latest: bool, exc: BaseException) -> int:
         """The step to load after ``exc`` interrupted the load of ``step``; else raise.
@@ -189,6 +196,7 @@ class RootReader:
         budget: Budget | None = None,
         *,
         settings: Settings | None = None,
+        keys: Collection[Any] | None = None,
     ) -> Any:
         """Load committed plain version ``step`` (one data file).
 
@@ -198,8 +206,10 @@ class RootReader:
             into: an existing state to load into, or None.
             budget: the memory the load may allocate for decoded data.
             settings: the load's settings (None: resolved here, for tools and tests).
+            keys: the top-level keys to load (None: all).
 
         Raises:
+            MissingKeyError: a key of ``keys`` is not in the version.
             IncompleteCheckpointError: ``step`` is not (or no longer) committed.
             FormatError: the version has more than one data file.
             MemoryBudgetError: it needs more than ``budget`` (nothing was allocated).
@@ -207,12 +217,29 @@ class RootReader:
         settings = settings or Settings.resolve()
 
         def work(opened: OpenedFile) -> Any:
-            return materialize(opened, placement, settings.threads, into, budget, settings=settings)
+            return materialize(
+                opened, placement, settings.threads, into, budget, settings=settings, keys=keys
+            )
 
         try:
             return read_file(self.storage, self._data_path(step), work, budget)
         except CheckpointNotFoundError as exc:
             raise deleted_while_loading(step, self.where) from exc
+
+    def open(self, step: int) -> OpenedFile:
+        """Open committed plain version ``step``'s data file (the caller closes it).
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed.
+            AsyncCkptError: the version is sharded (several rank files).
+        """
+        commit = self.commit_of(step)
+        if commit is not None and commit.kind == SHARDED:
+            raise AsyncCkptError(
+                f"step {step} under {self.where} is sharded (saved from DTensors): open() "
+                "reads plain versions only; load what you need with load(keys=[...])"
+            )
+        return open_file(self.storage, self._data_path(step))
 
     def _data_path(self, step: int) -> str:
         commit = read_commit(self.storage, self.root, step)
