@@ -35,7 +35,6 @@ from asyncckpt._api.versions import VersionsMixin
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import overlap
 from asyncckpt._engine.decode import Budget
-from asyncckpt._engine.decode_lazy import LazyCheckpoint
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._settings import Settings
@@ -520,31 +519,6 @@ class Checkpointer(VersionsMixin):
             keys=keys,
         )
 
-    def open(self, step: int | None = None, *, map_location: MapLocation = None) -> Any:
-        """Open a committed plain version for reading one top-level key at a time, as
-        :func:`asyncckpt.open` opens a file (not collective; waits for nothing but this
-        process's own pending save of the step).
-
-        Args:
-            step: the version; None: the newest (this process's pending saves included).
-            map_location: as in :func:`asyncckpt.load`.
-
-        Returns:
-            A read-only mapping (a context manager holding the version's file open).
-
-        Raises:
-            CheckpointNotFoundError: nothing (or not ``step``) is committed.
-            AsyncCkptError: the version is sharded (open() reads plain versions only).
-        """
-        self._check_open()
-        check_load_step(step)
-        placement = Placement(map_location)
-        target = self._newest_expected() if step is None and self.is_writer else step
-        if (target := self.latest() if target is None else target) is None:
-            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
-        self._wait_committed(target, None, poll=False)
-        return LazyCheckpoint(self._reader.open(target), placement, self._settings)
-
     def _newest_expected(self) -> int | None:
         pending = [h.target for h in jobs.tracked(self) if not h.failed() and not h.cancelled()]
         committed = self.latest()
@@ -614,12 +588,11 @@ class Checkpointer(VersionsMixin):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is None:
-            self.close()
-            return
         try:
             self.close()
         except Exception as close_exc:  # keep the original error; report the other
+            if exc is None:
+                raise
             log.error("while closing after an error, a pending save failed: %s", close_exc)
 
     def __repr__(self) -> str:

@@ -12,7 +12,11 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from asyncckpt._api.collective import check_load_step
 from asyncckpt._api.preemption import Preemption
+from asyncckpt._device import MapLocation, Placement
+from asyncckpt._engine.decode_lazy import LazyCheckpoint
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import COMMITTED, StepEntry
 from asyncckpt._versions.reading import RootReader
@@ -53,6 +57,7 @@ class VersionsMixin:
     _reader: RootReader
     _writer: RootWriter
     _lock: threading.Lock
+    _settings: Settings
     _last_step: int | None
     retention: RetentionPolicy
 
@@ -72,6 +77,46 @@ class VersionsMixin:
     def wait(self, timeout: float | None = None) -> None:  # pragma: no cover
         """Block until this process's pending saves are committed."""
         raise NotImplementedError
+
+    def _check_open(self) -> None:  # pragma: no cover - Checkpointer's
+        raise NotImplementedError
+
+    def _newest_expected(self) -> int | None:  # pragma: no cover - Checkpointer's
+        raise NotImplementedError
+
+    def _wait_committed(  # pragma: no cover - Checkpointer's
+        self, step: int, timeout: float | None, poll: bool, writer: str | None = None
+    ) -> None:
+        raise NotImplementedError
+
+    def latest(self) -> int | None:  # pragma: no cover - Checkpointer's
+        """The newest committed step."""
+        raise NotImplementedError
+
+    def open(self, step: int | None = None, *, map_location: MapLocation = None) -> LazyCheckpoint:
+        """Open a committed plain version for reading one top-level key at a time, as
+        :func:`asyncckpt.open` opens a file (not collective; waits for nothing but this
+        process's own pending save of the step).
+
+        Args:
+            step: the version; None: the newest (this process's pending saves included).
+            map_location: as in :func:`asyncckpt.load`.
+
+        Returns:
+            A read-only mapping (a context manager holding the version's file open).
+
+        Raises:
+            CheckpointNotFoundError: nothing (or not ``step``) is committed.
+            AsyncCkptError: the version is sharded (open() reads plain versions only).
+        """
+        self._check_open()
+        check_load_step(step)
+        placement = Placement(map_location)
+        target = self._newest_expected() if step is None and self.is_writer else step
+        if (target := self.latest() if target is None else target) is None:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
+        self._wait_committed(target, None, poll=False)
+        return LazyCheckpoint(self._reader.open(target), placement, self._settings)
 
     def info(self, step: int | None = None) -> VersionInfo:
         """A committed version's metadata (step, time, size, metrics, kind), read from its
