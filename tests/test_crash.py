@@ -28,7 +28,7 @@ import torch
 
 import asyncckpt
 from asyncckpt._storage import TEMP_MARK
-from asyncckpt._versions.protocol import PENDING_SUFFIX
+from asyncckpt._versions.pending_record import PENDING_SUFFIX
 from asyncckpt.errors import CheckpointTimeoutError
 
 REPO = Path(__file__).resolve().parents[1]

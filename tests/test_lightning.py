@@ -30,7 +30,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 import asyncckpt
 from asyncckpt._storage import is_temp_name
-from asyncckpt._versions.protocol import PENDING_SUFFIX
+from asyncckpt._versions.pending_record import PENDING_SUFFIX
 from asyncckpt.errors import FormatError, UnsupportedObjectError
 from asyncckpt.lightning import (
     PROJECTION_KEY,

@@ -25,13 +25,13 @@ from asyncckpt._settings import Settings
 from asyncckpt._storage import LocalStorage, Storage, resolve
 from asyncckpt._storage.base import TEMP_MARK
 from asyncckpt._versions import pending
-from asyncckpt._versions.protocol import (
+from asyncckpt._versions.pending_record import (
     MAX_PENDING_BYTES,
     PendingRecord,
     decode_pending,
     encode_pending,
-    encode_record,
 )
+from asyncckpt._versions.protocol import encode_record
 from asyncckpt.errors import CheckpointTimeoutError, ConflictError, StorageError
 
 MARKER = ".ackpending"

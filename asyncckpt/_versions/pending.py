@@ -2,8 +2,9 @@
 
 ``asyncckpt.save(obj, path)`` returns before ``path`` is written. So that a ``load(path)``
 that begins after that ``save`` returned, in *any* process, gets that save's state or a later
-one, a small marker ``<path>.ackpending`` (a :class:`~asyncckpt._versions.protocol.PendingRecord`)
-sits beside the file exactly while a drop-in save of it is in flight:
+one, a small marker ``<path>.ackpending`` (a
+:class:`~asyncckpt._versions.pending_record.PendingRecord`) sits beside the file exactly
+while a drop-in save of it is in flight:
 
 * :func:`begin` (``save``, before it returns) writes the marker: one direct write on local
   disk (no temp file, no fsync), one PUT on an object store. A second save of the same
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from asyncckpt import _threads as workers
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
-from asyncckpt._versions.protocol import (
+from asyncckpt._versions.pending_record import (
     MAX_PENDING_BYTES,
     PENDING_SUFFIX,
     PendingRecord,

@@ -28,9 +28,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import random
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,14 +40,11 @@ from asyncckpt._format.names import METADATA_SUFFIX as METADATA_SUFFIX
 from asyncckpt._format.names import data_file_name as data_file_name
 from asyncckpt._format.names import is_metadata_name
 from asyncckpt._format.names import metadata_file_name as metadata_file_name
-from asyncckpt._settings import Settings
-from asyncckpt._storage import TEMP_MARK, Storage, is_temp_name
+from asyncckpt._storage import Storage, is_temp_name
 from asyncckpt._versions.metrics import check_metrics
 from asyncckpt.errors import (
     CheckpointNotFoundError,
-    CheckpointTimeoutError,
     FormatError,
-    IncompleteCheckpointError,
     InvalidMetricsError,
     UnreadableRecordError,
 )
@@ -215,7 +210,7 @@ def decode_record(raw: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
-def _read_record(storage: Storage, path: str) -> dict[str, Any] | None:
+def read_record(storage: Storage, path: str) -> dict[str, Any] | None:
     try:
         raw = storage.read_bytes(path, _MAX_RECORD_BYTES)
     except CheckpointNotFoundError:
@@ -226,111 +221,6 @@ def _read_record(storage: Storage, path: str) -> dict[str, Any] | None:
 def encode_record(doc: dict[str, Any]) -> bytes:
     """A protocol record's bytes; the time stamp also makes every write's bytes unique."""
     return json.dumps({"protocol": PROTOCOL_VERSION, **doc, "time": _now()}).encode()
-
-
-# -- drop-in save markers -------------------------------------------------------------------
-
-#: Suffix of the marker that sits beside a file while a drop-in ``save`` of it is in flight.
-PENDING_SUFFIX = ".ackpending"
-#: The ``kind`` of a drop-in save marker record.
-DROP_IN_SAVE = "drop-in-save"
-#: Markers are a few hundred bytes; a reader reads at most this many.
-MAX_PENDING_BYTES = 64 << 10
-
-
-@dataclass(frozen=True)
-class PendingRecord:
-    """The content of a drop-in save marker (``<file>.ackpending``): who is writing the file.
-
-    Attributes:
-        token: unique to one writer process's run of saves of the file; the save publishes
-            only if the marker still carries it.
-        host: the writer's host name.
-        pid: the writer's process id (the process that called ``save``).
-        pid_ns: the writer's pid namespace (``/proc/self/ns/pid``), None where unknown.
-        boot: the writer's boot id (``/proc/sys/kernel/random/boot_id``), None where unknown.
-        pid_start: the writer's start time in clock ticks after boot (``/proc/<pid>/stat``
-            field 22), None where unknown: with the three above, a reader on the same
-            machine tells a dead writer (or a reused pid) from a live one.
-        beat: how often the writer has rewritten the marker since it created it.
-        started: when the marker was created (ISO 8601, UTC).
-    """
-
-    token: str
-    host: str
-    pid: int
-    pid_ns: str | None
-    boot: str | None
-    pid_start: int | None
-    beat: int
-    started: str
-
-
-def encode_pending(record: PendingRecord) -> bytes:
-    """A drop-in save marker's bytes (JSON; ``time`` makes every rewrite's bytes unique).
-
-    Example:
-        >>> record = PendingRecord("t1", "node1", 42, None, None, None, 0, "2024-01-01")
-        >>> decode_pending(encode_pending(record)) == record
-        True
-    """
-    doc = {
-        "kind": DROP_IN_SAVE,
-        "token": record.token,
-        "host": record.host,
-        "pid": record.pid,
-        "pid_ns": record.pid_ns,
-        "boot": record.boot,
-        "pid_start": record.pid_start,
-        "beat": record.beat,
-        "started": record.started,
-    }
-    return encode_record(doc)
-
-
-def _optional(value: Any, kind: type) -> bool:
-    return value is None or type(value) is kind
-
-
-def decode_pending(raw: bytes) -> PendingRecord | None:
-    """The record in a marker's bytes, or None if they are not a whole record.
-
-    A marker is rewritten in place (no temp file), so a reader may see it empty or cut
-    short; None then means "a save is pending, and its marker is being rewritten". So does
-    a record of a kind or protocol this code does not know.
-
-    Example:
-        >>> decode_pending(b'{"protocol": 1, "kind": "drop-in-sa') is None
-        True
-    """
-    try:
-        doc = decode_record(raw, "save marker")
-    except FormatError:
-        return None
-    fields = (doc.get("token"), doc.get("host"), doc.get("pid"), doc.get("beat"))
-    valid = (
-        doc.get("kind") == DROP_IN_SAVE
-        and isinstance(fields[0], str)
-        and isinstance(fields[1], str)
-        and type(fields[2]) is int
-        and type(fields[3]) is int
-        and _optional(doc.get("pid_ns"), str)
-        and _optional(doc.get("boot"), str)
-        and _optional(doc.get("pid_start"), int)
-        and isinstance(doc.get("started"), str)
-    )
-    if not valid:
-        return None
-    return PendingRecord(
-        doc["token"],
-        doc["host"],
-        doc["pid"],
-        doc.get("pid_ns"),
-        doc.get("boot"),
-        doc.get("pid_start"),
-        doc["beat"],
-        doc["started"],
-    )
 
 
 # -- commit markers ---------------------------------------------------------------------------
@@ -413,7 +303,7 @@ def read_commit_strict(storage: Storage, root: str, step: int) -> CommitRecord |
         UnreadableRecordError: a marker exists but cannot be understood.
     """
     path = storage.join(step_dir(storage, root, step), COMMIT_FILE)
-    doc = _read_record(storage, path)
+    doc = read_record(storage, path)
     return None if doc is None else commit_from(doc, step, storage.describe(path))
 
 
@@ -519,7 +409,7 @@ def read_failure(storage: Storage, root: str, step: int) -> FailureRecord | None
     A marker that cannot be understood is returned with an unknown writer and epoch 0.
     """
     try:
-        doc = _read_record(storage, storage.join(step_dir(storage, root, step), FAILED_FILE))
+        doc = read_record(storage, storage.join(step_dir(storage, root, step), FAILED_FILE))
     except FormatError:
         return FailureRecord(step, "unknown error (damaged FAILED marker)")
     if doc is None:
@@ -577,7 +467,7 @@ def read_version_tagged(storage: Storage, root: str) -> tuple[VersionRecord | No
 def read_version_file(storage: Storage, root: str) -> VersionRecord | None:
     """The version file's record, or None if it is missing or cannot be understood."""
     try:
-        doc = _read_record(storage, storage.join(root, VERSION_FILE))
+        doc = read_record(storage, storage.join(root, VERSION_FILE))
         return None if doc is None else version_from(doc, root)
     except FormatError as exc:  # unreadable, or oversized
         log.warning("ignoring version file: %s", exc)
@@ -598,62 +488,6 @@ def write_version_file(storage: Storage, root: str, record: VersionRecord) -> No
     """Replace the version file unconditionally (tests and repair tools only)."""
     doc = {"step": record.step, "writer": record.writer, "epoch": record.epoch}
     storage.write_bytes(storage.join(root, VERSION_FILE), encode_record(doc))
-
-
-# -- the writer lease -------------------------------------------------------------------------
-
-
-def lease_path(storage: Storage, root: str, epoch: int) -> str:
-    """Where epoch ``epoch``'s lease record lives."""
-    return storage.join(root, LEASE_DIR, f"{epoch:012d}")
-
-
-def lease_epochs(storage: Storage, root: str) -> list[int]:
-    """Every epoch that has a lease record, ascending."""
-    names = storage.list_dir(storage.join(root, LEASE_DIR))
-    return sorted(int(n) for n in names if len(n) == 12 and n.isascii() and n.isdigit())
-
-
-def lease_epoch_of(name: str) -> int | None:
-    """The epoch a name under ``_lease/`` belongs to: a lease record's, or the record that a
-    temp file was being written for; None for anything else.
-
-    Example:
-        >>> [lease_epoch_of(n) for n in ("000000000007", "000000000007.acktmp-1f", "x")]
-        [7, 7, None]
-    """
-    record = name.split(TEMP_MARK, 1)[0]
-    return int(record) if len(record) == 12 and record.isascii() and record.isdigit() else None
-
-
-def create_lease(storage: Storage, root: str, epoch: int, writer: str) -> None:
-    """Claim ``epoch`` (exclusive create).
-
-    Raises:
-        ConflictError: another writer claimed it first.
-    """
-    doc = {"epoch": epoch, "writer": writer, "beat": 0}
-    storage.create_exclusive(lease_path(storage, root, epoch), encode_record(doc))
-
-
-def renew_lease(storage: Storage, root: str, lease: LeaseRecord) -> None:
-    """Rewrite this writer's own lease record with its next heartbeat number."""
-    doc = {"epoch": lease.epoch, "writer": lease.writer, "beat": lease.beat}
-    storage.write_bytes(lease_path(storage, root, lease.epoch), encode_record(doc))
-
-
-def current_lease(storage: Storage, root: str) -> LeaseRecord | None:
-    """The newest lease record, or None when no writer ever took the root (or unreadable)."""
-    epochs = lease_epochs(storage, root)
-    if not epochs:
-        return None
-    try:
-        doc = _read_record(storage, lease_path(storage, root, epochs[-1]))
-    except FormatError:
-        return None
-    if doc is None or type(doc.get("beat")) is not int or not isinstance(doc.get("writer"), str):
-        return None
-    return LeaseRecord(epochs[-1], doc["writer"], doc["beat"])
 
 
 # -- listing, latest, retention ---------------------------------------------------------------
@@ -762,115 +596,3 @@ def temp_files(storage: Storage, directory: str) -> list[str]:
     """Names of the temp files of writes directly under ``directory`` (a root or a step
     directory): interrupted ones, or in progress."""
     return [name for name in storage.list_dir(directory) if is_temp_name(name)]
-
-
-# -- waiting ----------------------------------------------------------------------------------
-
-
-class _LeaseWatch:
-    """Notices a writer that stopped renewing its lease, on the reader's own clock."""
-
-    def __init__(self, storage: Storage, root: str, expiry_s: float) -> None:
-        self.storage, self.root = storage, root
-        self.expiry_s = expiry_s
-        self.seen: LeaseRecord | None = current_lease(storage, root)
-        self.since = time.monotonic()
-
-    def stale_for(self) -> float | None:
-        """Seconds since the lease last changed, if longer than the expiry; else None."""
-        lease = current_lease(self.storage, self.root)
-        now = time.monotonic()
-        if lease is None or lease != self.seen:  # no writer yet, or it is alive
-            self.seen, self.since = lease, now
-            return None
-        waited = now - self.since
-        return waited if waited >= self.expiry_s else None
-
-
-def wait_for_step(
-    storage: Storage,
-    root: str,
-    step: int,
-    timeout: float | None,
-    writer: str | None = None,
-    *,
-    expiry_s: float | None = None,
-) -> None:
-    """Poll, with exponential backoff and jitter, until ``step`` is committed.
-
-    Args:
-        storage: the root's storage.
-        root: the root.
-        step: the step to wait for.
-        timeout: seconds to wait at most (None: for ever, or until the lease goes stale).
-        writer: the token of the writer whose save of ``step`` is awaited (a collective
-            load knows it): only that writer's ``FAILED`` marker ends the wait. None: only
-            a marker of the current lease's epoch does, so a marker an earlier job left
-            never stops a wait for the current writer's save of the same step.
-        expiry_s: seconds after which a lease that has not changed is stale (the
-            ``lease_expiry_ms`` of the caller's settings; None: resolved now).
-
-    Raises:
-        IncompleteCheckpointError: the awaited attempt recorded that the save of ``step``
-            failed, or the version file passed ``step`` without it being committed.
-        CheckpointTimeoutError: not committed within ``timeout`` seconds, or the writer
-            stopped renewing its lease (it died or froze) while ``step`` was not committed.
-    """
-    where = storage.describe(root)
-    started = time.monotonic()
-    deadline = None if timeout is None else started + timeout
-    delay, next_log = 0.02, started + 60
-    if expiry_s is None:  # for tools and tests; the package passes its settings'
-        expiry_s = Settings.resolve().lease_expiry_ms / 1000
-    watch = _LeaseWatch(storage, root, expiry_s)
-    while read_commit(storage, root, step) is None:
-        stale = watch.stale_for()  # also brings watch.seen (the current lease) up to date
-        failure = read_failure(storage, root, step)
-        if failure is not None and _awaited(failure, writer, watch.seen):
-            raise IncompleteCheckpointError(
-                f"the save of step {step} under {where} failed: {failure.error}"
-            )
-        newer = read_version_file(storage, root)
-        passed = newer.step if newer is not None and newer.step is not None else -1
-        if passed > step and read_commit(storage, root, step) is None:
-            # Steps only increase, so a step passed over by the version file never commits.
-            raise IncompleteCheckpointError(
-                f"step {step} under {where} was never committed (or was deleted); step "
-                f"{passed} is the newest"
-            )
-        now = time.monotonic()
-        if stale is not None:
-            raise CheckpointTimeoutError(
-                f"gave up waiting for step {step} under {where} after {now - started:.1f} s: "
-                f"the writer (epoch {watch.seen.epoch if watch.seen else '?'}) has not renewed "
-                f"its lease for {stale:.1f} s, so it died or froze before committing the step"
-            )
-        if deadline is not None and now >= deadline:
-            raise CheckpointTimeoutError(
-                f"step {step} was not committed under {where} within {timeout} s; "
-                f"committed steps: {committed_steps(storage, root) or 'none'}"
-            )
-        if now >= next_log:
-            log.info("still waiting for step %d under %s", step, where)
-            next_log = now + 60
-        pause = delay * (0.5 + random.random())
-        time.sleep(pause if deadline is None else max(0.0, min(pause, deadline - now)))
-        delay = min(delay * 2, 2.0)
-
-
-def _awaited(failure: FailureRecord, writer: str | None, lease: LeaseRecord | None) -> bool:
-    """Whether ``failure`` is that of the save attempt a waiter waits for.
-
-    The attempt of ``writer`` when the waiter knows it; else the current lease holder's
-    (the epoch of the newest lease record; 0 on a root no writer ever took a lease on).
-
-    Example:
-        >>> old = FailureRecord(3, "disk full", "a1", epoch=1)
-        >>> _awaited(old, "b2", None), _awaited(old, None, LeaseRecord(2, "b2", 0))
-        (False, False)
-        >>> _awaited(old, "a1", None), _awaited(old, None, LeaseRecord(1, "a1", 7))
-        (True, True)
-    """
-    if writer is not None:
-        return failure.writer == writer
-    return failure.epoch == (0 if lease is None else lease.epoch)

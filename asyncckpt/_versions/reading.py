@@ -25,8 +25,8 @@ from asyncckpt._versions.protocol import (
     latest_step,
     read_commit,
     step_dir,
-    wait_for_step,
 )
+from asyncckpt._versions.waiting import wait_for_step
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -90,7 +90,7 @@ class RootReader:
         return read_commit(self.storage, self.root, step)
 
     def wait(self, step: int, timeout: float | None, writer: str | None = None) -> None:
-        """Block until ``step`` is committed (:func:`~._versions.protocol.wait_for_step`):
+        """Block until ``step`` is committed (:func:`~._versions.waiting.wait_for_step`):
         only ``writer``'s failure to save it ends the wait (None: the current lease
         holder's)."""
         wait_for_step(self.storage, self.root, step, timeout, writer=writer)

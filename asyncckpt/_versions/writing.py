@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
+from asyncckpt._versions.lease import create_lease, lease_epoch_of, lease_epochs, renew_lease
 from asyncckpt._versions.protocol import (
     COMMIT_FILE,
     COMMITTED,
@@ -36,17 +37,13 @@ from asyncckpt._versions.protocol import (
     StepEntry,
     VersionRecord,
     create_commit,
-    create_lease,
     delete_version,
-    lease_epoch_of,
-    lease_epochs,
     list_steps,
     mark_failed,
     publish_version,
     read_commit_strict,
     read_failure,
     read_version_tagged,
-    renew_lease,
     step_dir,
     step_dirs,
     temp_files,
