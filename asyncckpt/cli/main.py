@@ -94,9 +94,13 @@ def _describe_unpickling(exc: pickle.UnpicklingError) -> str:
     detail = lines[at].split(marker)[-1].strip() if lines else ""
     if not detail and at + 1 < len(lines):
         detail = lines[at + 1]
+    # torch goes on to suggest allowlisting the class "if you trust" it: the CLI does not
+    # take that advice for a file it is handed, so it does not repeat it.
+    detail = detail.split(" Please use", 1)[0].split(". Check the", 1)[0].rstrip(". ")
     return (
-        f"torch.load(weights_only=True) refused the file: {detail} (if you trust the file, "
-        "load it in Python with full unpickling allowed and save plain data)"
+        f"torch.load(weights_only=True) refused the file: {detail}. It holds Python objects "
+        "besides tensors and plain containers, and asyncckpt never unpickles those; where "
+        "the file was made, save plain data instead (e.g. the state_dict() of each object)"
     )
 
 
