@@ -76,7 +76,7 @@ def test_from_that_contradicts_the_magic_bytes_is_refused(
     assert not (tmp_path / "x.pt").exists()
 
 
-@pytest.mark.parametrize("command", ["convert"])
+@pytest.mark.parametrize("command", ["convert", "inspect"])
 def test_no_message_suggests_unpickling_a_file(
     tmp_path: Path, command: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -101,3 +101,75 @@ def test_a_safetensors_header_length_that_looks_like_a_pickle_is_safetensors(
     code, out, err = run(capsys, "--json", "convert", tmp_path / "w.bin", tmp_path / "w.ackpt")
     assert code == 0, err
     assert json.loads(out)["src_format"] == "safetensors"
+
+
+# -- inspect of torch.save and safetensors files (item 1) --------------------------------------
+
+
+def _keys(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {row["key"]: row for row in doc["entries"]}
+
+
+def test_inspect_shows_a_torch_save_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    saved = state()
+    saved["head"] = saved["model"]["w"]  # tied: one storage under two keys
+    torch.save(saved, tmp_path / "m.pt")
+    code, out, err = run(capsys, "inspect", tmp_path / "m.pt")
+    assert code == 0, err
+    assert "torch.save file" in out and "[4, 3]" in out and "float16" in out
+    code, out, err = run(capsys, "--json", "inspect", tmp_path / "m.pt")
+    doc = json.loads(out)
+    assert doc["format"] == "torch" and doc["tensors"] == 2 and doc["raw_bytes"] == 54
+    w = _keys(doc)["state['model']['w']"]
+    assert (w["dtype"], w["shape"], w["nbytes"]) == ("float32", [4, 3], 48)
+    assert _keys(doc)["state['head']"]["shares_storage_with"] == "state['model']['w']"
+    assert _keys(doc)["state['n']"]["value"] == "7"
+    code, out, _ = run(capsys, "--json", "inspect", tmp_path / "m.pt", "--key", "model")
+    assert json.loads(out)["entries"][0]["key"] == "state['model']"
+
+
+def test_inspect_reads_only_the_header_of_a_safetensors_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt._storage import LocalStorage
+
+    torch.save(
+        {"embed": (e := torch.randn(10, 4)), "head": e, "b": torch.zeros(3)}, tmp_path / "m.pt"
+    )
+    assert run(capsys, "convert", tmp_path / "m.pt", tmp_path / "m.safetensors")[0] == 0
+    raw = (tmp_path / "m.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(raw[:8], "little")
+    reads: list[tuple[int, int]] = []
+    real = LocalStorage.read_range
+
+    def spy(self: LocalStorage, path: str, start: int, length: int) -> bytes:
+        reads.append((start, length))
+        return real(self, path, start, length)
+
+    monkeypatch.setattr(LocalStorage, "read_range", spy)
+    monkeypatch.setattr(LocalStorage, "read_into", lambda *a: pytest.fail("data was read"))
+    code, out, err = run(capsys, "--json", "inspect", tmp_path / "m.safetensors")
+    assert code == 0, err
+    assert reads and max(start + length for start, length in reads) <= header_end
+    doc = json.loads(out)
+    assert doc["format"] == "safetensors" and doc["tensors"] == 2
+    keys = _keys(doc)
+    assert list(keys) == ["state", "state['embed']", "state['head']", "state['b']"]  # saved order
+    assert (keys["state['embed']"]["dtype"], keys["state['embed']"]["shape"]) == (
+        "float32",
+        [10, 4],
+    )
+    assert keys["state['head']"]["shares_storage_with"] == "state['embed']"
+    code, out, err = run(capsys, "inspect", tmp_path / "m.safetensors", "--depth", "0")
+    assert code == 0 and "safetensors file" in out and "embed" not in out
+
+
+def test_inspect_of_a_damaged_safetensors_header_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    body = b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0]}}'
+    (tmp_path / "bad.safetensors").write_bytes(len(body).to_bytes(8, "little") + body + b"\0" * 8)
+    code, _, err = run(capsys, "inspect", tmp_path / "bad.safetensors")
+    assert code == 1 and "bad.safetensors" in err and "not a valid safetensors file" in err
