@@ -29,11 +29,11 @@ from asyncckpt.cli.common import (
     plural,
     short_time,
     single_file,
-    table,
 )
 from asyncckpt.cli.formats import part_at, read_ackpt, sniff
 from asyncckpt.cli.inspect_other import safetensors_rows, show_other, torch_rows
 from asyncckpt.cli.sharded import open_sharded, shard_info
+from asyncckpt.cli.terminal import table, terminal_width
 from asyncckpt.errors import UsageError
 
 
@@ -256,7 +256,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     }
     lines = _summary(doc, manifest.meta)
     lines += table(
-        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "CODEC"], _table_rows(rows)
+        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "CODEC"],
+        _table_rows(rows),
+        fit=terminal_width(),
     )
     if doc["pending"]:
         lines.append(f"note: {doc['pending']}; this is the file as it was before that save")
@@ -309,7 +311,9 @@ def _inspect_sharded(args: argparse.Namespace, ref: RootRef, src: ShardedSource)
         "",
     ]
     lines += table(
-        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "SHARDS"], _table_rows(rows)
+        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "SHARDS"],
+        _table_rows(rows),
+        fit=terminal_width(),
     )
     emit(args, doc, lines)
     return EXIT_OK

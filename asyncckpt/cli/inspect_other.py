@@ -16,7 +16,8 @@ import torch
 
 from asyncckpt._convert.safetensors import read_header
 from asyncckpt._progress import format_bytes
-from asyncckpt.cli.common import FileRef, emit, plural, table
+from asyncckpt.cli.common import FileRef, emit, plural
+from asyncckpt.cli.terminal import table
 
 
 def _leaf(value: Any) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from asyncckpt.cli.common import (
     log,
     parse_storage_options,
 )
+from asyncckpt.cli.terminal import paint
 from asyncckpt.errors import AsyncCkptError, CommandFailed, UsageError
 
 #: The subcommands' parsers, in the order ``--help`` lists them. None imports torch (the
@@ -109,7 +110,7 @@ def _fail(message: str, code: int, debug: bool, json_out: bool, report: bool = T
         traceback.print_exc(file=sys.stderr)
     if json_out and report:
         print(json.dumps({"ok": False, "error": message, "exit_status": code}))
-    print(message.replace("\n", " "), file=sys.stderr)
+    print(paint(message.replace("\n", " "), "red", sys.stderr), file=sys.stderr)
     return code
 
 
