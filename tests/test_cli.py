@@ -608,7 +608,9 @@ def test_errors_are_one_line_and_usage_errors_exit_2(
     code, _, err = main(capsys, "frobnicate")
     assert code == 2 and "invalid choice" in one_line(err)
     torch.save({"w": torch.ones(1)}, tmp_path / "t.pt")
-    code, _, err = main(capsys, "inspect", tmp_path / "t.pt")
+    # inspect shows a torch.save file (tests/test_cli_formats.py); verify checks asyncckpt
+    # checksums only, and says what the file is
+    code, _, err = main(capsys, "verify", tmp_path / "t.pt")
     assert code == 1 and "is a torch file, not an asyncckpt file" in one_line(err)
 
     code, out, err = main(capsys, "ls", tmp_path / "missing", "--json")

@@ -515,3 +515,51 @@ def _aliases_by_identity(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
         else:
             first[view] = key
     return aliases
+
+
+#: The largest JSON header :func:`read_header` reads (the safetensors library's own limit).
+MAX_HEADER_BYTES = 100_000_000
+
+
+def read_header(storage: Storage, path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The JSON header of a safetensors file: no tensor data is read.
+
+    Args:
+        storage: where the file is.
+        path: the file.
+
+    Returns:
+        ``(entries, metadata)``: ``{key: {"dtype": "float32", "shape": [...], "nbytes": n}}``
+        in the order the keys were written (asyncckpt's recorded order when there is one,
+        else the data's), and ``__metadata__``.
+
+    Raises:
+        SafetensorsError: the header is not valid safetensors (the message names the file
+            and the key).
+    """
+    where = storage.describe(path)
+    size = storage.size(path)
+    (length,) = struct.unpack("<Q", storage.read_range(path, 0, 8).ljust(8, b"\0"))
+    if length > min(MAX_HEADER_BYTES, size - 8):
+        raise SafetensorsError(f"{where}: not a valid safetensors file: header of {length} B")
+    try:
+        doc = json.loads(storage.read_range(path, 8, length))
+        metadata = {str(k): str(v) for k, v in (doc.pop("__metadata__", None) or {}).items()}
+        names = {v: str(k).removeprefix("torch.") for k, v in _SAFETENSORS_DTYPES.items()}
+        entries = {
+            key: {
+                "dtype": names.get(e["dtype"], e["dtype"]),
+                "shape": [int(n) for n in e["shape"]],
+                "nbytes": int(e["data_offsets"][1]) - int(e["data_offsets"][0]),
+                "offset": int(e["data_offsets"][0]),
+            }
+            for key, e in doc.items()
+        }
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise SafetensorsError(f"{where}: not a valid safetensors file: {exc!r}") from None
+    for alias, key in _json_entry(metadata, ALIASES_KEY, dict, where).items():
+        if key in entries:  # a tied weight, written once under ``key``
+            entries[alias] = {**entries[key], "alias_of": key}
+    order = [k for k in _json_entry(metadata, ORDER_KEY, list, where) if k in entries]
+    rest = sorted((k for k in entries if k not in order), key=lambda k: entries[k]["offset"])
+    return {k: entries[k] for k in [*order, *rest]}, metadata

@@ -24,9 +24,9 @@ from asyncckpt.cli.common import (
     emit,
     plural,
     progress,
-    table,
 )
 from asyncckpt.cli.formats import load_torch, save_torch
+from asyncckpt.cli.terminal import table
 from asyncckpt.errors import AsyncCkptError, UsageError
 
 

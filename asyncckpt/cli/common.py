@@ -246,25 +246,6 @@ def threads() -> int:
     return Settings.resolve().threads
 
 
-def table(headers: list[str], rows: list[list[str]], first_align: str = "<") -> list[str]:
-    """Rows as aligned text columns; ``first_align=">"`` right-aligns the first column.
-
-    Example:
-        >>> table(["A", "BB"], [["1", "x"], ["22", "y"]], ">")
-        [' A  BB', ' 1  x', '22  y']
-    """
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-
-    def line(cells: list[str]) -> str:
-        out = [
-            c.rjust(w) if i == 0 and first_align == ">" else c.ljust(w)
-            for i, (c, w) in enumerate(zip(cells, widths))
-        ]
-        return "  ".join(out).rstrip()
-
-    return [line(headers), *(line(r) for r in rows)]
-
-
 def short_time(iso: str | None) -> str:
     """An ISO time as ``YYYY-MM-DD HH:MM:SS`` in UTC, ``-`` when there is none.
 

@@ -45,7 +45,7 @@ from asyncckpt.cli.formats import (
     save_ackpt,
     save_torch,
     select,
-    sniff,
+    source_format,
 )
 from asyncckpt.cli.sharded import open_sharded
 from asyncckpt.errors import SafetensorsError, UsageError
@@ -84,7 +84,7 @@ def _source(args: argparse.Namespace) -> tuple[FileRef, str]:
             raise UsageError(f"asyncckpt convert: {args.src} is a checkpoint root (asyncckpt)")
         src_format = "ackpt"
     src = single_file(src_ref)
-    return src, src_format or sniff(src)
+    return src, source_format(src, args.src_format, src_format)
 
 
 def _read(args: argparse.Namespace, src: FileRef, fmt: str) -> tuple[Any, dict[str, str] | None]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import struct
 from collections.abc import Callable
 from typing import IO, Any, TypeVar, cast
 
@@ -24,6 +25,8 @@ from asyncckpt._storage import AtomicWriter, LocalStorage, ReadHandle, Storage
 from asyncckpt.cli.common import FORMATS, FileRef, threads
 from asyncckpt.errors import AsyncCkptError, FormatError, UsageError
 
+#: The second byte of a pickle (its protocol) that a legacy ``torch.save`` file begins with.
+_PROTOCOLS = (b"\x02", b"\x03", b"\x04", b"\x05")
 #: Bytes a remote ``torch.load`` reads per request.
 _READ_BLOCK = 8 << 20
 
@@ -71,14 +74,54 @@ def sniff(ref: FileRef) -> str:
     head = ref.storage.read_range(ref.path, 0, 16)
     if head.startswith(MAGIC):
         return "ackpt"
-    if head.startswith((b"PK\x03\x04", b"\x80")):
-        return "torch"
+    # safetensors before torch: its header length (8 bytes, little-endian) may begin with
+    # 0x80, as a legacy pickle does; a "{" after it and a length inside the file tell it.
     if len(head) >= 9 and head[8:9] == b"{":
-        return "safetensors"
+        (length,) = struct.unpack("<Q", head[:8])
+        if 8 + length <= ref.storage.size(ref.path):
+            return "safetensors"
+    if head.startswith(b"PK\x03\x04") or (head[:1] == b"\x80" and head[1:2] in _PROTOCOLS):
+        return "torch"
     raise UsageError(
         f"asyncckpt convert: cannot tell the format of {ref.name}; pass --from "
         "torch|ackpt|safetensors"
     )
+
+
+def source_format(ref: FileRef, explicit: str | None, guess: str | None) -> str:
+    """The format of a file to read: its first bytes decide, not its name.
+
+    An asyncckpt file named ``model.pt`` is read as asyncckpt (never handed to
+    ``torch.load``), a ``torch.save`` file named ``.ackpt`` as torch.
+
+    Args:
+        ref: the file.
+        explicit: the ``--from`` value, if given.
+        guess: the format its extension (or ``--from``) names, used when the bytes match
+            no known format.
+
+    Returns:
+        ``"torch"``, ``"ackpt"`` or ``"safetensors"``.
+
+    Raises:
+        UsageError: ``--from`` names another format than the bytes show, or neither the
+            bytes nor the name tell the format.
+    """
+    try:
+        found = sniff(ref)
+    except UsageError:
+        if guess is None:
+            raise
+        return guess
+    if explicit is not None and explicit != found:
+        raise UsageError(
+            f"asyncckpt convert: {ref.name} is {_ARTICLE[found]} file by its first bytes, "
+            f"not {explicit}; drop --from {explicit}"
+        )
+    return found
+
+
+_ARTICLE = {"ackpt": "an asyncckpt", "torch": "a torch.save", "safetensors": "a safetensors"}
 
 
 def reject_other_format(ref: FileRef) -> None:

@@ -18,6 +18,7 @@ from asyncckpt._progress import format_bytes
 from asyncckpt.cli.common import (
     EXIT_OK,
     DataRef,
+    FileRef,
     RootRef,
     chosen_step,
     display,
@@ -28,10 +29,12 @@ from asyncckpt.cli.common import (
     plural,
     short_time,
     single_file,
-    table,
 )
-from asyncckpt.cli.formats import part_at, read_ackpt
+from asyncckpt.cli.formats import part_at, read_ackpt, sniff
+from asyncckpt.cli.inspect_other import safetensors_rows, show_other, torch_rows
 from asyncckpt.cli.sharded import open_sharded, shard_info
+from asyncckpt.cli.terminal import table, terminal_width
+from asyncckpt.errors import UsageError
 
 
 def _codecs(manifest: Manifest, sid: int) -> tuple[list[str], int]:
@@ -190,6 +193,15 @@ def _summary(doc: dict[str, Any], meta: dict[str, Any]) -> list[str]:
     ]
 
 
+def _file_format(ref: FileRef) -> str:
+    """What a file named on the command line is, by its first bytes (an unknown one is
+    read as asyncckpt, whose reader says what is wrong with it)."""
+    try:
+        return sniff(ref)
+    except UsageError:
+        return "ackpt"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     """``asyncckpt inspect PATH | ROOT[@STEP]``.
 
@@ -206,6 +218,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             with src:
                 return _inspect_sharded(args, located, src)
     ref = single_file(located)
+    fmt = _file_format(ref) if ref is located else "ackpt"
+    if fmt == "torch":
+        show_other(
+            args, ref, fmt, deep_enough(args, torch_rows(args, ref, walk_tree)), None, _table_rows
+        )
+        return EXIT_OK
+    if fmt == "safetensors":
+        rows, metadata = safetensors_rows(args, ref, walk_tree)
+        show_other(args, ref, fmt, deep_enough(args, rows), metadata, _table_rows)
+        return EXIT_OK
     manifest, tree, size = read_ackpt(ref, lambda o: (o.manifest, manifest_tree(o), o.size))
     rows = deep_enough(args, entries(manifest, *shown(args, tree, ref.name)))
     raw = sum(s.nbytes for s in manifest.storages)
@@ -217,6 +239,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     doc = {
         "file": ref.name,
         "step": ref.step,
+        "format": "ackpt",
         "size": size,
         "format_version": FORMAT_VERSION,
         "meta": manifest.meta,
@@ -233,7 +256,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     }
     lines = _summary(doc, manifest.meta)
     lines += table(
-        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "CODEC"], _table_rows(rows)
+        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "CODEC"],
+        _table_rows(rows),
+        fit=terminal_width(),
     )
     if doc["pending"]:
         lines.append(f"note: {doc['pending']}; this is the file as it was before that save")
@@ -286,7 +311,9 @@ def _inspect_sharded(args: argparse.Namespace, ref: RootRef, src: ShardedSource)
         "",
     ]
     lines += table(
-        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "SHARDS"], _table_rows(rows)
+        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "SHARDS"],
+        _table_rows(rows),
+        fit=terminal_width(),
     )
     emit(args, doc, lines)
     return EXIT_OK

@@ -18,10 +18,10 @@ from asyncckpt.cli.common import (
     need_root,
     new_command,
     short_time,
-    table,
     version_info,
 )
 from asyncckpt.cli.listing import MAX_DEPTH, describe, find_checkpoints, is_root
+from asyncckpt.cli.terminal import table
 from asyncckpt.errors import CommandFailed
 
 

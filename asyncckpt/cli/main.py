@@ -28,6 +28,7 @@ from asyncckpt.cli.common import (
     log,
     parse_storage_options,
 )
+from asyncckpt.cli.terminal import paint
 from asyncckpt.errors import AsyncCkptError, CommandFailed, UsageError
 
 #: The subcommands' parsers, in the order ``--help`` lists them. None imports torch (the
@@ -94,9 +95,13 @@ def _describe_unpickling(exc: pickle.UnpicklingError) -> str:
     detail = lines[at].split(marker)[-1].strip() if lines else ""
     if not detail and at + 1 < len(lines):
         detail = lines[at + 1]
+    # torch goes on to suggest allowlisting the class "if you trust" it: the CLI does not
+    # take that advice for a file it is handed, so it does not repeat it.
+    detail = detail.split(" Please use", 1)[0].split(". Check the", 1)[0].rstrip(". ")
     return (
-        f"torch.load(weights_only=True) refused the file: {detail} (if you trust the file, "
-        "load it in Python with full unpickling allowed and save plain data)"
+        f"torch.load(weights_only=True) refused the file: {detail}. It holds Python objects "
+        "besides tensors and plain containers, and asyncckpt never unpickles those; where "
+        "the file was made, save plain data instead (e.g. the state_dict() of each object)"
     )
 
 
@@ -105,7 +110,7 @@ def _fail(message: str, code: int, debug: bool, json_out: bool, report: bool = T
         traceback.print_exc(file=sys.stderr)
     if json_out and report:
         print(json.dumps({"ok": False, "error": message, "exit_status": code}))
-    print(message.replace("\n", " "), file=sys.stderr)
+    print(paint(message.replace("\n", " "), "red", sys.stderr), file=sys.stderr)
     return code
 
 

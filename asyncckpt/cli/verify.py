@@ -33,6 +33,7 @@ from asyncckpt.cli.common import (
 )
 from asyncckpt.cli.common import threads as _default_threads
 from asyncckpt.cli.formats import reject_other_format
+from asyncckpt.cli.terminal import paint
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -292,11 +293,12 @@ def _report_lines(reports: list[FileReport], warnings: list[str]) -> list[str]:
         where = r.file + (f" (step {r.step})" if r.step is not None else "")
         if r.ok:
             lines.append(
-                f"OK   {where}: {plural(r.chunks, 'chunk')}, {format_bytes(r.raw_bytes)} raw, "
+                f"{paint('OK', 'green')}   {where}: {plural(r.chunks, 'chunk')}, "
+                f"{format_bytes(r.raw_bytes)} raw, "
                 f"{format_bytes(r.stored_bytes)} stored, every checksum matches"
             )
             continue
-        lines.append(f"BAD  {where}")
+        lines.append(f"{paint('BAD', 'red')}  {where}")
         lines += [f"     {e}" for e in r.errors]
         for b in r.bad_chunks:
             lines.append(f"     chunk {b.chunk}: {b.detail}; keys: {_show_keys(b.keys)}")
