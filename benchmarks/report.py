@@ -273,7 +273,7 @@ ROWS: tuple[Row, ...] = (
     *(
         Row(
             f"stored_{dt}",
-            f"stored ÷ raw, all-MiniLM-L6-v2 weights, {dt}",
+            f'stored ÷ raw, all-MiniLM-L6-v2 weights, {dt}, compression="zstd"',
             f"bench_codec.json:results.{dt}.asyncckpt_file_fraction",
             "<=",
             target,
