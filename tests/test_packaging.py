@@ -116,8 +116,8 @@ def test_the_cli_package_imports_downward_only() -> None:
     layers = [
         {"main"},
         {"ls", "inspect", "verify", "gc", "rewind", "convert", "bench", "parsers"},
-        {"formats", "sharded", "listing"},
-        {"common"},
+        {"formats", "sharded", "listing", "inspect_other"},
+        {"common", "terminal"},
     ]
     rank = {name: i for i, layer in enumerate(layers) for name in layer}
     folder = REPO / "asyncckpt" / "cli"
