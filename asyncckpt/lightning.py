@@ -14,6 +14,10 @@ values whose class it trusts (Lightning's ``AttributeDict``, ``pathlib`` paths,
 ``classes=``); the others come back as the plain values they were stored as. No class is
 ever imported by a name read from a file. ``docs/lightning.md`` lists what round-trips.
 
+:func:`load_from_checkpoint` is ``LightningModule.load_from_checkpoint`` for these files
+(which Lightning's own method cannot read: it calls ``torch.load``), reading only the
+weights and hyperparameters, not the optimizer states.
+
 This module imports Lightning (the ``lightning`` package, ``pip install
 'asyncckpt[lightning]'``); ``import asyncckpt`` does not import this module.
 """
@@ -21,15 +25,20 @@ This module imports Lightning (the ``lightning`` package, ``pip install
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.core import saving as pl_saving
     from lightning.pytorch.plugins.io import CheckpointIO
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "asyncckpt.lightning needs the `lightning` package: pip install 'asyncckpt[lightning]'"
     ) from exc
+
+from torch import Tensor
 
 from asyncckpt._api import dropin as api
 from asyncckpt._convert.lightning_plain import (
@@ -43,15 +52,22 @@ from asyncckpt._device import MapLocation
 from asyncckpt._format.tree import ROOT_NAME
 from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
-from asyncckpt.errors import UnsupportedObjectError
+from asyncckpt.errors import AsyncCkptWarning, UnsupportedObjectError
 
 __all__ = [
     "PROJECTION_KEY",
     "PROJECTION_VERSION",
     "AsyncCkptIO",
     "from_plain",
+    "load_from_checkpoint",
     "to_plain",
 ]
+
+#: The training state only ``trainer.fit(ckpt_path=...)`` restores: never read by
+#: :func:`load_from_checkpoint` (for Adam, the optimizer states are twice the weights).
+TRAINING_STATE_KEYS = frozenset({"optimizer_states", "lr_schedulers", "loops", "callbacks"})
+
+_Loadable = TypeVar("_Loadable", bound="pl.LightningModule | pl.LightningDataModule")
 
 
 def _target_key(path: str | os.PathLike[str]) -> str:
@@ -255,3 +271,114 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         self._collect()
         if self._failures:
             raise self._failures.pop(0)
+
+
+def load_from_checkpoint(
+    cls: type[_Loadable],
+    checkpoint_path: str | os.PathLike[str],
+    map_location: MapLocation = None,
+    hparams_file: str | os.PathLike[str] | None = None,
+    strict: bool | None = None,
+    *,
+    plugin: AsyncCkptIO | None = None,
+    weights_only: bool | None = None,
+    **kwargs: Any,
+) -> _Loadable:
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a file :class:`AsyncCkptIO` wrote.
+
+    Lightning's own ``load_from_checkpoint`` calls ``torch.load`` and cannot read these
+    files. This does what it does (Lightning's ``_load_from_checkpoint``): the stored
+    hyperparameters become constructor arguments (``kwargs`` override them; arguments the
+    constructor does not take are dropped unless it takes ``**kwargs``), ``hparams_file``
+    replaces them, ``configure_model`` and ``on_load_checkpoint`` run, the weights are
+    loaded with ``load_state_dict(strict=...)`` and the module is moved to the device of
+    the loaded weights. The module is returned in training mode, as Lightning's is. Only
+    what that needs is read, verified: every top-level key except the training state
+    (:data:`TRAINING_STATE_KEYS`: optimizer states, schedulers, loops, callbacks), so
+    ``on_load_checkpoint`` sees the keys your ``on_save_checkpoint`` added. Lightning's
+    version migrations rewrite only that training state and are not applied.
+
+    Args:
+        cls: a ``LightningModule`` (or ``LightningDataModule``) subclass.
+        checkpoint_path: the file or URL.
+        map_location: as for :func:`asyncckpt.load`; None puts CPU tensors on the CPU and
+            accelerator tensors on this process's current device (the CPU, with a warning,
+            when it has none).
+        hparams_file: a ``.yaml``/``.yml`` or ``.csv`` file whose hyperparameters replace
+            the stored ones.
+        strict: as for ``load_state_dict``; None uses ``cls``'s ``strict_loading`` (True
+            by default). Contradicting a ``strict_loading`` set on the class is a
+            ``ValueError``, as in Lightning.
+        plugin: the :class:`AsyncCkptIO` whose ``classes``, ``storage_options`` and
+            ``map_location`` (when none is passed) to use; a save of it to this path
+            still in flight is waited for, and a failure of it raised. None: a default one.
+        weights_only: accepted for Lightning's interface and ignored: nothing is unpickled.
+        **kwargs: constructor arguments, over the stored hyperparameters.
+
+    Returns:
+        The module, with the checkpoint's weights.
+
+    Raises:
+        CheckpointNotFoundError: no file at ``checkpoint_path``.
+        ChecksumError: a chunk read was damaged.
+        FormatError: not an asyncckpt file (e.g. written by ``torch.save``).
+        RuntimeError: ``strict`` and the weights do not match the module's parameters.
+        ValueError: ``hparams_file`` is neither YAML nor CSV, or ``strict`` contradicts
+            the class's ``strict_loading``.
+
+    Example:
+        ``model = load_from_checkpoint(MyModule, "epoch=3.ckpt", lr=1e-4)``
+    """
+    del weights_only
+    plugin = plugin if plugin is not None else AsyncCkptIO()
+    plugin._wait_for(checkpoint_path)
+    plugin._raise_failure()
+    if map_location is None:
+        map_location = plugin.map_location
+    skip = TRAINING_STATE_KEYS
+    if issubclass(cls, pl.LightningDataModule):
+        skip = skip | {"state_dict"}
+    name = os.fspath(checkpoint_path)
+    options = plugin._options(None)
+    # One handle for every key read: all of them come from the same version of the file.
+    with api.open_checkpoint(
+        checkpoint_path, map_location, storage_options=options, dead_writer="load"
+    ) as ckpt:
+        plain = {key: ckpt[key] for key in ckpt if key not in skip}
+    checkpoint = from_plain(plain, plugin.classes, name=name)
+    return _build(cls, checkpoint, name, hparams_file, strict, kwargs)
+
+
+def _build(
+    cls: type[_Loadable],
+    checkpoint: dict[str, Any],
+    name: str,
+    hparams_file: str | os.PathLike[str] | None,
+    strict: bool | None,
+    kwargs: dict[str, Any],
+) -> _Loadable:
+    """The steps of Lightning's ``_load_from_checkpoint`` after its ``torch.load``."""
+    hparams_key = cls.CHECKPOINT_HYPER_PARAMS_KEY
+    if hparams_file is not None:
+        checkpoint[hparams_key] = _read_hparams_file(hparams_file)
+    checkpoint.setdefault(hparams_key, {})
+    checkpoint[hparams_key].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return cast(_Loadable, pl_saving._load_state(cls, checkpoint, **kwargs))
+    model = cast(
+        pl.LightningModule, pl_saving._load_state(cls, checkpoint, strict=strict, **kwargs)
+    )
+    tensors = [t for t in checkpoint.get("state_dict", {}).values() if isinstance(t, Tensor)]
+    if not tensors:
+        warnings.warn(f"{name}: the state dict holds no parameters", AsyncCkptWarning, stacklevel=3)
+        return cast(_Loadable, model)
+    return cast(_Loadable, model.to(tensors[0].device))
+
+
+def _read_hparams_file(path: str | os.PathLike[str]) -> Any:
+    extension = os.fspath(path).rsplit(".", 1)[-1].lower()
+    if extension == "csv":
+        return pl_saving.load_hparams_from_tags_csv(os.fspath(path))
+    if extension in ("yml", "yaml"):
+        return pl_saving.load_hparams_from_yaml(os.fspath(path))
+    raise ValueError(f"hparams_file {os.fspath(path)!r}: .csv, .yml or .yaml is required")

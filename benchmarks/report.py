@@ -218,6 +218,20 @@ ROWS: tuple[Row, ...] = (
         incumbents=(("SeaweedFS", "bench_dropin.json:targets.seaweedfs.stall_added_ms"),),
         issue="22",
     ),
+    # --- issue 21: loading only what you need -----------------------------------------
+    Row(
+        "partial_load_bytes",
+        'model-only load (`keys=["model"]`) of a model+Adam checkpoint: bytes read ÷ a full '
+        "load's (`benchmarks/bench_partial.py`; the first incumbent is the model's share of "
+        "the tensor bytes, what reading only its chunks comes to)",
+        "bench_partial.json:ratios.bytes_read_fraction",
+        unit="",
+        incumbents=(
+            ("model's share", "bench_partial.json:model_share"),
+            ("time ÷ full load's", "bench_partial.json:ratios.time_fraction"),
+        ),
+        issue="21",
+    ),
     # --- issue 5: stall, durable, load, compression, memory ----------------------------
     *(
         Row(

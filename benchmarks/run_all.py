@@ -95,6 +95,12 @@ BENCHES: dict[str, dict[str, Any]] = {
         "json": "bench_dropin.json",
         "png": {},
     },
+    "partial": {
+        "cmd": ["bench_partial.py"],
+        "quick": ["bench_partial.py", "--quick"],
+        "json": "bench_partial.json",
+        "png": {"bench_partial.png": 'model-only load (keys=["model"]) of a model+Adam file'},
+    },
 }
 #: Written elsewhere (scripts/gpu_check.sh), shown when present.
 EXTERNAL_JSON = ["bench_gpu.json"]

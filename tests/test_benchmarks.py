@@ -262,3 +262,16 @@ def test_gil_window_measures_every_row(tmp_path: Path) -> None:
         assert positive(wait) and positive(spin), row
         assert res[f"{row}_spin_x_wait"] == pytest.approx(spin / wait), row
     assert len(res) == 3 * len(rows)
+
+
+@pytest.mark.timeout(120)
+def test_bench_partial_quick_reads_about_the_models_share(tmp_path: Path) -> None:
+    """A model-only load reads the model's chunks: about a third of a model+Adam file."""
+    res = run_script(tmp_path, "bench_partial.py", "--quick", timeout=100)
+    assert res["model_share"] == pytest.approx(1 / 3, abs=0.01)  # Adam: two moments per weight
+    for method in ("full", "model_only"):
+        m = res["methods"][method]
+        assert m["time_s"]["median"] > 0 and len(m["time_s"]["spread"]) == 2
+    if res["methods"]["full"]["bytes_read"] is None:
+        pytest.skip("no /proc/self/io on this system")
+    assert res["ratios"]["bytes_read_fraction"] == pytest.approx(res["model_share"], abs=0.05)

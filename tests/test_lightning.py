@@ -706,3 +706,118 @@ def test_torch_saved_file_is_refused_not_unpickled(tmp_path: pathlib.Path) -> No
 def test_import_asyncckpt_does_not_import_lightning() -> None:
     code = "import sys, asyncckpt; assert 'lightning' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------
+# load_from_checkpoint: LightningModule.load_from_checkpoint for the plugin's files.
+
+
+class HookedModule(TinyModule):
+    """Adds a key of its own on save and reads it back in ``on_load_checkpoint``."""
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["my_note"] = {"seen": 7}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.loaded_keys = sorted(checkpoint)
+        self.note = checkpoint.get("my_note")
+
+
+class Bigger(TinyModule):
+    """TinyModule with one parameter more: the saved weights miss it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.extra = torch.nn.Parameter(torch.zeros(3))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """One fit with the plugin, saved by it and (the same state) by torch.save."""
+    tmp = tmp_path_factory.mktemp("lfc")
+    train, val = loaders()
+    t = trainer(tmp, AsyncCkptIO(), max_epochs=1, callbacks=[])
+    t.fit(HookedModule(width=8, lr=0.03, mode=Mode.SLOW, root=pathlib.Path("/x")), train, val)
+    ours, stock = tmp / "ours.ckpt", tmp / "stock.ckpt"
+    t.save_checkpoint(ours)
+    t.strategy.checkpoint_io.teardown()
+    checkpoint = t._checkpoint_connector.dump_checkpoint(weights_only=False)
+    TorchCheckpointIO().save_checkpoint(checkpoint, stock)
+    return {"ours": ours, "stock": stock}
+
+
+def test_load_from_checkpoint_matches_lightnings(trained: dict[str, pathlib.Path]) -> None:
+    from asyncckpt.lightning import load_from_checkpoint
+
+    plugin = AsyncCkptIO(classes=[Mode])
+    ours = load_from_checkpoint(HookedModule, trained["ours"], plugin=plugin)
+    stock = HookedModule.load_from_checkpoint(trained["stock"], weights_only=False)
+    assert type(ours) is HookedModule
+    assert_bitwise_equal(ours.state_dict(), stock.state_dict())
+    assert dict(ours.hparams) == dict(stock.hparams)
+    assert ours.hparams.mode is Mode.SLOW and ours.hparams.root == pathlib.Path("/x")
+    assert ours.training == stock.training
+    assert ours.note == stock.note == {"seen": 7}
+    # The hook sees every key but the training state (never read).
+    skipped = {"optimizer_states", "lr_schedulers", "loops", "callbacks"}
+    assert ours.loaded_keys == sorted(set(stock.loaded_keys) - skipped)
+    # Without classes=, the enum comes back as its value (and the constructor gets that).
+    plain = load_from_checkpoint(HookedModule, trained["ours"])
+    assert plain.hparams.mode == "slow"
+
+
+def test_load_from_checkpoint_reads_no_optimizer_state(
+    trained: dict[str, pathlib.Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt._engine import decode_lazy
+    from asyncckpt.lightning import load_from_checkpoint
+
+    read: list[Any] = []
+    original = decode_lazy.LazyCheckpoint.__getitem__
+
+    def spy(self: Any, key: Any) -> Any:
+        read.append(key)
+        return original(self, key)
+
+    monkeypatch.setattr(decode_lazy.LazyCheckpoint, "__getitem__", spy)
+    load_from_checkpoint(HookedModule, trained["ours"])
+    assert "state_dict" in read and "hyper_parameters" in read
+    assert not {"optimizer_states", "lr_schedulers", "loops", "callbacks"} & set(read)
+
+
+def test_load_from_checkpoint_kwargs_override_and_hparams_file(
+    trained: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    from asyncckpt.lightning import load_from_checkpoint
+
+    model = load_from_checkpoint(HookedModule, trained["ours"], lr=0.5, unknown=1)
+    stock = HookedModule.load_from_checkpoint(
+        trained["stock"], weights_only=False, lr=0.5, unknown=1
+    )
+    assert model.hparams.lr == stock.hparams.lr == 0.5
+    assert "unknown" not in model.hparams  # the constructor does not take it: dropped
+    hparams = tmp_path / "hp.yaml"
+    hparams.write_text("width: 8\nlr: 0.25\n")
+    from_file = load_from_checkpoint(HookedModule, trained["ours"], hparams_file=hparams)
+    assert from_file.hparams.lr == 0.25 and from_file.hparams.mode == Mode.FAST  # replaced
+    with pytest.raises(ValueError, match=r"hp\.json"):
+        load_from_checkpoint(HookedModule, trained["ours"], hparams_file=tmp_path / "hp.json")
+
+
+def test_load_from_checkpoint_strict(trained: dict[str, pathlib.Path]) -> None:
+    from asyncckpt.lightning import load_from_checkpoint
+
+    with pytest.raises(RuntimeError, match="extra"):
+        load_from_checkpoint(Bigger, trained["ours"])
+    with pytest.warns(UserWarning, match="extra"):
+        model = load_from_checkpoint(Bigger, trained["ours"], strict=False)
+    assert torch.equal(model.extra, torch.zeros(3))
+    stock = TinyModule.load_from_checkpoint(trained["stock"], weights_only=False)
+    assert_bitwise_equal(model.net.state_dict(), stock.net.state_dict())
+
+
+def test_load_from_checkpoint_refuses_a_torch_file(trained: dict[str, pathlib.Path]) -> None:
+    from asyncckpt.lightning import load_from_checkpoint
+
+    with pytest.raises(FormatError):
+        load_from_checkpoint(HookedModule, trained["stock"])

@@ -212,6 +212,17 @@ def test_dropin_row_reads_bench_dropin_json(tmp_path: Path, report: ModuleType) 
         assert got["value"] == pytest.approx(added) and got["verdict"] == verdict
 
 
+def test_partial_row_reads_bench_partial_json(tmp_path: Path, report: ModuleType) -> None:
+    """The partial-load row: bytes read ÷ full, beside the model's share; no target."""
+    doc = {"model_share": 0.333, "ratios": {"bytes_read_fraction": 0.334, "time_fraction": 0.4}}
+    (tmp_path / "bench_partial.json").write_text(json.dumps(doc))
+    data = report.load_results(tmp_path, ["bench_partial.json"])
+    row = next(r for r in report.ROWS if r.id == "partial_load_bytes")
+    got = report.evaluate(row, data)
+    assert got["value"] == pytest.approx(0.334) and got["verdict"] == "no target"
+    assert [i["value"] for i in got["incumbents"]] == pytest.approx([0.333, 0.4])
+
+
 # ----------------------------------------------------------------------------- the quick run
 
 
@@ -239,7 +250,7 @@ def test_run_all_quick(tmp_path: Path, report: ModuleType) -> None:
     summary = json.loads((out / "run_all.json").read_text())
     assert summary["quick"] is True and number(summary["machine"]["cpu_count"])
     status = {r["name"]: r["status"] for r in summary["runs"]}
-    ran = {"codec", "memory", "train", "gil", "sharded", "dropin"}
+    ran = {"codec", "memory", "train", "gil", "sharded", "dropin", "partial"}
     assert {k: status[k] for k in ran} == dict.fromkeys(ran, "ok"), status
     assert status["save"] == "reused" and status["storage"] == status["peers"] == "not run"
     rows = {r["id"]: r for r in summary["figures"]}
@@ -300,7 +311,10 @@ def test_run_all_quick(tmp_path: Path, report: ModuleType) -> None:
         assert row.text in page, row.id
     verdicts = page.count("**yes**") + page.count("**no**")
     assert verdicts == sum(1 for r in rows.values() if r["verdict"] in ("met", "not met"))
-    for png in ("bench_codec", "bench_memory", "bench_train", "bench_train_trace", "gil_window"):
+    partial = json.loads((out / "bench_partial.json").read_text())
+    assert rows["partial_load_bytes"]["value"] == pytest.approx(partial["model_share"], abs=0.05)
+    pngs = ("bench_codec", "bench_memory", "bench_train", "bench_train_trace", "gil_window")
+    for png in (*pngs, "bench_partial"):
         assert (out / f"{png}.png").stat().st_size > 0, png
         assert f"(./{png}.png)" in page, png
 
@@ -313,6 +327,7 @@ BENCH_JSON = {
     "gil": "gil_window.json",
     "sharded": "bench_sharded.json",
     "dropin": "bench_dropin.json",
+    "partial": "bench_partial.json",
 }
 #: Rows a quick run cannot define: ratios of differences of tiny step times (torch.save may
 #: cost nothing measurable), the 50-save leak check (left out of --quick), the fake
