@@ -607,7 +607,7 @@ def first_save_child(args: argparse.Namespace) -> int:
     copy_s = time.perf_counter() - t
     del buffers
     if args.first_save == "reserve":
-        thread = asyncckpt._api.dropin.reserve(state)  # as a training script would, after building
+        thread = asyncckpt.reserve(state)  # as a training script would, after building
         if thread is not None:
             thread.join()  # the background work is done by the time training reaches a save
     tmp = tempfile.mkdtemp(prefix="bench_first-", dir=args.tmp_dir)
