@@ -66,4 +66,6 @@ def test_bench_storage_quick(tmp_path: Path) -> None:
             assert set(entry["peers"]) == {"s3torchconnector DCP", "tensorizer S3 stream"}
             for peer, got in entry["peers"].items():
                 assert "error" not in got, (peer, got)
+                if "not_installed" in got:  # the bench extra is not installed (make test)
+                    continue
                 assert positive(got["load_vs_s3transfer"]) and positive(got["save_s"]), peer

@@ -271,8 +271,8 @@ def test_every_unobserved_failure_is_raised_in_turn() -> None:
         return job
 
     # Both saves are queued before either fails, so neither save() call could raise.
-    first = jobs.submit(failing("first"), "one", 0, time.perf_counter())
-    second = jobs.submit(failing("second"), "two", 0, time.perf_counter())
+    first = jobs.submit(failing("first"), "one", 0, time.perf_counter(), nice=0)
+    second = jobs.submit(failing("second"), "two", 0, time.perf_counter(), nice=0)
     gate.set()
     concurrent.futures.wait([first._future, second._future])
     while first in jobs.pending() or second in jobs.pending():
