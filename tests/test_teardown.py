@@ -85,7 +85,9 @@ print("rank", rank, "done", flush=True)
 
 def _start_job(tmp_path: Path, job: int) -> tuple[Any, list[subprocess.Popen[str]]]:
     tmp_path.mkdir(parents=True, exist_ok=True)
-    script = tmp_path / "rank.py"
+    # One script per job: a rank starting while the next job rewrites a shared script
+    # could read it truncated, run nothing and exit 0, leaving its peers to time out.
+    script = tmp_path / f"rank{job}.py"
     script.write_text(textwrap.dedent(_RANK).replace("WORLD", str(WORLD)))
     store = dist.TCPStore(
         "127.0.0.1", 0, WORLD + 1, True, timedelta(seconds=120), wait_for_workers=False
