@@ -128,27 +128,10 @@ def test_no_private_name_of_another_module(module: str) -> None:
         assert not private, f"{MODULES[module]}:{line} takes private {private} from {target}"
 
 
-def _type_only_lines(path: Path) -> set[int]:
-    """Lines inside ``if TYPE_CHECKING:`` blocks: annotations, never run."""
-    lines: set[int] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for inner in node.body:
-                lines.update(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
-    return lines
-
-
 def _cycles(modules: dict[str, Path]) -> list[list[str]]:
-    """Import cycles at run time. An import for annotations only (``if TYPE_CHECKING:``,
-    between modules of one layer) names a type; it still counts for the layer rule."""
-    graph = {
-        m: {
-            t
-            for t, _, line in _imports(m, p, modules)
-            if t != m and line not in _type_only_lines(p)
-        }
-        for m, p in modules.items()
-    }
+    """Import cycles, counting imports for annotations only (``if TYPE_CHECKING:``) too: a
+    type two modules name of each other means they are one stage, or miss a Protocol."""
+    graph = {m: {t for t, _, _ in _imports(m, p, modules) if t != m} for m, p in modules.items()}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []

@@ -502,6 +502,14 @@ def _root_at_step_1(four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     return root
 
 
+def _view(ckpt: Checkpointer) -> Any:
+    """What ``Checkpointer.load`` hands the sharded load of ``ckpt``."""
+    from asyncckpt._api import sharded_load
+
+    parts = (ckpt._reader, ckpt._storage, ckpt._root, ckpt.root, ckpt._group, ckpt.rank)
+    return sharded_load.ShardedRoot(*parts)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("at", _RETIRE_AT)
 def test_a_newest_sharded_load_follows_when_retention_deletes_its_version(
@@ -514,7 +522,9 @@ def test_a_newest_sharded_load_follows_when_retention_deletes_its_version(
     ckpt = Checkpointer(root)
     commit = read_commit(*_root(tmp_path), 1)
     assert commit is not None
-    loaded = sharded_load.load(ckpt, 1, commit, Placement(None), None, False, follow_latest=True)
+    loaded = sharded_load.load(
+        _view(ckpt), 1, commit, Placement(None), None, False, follow_latest=True
+    )
     assert ckpt.versions() == [2]  # step 1 really was deleted under the loader
     state_checks.assert_same(loaded, torch.load(four / "full.pt", weights_only=True))
 
@@ -568,7 +578,7 @@ def test_a_damaged_version_is_not_mistaken_for_a_retired_one(four: Path, tmp_pat
     commit = read_commit(*_root(tmp_path), 1)
     assert commit is not None
     with pytest.raises(IncompleteCheckpointError, match="missing"):
-        sharded_load.load(ckpt, 1, commit, Placement(None), None, False, follow_latest=True)
+        sharded_load.load(_view(ckpt), 1, commit, Placement(None), None, False, follow_latest=True)
 
 
 # --------------------------------------------------------------------------- a rank never starts

@@ -505,10 +505,10 @@ class Checkpointer(VersionsMixin):
         follow_latest = step is None and not use_group
         self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
         commit = self._reader.commit_of(target)
-        # Either kind, and a version retired between choosing and reading it: the root's
-        # reading side dispatches on the COMMIT and follows the newest.
+        # Either kind, and a version retired since it was chosen: the reading side follows.
+        where = (self._reader, self._storage, self._root, self.root, self._group, self.rank)
         return sharded_load.load(
-            self,
+            sharded_load.ShardedRoot(*where),
             target,
             commit,
             placement,

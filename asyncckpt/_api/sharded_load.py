@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,11 +47,31 @@ from asyncckpt.errors import (
 )
 
 if TYPE_CHECKING:
-    from asyncckpt._api.checkpointer import Checkpointer
+    from asyncckpt._storage.base import Storage
+    from asyncckpt._versions.reading import RootReader
+
+
+@dataclass(frozen=True)
+class ShardedRoot:
+    """What a load needs of its ``Checkpointer``: the root and this process's place in it.
+
+    Attributes:
+        reader: the root's reading side (it dispatches on the ``COMMIT``).
+        storage: the backend, and ``path`` the root on it (``label``: the root as shown).
+        group: the process group of a collective load (None: the default group).
+        rank: this process's rank (which rank file holds its plain values).
+    """
+
+    reader: RootReader
+    storage: Storage
+    path: str
+    label: str
+    group: Any
+    rank: int
 
 
 def load(
-    ckpt: Checkpointer,
+    ckpt: ShardedRoot,
     step: int,
     commit: CommitRecord | None,
     placement: Placement,
@@ -67,7 +88,7 @@ def load(
     follow-the-newest loop), with this module reading it if it is sharded.
 
     Args:
-        ckpt: the Checkpointer (its storage, root, group and rank).
+        ckpt: the root and this process's rank and group.
         step: the version to load.
         commit: its commit marker, or None if it was retired since it was chosen.
         placement: where plain tensors (and consolidated ones) go.
@@ -105,7 +126,7 @@ def load(
     """
     settings = settings or Settings.resolve()
     kinds = ShardedLoad(ckpt, placement, into, use_group, settings, keys)
-    return ckpt._reader.load(
+    return ckpt.reader.load(
         step,
         commit,
         placement,
@@ -124,7 +145,7 @@ class ShardedLoad:
 
     def __init__(
         self,
-        ckpt: Checkpointer,
+        ckpt: ShardedRoot,
         placement: Placement,
         into: Any,
         use_group: bool,
@@ -149,7 +170,7 @@ class ShardedLoad:
 
     def check_plain(self, step: int) -> None:
         """A plain version cannot load into DTensors."""
-        refuse_dtensors(step, self._ckpt.root, self._into)
+        refuse_dtensors(step, self._ckpt.label, self._into)
 
 
 def refuse_dtensors(step: int, root: str, into: Any) -> None:
@@ -162,7 +183,7 @@ def refuse_dtensors(step: int, root: str, into: Any) -> None:
 
 
 def _load_sharded(
-    ckpt: Checkpointer,
+    ckpt: ShardedRoot,
     commit: CommitRecord,
     placement: Placement,
     into: Any,
@@ -171,8 +192,8 @@ def _load_sharded(
     settings: Settings,
     keys: Collection[Any] | None = None,
 ) -> Any:
-    storage = ckpt._storage
-    directory = step_dir(storage, ckpt._root, commit.step)
+    storage = ckpt.storage
+    directory = step_dir(storage, ckpt.path, commit.step)
     named = commit.metadata_file  # the metadata of exactly this version, as COMMIT names it
     reader = Reader.at(storage, directory, named, budget, settings)
     metadata = _read(reader.read_metadata)
@@ -185,7 +206,7 @@ def _load_sharded(
     if dtensors:
         flat = {fqn_of(path): dt for path, dt in dtensors.items()}
         at = Reader.at(storage, directory, named, budget, settings)
-        _dcp_load(flat, at, ckpt._group, no_dist=False)
+        _dcp_load(flat, at, ckpt.group, no_dist=False)
         loaded: dict[Path, Any] = dict(dtensors)
     else:
         reader = Reader.at(storage, directory, named, budget, settings)
@@ -293,7 +314,7 @@ def key_path(path: Path) -> str:
     return key
 
 
-def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tuple[OpenedFile, str]:
+def _rank_file(ckpt: ShardedRoot, commit: CommitRecord, directory: str) -> tuple[OpenedFile, str]:
     """This rank's file of the version, or rank 0's if the version has no file of this rank
     (it was saved by fewer ranks); opened (the caller closes it) and checked against its
     committed size."""
@@ -303,15 +324,15 @@ def _rank_file(ckpt: Checkpointer, commit: CommitRecord, directory: str) -> tupl
         if rank is not None:
             by_rank[rank] = (name, size)
     if not by_rank:
-        raise FormatError(f"{ckpt.root}: step {commit.step} names no rank file")
+        raise FormatError(f"{ckpt.label}: step {commit.step} names no rank file")
     rank = ckpt.rank if ckpt.rank in by_rank else min(by_rank)
     name, size = by_rank[rank]
-    path = ckpt._storage.join(directory, name)
+    path = ckpt.storage.join(directory, name)
     try:
-        opened = open_file(ckpt._storage, path)
+        opened = open_file(ckpt.storage, path)
     except CheckpointNotFoundError as exc:
         raise IncompleteCheckpointError(
-            f"{ckpt._storage.describe(path)}: named by step {commit.step}'s COMMIT but missing"
+            f"{ckpt.storage.describe(path)}: named by step {commit.step}'s COMMIT but missing"
         ) from exc
     if size is not None and opened.size != size:
         opened.close()

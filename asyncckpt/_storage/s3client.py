@@ -7,10 +7,52 @@ own retry loop switched off, so that one retry layer sees every try.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from asyncckpt._settings import Settings
+    from asyncckpt._storage.s3retry import Attempts
+    from asyncckpt.errors import AsyncCkptError
+
+T = TypeVar("T")
 
 #: fsspec protocols that :func:`asyncckpt._storage.resolve` routes to an object store.
 OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a"})
+
+
+class ObjectClient(Protocol):
+    """What the store's helpers (listing, multipart upload, ranged reads) call back into.
+
+    :class:`~asyncckpt._storage.objectstore.ObjectStorage` is the one implementation; the
+    helpers see only this, so they sit below the store instead of in a circle with it.
+    """
+
+    fs: Any
+    settings: Settings
+
+    @staticmethod
+    def split(path: str) -> tuple[str, str]: ...
+
+    def describe(self, path: str) -> str: ...
+
+    def request(
+        self, action: str, path: str, fn: Callable[[], T], attempts: Attempts | None = None
+    ) -> T: ...
+
+    def call(
+        self, action: str, path: str, method: str, attempts: Attempts | None = None, **kwargs: Any
+    ) -> dict[str, Any]: ...
+
+    def put(
+        self, path: str, data: bytes | bytearray, attempts: Attempts | None = None, **kwargs: Any
+    ) -> dict[str, Any]: ...
+
+    def head(self, path: str) -> dict[str, Any] | None: ...
+
+    def not_found(self, path: str) -> AsyncCkptError: ...
+
+    def abort_uploads(self, path: str, *, exact: bool = False, keep: str | None = None) -> int: ...
 
 
 def is_object_store(fs: Any) -> bool:

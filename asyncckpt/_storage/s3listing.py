@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the store lists through these; they only call back into it
-    from asyncckpt._storage.objectstore import ObjectStorage
+from asyncckpt._storage.s3client import ObjectClient
 
 
 def list_keys(
-    storage: ObjectStorage, path: str, *, delimiter: bool, max_keys: int | None = None
+    storage: ObjectClient, path: str, *, delimiter: bool, max_keys: int | None = None
 ) -> list[str]:
     """Keys (and, with ``delimiter``, common prefixes) below ``path`` + ``/``."""
     _, key = storage.split(path)
@@ -32,7 +31,7 @@ def list_keys(
             return out
 
 
-def list_uploads(storage: ObjectStorage, path: str, *, exact: bool) -> list[tuple[str, str]]:
+def list_uploads(storage: ObjectClient, path: str, *, exact: bool) -> list[tuple[str, str]]:
     """``(key, upload_id)`` of every multipart upload in progress below ``path`` (or,
     with ``exact``, of the object ``path`` itself)."""
     _, key = storage.split(path)

@@ -15,15 +15,13 @@ import logging
 import re
 import threading
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from asyncckpt._storage.base import AtomicWriter
+from asyncckpt._storage.s3client import ObjectClient
 from asyncckpt._storage.s3retry import Attempts
 from asyncckpt._threads import pool
 from asyncckpt.errors import AsyncCkptError, CheckpointNotFoundError, StorageError
-
-if TYPE_CHECKING:  # the store creates its writers; the writer only calls back into it
-    from asyncckpt._storage.objectstore import ObjectStorage
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +35,7 @@ PARTS_PER_SIZE_STEP = 1_000
 class ObjectWriter(AtomicWriter):
     """One object being written: a single PUT, or a multipart upload with parallel parts."""
 
-    def __init__(self, storage: ObjectStorage, path: str) -> None:
+    def __init__(self, storage: ObjectClient, path: str) -> None:
         self.storage = storage
         self.path = path
         self.part_bytes = storage.settings.part_bytes

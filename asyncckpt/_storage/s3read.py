@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from asyncckpt._storage.base import ReadHandle
+from asyncckpt._storage.s3client import ObjectClient
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     ConflictError,
     FileReplacedError,
     RangeNotSatisfiable,
 )
-
-if TYPE_CHECKING:  # the store opens its handles; a handle only calls back into it
-    from asyncckpt._storage.objectstore import ObjectStorage
 
 T = TypeVar("T")
 
@@ -34,7 +32,7 @@ READ_PIECE_BYTES = 4 << 20
 class ObjectHandle(ReadHandle):
     """An object pinned to its ETag: ranged ``GetObject`` requests with ``If-Match``."""
 
-    def __init__(self, storage: ObjectStorage, path: str) -> None:
+    def __init__(self, storage: ObjectClient, path: str) -> None:
         head = storage.head(path)
         if head is None:
             raise storage.not_found(path)
