@@ -30,11 +30,12 @@ the newest committed one, nor one being written. A ``checkpoint-N`` folder of ou
 only ``trainer_state.json``) is removed once version N is gone; stock Trainer folders are
 never touched. A ``checkpointer=`` passed in is used as it is, with its own retention.
 
-Overridden ``Trainer`` methods (:data:`OVERRIDDEN`; ``tests/test_transformers.py`` fails if
-a ``transformers`` release renames one or changes its parameters): ``train`` (translates
-``resume_from_checkpoint=True``, waits for the last save), ``_save_checkpoint``,
-``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_scaler``,
-``_load_rng_state``, ``_load_best_model``. Were one renamed, the stock method would run
+Overridden ``Trainer`` methods (:data:`OVERRIDDEN`;
+``tests/integrations/test_transformers.py`` fails if a ``transformers`` release renames one
+or changes its parameters): ``train`` (translates ``resume_from_checkpoint=True``, waits
+for the last save), ``_save_checkpoint``, ``_load_from_checkpoint``,
+``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``,
+``_load_best_model``. Were one renamed, the stock method would run
 instead: saves would be synchronous ``torch.save`` files again, or a resume would look for
 files that are not there. DeepSpeed, FSDP, SageMaker MP and XLA are refused.
 

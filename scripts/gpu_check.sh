@@ -119,9 +119,9 @@ then
     echo "DRY_RUN=1: going on without a device (exit 3 at the end)"
 fi
 
-say "CUDA tests: pytest -m cuda tests/test_cuda.py"
+say "CUDA tests: pytest -m cuda tests/engine/test_cuda.py"
 timeout --kill-after=10 "$TEST_TIMEOUT" "$PY" -m pytest -m cuda -rA -p no:cacheprovider \
-    -o addopts="" tests/test_cuda.py
+    -o addopts="" tests/engine/test_cuda.py
 tests_rc=$?
 
 say "GPU benchmark: bench_gpu.py $BENCH_ARGS"

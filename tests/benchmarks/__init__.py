@@ -1,0 +1,1 @@
+"""Tests of the benchmarks run and write well-formed results (benchmarks/)."""

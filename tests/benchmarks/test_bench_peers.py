@@ -1,0 +1,75 @@
+"""Smoke test of ``benchmarks/bench_peers.py --quick``: asyncckpt beside the peers (issue 22).
+
+Structure and behaviour only, no timing thresholds: every method runs in its own process and
+reports every row (or the error that stopped it), and the snapshot check tells a method
+that copies the state (asyncckpt) from one that hands the live tensors to its writer
+(nvidia-resiliency-ext's worker on the CPU, torch.save on a thread).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = (
+    "stall_x_copy",
+    "durable_x_torch_save",
+    "load_x_torch_load",
+    "stored_fraction",
+    "extra_peak_x_state",
+    "first_save_x_copy",
+)
+
+
+def finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_peers_quick(tmp_path: Path) -> None:
+    pytest.importorskip("nvidia_resiliency_ext")
+    out = tmp_path / "results"
+    methods = ("asyncckpt", "nvrx", "tensorizer")  # a copy, no copy, synchronous
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_peers.py"),
+            *("--quick", "--out", str(out), "--tmp-dir", str(tmp_path), "--methods", *methods),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((out / "bench_peers.json").read_text())
+    assert (out / "bench_peers.png").stat().st_size > 0
+    assert list(res["methods"]) == list(methods)
+    for name, rec in res["methods"].items():
+        assert "error" not in rec, (name, rec.get("traceback"))
+        assert rec["version"], name
+        for key in ROWS:
+            assert finite(rec[key]) and rec[key] >= 0, (name, key, rec.get(key))
+        assert rec["load_equal"] is True, name  # each loader returned what was saved
+        assert rec["tensors"] > 0 and isinstance(rec["snapshot"], bool), name
+        train = rec["train"]
+        assert set(train["wall_s"]) == {"none", "method", "torch_save"}, name
+    # asyncckpt copies the state before save returns, tensorizer writes before it returns;
+    # NVRx's CPU path hands the live tensors to its worker process, which serializes them
+    # only after the change
+    snapshot = {name: rec["snapshot"] for name, rec in res["methods"].items()}
+    assert snapshot["asyncckpt"] is True and snapshot["tensorizer"] is True, snapshot
+    assert snapshot["nvrx"] is False, snapshot
+    assert res["methods"]["tensorizer"]["python_speed_x_idle"] is None  # synchronous
+    assert finite(res["methods"]["asyncckpt"]["python_speed_x_idle"])
+    # the benchmark's temp directories are removed
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("bench_peers-")]

@@ -1,0 +1,1 @@
+"""Tests of the asyncckpt command line (asyncckpt/cli)."""

@@ -1,0 +1,1 @@
+"""Tests of the engine (asyncckpt/_engine): arena, writer, writer process, compression, CUDA."""

@@ -1,0 +1,1 @@
+"""Tests of the format (asyncckpt/_format) and what a crafted file can make a reader do."""

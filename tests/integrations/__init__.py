@@ -1,0 +1,1 @@
+"""Tests of integrations: DCP, Lightning, Hugging Face, torchtitan, conversion."""

@@ -1,0 +1,1 @@
+"""Tests of storage backends (asyncckpt/_storage): local, fsspec, S3, conformance."""

@@ -1,0 +1,1 @@
+"""Tests of the test kit itself (asyncckpt/testing): servers, fault injection."""

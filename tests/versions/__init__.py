@@ -1,0 +1,1 @@
+"""Tests of versioned roots (asyncckpt/_versions): deletion, markers, retention, roles."""
