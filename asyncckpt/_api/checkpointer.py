@@ -506,9 +506,8 @@ class Checkpointer(VersionsMixin):
         self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
         commit = self._reader.commit_of(target)
         # Either kind, and a version retired since it was chosen: the reading side follows.
-        where = (self._reader, self._storage, self._root, self.root, self._group, self.rank)
         return sharded_load.load(
-            sharded_load.ShardedRoot(*where),
+            self._sharded_root(),
             target,
             commit,
             placement,

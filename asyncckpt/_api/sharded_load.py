@@ -19,7 +19,7 @@ unwrapped, so a damaged file raises :class:`~asyncckpt.errors.ChecksumError`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,10 +31,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from asyncckpt._api.sharded_save import Path, dtensor_leaves, fqn_of, holds_dtensor
 from asyncckpt._device import Placement
 from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file
+from asyncckpt._engine.decode_select import top_level
 from asyncckpt._format.container import MAX_DEPTH
 from asyncckpt._format.index import tied_names, value_bytes
 from asyncckpt._format.names import rank_of_data_file
-from asyncckpt._format.tree import ROOT_NAME, child_path, tensor_paths
+from asyncckpt._format.tree import ROOT_NAME, child_path, tensor_paths, torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt._versions.dcp_reader import Reader
 from asyncckpt._versions.protocol import CommitRecord, step_dir
@@ -213,7 +214,7 @@ def _load_sharded(
         loaded = _consolidated(
             metadata, reader, placement, into, budget, reader.checkpoint_id, keys
         )
-    opened, name = _rank_file(ckpt, commit, directory)
+    opened, name = rank_file(ckpt, commit, directory)
     with opened:
         skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
         replaced = {key_path(path) for path in loaded}
@@ -314,7 +315,7 @@ def key_path(path: Path) -> str:
     return key
 
 
-def _rank_file(ckpt: ShardedRoot, commit: CommitRecord, directory: str) -> tuple[OpenedFile, str]:
+def rank_file(ckpt: ShardedRoot, commit: CommitRecord, directory: str) -> tuple[OpenedFile, str]:
     """This rank's file of the version, or rank 0's if the version has no file of this rank
     (it was saved by fewer ranks); opened (the caller closes it) and checked against its
     committed size."""
@@ -376,3 +377,99 @@ def substituted(tree: Any, values: dict[Path, Any], name: str) -> Any:
             raise FormatError(f"{name}: no place for {fqn_of(path)} in the saved state")
         node[path[-1]] = values[path]
     return tree
+
+
+class LazyShardedVersion(Mapping[Any, Any]):
+    """A committed sharded version as a read-only mapping over its top-level keys
+    (``Checkpointer.open`` of a version saved from DTensors).
+
+    Opening reads this rank's file's manifest and the version's metadata; ``version[key]``
+    loads that key alone (not collective): its DTensors consolidated into whole tensors on
+    ``map_location``, its other values as this rank saved them, every chunk verified, nothing
+    cached. A committed version never changes; one that retention deletes meanwhile raises
+    ``IncompleteCheckpointError``.
+
+    Args:
+        root: the root and this process's rank.
+        commit: the version's ``COMMIT`` record (sharded).
+        placement: where tensors go.
+        settings: the load's settings.
+    """
+
+    def __init__(
+        self, root: ShardedRoot, commit: CommitRecord, placement: Placement, settings: Settings
+    ) -> None:
+        self._root, self._commit = root, commit
+        self._placement, self._settings = placement, settings
+        directory = step_dir(root.storage, root.path, commit.step)
+        reader = Reader.at(root.storage, directory, commit.metadata_file, None, settings)
+        metadata = _read(reader.read_metadata)
+        opened, name = rank_file(root, commit, directory)
+        with opened:
+            pairs = top_level(opened.manifest.root, opened.name)
+            shards = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
+            plain = [e for i, e in enumerate(opened.manifest.tensors) if i not in shards]
+            storages = opened.manifest.storages
+            self.name = f"{root.label} step {commit.step}"
+        if pairs is None:
+            raise AsyncCkptError(f"{self.name}: open() reads a saved dict; load it instead")
+        self._keys = [key for key, _node in pairs]
+        self._tensors = {e.key: (torch.Size(e.shape), torch_dtype(e.dtype)) for e in plain}
+        self._nbytes = sum(storages[i].nbytes for i in {e.storage for e in plain})
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                path = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
+                self._tensors[key_path(path)] = (md.size, md.properties.dtype)
+                self._nbytes += value_bytes(metadata, fqn)
+
+    def __getitem__(self, key: Any) -> Any:
+        """Load, verify and return the entry ``key`` (DTensors as whole tensors).
+
+        Raises:
+            MissingKeyError: the version has no top-level ``key``.
+            IncompleteCheckpointError: the version was deleted meanwhile.
+        """
+        got = load(
+            self._root,
+            self._commit.step,
+            self._commit,
+            self._placement,
+            None,
+            False,
+            settings=self._settings,
+            keys=[key],
+        )
+        return got[key]
+
+    def get_tensor(self, key: Any) -> Any:
+        """``self[key]`` (the name safetensors' ``safe_open`` uses)."""
+        return self[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def tensors(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Every tensor's key path with its shape and dtype (a DTensor's whole shape)."""
+        return dict(self._tensors)
+
+    def nbytes(self) -> int:
+        """The bytes a whole load of this rank allocates (DTensors whole)."""
+        return self._nbytes
+
+    def close(self) -> None:
+        """Nothing is held open between reads; kept for the context manager."""
+
+    def __enter__(self) -> LazyShardedVersion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<asyncckpt open {self.name!r} (sharded): {len(self)} keys>"

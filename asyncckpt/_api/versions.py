@@ -11,14 +11,16 @@ import signal
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from asyncckpt._api.collective import check_load_step
 from asyncckpt._api.preemption import Preemption
+from asyncckpt._api.sharded_load import LazyShardedVersion, ShardedRoot
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine.decode_lazy import LazyCheckpoint
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
-from asyncckpt._versions.protocol import COMMITTED, StepEntry
+from asyncckpt._versions.protocol import COMMITTED, SHARDED, StepEntry
 from asyncckpt._versions.reading import RootReader
 from asyncckpt._versions.retention import BEST_MODES, RetentionPolicy, ranked
 from asyncckpt._versions.rewind import rewind
@@ -58,12 +60,18 @@ class VersionsMixin:
     _writer: RootWriter
     _lock: threading.Lock
     _settings: Settings
+    _group: Any
     _last_step: int | None
     retention: RetentionPolicy
 
     @property
     def root(self) -> str:  # pragma: no cover - Checkpointer's
         """The root as a user would write it."""
+        raise NotImplementedError
+
+    @property
+    def rank(self) -> int:  # pragma: no cover - Checkpointer's
+        """This process's rank."""
         raise NotImplementedError
 
     @property
@@ -93,10 +101,13 @@ class VersionsMixin:
         """The newest committed step."""
         raise NotImplementedError
 
-    def open(self, step: int | None = None, *, map_location: MapLocation = None) -> LazyCheckpoint:
-        """Open a committed plain version for reading one top-level key at a time, as
+    def open(
+        self, step: int | None = None, *, map_location: MapLocation = None
+    ) -> LazyCheckpoint | LazyShardedVersion:
+        """Open a committed version for reading one top-level key at a time, as
         :func:`asyncckpt.open` opens a file (not collective; waits for nothing but this
-        process's own pending save of the step).
+        process's own pending save of the step). Of a sharded version, each key's DTensors
+        come back as whole tensors and its other values as this rank saved them.
 
         Args:
             step: the version; None: the newest (this process's pending saves included).
@@ -107,7 +118,6 @@ class VersionsMixin:
 
         Raises:
             CheckpointNotFoundError: nothing (or not ``step``) is committed.
-            AsyncCkptError: the version is sharded (open() reads plain versions only).
         """
         self._check_open()
         check_load_step(step)
@@ -116,7 +126,15 @@ class VersionsMixin:
         if (target := self.latest() if target is None else target) is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         self._wait_committed(target, None, poll=False)
+        commit = self._reader.commit_of(target)
+        if commit is not None and commit.kind == SHARDED:
+            return LazyShardedVersion(self._sharded_root(), commit, placement, self._settings)
         return LazyCheckpoint(self._reader.open(target), placement, self._settings)
+
+    def _sharded_root(self) -> ShardedRoot:
+        """What a sharded load of this root needs (the root, this rank, its group)."""
+        parts = (self._reader, self._storage, self._root, self.root, self._group, self.rank)
+        return ShardedRoot(*parts)
 
     def info(self, step: int | None = None) -> VersionInfo:
         """A committed version's metadata (step, time, size, metrics, kind), read from its

@@ -289,11 +289,40 @@ def test_one_process_loads_only_the_keys_asked_for(
         Checkpointer(four / "ckpt").load(keys=["ema"])
 
 
-def test_open_refuses_a_sharded_version_saying_what_to_do(four: Path) -> None:
-    from asyncckpt.errors import AsyncCkptError
+@pytest.mark.timeout(300)
+def test_open_of_a_sharded_version_lists_whole_shapes_and_loads_one_key_at_a_time(
+    four: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt._api.sharded_load import key_path
+    from asyncckpt._engine.opened import OpenedFile
+    from asyncckpt.errors import MissingKeyError
 
-    with pytest.raises(AsyncCkptError, match=r"sharded.*load\(keys="):
-        Checkpointer(four / "ckpt").open()
+    want = torch.load(four / "full.pt", weights_only=True)
+    read: list[int] = []
+    real = OpenedFile.read_into
+
+    def counting(self: OpenedFile, start: int, out: memoryview) -> int:
+        read.append(real(self, start, out))
+        return read[-1]
+
+    monkeypatch.setattr(OpenedFile, "read_into", counting)
+    with Checkpointer(four / "ckpt").open() as version:
+        assert not read  # opening reads manifests and metadata, no chunk
+        assert sorted(version) == sorted(want) and "model" in version
+        shapes = version.tensors()
+        for name, tensor in want["model"].items():  # whole shapes, not this rank's shard
+            assert shapes[key_path(("model", name))] == (tensor.shape, tensor.dtype)
+        model = version["model"]
+        state_checks.assert_same(model, want["model"])
+        optim_bytes = sum(t.numel() * t.element_size() for t in tensor_leaves(want["optim"]))
+        model_read = sum(read)
+        state_checks.assert_same(version.get_tensor("optim"), want["optim"])
+        assert sum(read) - model_read >= optim_bytes  # the optimizer came with its own read
+        assert version.nbytes() >= optim_bytes + model_read
+        with pytest.raises(MissingKeyError, match="top-level keys are"):
+            version["ema"]
+    with Checkpointer(four / "ckpt").open(1) as first:  # an older step, by number
+        assert not torch.equal(first["model"]["0.weight"], want["model"]["0.weight"])
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:
@@ -504,10 +533,7 @@ def _root_at_step_1(four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 def _view(ckpt: Checkpointer) -> Any:
     """What ``Checkpointer.load`` hands the sharded load of ``ckpt``."""
-    from asyncckpt._api import sharded_load
-
-    parts = (ckpt._reader, ckpt._storage, ckpt._root, ckpt.root, ckpt._group, ckpt.rank)
-    return sharded_load.ShardedRoot(*parts)
+    return ckpt._sharded_root()
 
 
 @pytest.mark.timeout(300)
