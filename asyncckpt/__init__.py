@@ -24,12 +24,14 @@ if TYPE_CHECKING:
     from asyncckpt._api.checkpointer import Checkpointer
     from asyncckpt._api.dropin import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
     from asyncckpt._api.dropin import open_checkpoint as open
+    from asyncckpt._api.preemption import Preemption
 
 #: Public names imported on first use: ``import asyncckpt.cli`` (``asyncckpt --help``) and
 #: ``asyncckpt.errors`` then run without importing torch (seconds).
 _LAZY = {
     "Checkpointer": ("asyncckpt._api.checkpointer", "Checkpointer"),
     "open": ("asyncckpt._api.dropin", "open_checkpoint"),
+    "Preemption": ("asyncckpt._api.preemption", "Preemption"),
     **{
         name: ("asyncckpt._api.dropin", name)
         for name in ("SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "wait")
@@ -53,6 +55,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncCkptError",
     "Checkpointer",
+    "Preemption",
     "SaveHandle",
     "SaveInfo",
     "SaveStats",

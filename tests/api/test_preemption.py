@@ -106,3 +106,16 @@ def test_on_preemption_outside_the_main_thread_is_refused(tmp_path: Path) -> Non
     thread.start()
     thread.join()
     assert errors and "main thread" in str(errors[0])
+
+
+def test_the_flag_is_public_for_the_drop_in_api_too() -> None:
+    import asyncckpt
+
+    stop = asyncckpt.Preemption([signal.SIGUSR1])  # no Checkpointer: asyncckpt.save users
+    try:
+        assert stop.requested is False
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.requested is True
+    finally:
+        stop.remove()
+    assert asyncckpt.Preemption is Preemption and "Preemption" in asyncckpt.__all__
