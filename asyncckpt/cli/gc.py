@@ -33,6 +33,7 @@ from asyncckpt.cli.common import (
     new_command,
     version_info,
 )
+from asyncckpt.cli.listing import need_versions
 from asyncckpt.errors import UsageError
 
 
@@ -188,6 +189,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     """
     policy = policy_of(args)
     ref = need_root(locate(args.root, args.options), args.root)
+    need_versions(ref, "gc")
     storage, root = ref.storage, ref.path
     record = read_version_file(storage, root)
     entries = list_steps(storage, root)

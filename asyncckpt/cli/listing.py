@@ -18,7 +18,7 @@ from asyncckpt.cli.common import (
     is_dcp_directory,
     version_info,
 )
-from asyncckpt.errors import AsyncCkptError
+from asyncckpt.errors import AsyncCkptError, UsageError
 
 #: How many folders below the one given are searched, and how many are listed at most.
 MAX_DEPTH, MAX_FOLDERS = 4, 2000
@@ -28,6 +28,27 @@ def is_root(storage: Storage, path: str, names: list[str] | None = None) -> bool
     """Whether ``path`` is a Checkpointer root: a version file or a step directory."""
     names = storage.list_dir(path) if names is None else names
     return VERSION_FILE in names or any(parse_step(n) is not None for n in names)
+
+
+def need_versions(ref: RootRef, command: str) -> None:
+    """Refuse a command that changes versions (``gc``, ``rewind``) on a folder that is not a
+    ``Checkpointer`` root: a DCP directory, a folder of roots, or anything else.
+
+    Raises:
+        UsageError: naming what ``ref`` is instead, and what to run.
+    """
+    storage, path = ref.storage, ref.path
+    names = storage.list_dir(path)
+    if is_root(storage, path, names):
+        return
+    what = f"asyncckpt {command}: {ref.name} is not a Checkpointer root"
+    if is_dcp_directory(storage, path):
+        raise UsageError(f"{what} (it is an asyncckpt.dcp directory: one checkpoint, no versions)")
+    below = [row["path"] for row in find_checkpoints(storage, path) if row["layout"] == "root"]
+    if below:
+        shown = ", ".join(below[:3]) + (", ..." if len(below) > 3 else "")
+        raise UsageError(f"{what}; the roots below it: {shown} (run it on one of them)")
+    raise UsageError(f"{what}: it holds nothing asyncckpt wrote (try 'asyncckpt ls {ref.name}')")
 
 
 def find_checkpoints(storage: Storage, top: str) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from asyncckpt.cli.common import (
     need_root,
     new_command,
 )
+from asyncckpt.cli.listing import need_versions
 from asyncckpt.errors import CommandFailed, UsageError
 
 
@@ -56,6 +57,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
     if args.step < 0:
         raise UsageError(f"asyncckpt rewind: STEP must be a non-negative int, got {args.step}")
     ref = need_root(locate(args.root, args.options), args.root)
+    need_versions(ref, "rewind")
     storage, root = ref.storage, ref.path
     if read_commit(storage, root, args.step) is None:
         raise CommandFailed(f"step {args.step} under {ref.name} is not committed: nothing deleted")

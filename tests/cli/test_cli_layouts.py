@@ -202,3 +202,94 @@ def test_inspect_key_and_depth_filter_the_rows(
     }
     code, _, err = run(capsys, "inspect", layouts[layout], "--key", "nope")
     assert code == 2 and "has no key 'nope'" in err
+
+
+# --------------------------------------------------------------------------- the guide's table
+
+_GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guide.md"
+_ROWS = {  # the guide's row name starts with → the layout it means
+    "single file": "single",
+    "plain root": "plain",
+    "sharded root": "sharded",
+    "DCP directory": "dcp",
+    "parent folder": "top",
+    "`torch.save` file": "pt",
+    "safetensors file": "safetensors",
+}
+_COMMANDS = ("ls", "inspect", "verify", "gc", "convert")
+_NEWEST = {"plain": 20, "sharded": 2}  # the fixture's newest steps
+
+
+def _table() -> list[tuple[str, str, str]]:
+    """(layout, command, cell) for every cell of the guide's "each command on each layout"
+    table: the cell is the command line the guide shows, or "no"."""
+    text = _GUIDE.read_text(encoding="utf-8")
+    start = text.index("| layout | `ls` |")
+    cells = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        name, *row = [c.strip() for c in line.strip("|").split("|")]
+        layout = next(v for k, v in _ROWS.items() if name.startswith(k))
+        cells += [(layout, command, cell) for command, cell in zip(_COMMANDS, row, strict=True)]
+    return cells
+
+
+def _line(command: str, cell: str, source: str, out: Path) -> list[str]:
+    """The command line of one cell on ``source`` (its STEP kept), outputs under ``out``."""
+    if cell.startswith("no"):
+        tail = {"gc": ["--keep-last", "1"], "convert": [str(out / "x.ackpt")]}
+        return [command, source, *tail.get(command, [])]
+    shown = cell.split("`")[1].split()
+    assert shown[0] == command, cell
+    at = f"@{_NEWEST[Path(source).name]}" if "@" in shown[1] else ""  # the guide says @20
+    rest = shown[2:]
+    if command == "convert":  # the output, under out/
+        rest = [str(out / rest[0]), *rest[1:]]
+    return [command, source + at, *rest]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("layout", "command", "cell"), _table())
+def test_each_command_on_each_layout_does_what_the_guides_table_says(
+    layouts: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    layout: str,
+    command: str,
+    cell: str,
+) -> None:
+    import shutil
+
+    copy = tmp_path / "top"  # gc and convert may change what they are given
+    shutil.copytree(layouts["top"], copy, ignore=shutil.ignore_patterns("*.pt", "*.safetensors"))
+    state = {"model.w": torch.ones(4, 3), "model.b": torch.zeros(3)}
+    torch.save(state, copy / "m.pt")
+    pytest.importorskip("safetensors.torch").save_file(state, str(copy / "m.safetensors"))
+    names = {"single": "single.ackpt", "plain": "plain", "sharded": "sharded", "dcp": "dcpdir"}
+    names |= {"pt": "m.pt", "safetensors": "m.safetensors", "top": ""}
+    source = str(copy / names[layout])
+    (tmp_path / "out").mkdir()
+    code, out, err = run(capsys, *_line(command, cell, source, tmp_path / "out"))
+    assert "Traceback" not in out + err
+    if cell.startswith("no"):
+        assert code != 0 and err.strip(), f"{command} on {layout}: exit {code}, {out!r}"
+    else:
+        assert code == 0, f"{command} on {layout} ({cell}): {err}"
+        assert out.strip() or any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", [["gc", "--keep-last", "1"], ["rewind", "--yes"]])
+def test_gc_and_rewind_refuse_what_is_not_a_root_saying_what_it_is(
+    layouts: dict[str, Path], capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    name, *flags = command
+    step = ["1"] if name == "rewind" else []
+    before = sorted(p.relative_to(layouts["top"]) for p in layouts["top"].rglob("*"))
+    code, _, err = run(capsys, name, layouts["top"], *step, *flags)
+    assert code == 2 and "not a Checkpointer root" in err
+    assert "plain" in err and "sharded" in err  # the roots below, to run it on
+    code, _, err = run(capsys, name, layouts["dcp"], *step, *flags)
+    assert code == 2 and "asyncckpt.dcp directory" in err
+    assert sorted(p.relative_to(layouts["top"]) for p in layouts["top"].rglob("*")) == before
