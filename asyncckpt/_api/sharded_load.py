@@ -19,7 +19,7 @@ unwrapped, so a damaged file raises :class:`~asyncckpt.errors.ChecksumError`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from asyncckpt._api.sharded_save import Path, dtensor_leaves, fqn_of, holds_dtensor
 from asyncckpt._device import Placement
 from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file
+from asyncckpt._engine.decode_lazy import LazyEntries
 from asyncckpt._engine.decode_select import top_level
 from asyncckpt._format.container import MAX_DEPTH
 from asyncckpt._format.index import tied_names, value_bytes
@@ -379,7 +380,7 @@ def substituted(tree: Any, values: dict[Path, Any], name: str) -> Any:
     return tree
 
 
-class LazyShardedVersion(Mapping[Any, Any]):
+class LazyShardedVersion(LazyEntries):
     """A committed sharded version as a read-only mapping over its top-level keys
     (``Checkpointer.open`` of a version saved from DTensors).
 
@@ -410,7 +411,7 @@ class LazyShardedVersion(Mapping[Any, Any]):
             shards = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
             plain = [e for i, e in enumerate(opened.manifest.tensors) if i not in shards]
             storages = opened.manifest.storages
-            self.name = f"{root.label} step {commit.step}"
+            self._name = f"{root.label} step {commit.step}"
         if pairs is None:
             raise AsyncCkptError(f"{self.name}: open() reads a saved dict; load it instead")
         self._keys = [key for key, _node in pairs]
@@ -441,19 +442,6 @@ class LazyShardedVersion(Mapping[Any, Any]):
         )
         return got[key]
 
-    def get_tensor(self, key: Any) -> Any:
-        """``self[key]`` (the name safetensors' ``safe_open`` uses)."""
-        return self[key]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
     def tensors(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Every tensor's key path with its shape and dtype (a DTensor's whole shape)."""
         return dict(self._tensors)
@@ -461,15 +449,6 @@ class LazyShardedVersion(Mapping[Any, Any]):
     def nbytes(self) -> int:
         """The bytes a whole load of this rank allocates (DTensors whole)."""
         return self._nbytes
-
-    def close(self) -> None:
-        """Nothing is held open between reads; kept for the context manager."""
-
-    def __enter__(self) -> LazyShardedVersion:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"<asyncckpt open {self.name!r} (sharded): {len(self)} keys>"

@@ -19,10 +19,51 @@ from asyncckpt._format.tree import torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt.errors import AsyncCkptError
 
-__all__ = ["LazyCheckpoint"]
+__all__ = ["LazyCheckpoint", "LazyEntries"]
 
 
-class LazyCheckpoint(Mapping[Any, Any]):
+class LazyEntries(Mapping[Any, Any]):
+    """What every lazily opened checkpoint is: a read-only mapping over the saved dict's
+    top-level keys (listed when opened), each entry loaded, and verified, when asked for.
+
+    Subclasses set ``_name`` and ``_keys`` and load an entry in ``__getitem__``.
+    """
+
+    _name: str
+    _keys: list[Any]
+
+    @property
+    def name(self) -> str:
+        """The checkpoint, as a user would write it."""
+        return self._name
+
+    def __getitem__(self, key: Any) -> Any:  # pragma: no cover - the subclasses'
+        raise NotImplementedError
+
+    def get_tensor(self, key: Any) -> Any:
+        """``self[key]`` (the name safetensors' ``safe_open`` uses)."""
+        return self[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def close(self) -> None:
+        """Release what the mapping holds (idempotent)."""
+
+    def __enter__(self) -> LazyEntries:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LazyCheckpoint(LazyEntries):
     """A read-only mapping over the top-level keys of a saved dict, loading one at a time.
 
     Opening reads only the file's header, footer and manifest; ``ckpt[key]`` reads and
@@ -50,14 +91,10 @@ class LazyCheckpoint(Mapping[Any, Any]):
             )
         check_devices(opened)
         self._opened, self._placement, self._settings = opened, placement, settings
+        self._name = opened.name
         self._keys = [key for key, _node in pairs]
         self._lock = threading.Lock()  # one read at a time through the one handle
         self._closed = False
-
-    @property
-    def name(self) -> str:
-        """The file, as a user would write it."""
-        return self._opened.name
 
     def __getitem__(self, key: Any) -> Any:
         """Read, verify and return the entry ``key``.
@@ -78,19 +115,6 @@ class LazyCheckpoint(Mapping[Any, Any]):
                 keys=[key],
             )
         return got[key]
-
-    def get_tensor(self, key: Any) -> Any:
-        """``self[key]`` (the name safetensors' ``safe_open`` uses)."""
-        return self[key]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
 
     def tensors(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """Every tensor's key path with its shape and dtype, from the manifest (nothing
@@ -113,12 +137,6 @@ class LazyCheckpoint(Mapping[Any, Any]):
         with self._lock:
             self._closed = True
             self._opened.close()
-
-    def __enter__(self) -> LazyCheckpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self)} keys"
