@@ -32,14 +32,15 @@ def is_root(storage: Storage, path: str, names: list[str] | None = None) -> bool
 
 def need_versions(ref: RootRef, command: str) -> None:
     """Refuse a command that changes versions (``gc``, ``rewind``) on a folder that is not a
-    ``Checkpointer`` root: a DCP directory, a folder of roots, or anything else.
+    ``Checkpointer`` root (an empty one is): a DCP directory, a folder of roots, or anything
+    else.
 
     Raises:
         UsageError: naming what ``ref`` is instead, and what to run.
     """
     storage, path = ref.storage, ref.path
     names = storage.list_dir(path)
-    if is_root(storage, path, names):
+    if not names or is_root(storage, path, names):  # empty: a root nothing was saved to yet
         return
     what = f"asyncckpt {command}: {ref.name} is not a Checkpointer root"
     if is_dcp_directory(storage, path):

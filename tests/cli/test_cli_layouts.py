@@ -293,3 +293,11 @@ def test_gc_and_rewind_refuse_what_is_not_a_root_saying_what_it_is(
     code, _, err = run(capsys, name, layouts["dcp"], *step, *flags)
     assert code == 2 and "asyncckpt.dcp directory" in err
     assert sorted(p.relative_to(layouts["top"]) for p in layouts["top"].rglob("*")) == before
+
+
+def test_gc_of_an_empty_root_deletes_nothing_and_succeeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "fresh").mkdir()  # a root nothing was saved to yet
+    code, out, err = run(capsys, "gc", tmp_path / "fresh", "--keep-last", "1")
+    assert code == 0 and "freed 0 B" in out, err
