@@ -21,7 +21,12 @@ from asyncckpt._storage.base import AtomicWriter
 from asyncckpt._storage.s3client import ObjectClient
 from asyncckpt._storage.s3retry import Attempts
 from asyncckpt._threads import pool
-from asyncckpt.errors import AsyncCkptError, CheckpointNotFoundError, StorageError
+from asyncckpt.errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    ConflictError,
+    StorageError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +62,30 @@ class ObjectWriter(AtomicWriter):
     def _raise_part_error(self) -> None:
         with self.lock:
             error = self.error
-        if error is not None:
-            raise error
+        if error is None:
+            return
+        if self._vanished():
+            raise self._aborted_by_another() from error
+        raise error
+
+    def _vanished(self) -> bool:
+        """Whether this upload is gone from the store (aborted by someone else)."""
+        if self.upload_id is None:
+            return False
+        try:
+            listed = self.storage.uploads(self.path, exact=True)
+        except AsyncCkptError:
+            return False  # cannot tell: the request's own error stands
+        return all(upload_id != self.upload_id for _key, upload_id in listed)
+
+    def _aborted_by_another(self) -> ConflictError:
+        # Stores answer a part or a completion of an aborted upload differently (S3 and
+        # SeaweedFS: NoSuchUpload; moto: HTTP 500); what they agree on is the listing.
+        return ConflictError(
+            f"{self.storage.describe(self.path)}: this save's upload was aborted by another "
+            "writer of the same file (a save of it that finished first aborts the other "
+            "uploads of the key) or by a bucket lifecycle rule; this save did not happen"
+        )
 
     def write(self, data: bytes | memoryview) -> None:
         if self.finished:
@@ -181,6 +208,10 @@ class ObjectWriter(AtomicWriter):
                     "no longer exists and the object at the key is not this upload (was it "
                     "aborted by a lifecycle rule or another process?)"
                 ) from exc
+        except AsyncCkptError as exc:
+            if self._vanished():
+                raise self._aborted_by_another() from exc
+            raise
         self.upload_id = None
 
     def _is_ours(self, head: dict[str, Any]) -> bool:

@@ -244,6 +244,31 @@ def test_delete_tree_and_recovery_abort_orphaned_uploads(
     writer.abort()  # the upload is gone already: abort is quiet
 
 
+@pytest.mark.parametrize("when", ["parts", "complete"])
+def test_an_upload_another_writer_of_the_key_aborted_fails_with_conflict(
+    s3_root: str, s3_server: Any, s3_part_bytes: int, when: str
+) -> None:
+    """Two processes saving one key: the first to finish aborts the other uploads of that
+    key (``abort_strays``); the other's save fails with ConflictError, the key holds the
+    first's file whole."""
+    storage, root = resolve(s3_root, s3_server.storage_options)
+    assert isinstance(storage, ObjectStorage)
+    path = storage.join(root, "m.ackpt")
+    writer = storage.open_atomic(path)
+    writer.write(b"x" * (3 * s3_part_bytes))  # an upload started, two parts sent
+    writer._wait_parts()  # type: ignore[attr-defined]
+    storage.put(path, b"the other writer's file")
+    storage.abort_unfinished(path, exact=True)  # what the other writer does after writing
+    with pytest.raises(ConflictError, match=r"m\.ackpt.*another") as caught:
+        if when == "parts":
+            writer.write(b"y" * (2 * s3_part_bytes))
+            writer.write(b"y" * (2 * s3_part_bytes))  # a part is sent once more data comes
+        writer.commit()
+    assert "aborted" in str(caught.value)
+    assert storage.read_bytes(path, 1 << 20) == b"the other writer's file"
+    assert uploads_under(s3_server, s3_root) == []
+
+
 # -- retries --------------------------------------------------------------------------------
 
 
