@@ -262,21 +262,26 @@ def test_one_process_without_a_group_loads_the_full_state(four: Path) -> None:
     assert not torch.equal(into["model"]["0.weight"], want["model"]["0.weight"])  # step 1
 
 
-@pytest.mark.timeout(300)
-def test_one_process_loads_only_the_keys_asked_for(
-    four: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The bytes of each chunk read (every chunk goes through ``OpenedFile.read_into``)."""
     from asyncckpt._engine.opened import OpenedFile
-    from asyncckpt.errors import MissingKeyError
 
-    read: list[int] = []
+    counts: list[int] = []
     real = OpenedFile.read_into
 
     def counting(self: OpenedFile, start: int, out: memoryview) -> int:
-        read.append(real(self, start, out))
-        return read[-1]
+        counts.append(real(self, start, out))
+        return counts[-1]
 
     monkeypatch.setattr(OpenedFile, "read_into", counting)
+    return counts
+
+
+@pytest.mark.timeout(300)
+def test_one_process_loads_only_the_keys_asked_for(four: Path, read: list[int]) -> None:
+    from asyncckpt.errors import MissingKeyError
+
     want = torch.load(four / "full.pt", weights_only=True)
     full = Checkpointer(four / "ckpt").load()
     everything, read[:] = sum(read), []
@@ -291,21 +296,12 @@ def test_one_process_loads_only_the_keys_asked_for(
 
 @pytest.mark.timeout(300)
 def test_open_of_a_sharded_version_lists_whole_shapes_and_loads_one_key_at_a_time(
-    four: Path, monkeypatch: pytest.MonkeyPatch
+    four: Path, read: list[int]
 ) -> None:
     from asyncckpt._api.sharded_load import key_path
-    from asyncckpt._engine.opened import OpenedFile
     from asyncckpt.errors import MissingKeyError
 
     want = torch.load(four / "full.pt", weights_only=True)
-    read: list[int] = []
-    real = OpenedFile.read_into
-
-    def counting(self: OpenedFile, start: int, out: memoryview) -> int:
-        read.append(real(self, start, out))
-        return read[-1]
-
-    monkeypatch.setattr(OpenedFile, "read_into", counting)
     with Checkpointer(four / "ckpt").open() as version:
         assert not read  # opening reads manifests and metadata, no chunk
         assert sorted(version) == sorted(want) and "model" in version
