@@ -114,6 +114,33 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) of this process and of its live descendants, such as
+    asyncckpt's writer process. Linux reads the descendants from ``/proc``; elsewhere only
+    this process counts.
+    """
+    t = os.times()
+    total = t.user + t.system
+    hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    todo, seen = [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # not Linux, or the process has exited
+            continue
+        for tid in tids:
+            for child in read_text(f"/proc/{pid}/task/{tid}/children").split():
+                if int(child) not in seen:
+                    seen.add(int(child))
+                    todo.append(int(child))
+    for pid in seen:
+        rest = read_text(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
+        if len(rest) > 12:
+            total += (int(rest[11]) + int(rest[12])) / hz
+    return total
+
+
 def filesystem_of(path: str) -> str:
     """The mount point and type of the filesystem holding ``path`` (Linux), else ''."""
     best = ("", "")

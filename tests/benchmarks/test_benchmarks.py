@@ -210,6 +210,19 @@ def test_bench_train_extra_wall_ratio() -> None:
     assert extra({"none": {"wall_s": 1.0}}) is None
 
 
+def test_bench_train_paired_extra_wall() -> None:
+    """The paired-block figure: medians of per-cycle differences, one per slice of cycles."""
+    paired = load_bench("bench_train").paired_extra_wall
+    walls = {
+        "none": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+        "asyncckpt": [1.1, 1.1, 9.0, 1.3, 1.3, 1.3],  # one outlier cycle
+        "torch_save": [1.4, 1.4, 1.4, 1.4, 1.4, 1.4],
+    }
+    assert paired(walls) == [pytest.approx(0.75)]  # the median ignores the outlier
+    assert paired(walls, groups=2) == [pytest.approx(0.25), pytest.approx(0.75)]
+    assert paired({**walls, "torch_save": [0.9] * 6}) == [None]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("writer", ["threads1_nice", "pace"])
@@ -242,6 +255,13 @@ def test_bench_train_quick_variants(tmp_path: Path, writer: str) -> None:
     assert (tmp_path / "results" / "bench_train_trace.png").stat().st_size > 0
     assert "asyncckpt_overhead_x_torch_save_overhead" in res["ratios"]
     assert "asyncckpt_extra_wall_x_torch_save_extra_wall" in res["ratios"]
+    assert "asyncckpt_extra_wall_rounds_x_torch_save_extra_wall" in res["ratios"]
+    blocks = res["paired_blocks_s"]
+    assert set(blocks) == set(res["modes"])
+    assert all(len(b) == cfg["blocks"] == 3 and min(b) > 0 for b in blocks.values()), blocks
+    assert set(res["cpu_per_save"]) == {"asyncckpt", "asyncckpt_none", "torch_save"}
+    for mode, c in res["cpu_per_save"].items():
+        assert len(c["cpu_s_all"]) == cfg["cpu_saves"] == 2 and c["wall_s"] > 0, mode
     for mode, e in res["modes"].items():
         assert positive(e["wall_s"]), mode  # steps and the wait for the last write
 

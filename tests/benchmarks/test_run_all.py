@@ -329,11 +329,12 @@ BENCH_JSON = {
     "dropin": "bench_dropin.json",
     "partial": "bench_partial.json",
 }
-#: Rows a quick run cannot define: ratios of differences of tiny step times (torch.save may
-#: cost nothing measurable), the 50-save leak check (left out of --quick), the fake
-#: bench_save's rows it does not fill.
+#: Rows a quick run cannot define: ratios of differences of tiny step times or of CPU times
+#: under a clock tick (torch.save may cost nothing measurable), the 50-save leak check (left
+#: out of --quick), the fake bench_save's rows it does not fill.
 QUICK_UNDEFINED = {
     "train_extra_wall",
+    "train_cpu_per_save",
     "train_mean_overhead",
     "memory_growth",
     "durable_real_state",
