@@ -42,12 +42,12 @@ from asyncckpt.cli.formats import (
     format_of,
     load_ackpt,
     load_torch,
+    open_sharded,
+    part_at,
     save_ackpt,
     save_torch,
-    select,
     source_format,
 )
-from asyncckpt.cli.sharded import open_sharded
 from asyncckpt.errors import SafetensorsError, UsageError
 
 
@@ -124,7 +124,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     src, src_format = _source(args)
     size = src.storage.size(src.path)
     obj, metadata = _read(args, src, src_format)
-    obj = select(obj, args.key, src.name)
+    obj = part_at(obj, args.key, src.name)[0]
     count, nbytes = tensors_in(obj)
     with progress(args, nbytes, f"write {dst_format}") as bar:
         if args.shard_size:
@@ -165,7 +165,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:
     """The sharded checkpoint SRC names, opened; None for a single file or version (see
-    :func:`~asyncckpt.cli.sharded.open_sharded`)."""
+    :func:`~asyncckpt.cli.formats.open_sharded`)."""
     if args.src_format not in (None, "ackpt"):
         return None
     ref = locate(args.src, args.options)
@@ -179,7 +179,7 @@ def _convert_sharded(
 ) -> int:
     """Consolidate a sharded checkpoint into one file, tensor by tensor (see
     :mod:`asyncckpt._convert.consolidate`)."""
-    tree = select(src.skeleton, args.key, src.name)
+    tree = part_at(src.skeleton, args.key, src.name)[0]
     count, nbytes, largest = src.raw_bytes(tree)
     if dst_format == "torch":  # torch.save pickles one object: all of it is built first
         Budget(args.max_bytes).charge(src.name, nbytes, "the whole state (torch.save output)")
