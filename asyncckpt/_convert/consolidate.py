@@ -13,8 +13,9 @@ whole state without ever holding more than one whole tensor:
   tensor, reads (verifying every CRC-32) only that tensor's chunks from the rank files, one
   chunk storage at a time, copies each into place and drops it.
 
-Writers that stream (:func:`write_ackpt_stream`, :func:`write_safetensors_stream`) ask for
-the tensors in file order and drop each once its bytes are out, so peak memory is the
+Writers that stream (:func:`write_ackpt_stream`, and
+:func:`~asyncckpt._convert.safetensors.stream_safetensors` given :meth:`ShardedSource.full`)
+ask for the tensors in file order and drop each once its bytes are out, so peak memory is the
 largest tensor plus the chunk buffers of one read and the writer's in-flight chunks, not
 the checkpoint. ``torch.save`` pickles one object, so :func:`materialize_all` builds the
 whole state for it; that output is the exception, documented in ``docs/sharded.md``.
@@ -37,8 +38,9 @@ Example:
 from __future__ import annotations
 
 import io
+import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,11 +55,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from asyncckpt._api.sharded_load import substituted
 from asyncckpt._api.sharded_save import Path
-from asyncckpt._convert.safetensors import (
-    safetensors_dtype,
-    safetensors_header,
-    stream_safetensors,
-)
+from asyncckpt._convert.safetensors import flat_bytes, safetensors_dtype, safetensors_header
 from asyncckpt._device import Placement
 from asyncckpt._engine.decode import (
     OpenedFile,
@@ -94,7 +92,6 @@ __all__ = [
     "safetensors_dtype",
     "safetensors_header",
     "write_ackpt_stream",
-    "write_safetensors_stream",
 ]
 
 
@@ -127,21 +124,15 @@ class ShardedSource:
         commit: CommitRecord | None = None,
         settings: Settings | None = None,
     ) -> ShardedSource:
-        """Open the checkpoint in ``directory``.
+        """Open the checkpoint in ``directory`` (a sharded version's step directory, or an
+        ``asyncckpt.dcp`` one), reading with ``settings`` (None: resolved here).
 
-        Args:
-            storage: the storage backend.
-            directory: a sharded version's step directory, or an ``asyncckpt.dcp`` one.
-            commit: the version's ``COMMIT`` (a sharded ``Checkpointer`` version): rank
-                0's plain values (step, RNG, ...) are read from its file into the
-                skeleton. Without it (a ``dcp.Writer`` directory) the skeleton is built
-                from the metadata's key paths, and DCP's bytes items (non-tensor values,
-                ``torch.save`` bytes) are unpickled with ``weights_only=True``.
-            settings: the tunables of its reads (None: resolved here, for tools and tests).
-
-        Returns:
-            The source; it keeps the rank files it reads open, pinned, until
-            :meth:`close` (it is a context manager).
+        With ``commit`` (a sharded ``Checkpointer`` version's) rank 0's plain values (step,
+        RNG, ...) are read from its file into the skeleton. Without it (a ``dcp.Writer``
+        directory) the skeleton is built from the metadata's key paths, and DCP's bytes
+        items (non-tensor values, ``torch.save`` bytes) are unpickled with
+        ``weights_only=True``. The source keeps the rank files it reads open, pinned, until
+        :meth:`close` (it is a context manager).
 
         Raises:
             IncompleteCheckpointError: no metadata (not committed).
@@ -206,13 +197,10 @@ class ShardedSource:
         name = ranks[0][1]
         opened = self._opened(name, None)
         check_devices(opened)
-        skip = {loc.entry for loc in self._locations() if loc.file == name}
+        locations: dict[MetadataIndex, ItemLocation] = self.metadata.storage_data
+        skip = {loc.entry for loc in locations.values() if loc.file == name}
         plain = materialize(opened, Placement("cpu"), self.settings.threads, skip=skip)
         return substituted(plain, dict(placeholders), opened.name)
-
-    def _locations(self) -> Iterator[ItemLocation]:
-        data: dict[MetadataIndex, ItemLocation] = self.metadata.storage_data
-        return iter(data.values())
 
     def _opened(self, name: str, size: int | None) -> OpenedFile:
         """A rank file, opened once (footer and manifest) and checked against its size; it
@@ -304,24 +292,12 @@ class ShardedSource:
             del piece, target  # the chunk buffer goes now, before the next one is read
         return out
 
-    def tensors(self, tree: Any) -> list[torch.Tensor]:
-        """Every tensor (placeholders included) of ``tree``, in ``flatten``'s order."""
-        return [t for t, _ in flatten(tree).tensors]
-
     def raw_bytes(self, tree: Any) -> tuple[int, int, int]:
-        """``(tensors, bytes, largest tensor's bytes)`` of ``tree`` once built."""
-        sizes = []
-        for t in self.tensors(tree):
-            dtype, shape = self.spec(t)
-            sizes.append(_numel(shape) * dtype.itemsize)
+        """``(tensors, bytes, largest tensor's bytes)`` of ``tree`` once built (placeholders
+        included)."""
+        specs = [self.spec(t) for t, _ in flatten(tree).tensors]
+        sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
         return len(sizes), sum(sizes), max(sizes, default=0)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _tree_of(values: dict[Path, Any], name: str) -> dict[Any, Any]:
@@ -347,12 +323,10 @@ def materialize_all(src: ShardedSource, tree: Any) -> Any:
     built: dict[int, torch.Tensor] = {}
 
     def walk(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            if src.is_placeholder(node):
-                if id(node) not in built:
-                    built[id(node)] = src.full(node)
-                return built[id(node)]
-            return node
+        if isinstance(node, torch.Tensor) and src.is_placeholder(node):
+            if id(node) not in built:
+                built[id(node)] = src.full(node)
+            return built[id(node)]
         if isinstance(node, dict):
             out = type(node)((k, walk(v)) for k, v in node.items())
             if hasattr(node, "_metadata"):
@@ -382,10 +356,7 @@ def write_ackpt_stream(
     The layout is the one ``write_snapshot`` produces (header, each storage's chunks in
     order, manifest, footer), with one storage per tensor; each tensor is built, encoded
     (``inflight_chunks`` chunks in parallel) and written, then dropped before the next is
-    built. Numpy arrays of the plain state follow the tensors.
-
-    Returns:
-        The file's size.
+    built. Numpy arrays of the plain state follow the tensors. Returns the file's size.
     """
     flat = flatten(tree)
     tensor_entries: list[TensorEntry] = []
@@ -409,7 +380,7 @@ def write_ackpt_stream(
         for t, key in flat.tensors:
             whole = src.full(t).detach().contiguous()
             itemsize, is_float = codec_hint(whole.dtype)
-            put(StagedStorage(_bytes_of(whole), itemsize, is_float, "cpu"))
+            put(StagedStorage(flat_bytes(whole), itemsize, is_float, "cpu"))
             tensor_entries.append(
                 TensorEntry(
                     storage=len(storages) - 1,
@@ -443,39 +414,3 @@ def write_ackpt_stream(
         out.write(body)
         out.write(footer)
         return offset + len(body) + len(footer)
-
-
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a 1-D uint8 tensor (no copy)."""
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return t.reshape(-1).view(torch.uint8)
-
-
-# -- safetensors, streamed -------------------------------------------------------------------
-
-
-def write_safetensors_stream(
-    src: ShardedSource,
-    tensors: dict[str, torch.Tensor],
-    storage: Storage,
-    path: str,
-    metadata: dict[str, str],
-    progress: Callable[[int], None] | None = None,
-) -> int:
-    """Write a flat dict of (placeholder or plain) tensors as safetensors, streaming.
-
-    The header is known from the metadata's sizes; then each tensor is built, its bytes
-    written, and dropped (:func:`~asyncckpt._convert.safetensors.stream_safetensors`).
-
-    Returns:
-        The file's size.
-
-    Raises:
-        ValueError: a dtype safetensors cannot hold.
-    """
-    specs = [(key, *src.spec(t)) for key, t in tensors.items()]
-
-    return stream_safetensors(
-        specs, lambda key: src.full(tensors[key]), storage, path, metadata, progress
-    )

@@ -192,15 +192,12 @@ class _Projector:
                 if kind is not dict:
                     self.record(keys, "mapping", kind)
                 return plain
-            if isinstance(obj, (set, frozenset)):
-                items = [
-                    self.value(v, f"{path}[{i}]", (*keys, i), depth + 1) for i, v in enumerate(obj)
-                ]
-                self.record(keys, "set", kind)
-                return items
             items = [
                 self.value(v, f"{path}[{i}]", (*keys, i), depth + 1) for i, v in enumerate(obj)
             ]
+            if isinstance(obj, (set, frozenset)):
+                self.record(keys, "set", kind)
+                return items
             if kind is list:
                 return items
             if kind is tuple:
@@ -328,18 +325,12 @@ def _parse_record(meta: Any, name: str) -> list[tuple[tuple[Any, ...], str, str]
     return out
 
 
+@dataclasses.dataclass
 class _Rebuilder:
-    def __init__(
-        self,
-        by_path: dict[tuple[Any, ...], list[tuple[str, str]]],
-        prefixes: set[tuple[Any, ...]],
-        trusted: dict[str, type],
-        name: str,
-    ) -> None:
-        self.by_path = by_path
-        self.prefixes = prefixes
-        self.trusted = trusted
-        self.name = name
+    by_path: dict[tuple[Any, ...], list[tuple[str, str]]]
+    prefixes: set[tuple[Any, ...]]
+    trusted: dict[str, type]
+    name: str
 
     def node(self, obj: Any, keys: tuple[Any, ...], path: str) -> Any:
         # Children first: a trusted value is built from already rebuilt parts.

@@ -51,6 +51,8 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.uint64: "U64",
     torch.complex64: "C64",
 }
+#: A tensor as a safetensors header lays it out: key, dtype, shape.
+_Spec = tuple[str, torch.dtype, tuple[int, ...]]
 
 
 def _library() -> Any:
@@ -99,11 +101,6 @@ def read_safetensors(
     storage: Storage, path: str, progress: Callable[[int], None] | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Read a safetensors file tensor by tensor, restoring tied weights and key order.
-
-    Args:
-        storage: where the file is.
-        path: the file.
-        progress: called with the number of bytes read.
 
     Returns:
         ``(tensors, metadata)``: tensors in the order they were written (aliased keys are
@@ -179,14 +176,8 @@ def _restore(
 
 
 def flat_tensors(obj: Any, src: str) -> dict[str, torch.Tensor]:
-    """``obj`` as a flat ``{str: tensor}`` dict, or a clear error saying what is in the way.
-
-    Args:
-        obj: the (selected part of the) state.
-        src: how to name the source in the error.
-
-    Returns:
-        A new dict with the same items.
+    """``obj`` (the selected part of the state) as a new flat ``{str: tensor}`` dict, or a
+    clear error naming ``src`` and saying what is in the way.
 
     Raises:
         SafetensorsError: ``obj`` is not a flat dict of tensors; the message suggests a
@@ -235,13 +226,8 @@ def untie(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
     recorded as an alias of that key. Of other views that share one storage (slices,
     transposes of one another), the first is kept as it is and the rest are copied, as are
     non-contiguous tensors: safetensors writes dense, unshared memory only. Nothing else is
-    copied, so a conversion holds the state once.
-
-    Args:
-        tensors: a flat dict of tensors.
-
-    Returns:
-        ``(unique, aliases)`` where ``aliases`` maps each dropped key to the key kept.
+    copied, so a conversion holds the state once. Returns ``(unique, aliases)``, where
+    ``aliases`` maps each dropped key to the key kept.
 
     Example:
         >>> w = torch.ones(2)
@@ -295,17 +281,9 @@ def write_safetensors(
     """Write a flat dict of tensors as safetensors, atomically, tied weights written once.
 
     Written by :func:`stream_safetensors` straight from the tensors' memory (no copy of the
-    state), laid out as the safetensors library lays it out (widest dtype first).
-
-    Args:
-        tensors: a flat ``{str: tensor}`` dict (see :func:`flat_tensors`).
-        storage: where to write.
-        path: the file.
-        metadata: ``__metadata__`` entries to keep (``{"format": "pt"}`` is the default).
-        progress: called with the number of bytes written.
-
-    Returns:
-        The file's size.
+    state), laid out as the safetensors library lays it out (widest dtype first), with the
+    ``__metadata__`` entries ``metadata`` (``{"format": "pt"}`` is the default). Returns
+    the file's size.
 
     Raises:
         SafetensorsError: a tensor's dtype has no safetensors name.
@@ -316,13 +294,26 @@ def write_safetensors(
         112
     """
     unique, aliases = untie(tensors)
-    # Widest dtype first, then by key, as the safetensors library lays data out: every
-    # tensor then starts aligned to its element size (the header is padded to 8 bytes), and
-    # readers that map the file can view each tensor in place.
-    order = sorted(unique, key=lambda key: (-unique[key].element_size(), key))
-    specs = [(key, unique[key].dtype, tuple(unique[key].shape)) for key in order]
+    specs = sorted(((key, *tensor_spec(t)) for key, t in unique.items()), key=_widest_first)
     meta = header_metadata(tensors, aliases, metadata)
     return stream_safetensors(specs, unique.__getitem__, storage, path, meta, progress)
+
+
+def _widest_first(spec: _Spec) -> tuple[int, str]:
+    # As the safetensors library lays data out: every tensor then starts aligned to its
+    # element size (the header is padded to 8 bytes), and readers that map the file can view
+    # each tensor in place.
+    return -spec[1].itemsize, spec[0]
+
+
+def tensor_spec(t: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...]]:
+    """A plain tensor's dtype and shape (what :meth:`ShardedSource.spec` gives a placeholder)."""
+    return t.dtype, tuple(t.shape)
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a 1-D uint8 tensor (no copy)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def safetensors_dtype(dtype: torch.dtype, key: str) -> str:
@@ -341,9 +332,7 @@ def safetensors_dtype(dtype: torch.dtype, key: str) -> str:
     return name
 
 
-def safetensors_header(
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]
-) -> bytes:
+def safetensors_header(specs: list[_Spec], metadata: dict[str, str]) -> bytes:
     """The 8-byte length and JSON header of a safetensors file holding ``specs`` in order.
 
     The data section holds the tensors back to back in the order given; the header is
@@ -371,7 +360,7 @@ def safetensors_header(
 
 
 def stream_safetensors(
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    specs: list[_Spec],
     build: Callable[[str], torch.Tensor],
     storage: Storage,
     path: str,
@@ -383,9 +372,7 @@ def stream_safetensors(
 
     The header comes from ``specs`` (key, dtype, shape, in data order); then each tensor is
     asked of ``build``, its bytes written, and dropped, so that only one is held at a time.
-
-    Returns:
-        The file's size.
+    Returns the file's size.
 
     Raises:
         SafetensorsError: a dtype safetensors cannot hold, or a big-endian host.
@@ -403,7 +390,7 @@ def stream_safetensors(
                 )
             if sys.byteorder != "little" and whole.element_size() > 1:
                 raise SafetensorsError("safetensors is little-endian; this host is not")
-            data = whole.reshape(-1).view(torch.uint8) if whole.numel() else torch.empty(0)
+            data = flat_bytes(whole)
             out.write(byte_view(data))
             written += data.numel()
             if progress is not None:
@@ -428,9 +415,7 @@ def hub_shard_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def plan_shards(
-    specs: list[tuple[str, torch.dtype, tuple[int, ...]]], shard_size: int
-) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+def plan_shards(specs: list[_Spec], shard_size: int) -> list[list[_Spec]]:
     """``specs`` in key order, cut into shards of at most ``shard_size`` bytes of data (a
     larger tensor gets a shard of its own); each shard laid out widest dtype first.
 
@@ -439,7 +424,7 @@ def plan_shards(
         >>> [[k for k, _, _ in s] for s in plan_shards([("b", f, (2,)), ("a", f, (2,))], 8)]
         [['a'], ['b']]
     """
-    shards: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[]]
+    shards: list[list[_Spec]] = [[]]
     used = 0
     for spec in sorted(specs, key=lambda s: s[0]):
         nbytes = math.prod(spec[2]) * spec[1].itemsize
@@ -448,13 +433,13 @@ def plan_shards(
             used = 0
         shards[-1].append(spec)
         used += nbytes
-    return [sorted(s, key=lambda x: (-x[1].itemsize, x[0])) for s in shards if s]
+    return [sorted(s, key=_widest_first) for s in shards if s]
 
 
 def write_hub_shards(
     tensors: dict[str, torch.Tensor],
-    build: Callable[[str], torch.Tensor],
-    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    full: Callable[[torch.Tensor], torch.Tensor],
+    spec: Callable[[torch.Tensor], tuple[torch.dtype, tuple[int, ...]]],
     storage: Storage,
     directory: str,
     shard_size: int,
@@ -462,21 +447,12 @@ def write_hub_shards(
 ) -> tuple[list[str], int]:
     """Write ``tensors`` as sharded safetensors and ``model.safetensors.index.json``.
 
-    Each shard is written by :func:`stream_safetensors` (one tensor in memory at a time,
-    asked of ``build``), then the index, last, so a folder with an index is complete.
-    Tied weights are written once; the index's ``weight_map`` names the stored keys and
-    its ``metadata`` records the aliases (:data:`ALIASES_KEY`), as ``transformers`` ties
-    them again itself.
-
-    Args:
-        tensors: the flat ``{str: tensor}`` state (placeholders allowed: ``build`` makes
-            each whole tensor).
-        build: the whole tensor of a key.
-        specs: each key's dtype and shape once built.
-        storage: where to write.
-        directory: the output folder.
-        shard_size: the most data bytes per shard.
-        progress: called with the number of bytes written.
+    Each shard (at most ``shard_size`` data bytes) is written by :func:`stream_safetensors`
+    (one tensor in memory at a time: ``full`` builds each whole tensor of ``tensors``, which
+    may be placeholders; ``spec`` tells its dtype and shape before), then the index, last,
+    so a folder with an index is complete. Tied weights are written once; the index's
+    ``weight_map`` names the stored keys and its ``metadata`` records the aliases
+    (:data:`ALIASES_KEY`), as ``transformers`` ties them again itself.
 
     Returns:
         ``(file names, bytes written)``, the index last.
@@ -485,9 +461,10 @@ def write_hub_shards(
         SafetensorsError: a dtype safetensors cannot hold.
     """
     aliases = _aliases_by_identity(tensors)
-    stored = [(k, *specs[k]) for k in tensors if k not in aliases]
+    stored = [(k, *spec(t)) for k, t in tensors.items() if k not in aliases]
     shards = plan_shards(stored, shard_size)
     names, written, weight_map = [], 0, {}
+    build = lambda key: full(tensors[key])  # noqa: E731
     for number, shard in enumerate(shards, 1):
         name = hub_shard_name(number, len(shards))
         path = storage.join(directory, name)
@@ -523,10 +500,6 @@ MAX_HEADER_BYTES = 100_000_000
 
 def read_header(storage: Storage, path: str) -> tuple[dict[str, Any], dict[str, str]]:
     """The JSON header of a safetensors file: no tensor data is read.
-
-    Args:
-        storage: where the file is.
-        path: the file.
 
     Returns:
         ``(entries, metadata)``: ``{key: {"dtype": "float32", "shape": [...], "nbytes": n}}``

@@ -118,9 +118,7 @@ class _Bench:
         """All rounds, then the folder is removed (unless ``--keep``)."""
         from asyncckpt._api import dropin as api
 
-        buffers = [torch.empty_like(t) for t in self.state.values()]
-        for buf, t in zip(buffers, self.state.values()):  # fault the pages in before timing
-            buf.copy_(t)
+        buffers = [t.clone() for t in self.state.values()]  # its pages faulted in before timing
         repeat = self.args.repeat
         try:
             with progress(self.args, self.raw * repeat * 4, "bench") as bar:
@@ -180,10 +178,7 @@ def _lines(bench: _Bench, results: dict[str, dict[str, Any]], plot: str | None) 
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``asyncckpt bench URL``.
-
-    Returns:
-        The exit status (0).
+    """``asyncckpt bench URL`` (exit status 0).
 
     Raises:
         UsageError: a size or repeat count out of range.

@@ -72,16 +72,9 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
-    """Options every command takes; on subcommands they default to 'not given'.
-
-    Args:
-        parser: the top-level parser (``suppress=False``) or a subcommand's.
-        suppress: leave the option out of the namespace when it is not given, so a value
-            given before the subcommand is not overwritten by the subcommand's default.
-    """
-
-    def default(value: Any) -> Any:
-        return argparse.SUPPRESS if suppress else value
+    """Options every command takes, on the top-level parser and each subcommand's. There
+    (``suppress``) an option not given is left out of the namespace, so a value given before
+    the subcommand is not overwritten by the subcommand's default."""
 
     group = parser.add_argument_group("common options")
     group.add_argument(
@@ -89,53 +82,49 @@ def add_common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
         "-o",
         action="append",
         metavar="KEY=VALUE",
-        default=default([]),
+        default=argparse.SUPPRESS if suppress else [],
         help="fsspec storage option, e.g. endpoint_url=http://minio:9000 (repeatable; "
         "values are JSON when they parse, dotted keys nest: client_kwargs.region_name=eu)",
     )
-    group.add_argument(
-        "--json", action="store_true", default=default(False), help="machine-readable output"
-    )
-    group.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        default=default(False),
-        help="show the library's INFO log on stderr",
-    )
-    group.add_argument(
-        "--debug",
-        action="store_true",
-        default=default(False),
-        help="show DEBUG log and a traceback on errors",
-    )
-    group.add_argument(
-        "--no-progress",
-        action="store_true",
-        default=default(False),
-        help="never draw a progress bar (it is drawn only when stderr is a terminal)",
-    )
+    for flags, text in (
+        (("--json",), "machine-readable output"),
+        (("-v", "--verbose"), "show the library's INFO log on stderr"),
+        (("--debug",), "show DEBUG log and a traceback on errors"),
+        (
+            ("--no-progress",),
+            "never draw a progress bar (it is drawn only when stderr is a terminal)",
+        ),
+    ):
+        default = argparse.SUPPRESS if suppress else False
+        group.add_argument(*flags, action="store_true", default=default, help=text)
 
 
-def new_command(sub: Subparsers, name: str, help: str, description: str) -> argparse.ArgumentParser:
-    """Add subcommand ``name`` with the common options."""
+def new_command(
+    sub: Subparsers,
+    name: str,
+    help: str,
+    description: str,
+    run: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
+    """Add subcommand ``name`` with the common options; ``run`` runs it."""
     parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description)
     add_common_options(parser, suppress=True)
+    parser.set_defaults(run=run)
     return parser
 
 
-def lazy_command(module: str, function: str) -> Callable[[argparse.Namespace], int]:
-    """A command's ``run`` that imports ``module`` only when the command runs, so that
-    building the parser (``--help``) imports no torch.
+def lazy_command(name: str) -> Callable[[argparse.Namespace], int]:
+    """Command ``name``'s ``run``: ``asyncckpt.cli.NAME.cmd_NAME``, imported only when the
+    command runs, so that building the parser (``--help``) imports no torch.
 
     Example:
-        >>> run = lazy_command("asyncckpt.cli.ls", "cmd_ls")
+        >>> run = lazy_command("ls")
         >>> callable(run)
         True
     """
 
     def run(args: argparse.Namespace) -> int:
-        code: int = getattr(importlib.import_module(module), function)(args)
+        code: int = getattr(importlib.import_module(f"asyncckpt.cli.{name}"), f"cmd_{name}")(args)
         return code
 
     return run
@@ -145,13 +134,7 @@ def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
     """``["endpoint_url=http://x", "client_kwargs.region_name=eu"]`` -> nested options.
 
     Values that parse as JSON (numbers, true/false/null, objects, lists) are taken as such;
-    anything else is a string.
-
-    Args:
-        pairs: the ``--storage-option`` values, in order (a later key wins).
-
-    Returns:
-        The options, nested at the dots.
+    anything else is a string. A later key wins.
 
     Raises:
         UsageError: a pair without ``=``, or a dotted key below a key that is not a mapping.
@@ -313,14 +296,8 @@ def kind_of(storage: Storage, path: str) -> str:
 
 
 def locate(spec: str, options: dict[str, Any]) -> FileRef | RootRef:
-    """Resolve ``PATH``, ``ROOT`` or ``ROOT@STEP``.
-
-    Args:
-        spec: what the user typed: a local path or fsspec URL, maybe ending in ``@STEP``.
-        options: fsspec storage options.
-
-    Returns:
-        A :class:`FileRef` for a file, a :class:`RootRef` for a directory or prefix.
+    """Resolve ``PATH``, ``ROOT`` or ``ROOT@STEP`` (a local path or fsspec URL, as typed): a
+    :class:`FileRef` for a file, a :class:`RootRef` for a directory or prefix.
 
     Raises:
         CheckpointNotFoundError: nothing is there.

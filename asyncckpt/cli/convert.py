@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import contextlib
 from typing import Any
 
 import torch
 
 from asyncckpt._api.dropin import write_options
-from asyncckpt._convert.consolidate import (
-    ShardedSource,
-    materialize_all,
-    write_ackpt_stream,
-    write_safetensors_stream,
-)
+from asyncckpt._convert.consolidate import ShardedSource, materialize_all, write_ackpt_stream
 from asyncckpt._convert.safetensors import (
     flat_tensors,
     header_metadata,
     read_safetensors,
+    stream_safetensors,
+    tensor_spec,
     write_hub_shards,
     write_safetensors,
 )
@@ -42,12 +39,12 @@ from asyncckpt.cli.formats import (
     format_of,
     load_ackpt,
     load_torch,
+    open_sharded,
+    part_at,
     save_ackpt,
     save_torch,
-    select,
     source_format,
 )
-from asyncckpt.cli.sharded import open_sharded
 from asyncckpt.errors import SafetensorsError, UsageError
 
 
@@ -98,10 +95,7 @@ def _read(args: argparse.Namespace, src: FileRef, fmt: str) -> tuple[Any, dict[s
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """``asyncckpt convert SRC DST``.
-
-    Returns:
-        The exit status (0).
+    """``asyncckpt convert SRC DST`` (exit status 0).
 
     Raises:
         UsageError: DST exists (without ``--force``), or a format cannot be told.
@@ -109,43 +103,51 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.shard_size is not None and args.dst_format not in (None, "safetensors"):
         raise UsageError("asyncckpt convert: --shard-size writes safetensors shards only")
     dst_format = "safetensors" if args.shard_size else format_of(args.dst, args.dst_format, "DST")
-    dst_storage, dst_path = resolve(args.dst, args.options)
+    assert dst_format is not None  # DST's format is told, or format_of raised
+    storage, path = resolve(args.dst, args.options)
     sharded = _sharded_source(args)
-    if sharded is not None:
-        with sharded:
-            if not args.force and kind_of(dst_storage, dst_path) != "missing":
-                raise UsageError(
-                    f"asyncckpt convert: {args.dst} exists; pass --force to replace it"
-                )
-            assert dst_format is not None
-            return _convert_sharded(args, sharded, dst_format, dst_storage, dst_path)
-    if not args.force and kind_of(dst_storage, dst_path) != "missing":
-        raise UsageError(f"asyncckpt convert: {args.dst} exists; pass --force to replace it")
+    with contextlib.nullcontext() if sharded is None else sharded:
+        if not args.force and kind_of(storage, path) != "missing":
+            raise UsageError(f"asyncckpt convert: {args.dst} exists; pass --force to replace it")
+        if sharded is None:
+            doc, source = _convert_file(args, dst_format, storage, path)
+        else:
+            doc, source = _convert_sharded(args, sharded, dst_format, storage, path)
+    abort_strays(storage, path)  # a convert killed mid-upload to DST left one
+    emit(
+        args,
+        doc,
+        f"{source} -> {doc['dst']} ({dst_format}, {format_bytes(doc['dst_bytes'])}): "
+        f"{plural(doc['tensors'], 'tensor')}, {format_bytes(doc['raw_bytes'])}",
+    )
+    return EXIT_OK
+
+
+def _convert_file(
+    args: argparse.Namespace, dst_format: str, storage: Storage, path: str
+) -> tuple[dict[str, Any], str]:
+    """Convert one file (or single-file version): its report and how the line names SRC."""
     src, src_format = _source(args)
     size = src.storage.size(src.path)
     obj, metadata = _read(args, src, src_format)
-    obj = select(obj, args.key, src.name)
+    obj = part_at(obj, args.key, src.name)[0]
     count, nbytes = tensors_in(obj)
     with progress(args, nbytes, f"write {dst_format}") as bar:
-        if args.shard_size:
-            flat = flat_tensors(obj, f"{src.name} --key {args.key}" if args.key else src.name)
-            del obj
-            specs = {k: (t.dtype, tuple(t.shape)) for k, t in flat.items()}
-            written = _write_hub(args, flat, flat.__getitem__, specs, dst_storage, dst_path, bar)
-        elif dst_format == "safetensors":
-            flat = flat_tensors(obj, f"{src.name} --key {args.key}" if args.key else src.name)
+        if dst_format == "safetensors":
+            flat = _flat(args, obj, src.name)
             del obj  # the flat dict holds the same tensors; nothing else should keep them
-            written = write_safetensors(flat, dst_storage, dst_path, metadata, bar.update)
+            if args.shard_size:
+                written = _write_hub(args, flat, storage, path, bar)
+            else:
+                written = write_safetensors(flat, storage, path, metadata, bar.update)
         elif dst_format == "torch":
-            written = save_torch(obj, dst_storage, dst_path, bar.update)
+            written = save_torch(obj, storage, path, bar.update)
         else:
-            written = save_ackpt(obj, dst_storage, dst_path, args.compression, bar.update)
-    abort_strays(dst_storage, dst_path)  # a convert killed mid-upload to DST left one
-    dst_name = display(dst_storage, dst_path)
+            written = save_ackpt(obj, storage, path, args.compression, bar.update)
     doc = {
         "src": src.name,
         "src_format": src_format,
-        "dst": dst_name,
+        "dst": display(storage, path),
         "dst_format": dst_format,
         "key": args.key,
         "tensors": count,
@@ -153,19 +155,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         "src_bytes": size,
         "dst_bytes": written,
     }
-    emit(
-        args,
-        doc,
-        f"converted {src.name} ({src_format}, {format_bytes(size)}) -> {dst_name} "
-        f"({dst_format}, {format_bytes(written)}): {plural(count, 'tensor')}, "
-        f"{format_bytes(nbytes)}",
-    )
-    return EXIT_OK
+    return doc, f"converted {src.name} ({src_format}, {format_bytes(size)})"
 
 
 def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:
     """The sharded checkpoint SRC names, opened; None for a single file or version (see
-    :func:`~asyncckpt.cli.sharded.open_sharded`)."""
+    :func:`~asyncckpt.cli.formats.open_sharded`)."""
     if args.src_format not in (None, "ackpt"):
         return None
     ref = locate(args.src, args.options)
@@ -176,10 +171,10 @@ def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:
 
 def _convert_sharded(
     args: argparse.Namespace, src: ShardedSource, dst_format: str, storage: Storage, path: str
-) -> int:
+) -> tuple[dict[str, Any], str]:
     """Consolidate a sharded checkpoint into one file, tensor by tensor (see
     :mod:`asyncckpt._convert.consolidate`)."""
-    tree = select(src.skeleton, args.key, src.name)
+    tree = part_at(src.skeleton, args.key, src.name)[0]
     count, nbytes, largest = src.raw_bytes(tree)
     if dst_format == "torch":  # torch.save pickles one object: all of it is built first
         Budget(args.max_bytes).charge(src.name, nbytes, "the whole state (torch.save output)")
@@ -187,30 +182,31 @@ def _convert_sharded(
         Budget(args.max_bytes).charge(src.name, largest, "its largest tensor")
     sizes = {loc.file: loc.file_size for loc in src.metadata.storage_data.values()}
     with progress(args, nbytes, f"write {dst_format}") as bar:
-        if args.shard_size:
-            flat = flat_tensors(tree, f"{src.name} --key {args.key}" if args.key else src.name)
-            specs = {k: src.spec(t) for k, t in flat.items()}
-            written = _write_hub(args, flat, lambda k: src.full(flat[k]), specs, storage, path, bar)
-        elif dst_format == "safetensors":
-            flat = flat_tensors(tree, f"{src.name} --key {args.key}" if args.key else src.name)
-            try:
-                written = write_safetensors_stream(
-                    src, flat, storage, path, header_metadata(flat, {}, None), bar.update
-                )
-            except ValueError as exc:
-                raise SafetensorsError(f"cannot write {storage.describe(path)}: {exc}") from None
+        if dst_format == "safetensors":
+            flat = _flat(args, tree, src.name)
+            if args.shard_size:
+                written = _write_hub(args, flat, storage, path, bar, src)
+            else:
+                specs = [(key, *src.spec(t)) for key, t in flat.items()]
+                meta = header_metadata(flat, {}, None)
+                try:
+                    written = stream_safetensors(
+                        specs, lambda key: src.full(flat[key]), storage, path, meta, bar.update
+                    )
+                except ValueError as exc:
+                    raise SafetensorsError(
+                        f"cannot write {storage.describe(path)}: {exc}"
+                    ) from None
         elif dst_format == "torch":
             # torch.save pickles one object: the whole state is built in memory first.
             written = save_torch(materialize_all(src, tree), storage, path, bar.update)
         else:
             options = write_options(args.compression)
             written = write_ackpt_stream(src, tree, storage, path, options, bar.update)
-    abort_strays(storage, path)
-    dst_name = display(storage, path)
     doc = {
         "src": src.name,
         "src_format": "sharded",
-        "dst": dst_name,
+        "dst": display(storage, path),
         "dst_format": dst_format,
         "key": args.key,
         "tensors": count,
@@ -221,30 +217,29 @@ def _convert_sharded(
         "dst_bytes": written,
         "streamed": dst_format != "torch",
     }
-    emit(
-        args,
-        doc,
-        f"consolidated {src.name} ({len(sizes)} rank files, {format_bytes(sum(sizes.values()))}) "
-        f"-> {dst_name} ({dst_format}, {format_bytes(written)}): {plural(count, 'tensor')}, "
-        f"{format_bytes(nbytes)}",
-    )
-    return EXIT_OK
+    source = f"({len(sizes)} rank files, {format_bytes(sum(sizes.values()))})"
+    return doc, f"consolidated {src.name} {source}"
+
+
+def _flat(args: argparse.Namespace, tree: Any, name: str) -> dict[str, torch.Tensor]:
+    """The selected part as safetensors' flat dict (the error names SRC and ``--key``)."""
+    return flat_tensors(tree, f"{name} --key {args.key}" if args.key else name)
 
 
 def _write_hub(
     args: argparse.Namespace,
     flat: dict[str, torch.Tensor],
-    build: Callable[[str], torch.Tensor],
-    specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     storage: Storage,
     directory: str,
     bar: Progress,
+    src: ShardedSource | None = None,
 ) -> int:
     """``--shard-size``: the folder of safetensors shards and the index ``from_pretrained``
-    reads, one tensor in memory at a time (:func:`write_hub_shards`)."""
+    reads, one tensor in memory at a time (built by ``src``, if sharded)."""
+    full, spec = (lambda t: t, tensor_spec) if src is None else (src.full, src.spec)
     try:
         names, written = write_hub_shards(
-            flat, build, specs, storage, directory, args.shard_size, bar.update
+            flat, full, spec, storage, directory, args.shard_size, bar.update
         )
     except ValueError as exc:
         raise SafetensorsError(f"cannot write {storage.describe(directory)}: {exc}") from None

@@ -1,6 +1,10 @@
-"""Checkpoint file formats the command line reads and writes: which format a file is, and
+"""Checkpoint file formats the command line reads and writes: which format a file is,
 ``torch.save`` and asyncckpt files in and out (safetensors is in
-:mod:`asyncckpt._convert.safetensors`).
+:mod:`asyncckpt._convert.safetensors`), and sharded checkpoints as the commands see them: a
+sharded ``Checkpointer`` version (``ROOT@STEP``, or the latest of ``ROOT``, whose COMMIT's
+kind is ``sharded``) or an ``asyncckpt.dcp`` directory, opened as a
+:class:`~asyncckpt._convert.consolidate.ShardedSource` (its key tree without the data; each
+tensor built on demand).
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import numpy as np
 import torch
 
 from asyncckpt._api.dropin import stage, write_options
+from asyncckpt._convert.consolidate import ShardedSource
 from asyncckpt._device import Placement
 from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
 from asyncckpt._engine.encode import write_snapshot
 from asyncckpt._format.container import MAGIC
 from asyncckpt._format.tree import child_path
+from asyncckpt._settings import Settings
 from asyncckpt._storage import AtomicWriter, LocalStorage, ReadHandle, Storage
-from asyncckpt.cli.common import FORMATS, FileRef, threads
+from asyncckpt._versions.protocol import SHARDED, latest_step, read_commit, step_dir
+from asyncckpt.cli.common import FORMATS, FileRef, RootRef, dcp_files, is_dcp_directory, threads
 from asyncckpt.errors import AsyncCkptError, FormatError, UsageError
 
 #: The second byte of a pickle (its protocol) that a legacy ``torch.save`` file begins with.
@@ -34,15 +41,9 @@ T = TypeVar("T")
 
 
 def format_of(spec: str, explicit: str | None, role: str) -> str | None:
-    """The format named by ``--from/--to`` or by the extension of ``spec``.
-
-    Args:
-        spec: the path or URL, maybe with ``@STEP``.
-        explicit: the ``--from``/``--to`` value, if given.
-        role: ``"SRC"`` (None when unknown: the file is sniffed) or ``"DST"``.
-
-    Returns:
-        ``"torch"``, ``"ackpt"``, ``"safetensors"``, or None for an unknown SRC.
+    """The format named by ``--from/--to`` (``explicit``) or by the extension of ``spec`` (a
+    path or URL, maybe with ``@STEP``); None for a SRC whose name does not tell (it is
+    sniffed).
 
     Raises:
         UsageError: the format of DST cannot be told.
@@ -92,16 +93,8 @@ def source_format(ref: FileRef, explicit: str | None, guess: str | None) -> str:
     """The format of a file to read: its first bytes decide, not its name.
 
     An asyncckpt file named ``model.pt`` is read as asyncckpt (never handed to
-    ``torch.load``), a ``torch.save`` file named ``.ackpt`` as torch.
-
-    Args:
-        ref: the file.
-        explicit: the ``--from`` value, if given.
-        guess: the format its extension (or ``--from``) names, used when the bytes match
-            no known format.
-
-    Returns:
-        ``"torch"``, ``"ackpt"`` or ``"safetensors"``.
+    ``torch.load``), a ``torch.save`` file named ``.ackpt`` as torch. ``guess`` (what the
+    extension or ``--from`` names) is used when the bytes match no known format.
 
     Raises:
         UsageError: ``--from`` names another format than the bytes show, or neither the
@@ -154,56 +147,39 @@ def read_ackpt(ref: FileRef, work: Callable[[OpenedFile], T]) -> T:
         raise
 
 
-class _Metered(Storage):
-    """A storage that reports every byte read to a progress callback."""
+def open_sharded(ref: RootRef, settings: Settings | None = None) -> ShardedSource | None:
+    """The sharded checkpoint ``ref`` names, opened; None for a plain version (or when
+    nothing is committed: the caller's single-file path says so).
+
+    Raises:
+        IncompleteCheckpointError: an ``asyncckpt.dcp`` directory without its metadata.
+        FormatError: the metadata or rank 0's file is malformed.
+    """
+    storage = ref.storage
+    if is_dcp_directory(storage, ref.path):
+        dcp_files(ref)  # refuses ROOT@STEP of a dcp directory
+        return ShardedSource.open(storage, ref.path, settings=settings)
+    step = ref.step if ref.step is not None else latest_step(storage, ref.path)
+    if step is None:
+        return None
+    commit = read_commit(storage, ref.path, step)
+    if commit is None or commit.kind != SHARDED:
+        return None
+    return ShardedSource.open(storage, step_dir(storage, ref.path, step), commit, settings)
+
+
+class _Metered:
+    """A storage whose handles report every byte read to a progress callback (a load reads
+    through its handle only); everything else is the inner storage's."""
 
     def __init__(self, inner: Storage, progress: Callable[[int], None]) -> None:
-        self.inner = inner
-        self.progress = progress
-        self.label = inner.label
+        self.inner, self.progress = inner, progress
 
-    def describe(self, path: str) -> str:
-        return self.inner.describe(path)
-
-    def join(self, *parts: str) -> str:
-        return self.inner.join(*parts)
-
-    def open_atomic(self, path: str) -> AtomicWriter:
-        return self.inner.open_atomic(path)
-
-    def size(self, path: str) -> int:
-        return self.inner.size(path)
-
-    def read_range(self, path: str, start: int, length: int) -> bytes:
-        data = self.inner.read_range(path, start, length)
-        self.progress(len(data))
-        return data
-
-    def read_into(self, path: str, start: int, out: memoryview) -> int:
-        n = self.inner.read_into(path, start, out)
-        self.progress(n)
-        return n
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
     def open_read(self, path: str) -> ReadHandle:
         return _MeteredHandle(self.inner.open_read(path), self.progress)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def delete(self, path: str) -> None:
-        self.inner.delete(path)
-
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        self.inner.create_exclusive(path, data)
-
-    def list_dir(self, path: str) -> list[str]:
-        return self.inner.list_dir(path)
-
-    def delete_tree(self, path: str) -> None:
-        self.inner.delete_tree(path)
-
-    def is_link(self, path: str) -> bool:
-        return self.inner.is_link(path)
 
 
 class _MeteredHandle(ReadHandle):
@@ -299,20 +275,13 @@ class RangeReader(io.RawIOBase):
 def load_ackpt(
     ref: FileRef, progress: Callable[[int], None] | None = None, max_bytes: int | None = None
 ) -> Any:
-    """Load an asyncckpt file on the CPU.
-
-    Args:
-        ref: the file.
-        progress: called with the number of bytes read, as they are read.
-        max_bytes: the memory budget for its decoded data (as ``asyncckpt.load`` takes it).
-
-    Returns:
-        The saved object.
+    """Load an asyncckpt file on the CPU, within ``max_bytes`` of decoded data (as
+    ``asyncckpt.load`` takes it), reporting the bytes read to ``progress``.
 
     Raises:
         MemoryBudgetError: the file needs more than ``max_bytes``.
     """
-    storage = ref.storage if progress is None else _Metered(ref.storage, progress)
+    storage = ref.storage if progress is None else cast(Storage, _Metered(ref.storage, progress))
     budget = Budget(max_bytes)
     return read_file(
         storage,
@@ -340,15 +309,8 @@ def load_torch(
 
     Plain numpy arrays and scalars (e.g. ``np.random.get_state()``) are allowed on top of
     torch's weights-only defaults, as torch's documentation suggests for them. A remote
-    file is read through ranged reads as torch asks for its parts, never copied whole.
-
-    Args:
-        ref: the file.
-        progress: called with the number of bytes read.
-        mmap: map a local file instead of reading it (falls back to reading).
-
-    Returns:
-        The unpickled object.
+    file is read through ranged reads as torch asks for its parts, never copied whole; a
+    local one is mapped with ``mmap`` (reading it where it cannot be).
 
     Raises:
         pickle.UnpicklingError: the file holds something weights-only loading refuses.
@@ -376,17 +338,7 @@ def _load_local_torch(ref: FileRef, progress: Callable[[int], None] | None, mmap
 def save_torch(
     obj: Any, storage: Storage, path: str, progress: Callable[[int], None] | None = None
 ) -> int:
-    """``torch.save`` streamed into an atomic write.
-
-    Args:
-        obj: what to save.
-        storage: where to.
-        path: the file.
-        progress: called with the number of bytes written.
-
-    Returns:
-        The bytes written.
-    """
+    """``torch.save`` streamed into an atomic write; returns the bytes written."""
     with storage.atomic_write(path) as out:
         writer = _CountingWriter(out, progress or (lambda n: None))
         torch.save(obj, cast(IO[bytes], writer))
@@ -400,18 +352,8 @@ def save_ackpt(
     compression: str = "zstd",
     progress: Callable[[int], None] | None = None,
 ) -> int:
-    """Write an asyncckpt file synchronously.
-
-    Args:
-        obj: what to save.
-        storage: where to.
-        path: the file.
-        compression: ``"zstd"`` or ``"none"``.
-        progress: called with the number of bytes written.
-
-    Returns:
-        The file's size.
-    """
+    """Write an asyncckpt file synchronously (``compression``: ``"zstd"`` or ``"none"``);
+    returns its size."""
     options = write_options(compression)
     snap = stage(obj)
     try:
@@ -420,33 +362,16 @@ def save_ackpt(
         snap.lease.release()
 
 
-def select(obj: Any, key: str | None, src: str) -> Any:
-    """The part of ``obj`` at ``key`` (``"model"``, ``"optim/state/0"``), or all of it.
-
-    Args:
-        obj: the loaded state.
-        key: a ``/``-separated path; integer parts index lists and int-keyed dicts.
-        src: how to name the source in errors.
-
-    Returns:
-        The selected part.
+def part_at(obj: Any, key: str | None, src: str) -> tuple[Any, str]:
+    """The part of ``obj`` at ``key`` (``"model"``, ``"optim/state/0"``; integer parts index
+    lists and int-keyed dicts), or all of it, with its key path as ``inspect`` shows it.
 
     Raises:
         UsageError: a part of the path is not there; the message lists what is.
 
     Example:
-        >>> select({"model": {"w": 1}, "step": 3}, "model/w", "x.pt")
-        1
-    """
-    return part_at(obj, key, src)[0]
-
-
-def part_at(obj: Any, key: str | None, src: str) -> tuple[Any, str]:
-    """:func:`select`, with the key path of the part as ``inspect`` shows it
-    (``state['model']['w']``).
-
-    Raises:
-        UsageError: a part of the path is not there; the message lists what is.
+        >>> part_at({"model": {"w": 1}, "step": 3}, "model/w", "x.pt")
+        (1, "state['model']['w']")
     """
     path = "state"
     for part in (key or "").strip("/").split("/") if key else ():

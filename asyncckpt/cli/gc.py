@@ -53,6 +53,7 @@ def add_parser(sub: Subparsers) -> None:
         "it. Never touches anything newer than the "
         "version file's step (a save in progress), nor a step whose COMMIT this asyncckpt "
         "cannot read (damaged, or from a newer asyncckpt).",
+        cmd_gc,
     )
     p.add_argument("root", metavar="ROOT")
     p.add_argument(
@@ -91,19 +92,14 @@ def add_parser(sub: Subparsers) -> None:
         help="also delete temp files of interrupted writes directly under ROOT (only when no "
         "job is writing to ROOT: a running save's temp file looks the same)",
     )
-    p.set_defaults(run=cmd_gc)
 
 
 def _delete_versions(
     storage: Storage, root: str, plan: list[StepEntry], dry_run: bool, lines: list[str]
 ) -> list[dict[str, Any]]:
-    goes = []
     verb = "would delete" if dry_run else "deleted"
-    for entry in plan:
-        info = version_info(storage, root, entry.step, None)
-        goes.append(
-            {"step": entry.step, "state": info["state"], "stored_bytes": info["stored_bytes"]}
-        )
+    infos = [version_info(storage, root, entry.step, None) for entry in plan]  # before any goes
+    goes = [{k: info[k] for k in ("step", "state", "stored_bytes")} for info in infos]
     for g in goes:
         size = "" if g["stored_bytes"] is None else f", {format_bytes(g['stored_bytes'])}"
         lines.append(f"{verb} step {g['step']} ({g['state']}{size})")
@@ -179,10 +175,7 @@ def policy_of(args: argparse.Namespace) -> RetentionPolicy:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     """``asyncckpt gc ROOT [--keep-last N] [--keep-best K --best-metric NAME] [--keep-every M]
-    [--keep-for DURATION] [--dry-run] [--remove-temp]``.
-
-    Returns:
-        The exit status (0).
+    [--keep-for DURATION] [--dry-run] [--remove-temp]`` (exit status 0).
 
     Raises:
         UsageError: no rule, a bad rule, or ROOT is not a root.

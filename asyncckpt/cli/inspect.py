@@ -1,16 +1,25 @@
-"""``asyncckpt inspect PATH | ROOT[@STEP]``: what a checkpoint holds, without its data."""
+"""``asyncckpt inspect PATH | ROOT[@STEP]``: what a checkpoint holds, without its data.
+
+Files asyncckpt did not write are shown too: ``torch.save`` files (loaded weights-only,
+memory-mapped where torch can) and safetensors files (their JSON header only). Their rows
+have the shape of an asyncckpt file's rows (key, depth, kind, dtype, shape, nbytes, device),
+so the table and ``--json`` read the same for every format.
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from asyncckpt._convert.consolidate import ShardedSource
+from asyncckpt._convert.safetensors import read_header
 from asyncckpt._engine.decode import Budget
 from asyncckpt._format.container import DTYPE_ITEMSIZE, FORMAT_VERSION, Manifest
 from asyncckpt._format.tree import child_path
@@ -30,9 +39,7 @@ from asyncckpt.cli.common import (
     short_time,
     single_file,
 )
-from asyncckpt.cli.formats import part_at, read_ackpt, sniff
-from asyncckpt.cli.inspect_other import safetensors_rows, show_other, torch_rows
-from asyncckpt.cli.sharded import open_sharded, shard_info
+from asyncckpt.cli.formats import load_torch, open_sharded, part_at, read_ackpt, sniff
 from asyncckpt.cli.terminal import table, terminal_width
 from asyncckpt.errors import UsageError
 
@@ -80,17 +87,10 @@ def _array_row(manifest: Manifest, index: int) -> dict[str, Any]:
     }
 
 
-def entries(manifest: Manifest, obj: Any, root: str = "state") -> list[dict[str, Any]]:
-    """One row per node of the tree: key path, depth, kind and details.
-
-    Args:
-        manifest: the file's manifest.
-        obj: its tree, from :func:`~asyncckpt.cli.common.manifest_tree` (or a part of it).
-        root: the label of ``obj``'s row.
-
-    Returns:
-        The rows, parents before their children.
-    """
+def entries(manifest: Manifest, obj: Any, root: str) -> list[dict[str, Any]]:
+    """One row per node of ``obj`` (the file's tree from
+    :func:`~asyncckpt.cli.common.manifest_tree`, or a part of it, labelled ``root``), parents
+    before their children: key path, depth, kind and details."""
     seen: dict[int, str] = {}
 
     def leaf(value: Any) -> dict[str, Any] | None:
@@ -100,7 +100,7 @@ def entries(manifest: Manifest, obj: Any, root: str = "state") -> list[dict[str,
             return _array_row(manifest, value.index)
         return None
 
-    return walk_tree(obj, leaf, root)
+    return walk_tree(obj, root, leaf)
 
 
 def _value_row(value: Any) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def _value_row(value: Any) -> dict[str, Any]:
 
 
 def walk_tree(
-    obj: Any, leaf: Callable[[Any], dict[str, Any] | None], root: str = "state"
+    obj: Any, root: str, leaf: Callable[[Any], dict[str, Any] | None]
 ) -> list[dict[str, Any]]:
     """Rows of a tree, parents before children: containers with their length, leaves as
     ``leaf`` describes them (None: shown by their ``repr``); ``root`` names the top."""
@@ -133,15 +133,6 @@ def walk_tree(
     return rows
 
 
-def shown(args: argparse.Namespace, obj: Any, name: str) -> tuple[Any, str]:
-    """The part of a tree that ``--key`` asks for, and the label of its top row.
-
-    Raises:
-        UsageError: ``--key`` names a part that is not there (the message lists what is).
-    """
-    return part_at(obj, args.key, name)
-
-
 def deep_enough(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows down to ``--depth`` (all of them without it)."""
     return [r for r in rows if args.depth is None or int(r["depth"]) <= args.depth]
@@ -154,7 +145,8 @@ def _label(row: dict[str, Any], parent: str | None) -> str:
     return "  " * int(row["depth"]) + key
 
 
-def _table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+def _table(rows: list[dict[str, Any]], last: str = "CODEC", fit: int | None = None) -> list[str]:
+    """The rows as the table ``inspect`` prints, keys indented by depth."""
     out: list[list[str]] = []
     parents: list[str] = []
     for row in rows:
@@ -174,7 +166,7 @@ def _table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             out.append([label, kind, detail, format_bytes(row["nbytes"]), row["device"], codecs])
         else:
             out.append([label, kind, row["value"], "", "", ""])
-    return out
+    return table(["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", last], out, fit=fit)
 
 
 def _summary(doc: dict[str, Any], meta: dict[str, Any]) -> list[str]:
@@ -203,10 +195,7 @@ def _file_format(ref: FileRef) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """``asyncckpt inspect PATH | ROOT[@STEP]``.
-
-    Returns:
-        The exit status (0).
+    """``asyncckpt inspect PATH | ROOT[@STEP]`` (exit status 0).
 
     Raises:
         MemoryBudgetError: loading the file would need more than ``--max-bytes``.
@@ -220,22 +209,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ref = single_file(located)
     fmt = _file_format(ref) if ref is located else "ackpt"
     if fmt == "torch":
-        show_other(
-            args, ref, fmt, deep_enough(args, torch_rows(args, ref, walk_tree)), None, _table_rows
-        )
+        _show_other(args, ref, fmt, _torch_rows(args, ref), None)
         return EXIT_OK
     if fmt == "safetensors":
-        rows, metadata = safetensors_rows(args, ref, walk_tree)
-        show_other(args, ref, fmt, deep_enough(args, rows), metadata, _table_rows)
+        _show_other(args, ref, fmt, *_safetensors_rows(args, ref))
         return EXIT_OK
     manifest, tree, size = read_ackpt(ref, lambda o: (o.manifest, manifest_tree(o), o.size))
-    rows = deep_enough(args, entries(manifest, *shown(args, tree, ref.name)))
+    rows = deep_enough(args, entries(manifest, *part_at(tree, args.key, ref.name)))
     raw = sum(s.nbytes for s in manifest.storages)
     Budget(args.max_bytes).charge(ref.name, raw, "its storages")
     stored = sum(c.stored_len for c in manifest.chunks)
-    codec_counts: dict[str, int] = {}
-    for c in manifest.chunks:
-        codec_counts[c.codec] = codec_counts.get(c.codec, 0) + 1
     doc = {
         "file": ref.name,
         "step": ref.step,
@@ -250,16 +233,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "arrays": len(manifest.arrays),
         "storages": len(manifest.storages),
         "chunks": len(manifest.chunks),
-        "codecs": codec_counts,
+        "codecs": dict(Counter(c.codec for c in manifest.chunks)),
         "entries": rows,
         "pending": pending_note(ref.storage, ref.path),
     }
     lines = _summary(doc, manifest.meta)
-    lines += table(
-        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "CODEC"],
-        _table_rows(rows),
-        fit=terminal_width(),
-    )
+    lines += _table(rows, fit=terminal_width())
     if doc["pending"]:
         lines.append(f"note: {doc['pending']}; this is the file as it was before that save")
     emit(args, doc, lines)
@@ -269,20 +248,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _sharded_rows(args: argparse.Namespace, src: ShardedSource) -> list[dict[str, Any]]:
     def leaf(value: Any) -> dict[str, Any] | None:
         if isinstance(value, torch.Tensor) and src.is_placeholder(value):
-            return shard_info(src, value)
+            return _shard_row(src, value)
         if isinstance(value, torch.Tensor):  # a plain tensor of rank 0's state
-            return {
-                "kind": "tensor",
-                "dtype": str(value.dtype).removeprefix("torch."),
-                "shape": list(value.shape),
-                "nbytes": value.numel() * value.element_size(),
-                "device": "cpu",
-                "codecs": [],
-            }
+            return _loaded_row(value, "tensor", "cpu")
         return None
 
-    tree, root = shown(args, src.skeleton, display(src.storage, src.directory))
-    return deep_enough(args, walk_tree(tree, leaf, root))
+    tree, root = part_at(src.skeleton, args.key, display(src.storage, src.directory))
+    return deep_enough(args, walk_tree(tree, root, leaf))
+
+
+def _shard_row(src: ShardedSource, placeholder: torch.Tensor) -> dict[str, Any]:
+    """What ``inspect`` shows of a sharded tensor: dtype, global shape, bytes, shards."""
+    dtype, shape = src.spec(placeholder)
+    md = src.metadata.state_dict_metadata[src.fqn_of(placeholder)]
+    shards = len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1
+    return {
+        "kind": "sharded tensor",
+        "dtype": str(dtype).removeprefix("torch."),
+        "shape": list(shape),
+        "nbytes": math.prod(shape) * dtype.itemsize,
+        "device": "-",
+        "codecs": [],
+        "shards": shards,
+    }
 
 
 def _inspect_sharded(args: argparse.Namespace, ref: RootRef, src: ShardedSource) -> int:
@@ -310,10 +298,122 @@ def _inspect_sharded(args: argparse.Namespace, ref: RootRef, src: ShardedSource)
         f"  {format_bytes(raw)} raw, {format_bytes(doc['stored_bytes'])} stored",
         "",
     ]
-    lines += table(
-        ["KEY", "TYPE", "DTYPE/SHAPE/VALUE", "SIZE", "DEVICE", "SHARDS"],
-        _table_rows(rows),
-        fit=terminal_width(),
-    )
+    lines += _table(rows, "SHARDS", terminal_width())
     emit(args, doc, lines)
     return EXIT_OK
+
+
+def _loaded_row(value: torch.Tensor, kind: str, device: str) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "dtype": str(value.dtype).removeprefix("torch."),
+        "shape": list(value.shape),
+        "nbytes": value.numel() * value.element_size(),
+        "device": device,
+        "codecs": [],
+    }
+
+
+def _torch_leaf(value: Any) -> dict[str, Any] | None:
+    if isinstance(value, torch.Tensor):
+        kind = "parameter" if isinstance(value, torch.nn.Parameter) else "tensor"
+        return {
+            **_loaded_row(value, kind, str(value.device)),
+            "_storage": (value.untyped_storage().data_ptr(), value.storage_offset())
+            if value.numel()
+            else None,
+        }
+    if isinstance(value, np.ndarray):
+        return {
+            "kind": "ndarray",
+            "dtype": str(value.dtype),
+            "shape": list(value.shape),
+            "nbytes": value.nbytes,
+            "device": "cpu",
+            "codecs": [],
+        }
+    return None
+
+
+def _torch_rows(args: argparse.Namespace, ref: FileRef) -> list[dict[str, Any]]:
+    """The rows of a ``torch.save`` file, loaded with ``weights_only=True`` (mmap if it can).
+
+    Raises:
+        pickle.UnpicklingError: the file holds objects weights-only loading refuses.
+    """
+    rows = walk_tree(*part_at(load_torch(ref), args.key, ref.name), _torch_leaf)
+    first: dict[tuple[int, int], str] = {}
+    for row in rows:  # tied weights: one storage saved under several keys
+        ident = row.pop("_storage", None)
+        if ident is not None and ident in first:
+            row["shares_storage_with"] = first[ident]
+        elif ident is not None:
+            first[ident] = row["key"]
+    return rows
+
+
+class _Entry:
+    """A safetensors header entry standing in for its tensor in the tree."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
+
+
+def _safetensors_leaf(value: Any) -> dict[str, Any] | None:
+    if not isinstance(value, _Entry):
+        return None
+    row = {"kind": "tensor", **value.info, "device": "-", "codecs": []}
+    row.pop("offset", None)
+    if "alias_of" in row:
+        row["shares_storage_with"] = f"state[{row.pop('alias_of')!r}]"
+    return row
+
+
+def _safetensors_rows(
+    args: argparse.Namespace, ref: FileRef
+) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The rows of a safetensors file from its header (no data read), and its metadata.
+
+    Raises:
+        SafetensorsError: the header is not valid.
+    """
+    entries, metadata = read_header(ref.storage, ref.path)
+    tree = {key: _Entry(info) for key, info in entries.items()}
+    return walk_tree(*part_at(tree, args.key, ref.name), _safetensors_leaf), metadata
+
+
+def _show_other(
+    args: argparse.Namespace,
+    ref: FileRef,
+    fmt: str,
+    rows: list[dict[str, Any]],
+    metadata: dict[str, str] | None,
+) -> None:
+    """Print the summary and the table (or ``--json``) of a torch or safetensors file."""
+    rows = deep_enough(args, rows)
+    tensors = [r for r in rows if "dtype" in r and "shares_storage_with" not in r]
+    raw = sum(int(r["nbytes"]) for r in tensors)
+    size = ref.storage.size(ref.path)
+    doc = {
+        "file": ref.name,
+        "step": None,
+        "format": fmt,
+        "size": size,
+        "raw_bytes": raw,
+        "tensors": len(tensors),
+        "metadata": metadata,
+        "entries": rows,
+    }
+    what = (
+        "torch.save file (read with weights_only=True)"
+        if fmt == "torch"
+        else ("safetensors file (header only)")
+    )
+    lines = [
+        ref.name,
+        f"  {what}: {plural(len(tensors), 'tensor')}",
+        f"  {format_bytes(raw)} raw, file {format_bytes(size)}",
+        "",
+    ]
+    lines += _table(rows)
+    emit(args, doc, lines)

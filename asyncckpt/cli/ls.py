@@ -33,9 +33,9 @@ def add_parser(sub: Subparsers) -> None:
         "list the versions under a checkpoint root",
         "List the versions under a Checkpointer root: step, committed or not, time, raw and "
         "stored size, metrics (save(..., metrics=...)), and which one the version file names.",
+        cmd_ls,
     )
     p.add_argument("root", metavar="ROOT", help="checkpoint root (directory or URL)")
-    p.set_defaults(run=cmd_ls)
 
 
 def _version_note(record_step: int | None, committed: list[int], latest: int | None) -> str:
@@ -81,10 +81,8 @@ def _metrics_text(metrics: dict[str, Any], width: int = 40) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``asyncckpt ls ROOT``; of a folder or bucket above roots, the checkpoints below.
-
-    Returns:
-        The exit status (0).
+    """``asyncckpt ls ROOT``; of a folder or bucket above roots, the checkpoints below
+    (exit status 0).
 
     Raises:
         CommandFailed: the folder holds nothing asyncckpt wrote.

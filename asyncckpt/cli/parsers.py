@@ -26,6 +26,7 @@ def add_inspect(sub: Subparsers) -> None:
         "shapes, sizes, saved devices and codecs. PATH is an asyncckpt, torch.save "
         "(read with weights_only=True) or safetensors file, or an asyncckpt.dcp directory; "
         "ROOT alone means its latest version (plain or sharded).",
+        lazy_command("inspect"),
     )
     p.add_argument("target", metavar="PATH|ROOT[@STEP]")
     p.add_argument(
@@ -38,7 +39,6 @@ def add_inspect(sub: Subparsers) -> None:
         "(a /-separated path, as convert --key takes it)",
     )
     add_max_bytes(p, "fail on")
-    p.set_defaults(run=lazy_command("asyncckpt.cli.inspect", "cmd_inspect"))
 
 
 def add_verify(sub: Subparsers) -> None:
@@ -51,11 +51,11 @@ def add_verify(sub: Subparsers) -> None:
         "structure. Exit status 0 only when everything is sound; each bad chunk is named "
         "with the keys it holds. PATH is an asyncckpt file or an asyncckpt.dcp directory; "
         "ROOT alone means its latest version (plain or sharded).",
+        lazy_command("verify"),
     )
     p.add_argument("target", metavar="PATH|ROOT[@STEP]")
     p.add_argument("--all", action="store_true", help="verify every committed version of ROOT")
     add_max_bytes(p, "report as too large")
-    p.set_defaults(run=lazy_command("asyncckpt.cli.verify", "cmd_verify"))
 
 
 def add_convert(sub: Subparsers) -> None:
@@ -74,6 +74,7 @@ def add_convert(sub: Subparsers) -> None:
         "torch.save output holds the whole state. With --shard-size, DST is a folder of "
         "safetensors shards and model.safetensors.index.json (the layout "
         "transformers' from_pretrained reads), written one shard at a time.",
+        lazy_command("convert"),
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
@@ -99,7 +100,6 @@ def add_convert(sub: Subparsers) -> None:
     )
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     add_max_bytes(p, "refuse (an asyncckpt or sharded SRC)")
-    p.set_defaults(run=lazy_command("asyncckpt.cli.convert", "cmd_convert"))
 
 
 def add_bench(sub: Subparsers) -> None:
@@ -111,6 +111,7 @@ def add_bench(sub: Subparsers) -> None:
         "Save and load a random state with torch.save/torch.load and asyncckpt on URL (a "
         "directory or fsspec URL; a temporary folder is created in it and removed), print "
         "medians as ratios to a plain in-memory copy, and plot them.",
+        lazy_command("bench"),
     )
     p.add_argument("url", metavar="URL")
     p.add_argument("--size-mib", type=float, default=256.0, help="state size (default 256)")
@@ -129,4 +130,3 @@ def add_bench(sub: Subparsers) -> None:
     )
     p.add_argument("--no-plot", action="store_true", help="do not write a plot")
     p.add_argument("--keep", action="store_true", help="keep the files written on URL")
-    p.set_defaults(run=lazy_command("asyncckpt.cli.bench", "cmd_bench"))

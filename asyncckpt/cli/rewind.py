@@ -37,11 +37,11 @@ def add_parser(sub: Subparsers) -> None:
         "point the version file at STEP, as Checkpointer.rewind does. It takes the root's "
         "writer lease: a job still writing to ROOT is fenced (stop it first). Without --yes, "
         "print what would be deleted and delete nothing.",
+        cmd_rewind,
     )
     p.add_argument("root", metavar="ROOT")
     p.add_argument("step", metavar="STEP", type=int, help="the committed step to go back to")
     p.add_argument("--yes", action="store_true", help="really delete the newer versions")
-    p.set_defaults(run=cmd_rewind)
 
 
 def cmd_rewind(args: argparse.Namespace) -> int:

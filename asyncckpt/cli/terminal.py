@@ -54,14 +54,9 @@ def cut(text: str, width: int) -> str:
 def table(
     headers: list[str], rows: list[list[str]], first_align: str = "<", fit: int | None = None
 ) -> list[str]:
-    """Rows as aligned text columns; ``first_align=">"`` right-aligns the first column.
-
-    Args:
-        headers: the column titles.
-        rows: the cells.
-        first_align: ``"<"`` or ``">"`` for the first column.
-        fit: a width (the terminal's) the lines should fit in: the first column (the keys)
-            is cut to make room for the others, down to 12 characters; None: no cut.
+    """Rows as aligned text columns; ``first_align=">"`` right-aligns the first column. With
+    ``fit`` (the terminal's width) the first column (the keys) is cut to make the lines fit,
+    down to 12 characters.
 
     Example:
         >>> table(["A", "BB"], [["1", "x"], ["22", "y"]], ">")

@@ -7,7 +7,7 @@ import contextlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from asyncckpt._engine.decode import Budget, OpenedFile, read_file
@@ -77,18 +77,8 @@ class FileReport:
         return not self.bad_chunks and not self.errors
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "file": self.file,
-            "step": self.step,
-            "ok": self.ok,
-            "size": self.size,
-            "chunks": self.chunks,
-            "raw_bytes": self.raw_bytes,
-            "stored_bytes": self.stored_bytes,
-            "bad_chunks": [b.__dict__ for b in self.bad_chunks],
-            "errors": self.errors,
-            "too_large": self.too_large,
-        }
+        fields = asdict(self)
+        return {"file": fields.pop("file"), "step": fields.pop("step"), "ok": self.ok, **fields}
 
 
 class _ChunkChecker:
@@ -98,18 +88,15 @@ class _ChunkChecker:
         self.handle, self.manifest, self.progress = opened.handle, opened.manifest, progress
         manifest = opened.manifest
         self.keys: dict[int, list[str]] = {}
-        for t in manifest.tensors:
-            self.keys.setdefault(t.storage, []).append(t.key)
-        for a in manifest.arrays:
-            self.keys.setdefault(a.storage, []).append(a.key)
+        for item in manifest.tensors + manifest.arrays:
+            self.keys.setdefault(item.storage, []).append(item.key)
         self.owner: dict[int, int] = {}
         for sid, entry in enumerate(manifest.storages):
             for index in range(entry.first_chunk, entry.first_chunk + entry.num_chunks):
                 self.owner.setdefault(index, sid)
 
     def keys_of(self, index: int) -> list[str]:
-        sid = self.owner.get(index)
-        return self.keys.get(sid, []) if sid is not None else []
+        return self.keys.get(self.owner.get(index, -1), [])
 
     def cost(self, index: int) -> int:
         """Bytes checking the chunk holds: stored, plus decoded unless raw."""
@@ -183,19 +170,11 @@ def verify_file(
 
     Unlike a load, which stops at the first damaged chunk, this reads and checks every
     chunk (checksum over the stored bytes, then a full decode) and validates the object
-    tree, so a report names each bad chunk and the keys whose data it holds.
-
-    Args:
-        storage: where the file is.
-        path: the file.
-        threads: parallel chunk readers (default: the ``threads`` tunable).
-        progress: called with the number of bytes read, as they are read.
-        step: the version the file belongs to, for the report.
-        max_bytes: a file whose load would need more memory for its decoded data is
-            reported as too large (``too_large``), without reading its chunks.
-
-    Returns:
-        The report; ``report.ok`` is True only when nothing is wrong.
+    tree, so a report names each bad chunk and the keys whose data it holds. ``threads``
+    chunk readers (default: the tunable) report the bytes read to ``progress``; ``step`` is
+    the file's version, for the report. A file whose load would need more than
+    ``max_bytes`` for its decoded data is reported ``too_large``, its chunks not read.
+    ``report.ok`` is True only when nothing is wrong.
 
     Example:
         >>> import torch, asyncckpt
@@ -287,7 +266,13 @@ def _root_files(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]
     return files
 
 
-def _report_lines(reports: list[FileReport], warnings: list[str]) -> list[str]:
+def _report_lines(
+    reports: list[FileReport],
+    warnings: list[str],
+    damaged: list[FileReport],
+    large: list[FileReport],
+    chunks: int,
+) -> list[str]:
     lines = []
     for r in reports:
         where = r.file + (f" (step {r.step})" if r.step is not None else "")
@@ -303,12 +288,9 @@ def _report_lines(reports: list[FileReport], warnings: list[str]) -> list[str]:
         for b in r.bad_chunks:
             lines.append(f"     chunk {b.chunk}: {b.detail}; keys: {_show_keys(b.keys)}")
     lines += [f"note: {w}" for w in warnings]
-    bad = [r for r in reports if not r.ok and not r.too_large]
-    large = [r for r in reports if r.too_large]
-    chunks = sum(len(r.bad_chunks) for r in bad)
     lines.append(
-        f"{len(reports) - len(bad) - len(large)} of {plural(len(reports), 'file')} sound"
-        + (f"; {len(bad)} damaged ({plural(chunks, 'bad chunk')})" if bad else "")
+        f"{len(reports) - len(damaged) - len(large)} of {plural(len(reports), 'file')} sound"
+        + (f"; {len(damaged)} damaged ({plural(chunks, 'bad chunk')})" if damaged else "")
         + (f"; {len(large)} too large for --max-bytes, not read" if large else "")
     )
     return lines
@@ -346,19 +328,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
             )
             for f in files
         ]
-    bad = [r for r in reports if not r.ok]
-    doc = {"ok": not bad, "files": [r.as_dict() for r in reports], "warnings": warnings}
-    emit(args, doc, _report_lines(reports, warnings))
-    damaged = [r for r in bad if not r.too_large]
+    damaged = [r for r in reports if not r.ok and not r.too_large]
+    large = [r for r in reports if r.too_large]  # not ok either: its error says why
+    chunks = sum(len(r.bad_chunks) for r in damaged)
+    ok = not damaged and not large
+    doc = {"ok": ok, "files": [r.as_dict() for r in reports], "warnings": warnings}
+    emit(args, doc, _report_lines(reports, warnings, damaged, large, chunks))
     if damaged:
-        chunks = sum(len(r.bad_chunks) for r in damaged)
         raise CommandFailed(
             f"verify: {len(damaged)} of {plural(len(reports), 'file')} damaged "
             f"({plural(chunks, 'bad chunk')}); load an older version or restore these files"
         )
-    if bad:
+    if large:
         raise CommandFailed(
-            f"verify: {len(bad)} of {plural(len(reports), 'file')} would need more memory "
+            f"verify: {len(large)} of {plural(len(reports), 'file')} would need more memory "
             f"than --max-bytes {args.max_bytes:,} to load; not read"
         )
     return EXIT_OK
