@@ -276,8 +276,7 @@ class Reader(CheckpointLocation, StorageReader):
                 f"metadata says {where.nbytes}"
             )
         if req.type == LoadItemType.BYTE_IO:
-            offsets, lengths = (0,) * len(entry.shape), entry.shape
-            return _Item(req, entry, offsets, lengths, None)
+            return _Item(req, entry, (0,) * len(entry.shape), entry.shape, None)
         offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
         if len(offsets) != len(entry.shape) or any(
             o < 0 or n < 0 or o + n > size for o, n, size in zip(offsets, lengths, entry.shape)
@@ -332,12 +331,9 @@ def _direct_destinations(opened: OpenedFile, items: list[_Item]) -> dict[int, to
     A storage that more than one item reads is decoded into a buffer of its own.
     """
     readers = collections.Counter(item.entry.storage for item in items)
-    direct = {}
-    for item in items:
-        dest = _direct_destination(opened, item) if readers[item.entry.storage] == 1 else None
-        if dest is not None:
-            direct[item.entry.storage] = dest
-    return direct
+    alone = [item for item in items if readers[item.entry.storage] == 1]
+    dests = {item.entry.storage: _direct_destination(opened, item) for item in alone}
+    return {sid: dest for sid, dest in dests.items() if dest is not None}
 
 
 def _direct_destination(opened: OpenedFile, item: _Item) -> torch.Tensor | None:

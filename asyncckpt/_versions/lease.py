@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from asyncckpt._storage import TEMP_MARK, Storage
 from asyncckpt._versions.protocol import LEASE_DIR, LeaseRecord, encode_record, read_record
-from asyncckpt.errors import (
-    FormatError,
-)
+from asyncckpt.errors import FormatError
 
 
 def lease_path(storage: Storage, root: str, epoch: int) -> str:
@@ -39,14 +39,13 @@ def create_lease(storage: Storage, root: str, epoch: int, writer: str) -> None:
     Raises:
         ConflictError: another writer claimed it first.
     """
-    doc = {"epoch": epoch, "writer": writer, "beat": 0}
-    storage.create_exclusive(lease_path(storage, root, epoch), encode_record(doc))
+    record = encode_record(asdict(LeaseRecord(epoch, writer, 0)))
+    storage.create_exclusive(lease_path(storage, root, epoch), record)
 
 
 def renew_lease(storage: Storage, root: str, lease: LeaseRecord) -> None:
     """Rewrite this writer's own lease record with its next heartbeat number."""
-    doc = {"epoch": lease.epoch, "writer": lease.writer, "beat": lease.beat}
-    storage.write_bytes(lease_path(storage, root, lease.epoch), encode_record(doc))
+    storage.write_bytes(lease_path(storage, root, lease.epoch), encode_record(asdict(lease)))
 
 
 def current_lease(storage: Storage, root: str) -> LeaseRecord | None:

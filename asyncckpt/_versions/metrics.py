@@ -32,14 +32,8 @@ def check_metrics(metrics: Any, where: str = "metrics") -> Metrics:
 
     Values are finite ints or floats (not bools) or strings of at most :data:`MAX_STRING`
     characters; names are non-empty strings of at most :data:`MAX_NAME` characters; at
-    most :data:`MAX_METRICS` entries and :data:`MAX_METRICS_BYTES` of JSON in all.
-
-    Args:
-        metrics: what the caller passed (a mapping).
-        where: what to name in an error (the checkpoint and step, or ``metrics``).
-
-    Returns:
-        The metrics, copied.
+    most :data:`MAX_METRICS` entries and :data:`MAX_METRICS_BYTES` of JSON in all. An
+    error names ``where`` (the checkpoint and step, or ``metrics``).
 
     Raises:
         InvalidMetricsError: the metrics break a rule; the message names the key.

@@ -160,12 +160,8 @@ def writer_gone(record: PendingRecord) -> str | None:
         >>> writer_gone(record) is not None or this_machine().boot is None
         True
     """
-    machine = this_machine()
-    if None in (record.pid_ns, record.boot) or (record.host, record.pid_ns, record.boot) != (
-        machine.host,
-        machine.pid_ns,
-        machine.boot,
-    ):
+    writer = Machine(record.host, record.pid_ns, record.boot)
+    if None in (record.pid_ns, record.boot) or writer != this_machine():
         return None
     start = process_start(record.pid)
     if start is None:
@@ -263,12 +259,8 @@ def begin(storage: Storage, path: str, *, settings: Settings) -> MarkerCheck | N
 
     If this process already has a save of ``path`` in flight whose marker is still its
     own, the new save shares that marker (saves of one process run in order: the marker
-    stays until the last of them ends).
-
-    Args:
-        storage: where ``path`` is.
-        path: the file being saved.
-        settings: the save's; the marker beats every ``lease_renew_ms``.
+    stays until the last of them ends). The marker beats every ``lease_renew_ms`` of
+    ``settings``.
 
     Returns:
         The save's publish guard (pass it to the write, then to :func:`finish`); None
@@ -316,10 +308,8 @@ def finish(check: MarkerCheck, failure: BaseException | None = None) -> None:
     """End one save that :func:`begin` started; delete the marker if it was the last one
     of this process in flight and the marker is still its own.
 
-    Args:
-        check: what :func:`begin` returned.
-        failure: the save's error, if it failed. Then a marker that cannot be deleted is
-            only logged (and noted on ``failure``): the save's own error is what matters.
+    ``failure`` is the save's error, if it failed: then a marker that cannot be deleted is
+    only logged (and noted on ``failure``), since the save's own error is what matters.
 
     Raises:
         StorageError: the save succeeded but its marker could not be deleted (loads of the
@@ -418,9 +408,8 @@ def beat_all() -> int:
     done = 0
     for slot in slots:
         with slot.io:
-            if slot.token is None or not slot.beating:
-                continue
-            done += _beat(slot)
+            if slot.token is not None and slot.beating:
+                done += _beat(slot)
     return done
 
 
@@ -469,13 +458,10 @@ def wait_for_saves(
     One read of the marker when there is none (the common case). While there is one, it
     is read again with backoff (20 ms doubling to 1 s, with jitter).
 
-    Args:
-        storage: where ``path`` is.
-        path: the file about to be loaded.
-        dead_writer: ``"raise"``: a save whose writer is dead raises; ``"load"``: it is
-            logged (a warning) and this returns, so that the file is loaded as it is (the
-            previous save's state): for a job resuming after that very writer crashed.
-        settings: the load's; a marker unchanged for ``lease_expiry_ms`` is a dead writer's.
+    ``dead_writer``: ``"raise"``: a save whose writer is dead raises; ``"load"``: it is
+    logged (a warning) and this returns, so that the file is loaded as it is (the previous
+    save's state): for a job resuming after that very writer crashed. A marker unchanged
+    for the ``lease_expiry_ms`` of ``settings`` is a dead writer's.
 
     Raises:
         CheckpointTimeoutError: the saving process is dead: it ran on this machine and is
@@ -505,8 +491,7 @@ def wait_for_saves(
         if gone is None and now - changed >= expiry:
             gone = (
                 f"its marker has not changed for {now - changed:.1f} s (lease_expiry_ms="
-                f"{settings.lease_expiry_ms}), so it died, froze or lost "
-                "its storage"
+                f"{settings.lease_expiry_ms}), so it died, froze or lost its storage"
             )
         if gone is not None:
             message = _gave_up(storage, path, record, gone, now - started)

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from asyncckpt._versions.protocol import decode_record, encode_record
-from asyncckpt.errors import (
-    FormatError,
-)
+from asyncckpt.errors import FormatError
 
 #: Suffix of the marker that sits beside a file while a drop-in ``save`` of it is in flight.
 PENDING_SUFFIX = ".ackpending"
@@ -47,6 +45,19 @@ class PendingRecord:
     started: str
 
 
+#: Each field of a marker's record and the JSON types it may have.
+_FIELDS = {
+    "token": (str,),
+    "host": (str,),
+    "pid": (int,),
+    "pid_ns": (str, type(None)),
+    "boot": (str, type(None)),
+    "pid_start": (int, type(None)),
+    "beat": (int,),
+    "started": (str,),
+}
+
+
 def encode_pending(record: PendingRecord) -> bytes:
     """A drop-in save marker's bytes (JSON; ``time`` makes every rewrite's bytes unique).
 
@@ -55,22 +66,7 @@ def encode_pending(record: PendingRecord) -> bytes:
         >>> decode_pending(encode_pending(record)) == record
         True
     """
-    doc = {
-        "kind": DROP_IN_SAVE,
-        "token": record.token,
-        "host": record.host,
-        "pid": record.pid,
-        "pid_ns": record.pid_ns,
-        "boot": record.boot,
-        "pid_start": record.pid_start,
-        "beat": record.beat,
-        "started": record.started,
-    }
-    return encode_record(doc)
-
-
-def _optional(value: Any, kind: type) -> bool:
-    return value is None or type(value) is kind
+    return encode_record({"kind": DROP_IN_SAVE, **asdict(record)})
 
 
 def decode_pending(raw: bytes) -> PendingRecord | None:
@@ -88,27 +84,8 @@ def decode_pending(raw: bytes) -> PendingRecord | None:
         doc = decode_record(raw, "save marker")
     except FormatError:
         return None
-    fields = (doc.get("token"), doc.get("host"), doc.get("pid"), doc.get("beat"))
-    valid = (
-        doc.get("kind") == DROP_IN_SAVE
-        and isinstance(fields[0], str)
-        and isinstance(fields[1], str)
-        and type(fields[2]) is int
-        and type(fields[3]) is int
-        and _optional(doc.get("pid_ns"), str)
-        and _optional(doc.get("boot"), str)
-        and _optional(doc.get("pid_start"), int)
-        and isinstance(doc.get("started"), str)
-    )
-    if not valid:
+    values: dict[str, Any] = {name: doc.get(name) for name in _FIELDS}
+    kind = doc.get("kind")
+    if kind != DROP_IN_SAVE or any(type(values[k]) not in t for k, t in _FIELDS.items()):
         return None
-    return PendingRecord(
-        doc["token"],
-        doc["host"],
-        doc["pid"],
-        doc.get("pid_ns"),
-        doc.get("boot"),
-        doc.get("pid_start"),
-        doc["beat"],
-        doc["started"],
-    )
+    return PendingRecord(**values)

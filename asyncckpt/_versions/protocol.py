@@ -30,7 +30,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer
@@ -183,10 +183,6 @@ def bad_file_name(name: str) -> str | None:
     return None
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat()
-
-
 def decode_record(raw: bytes, where: str) -> dict[str, Any]:
     """Parse a protocol record's JSON.
 
@@ -220,16 +216,11 @@ def read_record(storage: Storage, path: str) -> dict[str, Any] | None:
 
 def encode_record(doc: dict[str, Any]) -> bytes:
     """A protocol record's bytes; the time stamp also makes every write's bytes unique."""
-    return json.dumps({"protocol": PROTOCOL_VERSION, **doc, "time": _now()}).encode()
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    return json.dumps({"protocol": PROTOCOL_VERSION, **doc, "time": now}).encode()
 
 
 # -- commit markers ---------------------------------------------------------------------------
-
-
-def _int_list(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, list) and all(type(v) is int and v >= 0 for v in value):
-        return tuple(value)
-    return None
 
 
 def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
@@ -238,8 +229,7 @@ def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
     Raises:
         UnreadableRecordError: a field is missing or malformed.
     """
-    files, writer = doc.get("files"), doc.get("writer")
-    sizes = _int_list(doc.get("sizes", []))
+    files, writer, sizes = doc.get("files"), doc.get("writer"), doc.get("sizes", [])
     epoch, kind = doc.get("epoch", 0), doc.get("kind", SINGLE)
     if isinstance(files, list):
         _check_file_names(files, step, where)
@@ -248,10 +238,12 @@ def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
         and kind in (SINGLE, SHARDED)
         and isinstance(files, list)
         and files
-        and all(_is_version_file(f, kind) for f in files)
+        # data files or a sharded version's metadata (their names were checked above)
+        and all(f.endswith(".ackpt") or (kind == SHARDED and is_metadata_name(f)) for f in files)
         and (kind != SHARDED or sum(is_metadata_name(f) for f in files) == 1)
         and isinstance(writer, str)
-        and sizes is not None
+        and isinstance(sizes, list)
+        and all(type(v) is int and v >= 0 for v in sizes)
         and (not sizes or len(sizes) == len(files))
         and type(epoch) is int
     )
@@ -266,7 +258,7 @@ def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
         step,
         tuple(files),  # type: ignore[arg-type]
         writer,  # type: ignore[arg-type]
-        sizes or (),
+        tuple(sizes),
         epoch,
         kind,
         metrics,
@@ -287,13 +279,6 @@ def _check_file_names(files: list[Any], step: int, where: str) -> None:
                 f"{where}: the commit marker of step {step} names the file {name!r}, which "
                 f"is not a valid file name ({problem})"
             )
-
-
-def _is_version_file(name: Any, kind: Any) -> bool:
-    """A data file name, or (sharded versions) the metadata's: never a path elsewhere."""
-    if not isinstance(name, str) or bad_file_name(name) is not None:
-        return False
-    return name.endswith(".ackpt") or (kind == SHARDED and is_metadata_name(name))
 
 
 def read_commit_strict(storage: Storage, root: str, step: int) -> CommitRecord | None:
@@ -447,10 +432,8 @@ def version_from(doc: dict[str, Any], where: str) -> VersionRecord:
 
 
 def read_version_tagged(storage: Storage, root: str) -> tuple[VersionRecord | None, str | None]:
-    """The version file's record and its tag (for :meth:`Storage.replace_if`).
-
-    Returns:
-        ``(None, None)`` when there is no version file.
+    """The version file's record and its tag (for :meth:`Storage.replace_if`);
+    ``(None, None)`` when there is no version file.
 
     Raises:
         UnreadableRecordError: the file exists but cannot be understood.
@@ -480,14 +463,12 @@ def publish_version(storage: Storage, root: str, record: VersionRecord, tag: str
     Raises:
         ConflictError: the file changed since ``tag`` was read (another writer moved it).
     """
-    doc = {"step": record.step, "writer": record.writer, "epoch": record.epoch}
-    return storage.replace_if(storage.join(root, VERSION_FILE), encode_record(doc), tag)
+    return storage.replace_if(storage.join(root, VERSION_FILE), encode_record(asdict(record)), tag)
 
 
 def write_version_file(storage: Storage, root: str, record: VersionRecord) -> None:
     """Replace the version file unconditionally (tests and repair tools only)."""
-    doc = {"step": record.step, "writer": record.writer, "epoch": record.epoch}
-    storage.write_bytes(storage.join(root, VERSION_FILE), encode_record(doc))
+    storage.write_bytes(storage.join(root, VERSION_FILE), encode_record(asdict(record)))
 
 
 # -- listing, latest, retention ---------------------------------------------------------------

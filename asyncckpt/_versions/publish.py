@@ -22,27 +22,10 @@ from asyncckpt._engine import writer_process
 from asyncckpt._engine.encode import WriteOptions
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._storage import Storage
-from asyncckpt._versions.protocol import SINGLE, read_commit
+from asyncckpt._versions.protocol import read_commit
 from asyncckpt._versions.retention import RetentionPolicy
-from asyncckpt._versions.writing import RootWriter
+from asyncckpt._versions.writing import Gathered, RootWriter
 from asyncckpt.errors import AsyncCkptError, ConflictError, FencedError
-
-
-@dataclass(frozen=True)
-class Gathered:
-    """What the writer rank commits: every file of the version and what else to keep.
-
-    Attributes:
-        files: every file of the version, relative to its directory.
-        sizes: each file's size in bytes.
-        kind: the version's kind (``SINGLE`` or ``SHARDED``).
-        keep: other files of the save that the commit's sweep must leave.
-    """
-
-    files: tuple[str, ...]
-    sizes: tuple[int, ...]
-    kind: str = SINGLE
-    keep: tuple[str, ...] = ()
 
 
 class RankPart(Protocol):
@@ -108,18 +91,9 @@ def write_and_commit(
     retention.
 
     Runs while ``snap`` is still being copied; the caller frees the arena if this fails.
-
-    Args:
-        writer: the root's writer (its lease is taken by the first save).
-        part: this rank's part of the version.
-        snap: the state's snapshot.
-        policy: retention (None keeps every version).
-        spare: the step a collective load may still read (retention spares it), asked
-            when retention runs.
-        metrics: the version's metrics (checked), recorded in its ``COMMIT``.
-
-    Returns:
-        The size of this rank's file.
+    ``policy`` None keeps every version; ``spare`` is asked, when retention runs, for the
+    step a collective load may still read (retention spares it); ``metrics`` (checked) are
+    recorded in the ``COMMIT``. Returns the size of this rank's file.
 
     Raises:
         FencedError: another writer took the root over (no marker is left in it).
@@ -138,15 +112,7 @@ def write_and_commit(
         raise
     try:
         size = part.write(snap)
-        gathered = part.gather(writer, size, started)
-        writer.commit(
-            step,
-            gathered.files,
-            gathered.sizes,
-            kind=gathered.kind,
-            keep=gathered.keep,
-            metrics=metrics,
-        )
+        writer.commit(step, part.gather(writer, size, started), metrics)
     except FencedError:
         raise  # the root is another writer's now: leave no marker in it
     except BaseException as exc:

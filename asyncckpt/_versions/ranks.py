@@ -61,8 +61,7 @@ from asyncckpt._versions.protocol import (
     metadata_file_name,
     step_dir,
 )
-from asyncckpt._versions.publish import Gathered
-from asyncckpt._versions.writing import RootWriter
+from asyncckpt._versions.writing import Gathered, RootWriter
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -113,16 +112,7 @@ class Piece:
 
     def to_json(self) -> dict[str, Any]:
         """The piece as a JSON object (in a ``.done`` marker)."""
-        return {
-            "fqn": self.fqn,
-            "path": list(self.path),
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "offsets": list(self.offsets),
-            "sizes": list(self.sizes),
-            "entry": self.entry,
-            "nbytes": self.nbytes,
-        }
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(self).items()}
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> Piece:
@@ -169,14 +159,9 @@ def _dims(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class RankMarker:
-    """A rank's completion marker: its file is durable and holds ``pieces``.
-
-    Attributes:
-        rank: the rank (in the Checkpointer's group).
-        file: its data file's name.
-        size: that file's size in bytes.
-        pieces: the DTensor chunks the file stores.
-    """
+    """A rank's completion marker: its data ``file`` (``size`` bytes) is durable and
+    holds ``pieces``, the DTensor chunks it stores (``rank`` is in the Checkpointer's
+    group)."""
 
     rank: int
     file: str
@@ -412,16 +397,13 @@ class _Heartbeat:
 def await_markers(
     job: RankJob, timeout: float, started: float | None = None
 ) -> dict[int, RankMarker]:
-    """Poll the step directory until every rank's completion marker is there.
+    """Poll the step directory until every rank's completion marker is there; return
+    ``{rank: marker}`` for every rank of the group.
 
-    Args:
-        job: the writer rank's job of the save.
-        timeout: seconds to wait at most for every completion marker (the group's timeout).
-        started: ``time.monotonic()`` when the writer started this save's job (default:
-            now); a rank without any marker ``lease_expiry_ms`` after it is given up.
-
-    Returns:
-        ``{rank: marker}`` for every rank of the group.
+    ``job`` is the writer rank's job of the save; ``timeout`` the seconds to wait at most
+    for every completion marker (the group's timeout); ``started`` the
+    ``time.monotonic()`` when the writer started this save's job (default: now): a rank
+    without any marker ``lease_expiry_ms`` after it is given up.
 
     Raises:
         IncompleteCheckpointError: a rank recorded that its write failed.
@@ -570,16 +552,13 @@ def metadata_bytes(markers: dict[int, RankMarker], attempt: str, where: str) -> 
     for rank in sorted(markers):
         marker = markers[rank]
         for piece in marker.pieces:
+            dtype = torch_dtype(piece.dtype)
             described = tensors.setdefault(
                 piece.fqn,
-                TensorStorageMetadata(
-                    TensorProperties(dtype=torch_dtype(piece.dtype)), torch.Size(piece.shape), []
-                ),
+                TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(piece.shape), []),
             )
-            if (tuple(described.size), described.properties.dtype) != (
-                piece.shape,
-                torch_dtype(piece.dtype),
-            ) or paths.setdefault(piece.fqn, piece.path) != piece.path:
+            same = (tuple(described.size), described.properties.dtype) == (piece.shape, dtype)
+            if not same or paths.setdefault(piece.fqn, piece.path) != piece.path:
                 raise FormatError(f"{where}: ranks disagree on what {piece.fqn!r} is")
             described.chunks.append(
                 ChunkStorageMetadata(torch.Size(piece.offsets), torch.Size(piece.sizes))
@@ -590,7 +569,7 @@ def metadata_bytes(markers: dict[int, RankMarker], attempt: str, where: str) -> 
             locations[index] = ItemLocation(marker.file, marker.size, piece.entry, piece.nbytes)
     metadata = Metadata(
         state_dict_metadata=dict(tensors),
-        planner_data={fqn: path for fqn, path in paths.items()},
+        planner_data=dict(paths),
         storage_data=locations,
         storage_meta=StorageMeta(checkpoint_id=where, save_id=attempt),
         version=_DCP_VERSION,

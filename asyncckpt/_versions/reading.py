@@ -55,11 +55,7 @@ class KindReader(Protocol):
 
 
 class RootReader:
-    """Read-only access to the committed versions under ``root``.
-
-    Args:
-        storage: the storage that holds the root.
-        root: the root's path within ``storage``.
+    """Read-only access to the committed versions under ``root`` (a path in ``storage``).
 
     Example:
         >>> import tempfile
@@ -115,22 +111,15 @@ class RootReader:
         load that asked for the newest version moves on to the newest one, at most
         :data:`FOLLOW_ATTEMPTS` times in all; a load of a given step raises.
 
-        Args:
-            step: the version to load.
-            commit: its commit marker, or None if it was retired since it was chosen.
-            placement: where tensors go.
-            into: an existing state to load into, or None.
-            kinds: reads a sharded version; says what a plain one must refuse.
-            follow_latest: the caller asked for the newest version (no step, not collective).
-            max_bytes: the memory budget of each attempt (see :class:`Budget`).
-            settings: the load's settings (None: resolved here, for tools and tests).
-            keys: top-level keys to load (a plain version; ``kinds`` selects a sharded
-                version's itself), None for all.
-
-        Returns:
-            The saved state (after a move, the newer version's).
+        ``commit`` is ``step``'s marker, or None if it was retired since it was chosen;
+        ``kinds`` reads a sharded version and says what a plain one must refuse;
+        ``follow_latest``: the caller asked for the newest version (no step, not
+        collective); ``max_bytes`` is each attempt's budget; ``keys`` selects top-level keys
+        of a plain version (``kinds`` selects a sharded version's itself). Returns the saved
+        state (after a move, the newer version's).
 
         Raises:
+            MissingKeyError: a key of ``keys`` is not in the version.
             IncompleteCheckpointError: the version was deleted while it was read and
                 ``follow_latest`` is false (or nothing newer is committed, or the newest was
                 deleted too, :data:`FOLLOW_ATTEMPTS` times); or a file its ``COMMIT`` names
@@ -141,9 +130,15 @@ class RootReader:
         settings = settings or Settings.resolve()
         for _ in range(FOLLOW_ATTEMPTS):
             try:
-                return self._load_once(
-                    step, commit, placement, into, kinds, max_bytes, settings, keys
-                )
+                if commit is None:  # deleted again before it could be read
+                    raise CheckpointNotFoundError(
+                        f"step {step} under {self.where} is not committed"
+                    )
+                budget = Budget(max_bytes)
+                if commit.kind == SHARDED:
+                    return kinds.sharded(commit, budget)
+                kinds.check_plain(step)
+                return self._read_plain(step, placement, into, budget, settings, keys)
             except (AsyncCkptError, CheckpointException) as exc:
                 step = self._after_deletion(step, follow_latest, exc)
             commit = self.commit_of(step)
@@ -152,26 +147,6 @@ class RootReader:
             f"process loaded them (the last was step {step}); keep more versions (keep_last) "
             "or give load() a step that is kept"
         )
-
-    def _load_once(
-        self,
-        step: int,
-        commit: CommitRecord | None,
-        placement: Placement,
-        into: Any,
-        kinds: KindReader,
-        max_bytes: int | None,
-        settings: Settings,
-        keys: Collection[Any] | None,
-    ) -> Any:
-        """One attempt at loading ``step`` (``commit``), dispatched on its kind."""
-        if commit is None:  # deleted again before it could be read
-            raise CheckpointNotFoundError(f"step {step} under {self.where} is not committed")
-        budget = Budget(max_bytes)
-        if commit.kind == SHARDED:
-            return kinds.sharded(commit, budget)
-        kinds.check_plain(step)
-        return self.read(step, placement, into, budget, settings=settings, keys=keys)
 
     def _after_deletion(self, step: int, follow_latest: bool, exc: BaseException) -> int:
         """The step to load after ``exc`` interrupted the load of ``step``; else raise.
@@ -188,33 +163,16 @@ class RootReader:
         log.info("step %d was deleted while loading; moving to step %d", step, newest)
         return newest
 
-    def read(
+    def _read_plain(
         self,
         step: int,
         placement: Placement,
         into: Any,
-        budget: Budget | None = None,
-        *,
-        settings: Settings | None = None,
-        keys: Collection[Any] | None = None,
+        budget: Budget,
+        settings: Settings,
+        keys: Collection[Any] | None,
     ) -> Any:
-        """Load committed plain version ``step`` (one data file).
-
-        Args:
-            step: a committed step.
-            placement: where tensors go.
-            into: an existing state to load into, or None.
-            budget: the memory the load may allocate for decoded data.
-            settings: the load's settings (None: resolved here, for tools and tests).
-            keys: the top-level keys to load (None: all).
-
-        Raises:
-            MissingKeyError: a key of ``keys`` is not in the version.
-            IncompleteCheckpointError: ``step`` is not (or no longer) committed.
-            FormatError: the version has more than one data file.
-            MemoryBudgetError: it needs more than ``budget`` (nothing was allocated).
-        """
-        settings = settings or Settings.resolve()
+        """Load committed plain version ``step`` (one data file) within ``budget``."""
 
         def work(opened: OpenedFile) -> Any:
             return materialize(

@@ -99,13 +99,9 @@ class RetentionPolicy:
         return None if self.keep_for is None else float(self.keep_for)  # type: ignore[arg-type]
 
     def keeps(self, committed: Sequence[StepEntry], now: float | None = None) -> set[int]:
-        """The steps, among ``committed`` (ascending), that some rule of the policy keeps.
-
-        Args:
-            committed: committed entries, ascending (their commit records give metrics
-                and times).
-            now: the current time (seconds since the epoch) for ``keep_for``; None: now.
-        """
+        """The steps, among ``committed`` (ascending; their commit records give metrics
+        and times), that some rule of the policy keeps; ``now`` (seconds since the epoch,
+        None: now) is what ``keep_for`` counts from."""
         rules: list[set[int]] = []
         if self.keep_last is not None:
             newest = committed[max(0, len(committed) - self.keep_last) :]
@@ -123,12 +119,8 @@ class RetentionPolicy:
 
     def _young(self, committed: Sequence[StepEntry], now: float) -> set[int]:
         horizon = now - (self.keep_for_s or 0.0)
-        young = set()
-        for entry in committed:
-            stamp = entry.commit.timestamp if entry.commit is not None else None
-            if stamp is None or stamp >= horizon:
-                young.add(entry.step)
-        return young
+        stamps = {e.step: e.commit.timestamp if e.commit is not None else None for e in committed}
+        return {step for step, stamp in stamps.items() if stamp is None or stamp >= horizon}
 
 
 def ranked(committed: Sequence[StepEntry], metric: str, mode: str) -> list[int]:
@@ -172,15 +164,8 @@ def deletion_plan(
     * an uncommitted step older than ``pinned``: a failed or interrupted save, which can
       never commit, since steps only increase.
 
-    Args:
-        entries: the root's step directories, ascending.
-        policy: which committed versions to keep.
-        pinned: the version file's step.
-        spare: steps never to delete besides ``pinned``.
-        now: the time ``keep_for`` counts from (None: now).
-
-    Returns:
-        The entries to delete, ascending.
+    ``entries`` are the root's step directories, ascending; ``now`` is the time
+    ``keep_for`` counts from (None: now). Returns the entries to delete, ascending.
 
     Example:
         >>> entries = [StepEntry(1, COMMITTED), StepEntry(2, UNREADABLE),

@@ -29,14 +29,8 @@ from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FencedError
 def rewind(writer: RootWriter, step: int) -> list[int]:
     """Delete every step directory newer than ``step`` and publish ``step`` as the newest.
 
-    Takes the writer lease first (as a first save does) if ``writer`` does not hold it.
-
-    Args:
-        writer: the root's writer; the caller has no save in flight.
-        step: a committed step to go back to.
-
-    Returns:
-        The steps deleted, newest first.
+    Takes the writer lease first (as a first save does) if ``writer`` does not hold it;
+    the caller has no save in flight. Returns the steps deleted, newest first.
 
     Raises:
         CheckpointNotFoundError: ``step`` is not committed (nothing is deleted).

@@ -55,19 +55,15 @@ def wait_for_step(
     *,
     expiry_s: float | None = None,
 ) -> None:
-    """Poll, with exponential backoff and jitter, until ``step`` is committed.
+    """Poll, with exponential backoff and jitter, until ``step`` is committed, for at most
+    ``timeout`` seconds (None: for ever, or until the lease goes stale).
 
-    Args:
-        storage: the root's storage.
-        root: the root.
-        step: the step to wait for.
-        timeout: seconds to wait at most (None: for ever, or until the lease goes stale).
-        writer: the token of the writer whose save of ``step`` is awaited (a collective
-            load knows it): only that writer's ``FAILED`` marker ends the wait. None: only
-            a marker of the current lease's epoch does, so a marker an earlier job left
-            never stops a wait for the current writer's save of the same step.
-        expiry_s: seconds after which a lease that has not changed is stale (the
-            ``lease_expiry_ms`` of the caller's settings; None: resolved now).
+    ``writer`` is the token of the writer whose save of ``step`` is awaited (a collective
+    load knows it): only that writer's ``FAILED`` marker ends the wait. None: only a
+    marker of the current lease's epoch does, so a marker an earlier job left never stops
+    a wait for the current writer's save of the same step. A lease unchanged for
+    ``expiry_s`` seconds is stale (the ``lease_expiry_ms`` of the caller's settings;
+    None: resolved now).
 
     Raises:
         IncompleteCheckpointError: the awaited attempt recorded that the save of ``step``

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
@@ -55,15 +56,26 @@ from asyncckpt.errors import AsyncCkptError, ConflictError, FencedError, FormatE
 log = logging.getLogger(__name__)
 
 
-class RootWriter:
-    """The lease holder's operations on ``root``.
+@dataclass(frozen=True)
+class Gathered:
+    """What the writer rank commits: every file of the version, relative to its directory
+    (a sharded version: one data file per rank, then its metadata), each file's size as
+    written, the version's kind (``SINGLE`` or ``SHARDED``, recorded in ``COMMIT``), and
+    the other files of the save that the commit's sweep must leave (a sharded version's
+    per-rank completion markers)."""
 
-    Args:
-        storage: the storage that holds the root.
-        root: the root's path within ``storage``.
-        token: this writer's unique id (also in its data file names).
-        settings: its tunables (``lease_renew_ms``); None: resolved now (for tools and
-            tests; the package passes its entry point's).
+    files: tuple[str, ...]
+    sizes: tuple[int, ...]
+    kind: str = SINGLE
+    keep: tuple[str, ...] = ()
+
+
+class RootWriter:
+    """The lease holder's operations on ``root`` (a path in ``storage``).
+
+    ``token`` is this writer's unique id (also in its data file names); ``settings`` its
+    tunables (``lease_renew_ms``), None: resolved now (for tools and tests; the package
+    passes its entry point's).
     """
 
     def __init__(
@@ -284,8 +296,7 @@ class RootWriter:
     def _prune_leases(self) -> None:
         """Delete older epochs' lease records and the temp files of their writes (a writer
         killed mid-write leaves one); this epoch's temp files are its own heartbeat's."""
-        if self.epoch is None:
-            return
+        assert self.epoch is not None  # called by acquire(), once the epoch is claimed
         directory = self.storage.join(self.root, LEASE_DIR)
         if self.storage.is_link(directory):
             return  # never delete through a link
@@ -344,27 +355,10 @@ class RootWriter:
     # -- commit ---------------------------------------------------------------------------
 
     def commit(
-        self,
-        step: int,
-        files: tuple[str, ...],
-        sizes: tuple[int, ...],
-        *,
-        kind: str = SINGLE,
-        keep: tuple[str, ...] = (),
-        metrics: Mapping[str, float | int | str] | None = None,
+        self, step: int, version: Gathered, metrics: Mapping[str, float | int | str] | None
     ) -> None:
-        """Publish version ``step`` whose data ``files`` (in its directory) are durable.
-
-        Args:
-            step: the version's step.
-            files: every file of the version, relative to its directory (a sharded
-                version: one data file per rank, then its metadata).
-            sizes: each file's size in bytes, as written.
-            kind: the version's kind (:data:`~asyncckpt._versions.protocol.SINGLE` or ``SHARDED``),
-                recorded in ``COMMIT``.
-            keep: other files of this save in the directory that the sweep after the
-                commit must leave (a sharded version's per-rank completion markers).
-            metrics: the version's metrics, already checked, recorded in ``COMMIT``.
+        """Publish version ``step`` whose files (in its directory) are durable, with its
+        ``metrics`` (already checked) recorded in ``COMMIT``.
 
         Raises:
             FencedError: another writer took the root over; our files were removed.
@@ -372,7 +366,7 @@ class RootWriter:
                 committed it; our files were removed.
         """
         assert self.epoch is not None, "acquire() first"
-        own = files + keep
+        own = version.files + version.keep
         record, tag = self.fence(step, own)
         if record.step is not None and record.step >= step:
             self._discard(step, own)
@@ -381,11 +375,12 @@ class RootWriter:
                 f"{self.where}"
             )
         try:
-            self._create_commit(step, files, sizes, kind, own, dict(metrics or {}))
+            self._create_commit(step, version, dict(metrics or {}))
             self._publish(step, tag)
-            self._sweep(step, files + keep)
+            self._sweep(step, own)
         except AsyncCkptError as exc:
-            if not isinstance(exc, FencedError) and not self._fenced():
+            # Still the lease holder, or that cannot be told: the original error stands.
+            if not isinstance(exc, FencedError) and self._lease_held() is not False:
                 raise
             # Taken over while committing (frozen between the check above and here): the
             # new writer's retention may have removed our data, so a marker we made may name
@@ -406,15 +401,10 @@ class RootWriter:
 
     def fence(self, step: int, own: tuple[str, ...]) -> tuple[VersionRecord, str | None]:
         """Check, right before writing what makes ``step`` a version (its metadata, its
-        ``COMMIT``), that this writer still holds the lease.
-
-        Args:
-            step: the step being saved.
-            own: the files of this save attempt in its directory, named by the attempt
-                (no other writer can have written them): removed if the lease is lost.
-
-        Returns:
-            The version file's record and tag, as read.
+        ``COMMIT``), that this writer still holds the lease; return the version file's
+        record and tag, as read. ``own`` are the files of this save attempt in its
+        directory, named by the attempt (no other writer can have written them): removed
+        if the lease is lost.
 
         Raises:
             FencedError: another writer took the root over. Nothing but ``own`` was
@@ -439,22 +429,19 @@ class RootWriter:
         )
 
     def _create_commit(
-        self,
-        step: int,
-        files: tuple[str, ...],
-        sizes: tuple[int, ...],
-        kind: str,
-        own: tuple[str, ...],
-        metrics: dict[str, float | int | str],
+        self, step: int, version: Gathered, metrics: dict[str, float | int | str]
     ) -> None:
-        record = CommitRecord(step, files, self.token, sizes, self.epoch or 0, kind, metrics)
+        files = version.files
+        record = CommitRecord(
+            step, files, self.token, version.sizes, self.epoch or 0, version.kind, metrics
+        )
         try:
             create_commit(self.storage, self.root, record)
         except ConflictError:
             existing = read_commit_strict(self.storage, self.root, step)
             if existing is not None and existing.writer == self.token and existing.files == files:
                 return  # our own marker, whose creation we did not hear about
-            self._discard(step, own)
+            self._discard(step, files + version.keep)
             raise ConflictError(
                 f"step {step} is already committed under {self.where} by another writer "
                 f"(id {existing.writer if existing else '?'}); only one job may write to a root"
@@ -506,9 +493,6 @@ class RootWriter:
             and commit.writer == self.token
             and verify_commit(self.storage, self.root, commit) is None
         )
-
-    def _fenced(self) -> bool:
-        return self._lease_held() is False  # cannot tell: report the original error
 
     def _withdraw(self, step: int) -> bool:
         """Remove our own marker of ``step`` if it names data that is gone (only ours:
