@@ -79,19 +79,14 @@ class ArenaPool:
         return ArenaLease(self, buffer)
 
     def reserve(self, nbytes: int, shared: bool = False) -> threading.Thread | None:
-        """Allocate and pre-fault an arena of ``nbytes`` in a background thread.
+        """Allocate and pre-fault an arena of ``nbytes`` (in shared memory if ``shared``, as
+        ``acquire`` asks for) in a background thread; return it, to join, or None if there
+        was nothing to do.
 
         Takes the page faults of a first save off its critical path: call it as soon as the
         state's size is known (e.g. once the model is built). A save that starts meanwhile
         waits for the reservation instead of allocating beside it. Does nothing if a free
         arena is already large enough, a reservation is running, or every arena is leased.
-
-        Args:
-            nbytes: the arena's size.
-            shared: in shared memory, as ``acquire(shared=True)`` asks for.
-
-        Returns:
-            The thread doing the work (join it to wait), or None if there was nothing to do.
         """
         with self._cond:
             free_slots = self.max_inflight - self._leased

@@ -230,18 +230,10 @@ def for_write(
     threads: int,
     spare_cores: float | None = None,
 ) -> AutoRun:
-    """The chooser and meter for one write with ``compression="auto"`` to ``path``.
-
-    Args:
-        storage: the backend written to; with ``path``, it names the storage target.
-        path: the file about to be written.
-        settings: the resolved tunables.
-        threads: encoder threads of this write.
-        spare_cores: CPU cores the rest of the machine left idle when the save started
-            (:func:`asyncckpt._cpu.spare_cores`; None: unknown).
-
-    Returns:
-        An :class:`AutoRun` sharing what the process learned about the target so far.
+    """The chooser and meter for one write with ``compression="auto"`` to ``path`` of
+    ``storage`` (together they name the storage target): an :class:`AutoRun` sharing what
+    the process learned about the target so far. ``spare_cores``: the cores the rest of the machine
+    left idle when the save started (:func:`asyncckpt._cpu.spare_cores`; None: unknown).
     """
     global _encoders
     key = target_key(storage, path)
@@ -260,6 +252,7 @@ def for_write(
     return AutoRun(target, encoders, settings, threads, spare_cores)
 
 
+@dataclass(eq=False)
 class AutoRun:
     """``compression="auto"`` during one write: chooses planes, and feeds measurements back.
 
@@ -267,19 +260,11 @@ class AutoRun:
     :meth:`committed` on the save thread; all hold ``_auto_lock`` briefly.
     """
 
-    def __init__(
-        self,
-        target: _Target,
-        encoders: _Encoders,
-        settings: AutoSettings,
-        threads: int,
-        spare_cores: float | None = None,
-    ) -> None:
-        self.target = target
-        self.encoders = encoders
-        self.settings = settings
-        self.threads = threads
-        self.spare_cores = spare_cores
+    target: _Target
+    encoders: _Encoders
+    settings: AutoSettings
+    threads: int
+    spare_cores: float | None = None
 
     def rates(self) -> Rates:
         """The current estimates (the caller holds ``_auto_lock``)."""

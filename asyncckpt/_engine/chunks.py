@@ -69,24 +69,20 @@ def read_runs(
     budget: Budget | None = None,
     what: str = "its storages",
 ) -> dict[int, torch.Tensor]:
-    """Read, verify and decode the chunks of ``runs``, in parallel, in file order.
+    """Read, verify and decode the chunks of ``runs`` (``{storage index: the run of its
+    chunks}``) on ``threads`` threads, in file order: ``{storage index: 1-D uint8 CPU tensor
+    of its run's bytes}``, ``into``'s included.
 
     Buffers are allocated as reading reaches them, after the declared sizes were checked
     against the file's size, so a crafted file cannot make the reader allocate more than
     its bytes can decode to.
 
     Args:
-        opened: the file.
-        runs: ``{storage index: the run of its chunks to read}``.
-        threads: reader threads.
         into: per storage, a 1-D uint8 CPU tensor of exactly its run's size to decode into
             (a caller's own tensor: no copy after); the others get fresh buffers.
         pinned: storages whose fresh buffer is pinned (for a copy to an accelerator).
         budget: charged with the fresh buffers, before the first one is allocated.
         what: what the budget's error says the buffers are for.
-
-    Returns:
-        ``{storage index: 1-D uint8 CPU tensor of its run's bytes}``, ``into``'s included.
 
     Raises:
         ChecksumError: a chunk is damaged (the first one found).

@@ -18,9 +18,9 @@ import torch
 
 from asyncckpt._device import Placement, device_types, known_device
 from asyncckpt._engine.chunks import read_runs, whole_run
-from asyncckpt._engine.decode_select import Selection, for_into, select
+from asyncckpt._engine.decode_select import Selection, for_into, select, top_level
 from asyncckpt._engine.opened import Budget, OpenedFile, check_sizes, open_file
-from asyncckpt._format.container import StorageEntry
+from asyncckpt._format.container import ArrayEntry, StorageEntry, TensorEntry
 from asyncckpt._format.tree import tensor_paths, torch_dtype, unflatten
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
@@ -60,21 +60,11 @@ def read_file(
     On local disk and ``memory://`` the opened version stays readable however often the
     file is replaced, so ``work`` runs once. On an object store a read of a replaced object
     fails (``If-Match``), and the whole of ``work`` runs again on the new object, at most
-    :data:`REPLACED_ATTEMPTS` times in all; ``budget`` is given back what an abandoned
-    attempt charged.
-
-    Args:
-        storage: where the file is.
-        path: the file.
-        work: what to do with it (read it, check it): called with the opened file.
-        budget: the memory budget ``work`` charges, if any.
-
-    Returns:
-        What ``work`` returns.
+    :data:`REPLACED_ATTEMPTS` times in all; ``budget`` (the one ``work`` charges, if any) is
+    given back what an abandoned attempt charged. Returns what ``work`` returns.
 
     Raises:
         FileReplacedError: the file was replaced during every attempt.
-        Exception: whatever ``open_file`` or ``work`` raised.
 
     Example:
         >>> import asyncckpt, os, tempfile, torch
@@ -105,10 +95,8 @@ def read_file(
 
 
 def pin_budget_bytes(settings: Settings | None = None) -> int:
-    """The pinned-memory budget of one load (the ``pin_budget_bytes`` tunable).
-
-    Args:
-        settings: the load's settings; None resolves them (for tools and tests).
+    """The pinned-memory budget of one load (the ``pin_budget_bytes`` tunable of
+    ``settings``; None resolves them, for tools and tests).
 
     Example:
         >>> pin_budget_bytes() == Settings().pin_budget_bytes  # variable unset
@@ -126,19 +114,12 @@ def read_storages(
     budget: Budget | None = None,
     pin_budget: int = 0,
 ) -> dict[int, torch.Tensor]:
-    """Read, verify and decode whole storages into fresh buffers (:func:`.chunks.read_runs`).
+    """Read, verify and decode the storages ``sids`` (None: all) into fresh buffers
+    (:func:`.chunks.read_runs`): ``{storage index: 1-D uint8 CPU tensor of its bytes}``.
 
-    Args:
-        opened: the file.
-        threads: reader threads.
-        sids: the storages to read (None: every one).
-        pinned: per storage of the file, whether its buffer should be pinned (for a CUDA
-            copy); honoured up to ``pin_budget`` bytes in all, in storage order.
-        budget: charged with the buffers, before the first one is allocated.
-        pin_budget: the pinned bytes allowed (:func:`pin_budget_bytes`).
-
-    Returns:
-        ``{storage index: 1-D uint8 CPU tensor of its bytes}``.
+    ``pinned`` says per storage of the file whether its buffer should be pinned (for a CUDA
+    copy), honoured up to ``pin_budget`` bytes in all, in storage order; ``budget`` is
+    charged with the buffers before the first one is allocated.
 
     Raises:
         ChecksumError: a chunk is damaged (the first one found).
@@ -188,7 +169,8 @@ def materialize(
     keys: Collection[Any] | None = None,
 ) -> Any:
     """Read what was saved (all of it, the top-level ``keys``, or all but the entries
-    ``skip``) and rebuild it, tensors placed per ``placement``.
+    ``skip``) and rebuild it, tensors placed per ``placement``, read on ``threads`` threads.
+    Returns the saved object (with ``keys``, the dict of those keys).
 
     A whole load reads (and verifies) every storage of the file; a partial one (``skip``,
     ``keys``, or an ``into`` dict that lacks some top-level subtree of a saved dict) only
@@ -196,9 +178,6 @@ def materialize(
     an entry read shares their storage.
 
     Args:
-        opened: the file.
-        placement: where tensors go.
-        threads: reader threads.
         into: optional existing state (e.g. ``model.state_dict()``); each saved tensor whose
             key path matches a tensor there is loaded into that tensor, in place, and the
             returned object holds the existing tensor. Nothing in ``into`` changes unless
@@ -216,9 +195,6 @@ def materialize(
             the file.
         keys: top-level keys of the saved dict to load (see
             :mod:`asyncckpt._engine.decode_select`); the result holds only those.
-
-    Returns:
-        The saved object (with ``keys``, the dict of those keys).
 
     Raises:
         MissingKeyError: a key of ``keys`` is not in the file (the message lists its keys).
@@ -241,8 +217,9 @@ def materialize(
     """
     manifest = opened.manifest
     check_devices(opened)
+    replaced = set(replaced)  # not rebuilt per key below
     targets = tensor_paths(into) if into is not None else {}
-    targets = {k: t for k, t in targets.items() if k not in set(replaced)}
+    targets = {k: t for k, t in targets.items() if k not in replaced}
     if into is not None and not skip and not replaced:
         check_overlap(opened, into, targets)
     chosen = _selection(opened, keys, into, skip, replaced)
@@ -268,15 +245,7 @@ def materialize(
     copies = []
     for i in wanted:
         entry = manifest.tensors[i]
-        view = _view(
-            placed[entry.storage],
-            entry.dtype,
-            entry.shape,
-            entry.stride,
-            entry.offset,
-            entry.requires_grad,
-            entry.parameter,
-        )
+        view = _view(placed[entry.storage], entry)
         target = targets.get(entry.key)
         if target is not None:
             _check_target(opened.name, entry.key, target, view)
@@ -288,7 +257,7 @@ def materialize(
             target.copy_(view)
     placement.synchronize()
     arrays = [
-        _array(raw[a.storage], a.dtype, a.shape, a.scalar) if i in chosen.arrays else None
+        _array(raw[a.storage], a) if i in chosen.arrays else None
         for i, a in enumerate(manifest.arrays)
     ]
     # Skipped entries are None: the caller puts their values there.
@@ -328,7 +297,8 @@ def check_overlap(opened: OpenedFile, into: Any, targets: dict[str, torch.Tensor
     saved = [entry.key for entry in opened.manifest.tensors]
     if not saved or any(key in targets for key in saved):
         return
-    theirs = _top_level_keys(opened.manifest.root)
+    pairs = top_level(opened.manifest.root, opened.name)
+    theirs = "(not a dict)" if pairs is None else [key for key, _node in pairs]
     ours = list(into) if isinstance(into, dict) else type(into).__qualname__
     raise ValueError(
         f"{opened.name}: into= shares no tensor with the file, so nothing would be loaded "
@@ -336,18 +306,6 @@ def check_overlap(opened: OpenedFile, into: Any, targets: dict[str, torch.Tensor
         "of into that matches (e.g. into={'model': model.state_dict()} for a file saved as "
         "{'model': ..., 'optim': ...}), or load without into"
     )
-
-
-def _top_level_keys(root: Any) -> Any:
-    """The keys of the file's root dict, as saved (strings and ints as themselves)."""
-    if not isinstance(root, dict) or not ({"dict", "odict"} & set(root)):
-        return "(not a dict)"
-    pairs = root.get("dict", root.get("odict"))
-    if not isinstance(pairs, list):
-        return "(not a dict)"
-    return [
-        p[0] if isinstance(p, list) and p and not isinstance(p[0], dict) else "?" for p in pairs
-    ]
 
 
 def check_devices(opened: OpenedFile) -> None:
@@ -384,23 +342,14 @@ def _check_target(name: str, key: str, target: torch.Tensor, loaded: torch.Tenso
         )
 
 
-def _view(
-    storage: torch.Tensor,
-    dtype_name: str,
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    offset: int,
-    requires_grad: bool,
-    parameter: bool,
-) -> torch.Tensor:
-    dtype = torch_dtype(dtype_name)
-    t = torch.empty(0, dtype=dtype, device=storage.device)
-    t.set_(storage.untyped_storage(), offset, shape, stride)
-    if parameter:
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
-    return t.requires_grad_(requires_grad) if requires_grad else t
+def _view(storage: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    t = torch.empty(0, dtype=torch_dtype(entry.dtype), device=storage.device)
+    t.set_(storage.untyped_storage(), entry.offset, entry.shape, entry.stride)
+    if entry.parameter:
+        return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
+    return t.requires_grad_(True) if entry.requires_grad else t
 
 
-def _array(buf: torch.Tensor, dtype: str, shape: tuple[int, ...], scalar: bool) -> Any:
-    array = buf.numpy().view(np.dtype(dtype)).reshape(shape)
-    return array[()] if scalar else array
+def _array(buf: torch.Tensor, entry: ArrayEntry) -> Any:
+    array = buf.numpy().view(np.dtype(entry.dtype)).reshape(entry.shape)
+    return array[()] if entry.scalar else array

@@ -33,11 +33,6 @@ class Selection:
     tensors: frozenset[int]
     arrays: frozenset[int]
 
-    def storages(self, manifest: Manifest) -> set[int]:
-        """The storages holding the selected tensors' and arrays' bytes."""
-        sids = {manifest.tensors[i].storage for i in self.tensors}
-        return sids | {manifest.arrays[i].storage for i in self.arrays}
-
 
 def top_level(root: Any, name: str) -> list[tuple[Any, Any]] | None:
     """The ``(key, value node)`` pairs of the saved root dict, keys decoded; None if the

@@ -128,7 +128,7 @@ class WriteOptions:
     engine reads nothing from the environment. A writer process receives this object.
 
     Example:
-        >>> WriteOptions("zstd", Settings.resolve(zstd_level=3)).level
+        >>> WriteOptions("zstd", Settings.resolve(zstd_level=3)).settings.zstd_level
         3
     """
 
@@ -141,34 +141,9 @@ class WriteOptions:
     torch_version: str = field(default_factory=_torch_version)
 
     @property
-    def level(self) -> int:
-        """The zstandard level (``zstd_level``)."""
-        return self.settings.zstd_level
-
-    @property
-    def chunk_bytes(self) -> int:
-        """Raw bytes per chunk (``chunk_bytes``)."""
-        return self.settings.chunk_bytes
-
-    @property
     def threads(self) -> int:
         """Encoder threads (``threads``)."""
         return self.settings.threads
-
-    @property
-    def inflight_chunks(self) -> int:
-        """Encoded chunks that may wait for the writer (``inflight_chunks``)."""
-        return self.settings.inflight_chunks
-
-    @property
-    def processes(self) -> int:
-        """1: the background write runs in a child process (``writer_processes``)."""
-        return self.settings.writer_processes
-
-    @property
-    def writeback_bytes(self) -> int:
-        """Local files: start writeback every this many bytes (``writeback_mib``; 0: never)."""
-        return self.settings.writeback_mib << 20
 
     @property
     def auto(self) -> AutoSettings:
@@ -192,27 +167,24 @@ def write_snapshot(
     progress: Callable[[int], None] | None = None,
     guard: PublishGuard | None = None,
 ) -> int:
-    """Write ``snap`` atomically to ``path``.
+    """Write ``snap`` to ``path`` of ``storage``, replacing it atomically (or leaving it
+    untouched on any failure); return the file's size in bytes.
 
-    Args:
-        snap: the staged state.
-        storage: where to write.
-        path: the target file; replaced atomically, or left untouched on any failure.
-        options: compression and parallelism settings.
-        progress: called with the raw bytes of each chunk once it is written.
-        guard: entered around the step that publishes the file (see
-            :data:`asyncckpt._storage.base.PublishGuard`); what it raises aborts the write.
-
-    Returns:
-        The total size of the file in bytes.
+    ``progress`` is called with the raw bytes of each chunk once it is written; ``guard`` is
+    entered around the step that publishes the file (see
+    :data:`asyncckpt._storage.base.PublishGuard`): what it raises aborts the write.
 
     Raises:
         StorageError: the backend failed (the target is untouched).
         ConflictError: ``guard`` refused to publish (the target is untouched).
     """
-    auto = _auto_run(storage, path, options)
+    auto = None
+    if options.compression == "auto":
+        auto = autocompress.for_write(
+            storage, path, options.auto, options.threads, options.spare_cores
+        )
     with storage.atomic_write(path) as out:
-        out.writeback_bytes = options.writeback_bytes
+        out.writeback_bytes = options.settings.writeback_mib << 20
         out.publish_guard = guard
         size = _write_body(out, snap, options, auto, progress)
         committing = cpu.ThreadClock.now()
@@ -235,12 +207,6 @@ def abort_strays(storage: Storage, path: str) -> None:
         storage.abort_unfinished(path, exact=True)
     except AsyncCkptError as exc:
         log.warning("could not look for unfinished uploads of %s: %s", storage.describe(path), exc)
-
-
-def _auto_run(storage: Storage, path: str, options: WriteOptions) -> AutoRun | None:
-    if options.compression != "auto":
-        return None
-    return autocompress.for_write(storage, path, options.auto, options.threads, options.spare_cores)
 
 
 def _write_body(
@@ -380,8 +346,10 @@ def _encode_all(
     workers = pool("encode", options.threads, options.settings.writer_nice)
     window: collections.deque[Future[list[_Encoded]]] = collections.deque()
     try:
-        for batch in _batches(_slices(storages, options.chunk_bytes, ready), _BATCH_BYTES, copied):
-            if len(window) >= options.inflight_chunks:
+        for batch in _batches(
+            _slices(storages, options.settings.chunk_bytes, ready), _BATCH_BYTES, copied
+        ):
+            if len(window) >= options.settings.inflight_chunks:
                 yield window.popleft().result()
             window.append(workers.submit(_encode_batch, batch, options, auto))
         while window:
@@ -432,7 +400,7 @@ def _encode_one(
         itemsize=itemsize,
         is_float=is_float,
         compression=options.compression,
-        level=options.level,
+        level=options.settings.zstd_level,
         choose=None if auto is None else functools.partial(auto.choose, nbytes=len(raw)),
         report=report,
     )

@@ -60,10 +60,8 @@ class OpenedFile:
 
 def open_file(storage: Storage, path: str) -> OpenedFile:
     """Open ``path`` (one handle, see :meth:`Storage.open_read`) and read and validate its
-    header, footer and manifest (three small reads through the handle).
-
-    Returns:
-        The opened file; the caller closes it (``with open_file(...) as opened:``).
+    header, footer and manifest (three small reads through the handle). The caller closes
+    the opened file (``with open_file(...) as opened:``).
 
     Raises:
         CheckpointNotFoundError: no file at ``path``.
@@ -71,26 +69,22 @@ def open_file(storage: Storage, path: str) -> OpenedFile:
         FileReplacedError: the file was replaced between two of the reads (object stores).
     """
     handle = storage.open_read(path)
+    name, size = storage.describe(path), handle.size
     try:
-        return _opened(storage, path, handle)
+        if size < HEADER_SIZE + FOOTER_SIZE:
+            raise TruncatedFileError(f"{name}: {size} bytes is too short for an asyncckpt file")
+        decode_header(handle.read_range(0, HEADER_SIZE), name)
+        footer = decode_footer(handle.read_range(size - FOOTER_SIZE, FOOTER_SIZE), size, name)
+        body = handle.read_range(footer.manifest_offset, footer.manifest_length)
+        manifest = decode_manifest(body, footer, name)
+        if manifest.byteorder != sys.byteorder:
+            raise FormatError(
+                f"{name}: written on a {manifest.byteorder}-endian machine; this one is "
+                f"{sys.byteorder}-endian and asyncckpt does not swap bytes"
+            )
     except BaseException:
         handle.close()
         raise
-
-
-def _opened(storage: Storage, path: str, handle: ReadHandle) -> OpenedFile:
-    name, size = storage.describe(path), handle.size
-    if size < HEADER_SIZE + FOOTER_SIZE:
-        raise TruncatedFileError(f"{name}: {size} bytes is too short for an asyncckpt file")
-    decode_header(handle.read_range(0, HEADER_SIZE), name)
-    footer = decode_footer(handle.read_range(size - FOOTER_SIZE, FOOTER_SIZE), size, name)
-    body = handle.read_range(footer.manifest_offset, footer.manifest_length)
-    manifest = decode_manifest(body, footer, name)
-    if manifest.byteorder != sys.byteorder:
-        raise FormatError(
-            f"{name}: written on a {manifest.byteorder}-endian machine; this one is "
-            f"{sys.byteorder}-endian and asyncckpt does not swap bytes"
-        )
     return OpenedFile(storage, path, size, manifest, handle)
 
 
@@ -122,11 +116,8 @@ def check_sizes(opened: OpenedFile) -> None:
 
 
 class Budget:
-    """The memory one load may allocate for decoded data, over all the files it reads.
-
-    Args:
-        max_bytes: the limit in bytes (``max_bytes`` of ``load``); None: no limit besides
-            what the files' sizes bound.
+    """The memory one load may allocate for decoded data, over all the files it reads:
+    ``max_bytes`` (that of ``load``), or None: no limit besides what the files' sizes bound.
 
     Raises:
         ValueError: ``max_bytes`` is not a non-negative integer.

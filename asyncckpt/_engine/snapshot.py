@@ -319,11 +319,8 @@ def arena_bytes(flat: Flattened) -> int:
 
 
 def _regions(tensors: list[torch.Tensor]) -> tuple[list[_Source], list[tuple[int, int]]]:
-    """Group tensors into stored regions.
-
-    Returns:
-        The regions, and per tensor (region index, element offset of its storage there).
-    """
+    """Group tensors into stored regions: the regions, and per tensor (region index,
+    element offset of its storage there)."""
     spans: dict[tuple[str, int, int], _Span] = {}
     empty: list[int] = []
     for i, t in enumerate(tensors):

@@ -143,12 +143,8 @@ class _ChildSnapshot:
 
 
 def serve(fd: int, parent: int) -> None:
-    """The child's main loop: map arenas and run writes until the socket closes.
-
-    Args:
-        fd: the child's end of the socket pair.
-        parent: the caller's pid; the child exits if that process is already gone.
-    """
+    """The child's main loop on its end ``fd`` of the socket pair: map arenas and run
+    writes until the socket closes; exit at once if the caller ``parent`` is gone."""
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = Channel(socket.socket(fileno=fd))

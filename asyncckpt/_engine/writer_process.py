@@ -103,13 +103,11 @@ _EXIT_WAIT_S = 5.0  # how long to wait for a dead child's exit status
 
 
 class WriterProcess:
-    """A child process running background writes, one at a time.
+    """A child process running background writes, one at a time, ``nice`` steps below the
+    calling process's main thread.
 
     Use :func:`write` rather than this class: it starts the process and falls back to
     threads where the child cannot write.
-
-    Args:
-        nice: how far below the calling process's main thread the child runs.
 
     Raises:
         WriterProcessError: the child could not be started.
@@ -142,10 +140,8 @@ class WriterProcess:
         where: str,
         progress: Callable[[int], None] | None,
     ) -> int:
-        """Have the child run ``job`` (pickled as ``payload``); ``where`` names its file.
-
-        Returns:
-            The file's size.
+        """Have the child run ``job`` (pickled as ``payload``; ``where`` names its file);
+        return the file's size.
 
         Raises:
             WriterProcessError: the child died (or had died) before answering.
@@ -298,7 +294,7 @@ def wanted(options: WriteOptions) -> bool:
     """
     from asyncckpt._engine.arena import shared_memory_supported
 
-    if not options.processes:
+    if not options.settings.writer_processes:
         return False
     if not shared_memory_supported():
         _warn_once("writer_processes=1 needs memfd (Linux); writing on threads instead", options)
@@ -322,11 +318,8 @@ def shares_arenas(settings: Settings) -> bool:
 def start(settings: Settings) -> Future[WriterProcess]:
     """Start the writer process if none is running; return it (as a future: it may still
     be starting). A dedicated thread starts it: on Linux the child's death signal follows
-    the thread that started it, which must live as long as the process.
-
-    Args:
-        settings: those of the save that needs it; the child runs their ``writer_nice``
-            below the caller's main thread.
+    the thread that started it, which must live as long as the process. The child runs the
+    ``writer_nice`` of ``settings`` (the save's that needs it) below the caller's main thread.
 
     Example:
         >>> process = start(Settings()).result()
@@ -392,23 +385,13 @@ def write(
     progress: Callable[[int], None] | None = None,
     guard: PublishGuard | None = None,
 ) -> int:
-    """``write_snapshot``, in the writer process when ``options.processes`` asks for it.
+    """``write_snapshot``, in the writer process when ``writer_processes`` asks for it.
 
     Falls back to this process's threads (with a warning once per reason) where the child
-    cannot write: see the module docstring.
-
-    Args:
-        snap: the staged state; its copy must be complete before the child reads it, so this
-            waits for it (a pipelined copy is not followed chunk by chunk).
-        storage: where to write.
-        path: the file; replaced atomically, or left untouched on any failure.
-        options: compression and parallelism settings, and ``processes``.
-        progress: called with the raw bytes of each chunk once it is written.
-        guard: entered around the publishing step, in whichever process writes (it is
-            pickled for the writer process: a drop-in save's marker check).
-
-    Returns:
-        The total size of the file in bytes.
+    cannot write: see the module docstring. The arguments and the result are
+    ``write_snapshot``'s; the copy into ``snap`` must be complete before the child reads
+    it, so this waits for it (a pipelined copy is not followed chunk by chunk), and
+    ``guard`` is pickled for the writer process (a drop-in save's marker check).
 
     Raises:
         WriterProcessError: the writer process died during the write, or could not start.
@@ -427,13 +410,14 @@ def write(
     """
     from asyncckpt._engine.arena import shared_regions
 
-    refs = _layout(snap) if wanted(options) else None
-    reason = _unwritable(storage) if refs is not None else "an arena not in shared memory"
-    if not options.processes or reason is not None:
-        if options.processes and reason is not None:
-            _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead", options)
+    if not options.settings.writer_processes:
         return write_snapshot(snap, storage, path, options, progress, guard)
-    assert refs is not None
+    refs = _layout(snap) if wanted(options) else None
+    if refs is None or storage.process_local:
+        local = f"{storage.describe('')} lives in this process's memory"
+        reason = "an arena not in shared memory" if refs is None else local
+        _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead", options)
+        return write_snapshot(snap, storage, path, options, progress, guard)
     failure = snap.copy_error()
     if failure is not None:
         raise SnapshotFailedError(f"the snapshot copy failed: {failure!r}")
@@ -485,12 +469,6 @@ def _layout(snap: Snapshot) -> list[StagedRef] | None:
         arena, offset = (found[0].ident, found[1]) if found else (0, 0)
         refs.append(StagedRef(arena, offset, n, staged.itemsize, staged.is_float, staged.device))
     return refs
-
-
-def _unwritable(storage: Storage) -> str | None:
-    if storage.process_local:
-        return f"{storage.describe('')} lives in this process's memory"
-    return None
 
 
 def _warn_once(message: str, options: WriteOptions) -> None:

@@ -22,7 +22,8 @@ from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FormatError
 TEMP_MARK = ".acktmp-"
 #: The storage option that lets an object store without conditional writes be used anyway.
 UNSAFE_UNCONDITIONAL_WRITES = "unsafe_unconditional_writes"
-_MAX_TAGGED_BYTES = 1 << 20
+#: What a compare-and-swap reads back at most; its records (VERSION, markers) are far smaller.
+MAX_TAGGED_BYTES = 1 << 20
 _WRITE_ATTEMPTS = 3
 
 #: Entered around the step that makes a written file visible at its target (the rename, the
@@ -263,7 +264,8 @@ class Storage(ABC):
             return None
 
     def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
-        """Write a small file directly at ``path``: no temp file, no rename, no fsync.
+        """Write a small file directly at ``path`` (no temp file, no rename, no fsync);
+        return its new tag.
 
         Cheap enough for the caller's stall, and not atomic: a reader may see the file
         empty or cut short meanwhile (markers are read as "being rewritten" then). Local
@@ -271,15 +273,10 @@ class Storage(ABC):
         object store one PUT, which is whole).
 
         Args:
-            path: the file.
-            data: its new content.
             replacing: the tag this call returned when it last wrote ``path``: write only if
                 the file still has it. Object stores make the PUT conditional on it
                 (``If-Match``); elsewhere the file is read and compared first, which is
                 exact only while the caller holds :meth:`marker_lock`.
-
-        Returns:
-            The file's new tag.
 
         Raises:
             ConflictError: ``replacing`` was given and the file no longer has it.
@@ -291,7 +288,7 @@ class Storage(ABC):
         return content_tag(data)
 
     def _check_marker_tag(self, path: str, tag: str) -> None:
-        current = self.read_marker(path, _MAX_TAGGED_BYTES)
+        current = self.read_marker(path, MAX_TAGGED_BYTES)
         if current is None or content_tag(current) != tag:
             raise ConflictError(f"{self.describe(path)} was replaced or removed by another writer")
 
@@ -307,11 +304,8 @@ class Storage(ABC):
     # -- compare-and-swap of small files (the version file) ----------------------------------
 
     def read_tagged(self, path: str, limit: int) -> tuple[bytes, str] | None:
-        """A small file's bytes and a tag that changes whenever the file is replaced.
-
-        Returns:
-            None when the file does not exist.
-        """
+        """A small file's bytes and a tag that changes whenever the file is replaced; None
+        when the file does not exist."""
         try:
             data = self.read_bytes(path, limit)
         except CheckpointNotFoundError:
@@ -319,14 +313,12 @@ class Storage(ABC):
         return data, content_tag(data)
 
     def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
-        """Atomically replace ``path`` with ``data`` only if its tag is still ``tag``.
+        """Atomically replace ``path`` with ``data`` only if its tag is still ``tag``; return
+        the new tag.
 
         ``tag=None`` means "only if ``path`` does not exist". This default serialises callers
         with a process-wide lock: exact for in-process filesystems (``memory://``) and best
         effort for others; local disk and object stores override it with real fences.
-
-        Returns:
-            The new tag.
 
         Raises:
             ConflictError: the file's tag is not ``tag`` (someone else replaced it).
@@ -349,7 +341,7 @@ class Storage(ABC):
                     raise
 
     def _check_tag(self, path: str, tag: str | None) -> None:
-        found = self.read_tagged(path, _MAX_TAGGED_BYTES)
+        found = self.read_tagged(path, MAX_TAGGED_BYTES)
         current = None if found is None else found[1]
         if current != tag:
             raise ConflictError(

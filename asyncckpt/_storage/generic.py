@@ -85,12 +85,6 @@ def choose_write_strategy(fs: fsspec.AbstractFileSystem) -> WriteStrategy:
 
     A filesystem class may declare its own with a ``asyncckpt_write_strategy`` attribute.
 
-    Args:
-        fs: an fsspec filesystem.
-
-    Returns:
-        ``"deferred"`` or ``"move"``.
-
     Raises:
         ValueError: the filesystem declares a strategy that does not exist.
 
@@ -161,12 +155,9 @@ _LIST_ATTEMPTS = 5
 
 
 class FsspecStorage(Storage):
-    """Any fsspec filesystem that is neither local disk nor an S3-API object store.
-
-    Args:
-        fs: the filesystem.
-        write_strategy: ``"deferred"`` or ``"move"`` (see the module docstring); None
-            chooses with :func:`choose_write_strategy`.
+    """Any fsspec filesystem ``fs`` that is neither local disk nor an S3-API object store,
+    written with ``write_strategy`` (``"deferred"`` or ``"move"``, see the module docstring;
+    None chooses with :func:`choose_write_strategy`).
 
     Raises:
         ValueError: an unknown ``write_strategy``.
@@ -388,20 +379,26 @@ def _discard(file: Any) -> None:
             file.closed = True
 
 
-class _DeferredWriter(AtomicWriter):
+class _FsspecWriter(AtomicWriter):
+    """A file of the filesystem opened for writing at ``at`` on behalf of ``target``."""
+
+    def __init__(self, storage: FsspecStorage, target: str, at: str, **how: Any) -> None:
+        self.storage, self.target, self.at = storage, target, at
+        storage._makedirs_for(target)
+        with errors_as(storage, target, "create"):
+            self.file = storage.fs.open(at, "wb", **how)
+
+    def write(self, data: bytes | memoryview) -> None:
+        with errors_as(self.storage, self.at, "write"):
+            self.file.write(data)
+
+
+class _DeferredWriter(_FsspecWriter):
     """Write at the final path with ``autocommit=False``; ``commit()`` publishes."""
 
     def __init__(self, storage: FsspecStorage, target: str) -> None:
-        self.storage = storage
-        self.target = target
         self.done = False
-        storage._makedirs_for(target)
-        with errors_as(storage, target, "create"):
-            self.file = storage.fs.open(target, "wb", autocommit=False)
-
-    def write(self, data: bytes | memoryview) -> None:
-        with errors_as(self.storage, self.target, "write"):
-            self.file.write(data)
+        super().__init__(storage, target, target, autocommit=False)
 
     def commit(self) -> None:
         try:
@@ -420,20 +417,12 @@ class _DeferredWriter(AtomicWriter):
             _discard(self.file)
 
 
-class _MoveWriter(AtomicWriter):
+class _MoveWriter(_FsspecWriter):
     """Write a temp file beside the target, then move it over the target."""
 
     def __init__(self, storage: FsspecStorage, target: str) -> None:
-        self.storage = storage
-        self.target = target
         self.temp = temp_name(target)
-        storage._makedirs_for(target)
-        with errors_as(storage, target, "create"):
-            self.file = storage.fs.open(self.temp, "wb")
-
-    def write(self, data: bytes | memoryview) -> None:
-        with errors_as(self.storage, self.temp, "write"):
-            self.file.write(data)
+        super().__init__(storage, target, self.temp)
 
     def commit(self) -> None:
         try:

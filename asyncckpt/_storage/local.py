@@ -37,12 +37,9 @@ log = logging.getLogger(__name__)
 
 
 class LocalStorage(Storage):
-    """Local disk through the OS, with fsync discipline.
-
-    Args:
-        settings: the tunables it uses (``lock_timeout_ms``, ``writeback_mib``), resolved by
-            the entry point that built it; None: resolved now (for tools and tests).
-    """
+    """Local disk through the OS, with fsync discipline. ``settings``: the tunables it uses
+    (``lock_timeout_ms``, ``writeback_mib``), resolved by the entry point that built it;
+    None: resolved now (for tools and tests)."""
 
     label = ""
 
@@ -377,18 +374,11 @@ def _sync_file_range() -> Any:
 
 
 def start_writeback(fd: int, start: int, length: int) -> bool:
-    """Ask the kernel to start writing ``length`` bytes at ``start`` of ``fd`` to its device.
+    """Ask the kernel to start writing ``length`` bytes at ``start`` of ``fd`` to its device;
+    False where this system or filesystem cannot do it (nothing was done).
 
     It does not wait for the disk and makes nothing durable: only an fsync does that. It
     may wait while the device's request queue is full, which paces a writer to its disk.
-
-    Args:
-        fd: an open file descriptor.
-        start: the first byte offset.
-        length: the number of bytes.
-
-    Returns:
-        False where this system or filesystem cannot do it (nothing was done), else True.
 
     Raises:
         OSError: the kernel reported an I/O error for the file.

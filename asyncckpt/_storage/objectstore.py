@@ -43,13 +43,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from asyncckpt._settings import Settings
-from asyncckpt._storage.base import AtomicWriter, ReadHandle, Storage, temp_name
-from asyncckpt._storage.s3client import (
-    OBJECT_STORE_PROTOCOLS,
-    is_object_store,
-    prepare_options,
-    single_retry_layer,
-)
+from asyncckpt._storage.base import MAX_TAGGED_BYTES, AtomicWriter, ReadHandle, Storage, temp_name
+from asyncckpt._storage.s3client import is_object_store, prepare_options, single_retry_layer
 from asyncckpt._storage.s3listing import directory_markers, list_keys, list_uploads
 from asyncckpt._storage.s3multipart import ObjectWriter
 from asyncckpt._storage.s3read import ObjectHandle, ranged_get
@@ -73,19 +68,12 @@ from asyncckpt.errors import (
 )
 
 #: Re-exported for resolve.py and the fault wrapper (asyncckpt.testing.faults).
-__all__ = [
-    "OBJECT_STORE_PROTOCOLS",
-    "ObjectStorage",
-    "is_object_store",
-    "prepare_options",
-    "ranged_get",
-]
+__all__ = ["ObjectStorage", "is_object_store", "prepare_options", "ranged_get"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _DELETE_BATCH = 1000
-_MAX_TAGGED_BYTES = 1 << 20  # the records compared after a 412 (VERSION) are far smaller
 
 # Indirection so tests can drive the retry loop with a fake clock.
 _clock: Callable[[], float] = time.monotonic
@@ -205,9 +193,6 @@ class ObjectStorage(Storage):
         bucket, _, key = path.lstrip("/").partition("/")
         return bucket, key
 
-    def _redact(self, text: str) -> str:
-        return redact(text, self._secrets)
-
     def _error(
         self, path: str, action: str, exc: BaseException, failure: Failure, tries: int
     ) -> AsyncCkptError:
@@ -249,7 +234,7 @@ class ObjectStorage(Storage):
                 "%s of %s failed (%s); retry %d of %d in %.2f s",
                 action,
                 self.describe(path),
-                self._redact(failure.message),
+                redact(failure.message, self._secrets),
                 retry,
                 policy.attempts - 1,
                 pause,
@@ -307,17 +292,11 @@ class ObjectStorage(Storage):
             raise ConflictError(f"{self.describe(path)} already exists") from None
 
     def read_marker(self, path: str, limit: int) -> bytes | None:
-        bucket, key = self.split(path)
+        bucket, _ = self.split(path)
         try:
-            data: bytes = self.request(
-                "read",
-                path,
-                lambda: self.fs.cat_file(f"{bucket}/{key}", start=0, end=limit + 1),
-            )
+            data = self._get(path, 0, limit + 1)
         except CheckpointNotFoundError:  # the common case: one GET, no HEAD of the bucket
             return None
-        except RangeNotSatisfiable:  # an empty object
-            return b""
         except StorageError as exc:
             # Without s3:ListBucket, S3 answers a GET of a missing key with 403, not 404:
             # a reader allowed to read the data must not fail on a marker it cannot see.
@@ -332,18 +311,11 @@ class ObjectStorage(Storage):
     def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
         # One PUT (whole or nothing); with ``replacing``, conditional on the ETag (If-Match),
         # so a heartbeat can never bring back a marker that was deleted or replaced.
-        condition: dict[str, Any] = {} if replacing is None else {"IfMatch": replacing}
-        try:
-            return str(self.put(path, data, None, **condition)["ETag"])
-        except (ConflictError, CheckpointNotFoundError):
-            if replacing is None:
-                raise
-            found = self.read_tagged(path, max(len(data), _MAX_TAGGED_BYTES))
-            if found is not None and found[0] == data:  # our own write, response lost
-                return found[1]
-            raise ConflictError(
-                f"{self.describe(path)} was replaced or removed by another writer"
-            ) from None
+        if replacing is None:
+            return str(self.put(path, data)["ETag"])
+        return self._put_if(
+            path, data, {"IfMatch": replacing}, "replaced or removed by another writer"
+        )
 
     def read_tagged(self, path: str, limit: int) -> tuple[bytes, str] | None:
         head = self.head(path)
@@ -361,16 +333,21 @@ class ObjectStorage(Storage):
         self._require_conditional_writes(path)
         if not self.conditional_writes:
             return self._replace_best_effort(path, data, tag)
-        condition: dict[str, Any] = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        condition = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
+        return self._put_if(
+            path, data, condition, "replaced by another writer since this one read it"
+        )
+
+    def _put_if(self, path: str, data: bytes, condition: dict[str, str], what: str) -> str:
+        """A conditional ``PutObject``; its new ETag. A refusal is a conflict unless the
+        object holds ``data``: then it was our own write, whose response was lost."""
         try:
             return str(self.put(path, data, None, **condition)["ETag"])
         except (ConflictError, CheckpointNotFoundError):
-            found = self.read_tagged(path, max(len(data), _MAX_TAGGED_BYTES))
-            if found is not None and found[0] == data:  # our own write, response lost
+            found = self.read_tagged(path, max(len(data), MAX_TAGGED_BYTES))
+            if found is not None and found[0] == data:
                 return found[1]
-            raise ConflictError(
-                f"{self.describe(path)} was replaced by another writer since this one read it"
-            ) from None
+            raise ConflictError(f"{self.describe(path)} was {what}") from None
 
     def _replace_best_effort(self, path: str, data: bytes, tag: str | None) -> str:
         head = self.head(path)
@@ -485,17 +462,21 @@ class ObjectStorage(Storage):
     def read_range(self, path: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""
+        try:
+            return self._get(path, start, start + length)
+        except CheckpointNotFoundError as exc:
+            raise self.not_found(path) from exc
+
+    def _get(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``path`` in one ranged GET (retried); none past the end
+        (416: an empty object, or ``start`` beyond its end)."""
         bucket, key = self.split(path)
         try:
             data: bytes = self.request(
-                "read",
-                path,
-                lambda: self.fs.cat_file(f"{bucket}/{key}", start=start, end=start + length),
+                "read", path, lambda: self.fs.cat_file(f"{bucket}/{key}", start=start, end=end)
             )
         except RangeNotSatisfiable:
             return b""
-        except CheckpointNotFoundError as exc:
-            raise self.not_found(path) from exc
         return data
 
     def open_read(self, path: str) -> ReadHandle:
@@ -532,7 +513,7 @@ class ObjectStorage(Storage):
         # A directory exists while a file in it is being written, as on a local disk (where
         # the temp file shows): so recovery and retention find, and delete_tree aborts, the
         # uploads that a killed writer left in a step directory with no object yet.
-        names |= {k[cut:].split("/", 1)[0] for k, _ in self.uploads(path) if "/" in k[cut:]}
+        names |= {k[cut:].split("/", 1)[0] for k, _ in list_uploads(self, path) if "/" in k[cut:]}
         names.discard("")
         return sorted(names)
 
@@ -565,14 +546,9 @@ class ObjectStorage(Storage):
                 first = errors[0]
                 raise StorageError(
                     f"{self.label}{bucket}/{first.get('Key')}: delete failed: "
-                    f"{first.get('Code')}: {self._redact(str(first.get('Message')))}"
+                    f"{first.get('Code')}: {redact(str(first.get('Message')), self._secrets)}"
                 )
         self.abort_uploads(path)
-
-    def uploads(self, path: str, *, exact: bool = False) -> list[tuple[str, str]]:
-        """``(key, upload_id)`` of every multipart upload in progress below ``path`` (or,
-        with ``exact``, of the object ``path`` itself)."""
-        return list_uploads(self, path, exact=exact)
 
     def abort_uploads(self, path: str, *, exact: bool = False, keep: str | None = None) -> int:
         """Abort the multipart uploads in progress below ``path`` (or, with ``exact``, of
@@ -584,7 +560,7 @@ class ObjectStorage(Storage):
         rule (``AbortIncompleteMultipartUpload``) is the backstop for drop-in saves.
         """
         bucket, _ = self.split(path)
-        found = [(k, u) for k, u in self.uploads(path, exact=exact) if u != keep]
+        found = [(k, u) for k, u in list_uploads(self, path, exact=exact) if u != keep]
         for key, upload_id in found:
             with contextlib.suppress(CheckpointNotFoundError):
                 self.call(

@@ -27,16 +27,13 @@ def resolve(
     storage_options: dict[str, Any] | None,
     settings: Settings | None = None,
 ) -> tuple[Storage, str]:
-    """Turn a user's path, PathLike or fsspec URL into ``(storage, path)``.
+    """Turn a user's path, PathLike or fsspec URL (``memory://ckpt/x``, ``file:///x``) into
+    ``(storage backend, path within it)``.
 
     Args:
-        f: a local path, ``os.PathLike``, or URL such as ``memory://ckpt/x`` or ``file:///x``.
         storage_options: keyword arguments for the fsspec filesystem (e.g. an endpoint).
         settings: the tunables the storage uses, resolved by the entry point (None:
             resolved now, a convenience for tools and tests).
-
-    Returns:
-        The storage backend and the path within it.
 
     Raises:
         TypeError: ``f`` is not a path or URL (file objects are not supported).

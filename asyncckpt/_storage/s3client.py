@@ -54,8 +54,6 @@ class ObjectClient(Protocol):
 
     def abort_uploads(self, path: str, *, exact: bool = False, keep: str | None = None) -> int: ...
 
-    def uploads(self, path: str, *, exact: bool = False) -> list[tuple[str, str]]: ...
-
 
 def is_object_store(fs: Any) -> bool:
     """Whether ``fs`` is (or wraps, like ``faulty::s3``) an S3-API object store."""

@@ -31,7 +31,7 @@ def list_keys(
             return out
 
 
-def list_uploads(storage: ObjectClient, path: str, *, exact: bool) -> list[tuple[str, str]]:
+def list_uploads(storage: ObjectClient, path: str, *, exact: bool = False) -> list[tuple[str, str]]:
     """``(key, upload_id)`` of every multipart upload in progress below ``path`` (or,
     with ``exact``, of the object ``path`` itself)."""
     _, key = storage.split(path)

@@ -19,6 +19,7 @@ from typing import Any
 
 from asyncckpt._storage.base import AtomicWriter
 from asyncckpt._storage.s3client import ObjectClient
+from asyncckpt._storage.s3listing import list_uploads
 from asyncckpt._storage.s3retry import Attempts
 from asyncckpt._threads import pool
 from asyncckpt.errors import (
@@ -31,7 +32,6 @@ from asyncckpt.errors import (
 log = logging.getLogger(__name__)
 
 #: S3's limits: parts (except the last) of at least 5 MiB, at most 10,000 parts.
-MIN_PART_BYTES = 5 << 20
 MAX_PARTS = 10_000
 #: Part size doubles every this many parts, so a file of unknown size never runs out of parts.
 PARTS_PER_SIZE_STEP = 1_000
@@ -73,7 +73,7 @@ class ObjectWriter(AtomicWriter):
         if self.upload_id is None:
             return False
         try:
-            listed = self.storage.uploads(self.path, exact=True)
+            listed = list_uploads(self.storage, self.path, exact=True)
         except AsyncCkptError:
             return False  # cannot tell: the request's own error stands
         return all(upload_id != self.upload_id for _key, upload_id in listed)

@@ -96,22 +96,20 @@ class ObjectHandle(ReadHandle):
 def ranged_get(
     fs: Any, bucket: str, key: str, start: int, end: int, if_match: str | None
 ) -> tuple[bytes, str | None]:
-    """Bytes ``[start, end)`` of object ``bucket/key``, only while its ETag is ``if_match``.
+    """Bytes ``[start, end)`` of object ``bucket/key``, only while its ETag is ``if_match``,
+    and the response's ETag (None where the filesystem does not say).
 
     One ``GetObject`` with ``Range`` and ``If-Match`` (when ``if_match`` is given): a store
     that honours it answers 412 for an object replaced since. A filesystem that defines
     ``asyncckpt_ranged_get(bucket, key, start, end, if_match)`` (the fault wrapper, the
     in-memory S3) serves it; s3fs is called directly (its ``cat_file`` takes no request
     headers); anything else gets a plain ranged ``cat_file``, unpinned.
-
-    Returns:
-        The bytes, and the response's ETag (None where the filesystem does not say).
     """
     own = getattr(fs, "asyncckpt_ranged_get", None)
     if own is not None:
         result: tuple[bytes, str | None] = own(bucket, key, start, end, if_match)
         return result
-    if callable(getattr(fs, "_call_s3", None)) and getattr(fs, "loop", None) is not None:
+    if streams_into(fs):
         from fsspec.asyn import sync
 
         result = sync(fs.loop, _s3fs_ranged_get, fs, bucket, key, start, end, if_match)
@@ -155,7 +153,8 @@ def ranged_get_into(
     if_match: str | None,
     piece_bytes: int = READ_PIECE_BYTES,
 ) -> list[str | None]:
-    """Fill ``out`` with bytes ``[start, start + len(out))`` of ``bucket/key`` (s3fs only).
+    """Fill ``out`` with bytes ``[start, start + len(out))`` of ``bucket/key`` (s3fs only);
+    return the ETag of each response (None where it gave none).
 
     The span is cut into GETs of at most ``piece_bytes``, all sent as one ``gather`` on
     s3fs's event loop (one hop from this thread to the loop, not one per GET), each with
@@ -163,39 +162,25 @@ def ranged_get_into(
     ``out``. Every GET has finished (or failed) when this returns or raises, so none can
     still be writing into ``out`` afterwards.
 
-    Returns:
-        The ETag of each response (None where it gave none).
-
     Raises:
         ConnectionError: a response held fewer or more bytes than its range (transient).
         Exception: the first GET's failure, as s3fs raised it.
     """
     from fsspec.asyn import sync
 
-    result: list[str | None] = sync(
-        fs.loop, _gather_into, fs, bucket, key, start, out, if_match, piece_bytes
-    )
+    async def gather() -> list[str | None]:
+        pieces = [(at, out[at : at + piece_bytes]) for at in range(0, len(out), piece_bytes)]
+        results = await asyncio.gather(
+            *(_get_into(fs, bucket, key, start + at, part, if_match) for at, part in pieces),
+            return_exceptions=True,  # wait for all: none may write into `out` after we return
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return [r for r in results if not isinstance(r, BaseException)]
+
+    result: list[str | None] = sync(fs.loop, gather)
     return result
-
-
-async def _gather_into(
-    fs: Any,
-    bucket: str,
-    key: str,
-    start: int,
-    out: memoryview,
-    if_match: str | None,
-    piece_bytes: int,
-) -> list[str | None]:
-    pieces = [(at, out[at : at + piece_bytes]) for at in range(0, len(out), piece_bytes)]
-    results = await asyncio.gather(
-        *(_get_into(fs, bucket, key, start + at, part, if_match) for at, part in pieces),
-        return_exceptions=True,  # wait for all: none may write into `out` after we return
-    )
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return [r for r in results if not isinstance(r, BaseException)]
 
 
 async def _get_into(

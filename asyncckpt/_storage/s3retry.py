@@ -9,7 +9,9 @@ request's tries. :func:`redact` and :func:`secrets_of` keep credentials out of m
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import functools
 import os
 import random
 import re
@@ -81,14 +83,9 @@ def _response(exc: BaseException) -> dict[str, Any] | None:
     return None
 
 
+@functools.cache
 def _transient_types() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [ConnectionError, TimeoutError]
-    try:
-        import asyncio
-
-        types.append(asyncio.TimeoutError)
-    except ImportError:  # pragma: no cover
-        pass
+    types: list[type[BaseException]] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
     try:
         from botocore import exceptions as bce
 
@@ -106,9 +103,6 @@ def _transient_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
-_TRANSIENT: tuple[type[BaseException], ...] | None = None
-
-
 def classify(exc: BaseException) -> Failure:
     """Decide what a backend exception means for the retry loop.
 
@@ -118,9 +112,6 @@ def classify(exc: BaseException) -> Failure:
         >>> classify(PermissionError("Access Denied")).kind
         'fatal'
     """
-    global _TRANSIENT
-    if _TRANSIENT is None:
-        _TRANSIENT = _transient_types()
     response = _response(exc)
     if response is not None:
         error = response.get("Error") or {}
@@ -139,7 +130,7 @@ def classify(exc: BaseException) -> Failure:
             return Failure("missing", code, status, message)
         return Failure("fatal", code, status, message)
     message = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, _TRANSIENT):
+    if isinstance(exc, _transient_types()):
         return Failure("retry", None, None, message)
     if isinstance(exc, FileNotFoundError):
         return Failure("missing", None, None, message)
@@ -236,12 +227,12 @@ class RetryPolicy:
         return cap / 2 + rng.uniform(0, cap / 2)
 
 
+@dataclass(eq=False)
 class Attempts:
     """Counts the tries of one logical request (to recognise an ambiguous retry)."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.failed_transiently = False
+    count: int = 0
+    failed_transiently: bool = False
 
 
 def request_error(

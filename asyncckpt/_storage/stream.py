@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any
 
-from asyncckpt._storage.base import AtomicWriter, ReadHandle, Storage, errors_as
+from asyncckpt._storage.base import AtomicWriter, Storage, errors_as
 
 
 def is_file_object(f: object, method: str) -> bool:
@@ -64,12 +64,10 @@ class _StreamWriter(AtomicWriter):
 class StreamStorage(Storage):
     """A caller's file object seen as one file (path ``""``), for ``save`` and ``load``.
 
-    Reads cover the object from its position when opened to its end; they seek and read
-    under a lock, because a load reads chunks from several threads. A stream that cannot
-    seek is read into memory first.
-
-    Args:
-        f: a binary file object: writable to save into it, readable to load from it.
+    Reads cover the object from its position when opened to its end (the one version there
+    is, so a read handle reads it by path); they seek and read under a lock, because a load
+    reads chunks from several threads. A stream that cannot seek is read into memory first.
+    ``f``: a binary file object, writable to save into it, readable to load from it.
 
     Example:
         >>> import io
@@ -120,11 +118,6 @@ class StreamStorage(Storage):
                 length -= len(part)
         return b"".join(parts)
 
-    def open_read(self, path: str) -> ReadHandle:
-        """The object from its position when first measured to its end, read under the lock
-        (the caller's object is the one version there is)."""
-        return _StreamHandle(self)
-
     def exists(self, path: str) -> bool:
         return True
 
@@ -139,14 +132,3 @@ class StreamStorage(Storage):
 
     def delete_tree(self, path: str) -> None:
         raise TypeError("a file object cannot be deleted")
-
-
-class _StreamHandle(ReadHandle):
-    """A caller's file object, read through its :class:`StreamStorage`."""
-
-    def __init__(self, storage: StreamStorage) -> None:
-        super().__init__(storage.describe(""), storage.size(""))
-        self.storage = storage
-
-    def read_range(self, start: int, length: int) -> bytes:
-        return self.storage.read_range("", start, length)
