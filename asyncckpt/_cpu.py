@@ -53,10 +53,8 @@ class ThreadClock:
     @classmethod
     def now(cls) -> ThreadClock:
         """The calling thread's clocks now."""
-        stat = _schedstat()
-        if stat is None:
-            return cls(time.perf_counter(), time.thread_time(), 0.0)
-        return cls(time.perf_counter(), stat[0], stat[1])
+        cpu, waited = _schedstat() or (time.thread_time(), 0.0)
+        return cls(time.perf_counter(), cpu, waited)
 
     def __sub__(self, other: ThreadClock) -> ThreadClock:
         return ThreadClock(self.wall - other.wall, self.cpu - other.cpu, self.waited - other.waited)
@@ -186,10 +184,8 @@ def spare_cores() -> float | None:
     The first call measures from the first use of this module (the import of
     ``asyncckpt``), so a process's first save already sees how busy training kept the CPU.
     The background writer's own CPU time is not counted: a write in flight does not make
-    the CPU look busy to the next one.
-
-    Returns:
-        Between 0 and the number of usable CPUs; None until a window of 50 ms has passed.
+    the CPU look busy to the next one. Between 0 and the number of usable CPUs; None until a
+    window of 50 ms has passed.
 
     Example:
         >>> value = spare_cores()

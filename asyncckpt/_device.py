@@ -42,13 +42,8 @@ def device_types() -> frozenset[str]:
 
 
 def known_device(saved: str) -> bool:
-    """Whether a device string read from a file names an allowed device type.
-
-    Args:
-        saved: e.g. ``"cuda:1"``.
-
-    Returns:
-        True for ``type`` or ``type:index`` with a type from :func:`device_types`.
+    """Whether a device string read from a file, ``type`` or ``type:index``, names a type
+    from :func:`device_types`.
 
     Example:
         >>> known_device("cuda:1"), known_device("_dynamo:0"), known_device("cpu:x")
@@ -69,9 +64,6 @@ def _explicit_targets(map_location: MapLocation) -> list[str | torch.device]:
 
 def check_available(where: str | torch.device) -> None:
     """Refuse a ``map_location`` destination this machine cannot put tensors on.
-
-    Args:
-        where: a device string or ``torch.device``, as passed in ``map_location``.
 
     Raises:
         DeviceUnavailableError: its type is an accelerator that is not available here, or

@@ -30,12 +30,9 @@ from asyncckpt.errors import AsyncCkptWarning
 ENV_PREFIX = "ASYNCCKPT_"
 
 
-def _tunable(
-    default: int, *args: str, minimum: int = 1, maximum: int | None = None, help: str = ""
-) -> Any:
+def _tunable(default: int, help: str, *, minimum: int = 1, maximum: int | None = None) -> Any:
     """A field of :class:`Settings`: its default, its help text and its range."""
-    text = help or " ".join(args)
-    return field(default=default, metadata={"help": text, "minimum": minimum, "maximum": maximum})
+    return field(default=default, metadata={"help": help, "minimum": minimum, "maximum": maximum})
 
 
 @dataclass(frozen=True)
@@ -115,27 +112,27 @@ class Settings:
     )
     writer_nice: int = _tunable(
         10,
-        maximum=19,
-        minimum=0,
-        help="Linux: how far below the main thread's priority the background save and encode "
+        "Linux: how far below the main thread's priority the background save and encode "
         "threads run (niceness 0-19; 0: the same priority); the caller's threads then win "
         "the cores they share with a write, which fills the gaps",
+        minimum=0,
+        maximum=19,
     )
     writer_processes: int = _tunable(
         1,
-        maximum=1,
-        minimum=0,
-        help="1: background writes run in a child process that maps the snapshot's "
+        "1: background writes run in a child process that maps the snapshot's "
         "shared-memory arena (Linux; elsewhere, and for storages that live in this "
         "process's memory, on threads), so the write never takes this process's GIL; 0: on "
         "threads of this process (see the user guide, 'Writing in a separate process')",
+        minimum=0,
+        maximum=1,
     )
     writeback_mib: int = _tunable(
         32,
-        minimum=0,
-        help="local files: after every this many MiB written, the kernel is asked to start "
+        "local files: after every this many MiB written, the kernel is asked to start "
         "writing them to disk (sync_file_range, Linux), so the final fsync does not write "
         "the whole file in series with the encoding; 0: leave it all to the fsync",
+        minimum=0,
     )
     pin_budget_bytes: int = _tunable(
         1 << 30,
@@ -192,12 +189,8 @@ class Settings:
     def resolve(cls, environ: Mapping[str, str] | None = None, **explicit: int | None) -> Settings:
         """Resolve every tunable: explicit argument > ``ASYNCCKPT_<NAME>`` > default.
 
-        Args:
-            environ: the environment to read (default: ``os.environ``).
-            **explicit: tunables given by the caller; None falls through to the environment.
-
-        Returns:
-            A frozen :class:`Settings`.
+        ``environ`` is the environment read (default: ``os.environ``); an explicit None
+        falls through to it.
 
         Raises:
             TypeError: a keyword names no tunable.
@@ -210,9 +203,7 @@ class Settings:
         """
         env = os.environ if environ is None else environ
         _warn_unknown(env)
-        unknown = set(explicit) - set(NAMES)
-        if unknown:
-            raise TypeError(f"unknown tunables {sorted(unknown)}; known: {sorted(NAMES)}")
+        _check_names(explicit)
         values: dict[str, int] = {}
         for f in _fields():
             value = explicit.get(f.name)
@@ -232,9 +223,7 @@ class Settings:
             TypeError: a keyword names no tunable.
             ValueError: a value is out of range.
         """
-        unknown = set(changes) - set(NAMES)
-        if unknown:
-            raise TypeError(f"unknown tunables {sorted(unknown)}; known: {sorted(NAMES)}")
+        _check_names(changes)
         kept = {k: v for k, v in changes.items() if v is not None}
         return dataclasses.replace(self, **kept, given=self.given | set(kept))
 
@@ -251,6 +240,12 @@ def _fields() -> tuple[dataclasses.Field[Any], ...]:
 
 #: The tunables' names, in declaration order.
 NAMES: tuple[str, ...] = tuple(f.name for f in _fields())
+
+
+def _check_names(given: Mapping[str, object]) -> None:
+    unknown = set(given) - set(NAMES)
+    if unknown:
+        raise TypeError(f"unknown tunables {sorted(unknown)}; known: {sorted(NAMES)}")
 
 
 def _parse(var: str, raw: str) -> int:

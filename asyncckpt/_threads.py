@@ -53,13 +53,8 @@ def lower_priority(nice: int) -> bool:
     by the already lowered save thread. For the same reason, threads that a writer thread
     starts (a storage backend's I/O loop opened by the first save, say) run lowered too;
     this module's other pools raise theirs back where the OS allows (see
-    ``_restore_priority``).
-
-    Args:
-        nice: how far below the main thread to run, 0-19 (0: leave the thread as it is).
-
-    Returns:
-        True if the thread now runs at that level.
+    ``_restore_priority``). ``nice`` is 0-19 (0: leave the thread as it is); returns True
+    if the thread now runs at that level.
 
     Example:
         >>> threading.Thread(target=lower_priority, args=(5,)).start()
@@ -126,11 +121,8 @@ class DaemonPool:
         return future
 
     def wait_idle(self, timeout: float) -> bool:
-        """Wait until every task has finished and its thread has dropped its references.
-
-        Returns:
-            True if the pool is idle, False if ``timeout`` seconds passed first.
-        """
+        """Wait until every task has finished and its thread has dropped its references:
+        True if the pool is idle, False if ``timeout`` seconds passed first."""
         with self._idle:
             return self._idle.wait_for(lambda: self._unfinished == 0, timeout)
 
@@ -164,17 +156,12 @@ _pools: dict[tuple[str, int], DaemonPool] = {}
 
 
 def pool(name: str, threads: int, nice: int = 0) -> DaemonPool:
-    """The process-wide pool called ``name`` with ``threads`` threads (created on first use).
+    """The process-wide pool called ``name`` with ``threads`` threads (created on first use),
+    shared by every caller that asks for the same name and size.
 
-    Args:
-        name: the pool's name, also in its threads' names (``asyncckpt-<name>-<i>``).
-        threads: how many threads it has.
-        nice: how far below the main thread its threads run (a write's ``writer_nice``,
-            from the caller's settings; 0 for readers and heartbeats). The pool keeps the
-            niceness of the call that created it (a process's first save).
-
-    Returns:
-        The pool, shared by every caller that asks for the same name and size.
+    Its threads are named ``asyncckpt-<name>-<i>`` and run ``nice`` below the main thread (a
+    write's ``writer_nice``, from the caller's settings; 0 for readers and heartbeats): the
+    pool keeps the niceness of the call that created it (a process's first save).
 
     Example:
         >>> pool("demo", 1).submit(len, "abc").result()
@@ -209,13 +196,8 @@ def wait_idle(timeout: float) -> bool:
     the result. If the interpreter began shutting down in between, the thread would free a
     tensor during finalization, and a thread that takes the GIL then is unwound through
     torch's C++ destructors: the process aborts (``terminate called without an active
-    exception``). The exit hook waits here first.
-
-    Args:
-        timeout: seconds to wait at most, for all pools together.
-
-    Returns:
-        True if every pool is idle.
+    exception``). The exit hook waits here first, ``timeout`` seconds at most for all
+    pools together; True if every pool is idle.
 
     Example:
         >>> wait_idle(1.0)
@@ -250,13 +232,8 @@ def wait_torch_threads_quiet(timeout: float) -> bool:
     the exit hook, before finalization: each poll sleeps (so a thread waiting for the GIL
     gets it) and then checks that no such thread is runnable; three quiet polls in a row
     end the wait. A process without such threads returns at once (Linux only: elsewhere
-    the threads cannot be seen).
-
-    Args:
-        timeout: seconds to wait at most.
-
-    Returns:
-        True once they are quiet (or there are none), False if ``timeout`` passed first.
+    the threads cannot be seen). True once they are quiet (or there are none), False if
+    ``timeout`` seconds passed first.
 
     Example:
         >>> wait_torch_threads_quiet(1.0)
@@ -302,12 +279,8 @@ def _runnable(tid: str) -> bool:
 
 
 def save_queue(nice: int) -> DaemonPool:
-    """The single thread that runs save jobs, one at a time, in submission order.
-
-    Args:
-        nice: the save's ``writer_nice``, taken by the thread when it starts (the
-            process's first save).
-    """
+    """The single thread that runs save jobs, one at a time, in submission order; it takes
+    ``nice`` (the save's ``writer_nice``) when it starts (the process's first save)."""
     return pool("save", 1, nice)
 
 
@@ -322,9 +295,7 @@ def after_fork_in_child(reset: Callable[[], None]) -> Callable[[], None]:
 
     ``reset`` drops what belongs to the parent (threads that the child does not have, and
     locks they may have held at the fork): a new lock for each module lock, empty caches.
-
-    Returns:
-        ``reset`` itself.
+    Returns ``reset`` itself.
 
     Example:
         >>> @after_fork_in_child

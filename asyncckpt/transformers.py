@@ -256,13 +256,11 @@ class AsyncCkptTrainerMixin:
         """
         if not self.checkpointer.is_writer or not os.path.isdir(run_dir):
             return
-        committed = set(self.checkpointer.versions())
+        kept = {*self.checkpointer.versions(), *self._ackpt_pending}
         for name in os.listdir(run_dir):
             match = _FOLDER.match(name)
             folder = os.path.join(run_dir, name)
-            if match is None or int(match.group(1)) in committed:
-                continue
-            if int(match.group(1)) in self._ackpt_pending or not os.path.isdir(folder):
+            if match is None or int(match.group(1)) in kept or not os.path.isdir(folder):
                 continue
             if set(os.listdir(folder)) <= {_STATE_FILE}:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -301,8 +299,7 @@ class AsyncCkptTrainerMixin:
         state = self._version(checkpoint)
         if state is None:
             super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
-            return
-        if state["optimizer"] is not None:
+        elif state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
             self.lr_scheduler.load_state_dict(state["scheduler"])
 
@@ -319,9 +316,7 @@ class AsyncCkptTrainerMixin:
         state = self._version(checkpoint)
         if state is None:
             super()._load_rng_state(checkpoint)  # type: ignore[misc]
-            return
-        rngs = state["rng"]
-        if rngs:
+        elif rngs := state["rng"]:
             index = self.args.process_index
             where = f"{self.checkpointer.root} step {state['step']}"
             set_rng_states(rngs[index] if index < len(rngs) else rngs[0], where)

@@ -79,13 +79,7 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def check_compression(compression: str) -> str:
-    """Validate a user's ``compression`` argument.
-
-    Args:
-        compression: ``"zstd"``, ``"none"`` or ``"auto"``.
-
-    Returns:
-        ``compression`` itself.
+    """Validate a user's ``compression`` argument and return it.
 
     Raises:
         ValueError: not one of :data:`COMPRESSIONS`.
@@ -195,23 +189,15 @@ def choose_planes(
 ) -> tuple[bool, ...]:
     """Which planes of one chunk ``compression="auto"`` compresses (a pure function).
 
-    A plane is compressed when the write time of the bytes it saves exceeds the encode time
-    it costs on the cores the encoders may use (:attr:`Rates.parallel`), i.e. when it saves
-    more than
+    ``ratios`` are each plane's estimated stored/raw fraction, ``previous`` whether it was
+    compressed last time. A plane is compressed when the write time of the bytes it saves
+    exceeds the encode time it costs on the cores the encoders may use
+    (:attr:`Rates.parallel`), i.e. when it saves more than
     ``rates.break_even(len(ratios))`` of its bytes. To stay put on noisy rates, a plane's
-    choice flips only when the other side wins by ``margin``. A plane kept whole by the
-    probe (over :data:`INCOMPRESSIBLE`) is never compressed; one that shrinks to ``always``
-    or less always is, whatever the rates (its bytes saved dominate).
-
-    Args:
-        ratios: per plane, the estimated stored/raw fraction (None: unknown).
-        previous: per plane, whether the same plane was compressed last time.
-        rates: the measured speeds.
-        margin: hysteresis, as a fraction (0.25: the other choice must win by 25 %).
-        always: the ratio at or under which a plane is compressed regardless.
-
-    Returns:
-        Per plane, whether to compress it. An unknown ratio keeps the previous choice.
+    choice flips only when the other side wins by ``margin`` (a fraction: 0.25 is 25 %). A
+    plane kept whole by the probe (over :data:`INCOMPRESSIBLE`) is never compressed; one
+    that shrinks to ``always`` or less always is, whatever the rates (its bytes saved
+    dominate). An unknown ratio (None) keeps the previous choice.
 
     Example:
         >>> ratios = [1.0, 0.95, 0.34, 0.1]  # noise, near-noise, exponents, mostly zeros
@@ -250,21 +236,12 @@ def encode_chunk(
     choose: PlaneChooser | None = None,
     report: EncodeReport | None = None,
 ) -> tuple[str, bytes | memoryview]:
-    """Encode one chunk.
+    """Encode one chunk: ``(codec, stored_bytes)``, ``raw`` itself for the raw codec.
 
-    Args:
-        raw: the chunk's bytes.
-        itemsize: bytes per element of the data (the byte-group width).
-        is_float: whether the data is floating point (worth byte-grouping).
-        compression: ``"none"``, ``"zstd"`` or ``"auto"``.
-        level: zstd level.
-        choose: with ``"auto"``, decides from the probe which planes to compress (a chunk
-            that is not byte-grouped is one plane); without it, ``"auto"`` compresses what
-            ``"zstd"`` would. Ignored otherwise.
-        report: filled in with what the encoding cost and found, if given.
-
-    Returns:
-        ``(codec, stored_bytes)``; ``stored_bytes`` is ``raw`` itself for the raw codec.
+    Floating-point data (``is_float``) is byte-grouped, ``itemsize`` bytes wide. With
+    ``"auto"``, ``choose`` decides from the probe which planes to compress (a chunk that is
+    not byte-grouped is one plane); without it, ``"auto"`` compresses what ``"zstd"`` would.
+    ``report``, if given, is filled in with what the encoding cost and found.
 
     Example:
         >>> codec, stored = encode_chunk(memoryview(bytes(4096)), itemsize=4, is_float=True,
@@ -291,7 +268,8 @@ def encode_chunk(
 def _encode_planes(
     raw: memoryview, itemsize: int, level: int, choose: PlaneChooser, report: EncodeReport
 ) -> memoryview | None:
-    """Group bytes by position, then compress the chosen planes, each alone.
+    """Group bytes by position, then compress the chosen planes, each alone: the payload, or
+    None when no plane was chosen (then nothing was regrouped).
 
     Separate frames let each plane (sign/exponent bytes, noisy mantissa bytes) get its own
     entropy tables; a plane that is not chosen, or does not shrink, is stored raw.
@@ -300,9 +278,6 @@ def _encode_planes(
     and the payload is compacted in place: only frames, and raw planes behind a frame, are
     moved. Joining the parts into new bytes instead copied the whole chunk while holding the
     GIL (a third of the GIL a threaded save held beside a busy Python thread).
-
-    Returns:
-        The payload, or None when no plane was chosen (then nothing was regrouped).
     """
     ratios = _probe_planes(raw, itemsize, level)
     wanted = choose(itemsize, ratios)
@@ -316,7 +291,7 @@ def _encode_planes(
     report.group_s, report.grouped_bytes = thread_time() - started, len(raw)
     planes = [payload[head + j * plane : head + (j + 1) * plane] for j in range(itemsize)]
     chosen = [j for j in range(itemsize) if wanted[j]]
-    frames = dict(zip(chosen, _compress_planes([planes[j] for j in chosen], level, report)))
+    frames = dict(zip(chosen, _compress([planes[j] for j in chosen], level, report)))
     report.ratios = tuple(
         len(frames[j]) / plane if j in frames else r for j, r in enumerate(ratios)
     )
@@ -334,27 +309,24 @@ def _encode_planes(
 
 def _encode_whole(
     raw: memoryview, level: int, choose: PlaneChooser, report: EncodeReport
-) -> bytes | None:
+) -> bytes | memoryview | None:
     """``"auto"`` for a chunk that is not byte-grouped: probe it, then maybe compress it."""
     ratio = _probe_ratio(raw, level, plane=False)
     report.ratios = (ratio,)
     if not choose(1, (ratio,))[0]:
         return None
-    started = thread_time()
-    packed = _compressor(level).compress(raw)
-    report.compress_s += thread_time() - started
-    report.compressed_bytes += len(raw)
+    (packed,) = _compress([raw], level, report, plane=False)
     report.ratios = (len(packed) / len(raw),)
     return packed
 
 
-def _compress_planes(
-    planes: list[memoryview], level: int, report: EncodeReport
+def _compress(
+    parts: list[memoryview], level: int, report: EncodeReport, plane: bool = True
 ) -> list[bytes | memoryview]:
     started = thread_time()
-    packed = compress_frames(_compressor(level, True), planes)
+    packed = compress_frames(_compressor(level, plane), parts)
     report.compress_s += thread_time() - started
-    report.compressed_bytes += sum(len(p) for p in planes)
+    report.compressed_bytes += sum(len(p) for p in parts)
     return packed
 
 

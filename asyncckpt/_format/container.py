@@ -171,14 +171,7 @@ def encode_header() -> bytes:
 
 
 def decode_header(data: bytes, name: str) -> int:
-    """Check a file's first 16 bytes.
-
-    Args:
-        data: the first bytes of the file (at least 16).
-        name: the file's name, for error messages.
-
-    Returns:
-        The file's format version.
+    """Check a file's first 16 bytes and return its format version (``name``: for errors).
 
     Raises:
         TruncatedFileError: fewer than 16 bytes.
@@ -199,15 +192,8 @@ def encode_footer(manifest_offset: int, manifest: bytes) -> bytes:
 
 
 def decode_footer(data: bytes, file_size: int, name: str) -> Footer:
-    """Parse and bound-check a file's last 32 bytes.
-
-    Args:
-        data: the last 32 bytes of the file.
-        file_size: the file's total size in bytes.
-        name: the file's name, for error messages.
-
-    Returns:
-        The footer, with the manifest guaranteed to lie between header and footer.
+    """Parse and bound-check a file's last 32 bytes: the manifest they locate is sure to lie
+    between header and footer of the ``file_size``-byte file.
 
     Raises:
         TruncatedFileError: the file is too short or the footer points past its end.
@@ -249,28 +235,19 @@ def _check_magic_version(magic: bytes, version: int, name: str) -> None:
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
-    """Serialize a manifest to canonical UTF-8 JSON."""
+    """Serialize a manifest to canonical UTF-8 JSON (tuples are JSON arrays, as lists are)."""
     doc = {
         "format_version": FORMAT_VERSION,
         "checksum": CHECKSUM,
-        "chunks": [[c.offset, c.stored_len, c.raw_len, c.codec, c.crc32] for c in manifest.chunks],
+        "chunks": [(c.offset, c.stored_len, c.raw_len, c.codec, c.crc32) for c in manifest.chunks],
         "storages": [
-            [s.nbytes, s.itemsize, s.device, s.first_chunk, s.num_chunks] for s in manifest.storages
+            (s.nbytes, s.itemsize, s.device, s.first_chunk, s.num_chunks) for s in manifest.storages
         ],
         "tensors": [
-            [
-                t.storage,
-                t.dtype,
-                list(t.shape),
-                list(t.stride),
-                t.offset,
-                t.requires_grad,
-                t.parameter,
-                t.key,
-            ]
+            (t.storage, t.dtype, t.shape, t.stride, t.offset, t.requires_grad, t.parameter, t.key)
             for t in manifest.tensors
         ],
-        "arrays": [[a.storage, a.dtype, list(a.shape), a.scalar, a.key] for a in manifest.arrays],
+        "arrays": [(a.storage, a.dtype, a.shape, a.scalar, a.key) for a in manifest.arrays],
         "root": manifest.root,
         "byteorder": manifest.byteorder,
         "meta": manifest.meta,
@@ -279,19 +256,12 @@ def encode_manifest(manifest: Manifest) -> bytes:
 
 
 def decode_manifest(data: bytes, footer: Footer, name: str) -> Manifest:
-    """Verify, parse and validate a manifest.
-
-    Args:
-        data: exactly the manifest bytes the footer locates.
-        footer: the file's decoded footer.
-        name: the file's name, for error messages.
-
-    Returns:
-        A manifest whose every index and length is consistent and inside the file.
+    """Verify, parse and validate the manifest bytes ``footer`` locates: every index and
+    length of the result is consistent and inside the file.
 
     Raises:
-        ChecksumError-like FormatError: the manifest does not match its checksum.
-        FormatError: anything malformed.
+        TruncatedFileError: ``data`` is not as long as the footer says.
+        FormatError: the manifest does not match its checksum, or anything malformed.
     """
     if len(data) != footer.manifest_length:
         raise TruncatedFileError(
@@ -299,26 +269,48 @@ def decode_manifest(data: bytes, footer: Footer, name: str) -> Manifest:
         )
     if zlib.crc32(data) != footer.manifest_crc32:
         raise FormatError(f"{name}: the manifest does not match its checksum; the file is corrupt")
+    doc = parse_json(data, f"{name}: manifest")
+    return _Validator(f"{name}: invalid manifest", footer.manifest_offset).manifest(doc)
+
+
+def parse_json(data: bytes, what: str) -> Any:
+    """``data`` as strict JSON (no NaN or Infinity); a FormatError names ``what``."""
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+        return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{name}: manifest is not valid JSON: {exc}") from exc
-    return _Validator(name, footer.manifest_offset).manifest(doc)
+        raise FormatError(f"{what} is not valid JSON: {exc}") from exc
 
 
 def _reject_constant(token: str) -> None:
     raise ValueError(f"non-standard JSON constant {token}")
 
 
-class _Validator:
-    """Turns a parsed manifest document into dataclasses, checking every field."""
+class FieldChecker:
+    """Checks of parsed JSON fields; each failure is a FormatError led by ``prefix``."""
 
-    def __init__(self, name: str, data_end: int) -> None:
-        self.name = name
-        self.data_end = data_end
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
 
     def fail(self, what: str) -> FormatError:
-        return FormatError(f"{self.name}: invalid manifest: {what}")
+        return FormatError(f"{self.prefix}: {what}")
+
+    def int_(self, value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+        if type(value) is not int or not lo <= value <= hi:
+            raise self.fail(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
+        return value
+
+    def dims(self, value: Any, what: str) -> tuple[int, ...]:
+        if not isinstance(value, list) or len(value) > MAX_NDIM:
+            raise self.fail(f"{what} is not a list of at most {MAX_NDIM} integers")
+        return tuple(self.int_(v, what) for v in value)
+
+
+class _Validator(FieldChecker):
+    """Turns a parsed manifest document into dataclasses, checking every field."""
+
+    def __init__(self, prefix: str, data_end: int) -> None:
+        super().__init__(prefix)
+        self.data_end = data_end
 
     def manifest(self, doc: Any) -> Manifest:
         if not isinstance(doc, dict):
@@ -352,20 +344,10 @@ class _Validator:
             raise self.fail(f"{key} is not a list")
         return value
 
-    def int_(self, value: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-        if type(value) is not int or not lo <= value <= hi:
-            raise self.fail(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
-        return value
-
     def record(self, value: Any, n: int, what: str) -> list[Any]:
         if not isinstance(value, list) or len(value) != n:
             raise self.fail(f"{what} is not a list of {n} fields")
         return value
-
-    def dims(self, value: Any, what: str) -> tuple[int, ...]:
-        if not isinstance(value, list) or len(value) > MAX_NDIM:
-            raise self.fail(f"{what} is not a list of at most {MAX_NDIM} integers")
-        return tuple(self.int_(v, what) for v in value)
 
     def chunk(self, i: int, rec: Any) -> Chunk:
         offset, stored, raw, codec, crc = self.record(rec, 5, f"chunk {i}")
@@ -457,10 +439,7 @@ class _Validator:
         if not isinstance(dtype, str) or not _NUMPY_DTYPE.fullmatch(dtype):
             raise self.fail(f"array {i} has unsupported numpy dtype {dtype!r}")
         shape_t = self.dims(shape, f"array {i} shape")
-        numel = 1
-        for n in shape_t:
-            numel *= n
-        if numel * int(dtype[2:]) != storages[sid].nbytes:
+        if math.prod(shape_t) * int(dtype[2:]) != storages[sid].nbytes:
             raise self.fail(f"array {i} ({key!r}) does not match the size of storage {sid}")
         if type(scalar) is not bool or not isinstance(key, str):
             raise self.fail(f"array {i} flags or key have the wrong type")

@@ -41,7 +41,8 @@ from asyncckpt._format.container import (
     HEADER_SIZE,
     MAX_EXPANSION,
     MAX_MANIFEST_BYTES,
-    MAX_NDIM,
+    FieldChecker,
+    parse_json,
 )
 
 # Re-exported: the file names were defined here before they moved to names.py.
@@ -102,15 +103,11 @@ def item_key(index: MetadataIndex) -> str:
 
 
 def encode_metadata(metadata: Metadata, attempt: str) -> bytes:
-    """Serialize ``metadata`` (its ``storage_data`` mapping to :class:`ItemLocation`).
+    """Serialize ``metadata`` as compact UTF-8 JSON.
 
-    Args:
-        metadata: DCP's metadata, as ``finish`` receives it, with ``storage_data`` set to
-            ``{MetadataIndex: ItemLocation}`` from every rank's write results.
-        attempt: the save attempt's token (it makes the bytes of every commit unique).
-
-    Returns:
-        Compact UTF-8 JSON.
+    ``metadata`` is DCP's, as ``finish`` receives it, with ``storage_data`` set to
+    ``{MetadataIndex: ItemLocation}`` from every rank's write results; ``attempt``, the save
+    attempt's token, makes the bytes of every commit unique.
 
     Raises:
         UnsupportedObjectError: a field holds something the schema cannot represent (a
@@ -179,21 +176,18 @@ def _encode_planner_data(data: Any) -> dict[str, list[str | int]] | None:
     # DefaultSavePlanner stores {flattened fqn: path in the original nested state dict}.
     if data is None:
         return None
-    bad = UnsupportedObjectError(
-        "metadata.planner_data",
-        "asyncckpt.dcp stores planner data only as {str: tuple of str/int} (what "
-        "DefaultSavePlanner produces)",
-    )
-    if not isinstance(data, Mapping):
-        raise bad
-    out: dict[str, list[str | int]] = {}
-    for key, path in data.items():
-        if not isinstance(key, str) or not isinstance(path, (tuple, list)):
-            raise bad
-        if not all(type(p) is str or type(p) is int for p in path):
-            raise bad
-        out[key] = list(path)
-    return out
+    if not isinstance(data, Mapping) or not all(
+        isinstance(key, str)
+        and isinstance(path, (tuple, list))
+        and all(type(p) in (str, int) for p in path)
+        for key, path in data.items()
+    ):
+        raise UnsupportedObjectError(
+            "metadata.planner_data",
+            "asyncckpt.dcp stores planner data only as {str: tuple of str/int} (what "
+            "DefaultSavePlanner produces)",
+        )
+    return {key: list(path) for key, path in data.items()}
 
 
 def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
@@ -333,15 +327,9 @@ def value_bytes(metadata: Metadata, fqn: str) -> int:
 
 
 def decode_metadata(data: bytes, name: str) -> Metadata:
-    """Parse and validate a commit object into DCP's ``Metadata``.
-
-    Args:
-        data: the commit object's bytes.
-        name: its location, for error messages.
-
-    Returns:
-        The metadata, ``storage_data`` mapping every ``MetadataIndex`` to an
-        :class:`ItemLocation` whose file name is a plain data file name.
+    """Parse and validate a commit object (at ``name``) into DCP's ``Metadata``, whose
+    ``storage_data`` maps every ``MetadataIndex`` to an :class:`ItemLocation` whose file
+    name is a plain data file name.
 
     Raises:
         FormatError: anything malformed, out of range, inconsistent (an item for a chunk
@@ -361,30 +349,15 @@ def decode_metadata(data: bytes, name: str) -> Metadata:
             "asyncckpt.dcp.Writer; asyncckpt never unpickles: load it with "
             "torch.distributed.checkpoint.FileSystemReader if you trust it"
         )
-    try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        raise FormatError(f"{name}: DCP metadata is not valid JSON: {exc}") from exc
-    return _Decoder(name).metadata(doc)
+    return _Decoder(name).metadata(parse_json(data, f"{name}: DCP metadata"))
 
 
-def _reject_constant(token: str) -> None:
-    raise ValueError(f"non-standard JSON constant {token}")
-
-
-class _Decoder:
+class _Decoder(FieldChecker):
     """Builds DCP's dataclasses from a parsed document, checking every field first."""
 
     def __init__(self, name: str) -> None:
+        super().__init__(f"{name}: invalid DCP metadata")
         self.name = name
-
-    def fail(self, what: str) -> FormatError:
-        return FormatError(f"{self.name}: invalid DCP metadata: {what}")
-
-    def int_(self, value: Any, what: str, lo: int = 0, hi: int = _MAX_INT) -> int:
-        if type(value) is not int or not lo <= value <= hi:
-            raise self.fail(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
-        return value
 
     def str_(self, value: Any, what: str, optional: bool = False) -> Any:
         if not (isinstance(value, str) or (optional and value is None)):
@@ -395,11 +368,6 @@ class _Decoder:
         if not isinstance(value, list) or (length is not None and len(value) != length):
             raise self.fail(f"{what} is not a list" + (f" of {length}" if length else ""))
         return value
-
-    def dims(self, value: Any, what: str) -> tuple[int, ...]:
-        if not isinstance(value, list) or len(value) > MAX_NDIM:
-            raise self.fail(f"{what} is not a list of at most {MAX_NDIM} integers")
-        return tuple(self.int_(v, what) for v in value)
 
     def bool_(self, value: Any, what: str) -> bool:
         if type(value) is not bool:

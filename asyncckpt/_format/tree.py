@@ -244,7 +244,7 @@ def _numpy_subclass_reason(a: Any) -> str:
 
 
 #: Objects that hold training state but are not data, and what to save in their place.
-_SAVE_INSTEAD: tuple[tuple[type, str], ...] = (
+_SAVE_INSTEAD: tuple[tuple[type | tuple[type, ...], str], ...] = (
     (
         torch.nn.Module,
         "an nn.Module; save model.state_dict() and restore it with model.load_state_dict(...)",
@@ -255,12 +255,7 @@ _SAVE_INSTEAD: tuple[tuple[type, str], ...] = (
         "optimizer.load_state_dict(...)",
     ),
     (
-        torch.optim.lr_scheduler.LRScheduler,
-        "a learning-rate scheduler; save "
-        "scheduler.state_dict() and restore it with scheduler.load_state_dict(...)",
-    ),
-    (
-        torch.optim.lr_scheduler.ReduceLROnPlateau,
+        (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau),
         "a learning-rate scheduler; save "
         "scheduler.state_dict() and restore it with scheduler.load_state_dict(...)",
     ),
@@ -330,13 +325,8 @@ def unflatten(
     arrays: Sequence[Any],
     name: str,
 ) -> Any:
-    """Rebuild the object tree from validated-on-the-fly JSON nodes.
-
-    Args:
-        root: the manifest's root node.
-        tensors: materialized tensors, indexed as in the manifest.
-        arrays: materialized numpy arrays/scalars, indexed as in the manifest.
-        name: the file's name, for error messages.
+    """Rebuild the object tree from the manifest's ``root`` node, validating each node on
+    the way; ``tensors`` and ``arrays`` are materialized, indexed as in the manifest.
 
     Raises:
         FormatError: a node is malformed or refers outside the tables.

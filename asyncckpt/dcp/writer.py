@@ -106,7 +106,6 @@ class Writer(CheckpointLocation, StorageWriter):
         self._save_id = uuid.uuid4().hex
         self._attempt = uuid.uuid4().hex
         self._coordinator = True
-        self._rank = 0
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save, into ``checkpoint_id`` if given (called by ``dcp.save``)."""
@@ -132,7 +131,6 @@ class Writer(CheckpointLocation, StorageWriter):
                 "the checkpoint once every rank's file is durable"
             )
         self._coordinator = is_coordinator
-        self._rank = int(kwargs.get("rank") or 0)
         # A fresh token per attempt, so a retry into the same directory never writes over
         # the files of an earlier (failed or still running) attempt.
         self._attempt = uuid.uuid4().hex
@@ -290,13 +288,10 @@ class Writer(CheckpointLocation, StorageWriter):
 
 
 def _bytes_tensor(data: io.BytesIO) -> torch.Tensor:
-    raw = data.getbuffer()
-    try:
+    with data.getbuffer() as raw:
         if not raw.nbytes:
             return torch.empty(0, dtype=torch.uint8)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    finally:
-        raw.release()
 
 
 def _compact_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -305,11 +300,7 @@ def _compact_cpu(t: torch.Tensor) -> torch.Tensor:
     DCP may hand over views (only the projection is to be saved) or device tensors; a
     compact CPU tensor is stored as is, without another copy.
     """
-    t = t.detach()
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
+    t = t.detach().resolve_conj().resolve_neg()  # each returns t itself if its bit is unset
     compact = (
         t.device.type == "cpu"
         and t.is_contiguous()

@@ -272,26 +272,23 @@ class FaultPlan:
         self._released.wait()
 
 
+#: kind -> the S3 error (code, HTTP status, message) and the errno a filesystem raises.
+_ERRORS = {
+    "slowdown": ("SlowDown", 503, "Please reduce your request rate.", errno.EBUSY),
+    "server-error": ("InternalError", 500, "We encountered an internal error.", errno.EIO),
+    "denied": ("AccessDenied", 403, "Access Denied", errno.EACCES),
+    "no-bucket": ("NoSuchBucket", 404, "The specified bucket does not exist", errno.ENOENT),
+}
+
+
 def _injected(kind: str, op: str, call: int, s3: bool) -> BaseException:
     """The exception a real backend would raise for ``kind``."""
     where = f"[injected {kind} at {op} call {call}]"
-    s3_errors = {
-        "slowdown": ("SlowDown", 503, "Please reduce your request rate."),
-        "server-error": ("InternalError", 500, "We encountered an internal error."),
-        "denied": ("AccessDenied", 403, "Access Denied"),
-        "no-bucket": ("NoSuchBucket", 404, "The specified bucket does not exist"),
-    }
-    if kind in s3_errors:
-        code, status, message = s3_errors[kind]
-        if s3:
-            return s3_error(code, status, f"{message} {where}", op)
-        plain: dict[str, BaseException] = {
-            "slowdown": OSError(errno.EBUSY, f"{message} {where}"),
-            "server-error": OSError(errno.EIO, f"{message} {where}"),
-            "denied": PermissionError(errno.EACCES, f"{message} {where}"),
-            "no-bucket": FileNotFoundError(errno.ENOENT, f"{message} {where}"),
-        }
-        return plain[kind]
+    if kind in _ERRORS:
+        code, status, message, number = _ERRORS[kind]
+        text = f"{message} {where}"
+        # OSError(errno, ...) is that errno's subclass: PermissionError, FileNotFoundError.
+        return s3_error(code, status, text, op) if s3 else OSError(number, text)
     if kind == "timeout":
         return TimeoutError(f"Read timed out {where}")
     return ConnectionResetError(errno.ECONNRESET, f"Connection reset by peer {where}")

@@ -88,8 +88,8 @@ def _parse_head(head: bytes) -> tuple[list[str], dict[str, str]]:
     return lines[0].split(" ", 2), fields
 
 
-def _read_body(reader: _Reader, fields: dict[str, str]) -> bytes | None:
-    """The message body as sent; None if it is delimited by the connection closing."""
+def _read_body(reader: _Reader, fields: dict[str, str]) -> bytes:
+    """The message body as sent (empty without a length or chunked encoding)."""
     if "chunked" in fields.get("transfer-encoding", "").lower():
         return reader.chunked()
     if "content-length" in fields:
@@ -419,8 +419,7 @@ class FaultProxy:
                     # Answer the client ourselves, to have the whole request before deciding
                     # what to do with it; the store's own 100 Continue is skipped below.
                     client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                body = _read_body(reader, fields)
-                request = head + (body or b"")
+                request = head + _read_body(reader, fields)
                 rule = self._match(method, target)
                 try:
                     if rule is not None and rule.action == "hold":
@@ -466,6 +465,6 @@ class FaultProxy:
         if method.upper() == "HEAD" or code in (204, 304) or 100 <= code < 200:
             return head, keep
         body = _read_body(reader, fields)
-        if body is None or ("content-length" not in fields and "transfer-encoding" not in fields):
+        if "content-length" not in fields and "transfer-encoding" not in fields:
             return head + reader.rest(), False  # delimited by the upstream closing
         return head + body, keep

@@ -171,16 +171,10 @@ class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
         """A ranged ``GetObject`` with ``If-Match``, as S3 answers it (412 on another ETag)."""
         with self._lock:
             data, etag = self._objects.get((bucket, key)), self._etags.get((bucket, key))
-        if data is None or etag is None:
-            raise s3_error("NoSuchKey", 404, "The specified key does not exist.", "get_object")
-        if if_match is not None and if_match != etag:
-            raise s3_error(
-                "PreconditionFailed",
-                412,
-                "At least one of the pre-conditions you specified did not hold",
-                "get_object",
-                Condition="If-Match",
-            )
+            if data is None or etag is None:
+                raise s3_error("NoSuchKey", 404, "The specified key does not exist.", "get_object")
+            condition = {} if if_match is None else {"IfMatch": if_match}
+            self._check_condition("get_object", bucket, key, condition)
         if start >= len(data):
             raise s3_error("InvalidRange", 416, "The requested range is not satisfiable", "get")
         return data[start:end], etag

@@ -163,9 +163,7 @@ class LocalS3Server:
         page = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
         return [(u["Key"], u["UploadId"]) for u in page.get("Uploads") or []]
 
-    def _log_tail(self, path: str | None) -> str:
-        if path is None:
-            return ""
+    def _log_tail(self, path: str) -> str:
         try:
             with open(path, errors="replace") as f:
                 return f.read()[-3000:]
@@ -554,10 +552,8 @@ class SeaweedServer(LocalS3Server):
             self.workdir = None
         # weed puts its gRPC unix sockets in /tmp whatever TMPDIR says: remove ours (only
         # those named after our own ports).
-        for port in self._ports:
-            for name in glob.glob(f"/tmp/seaweedfs-*-{port}.sock") + glob.glob(
-                f"/tmp/seaweedfs-*-{port + 10000}.sock"
-            ):
+        for port in [p + grpc for p in self._ports for grpc in (0, 10000)]:
+            for name in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
                 with contextlib.suppress(OSError):
                     os.unlink(name)
         self._ports = []
