@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import os
 import sys
@@ -60,9 +59,7 @@ class SaveStats:
     @property
     def throughput(self) -> float | None:
         """Raw bytes per second from the call until durable, once known."""
-        if not self.total_s:
-            return None
-        return self.raw_bytes / self.total_s
+        return self.raw_bytes / self.total_s if self.total_s else None
 
     @property
     def ratio(self) -> float | None:
@@ -78,9 +75,6 @@ class SaveInfo:
 
     path: str
     stats: SaveStats
-
-
-_sequence = itertools.count()
 
 
 class SaveHandle:
@@ -116,7 +110,6 @@ class SaveHandle:
         target: Any = None,
     ) -> None:
         self.path = path
-        self.sequence = next(_sequence)
         self.owner = owner
         #: What the save writes (a file, a Checkpointer's step): loads of it wait for it.
         self.target = target
@@ -252,33 +245,34 @@ class _Tracker:
         self.jobs: list[SaveHandle] = []
 
     def add(self, handle: SaveHandle) -> None:
+        self.forget_settled(handle.owner)
         with self.lock:
-            self.jobs = [h for h in self.jobs if h.owner is not handle.owner or not _settled(h)]
             self.jobs.append(handle)
 
     def of(self, owner: Any) -> list[SaveHandle]:
         """``owner``'s jobs (every owner's for :data:`ANY`) not settled, oldest first."""
         with self.lock:
-            return [h for h in self.jobs if owner is ANY or h.owner is owner]
+            return [h for h in self.jobs if _owned(h, owner)]
 
     def forget_settled(self, owner: Any) -> None:
         with self.lock:
-            self.jobs = [
-                h for h in self.jobs if not (owner is ANY or h.owner is owner) or not _settled(h)
-            ]
+            self.jobs = [h for h in self.jobs if not (_owned(h, owner) and _settled(h))]
 
     def take_failure(self, owner: Any) -> SaveHandle | None:
         """The oldest unobserved failure of ``owner``, marked observed; None if none."""
         with self.lock:
             for handle in self.jobs:
-                mine = owner is ANY or handle.owner is owner
-                if mine and handle.failed() and not handle.observed:
+                if _owned(handle, owner) and handle.failed() and not handle.observed:
                     handle._observed = True
                     return handle
         return None
 
 
 _tracker = _Tracker()
+
+
+def _owned(handle: SaveHandle, owner: Any) -> bool:
+    return owner is ANY or handle.owner is owner
 
 
 def _settled(handle: SaveHandle) -> bool:
@@ -379,11 +373,11 @@ def submit(
     return handle
 
 
-def completed_handle(label: str, stats: SaveStats | None = None, stored: int = 0) -> SaveHandle:
+def completed_handle(label: str, stats: SaveStats | None = None) -> SaveHandle:
     """A handle for a save that has ended already (nothing to do, or written in place)."""
-    future: Future[int] = Future()
-    future.set_result(stored)
     stats = stats or SaveStats(0.0, 0, 0.0, 0)
+    future: Future[int] = Future()
+    future.set_result(stats.stored_bytes or 0)
     handle = SaveHandle(label, future, stats, time.perf_counter())
     handle._observed = True  # nothing can fail later
     return handle
