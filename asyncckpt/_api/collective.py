@@ -109,10 +109,7 @@ def collective_device(group: Any) -> torch.device:
 
 def error_index(exc: AsyncCkptError) -> int:
     """The index in :data:`COLLECTIVE_ERRORS` of the most specific class of ``exc``."""
-    for i in range(len(COLLECTIVE_ERRORS) - 1, -1, -1):
-        if isinstance(exc, COLLECTIVE_ERRORS[i]):
-            return i
-    return 0
+    return max(i for i, kind in enumerate(COLLECTIVE_ERRORS) if isinstance(exc, kind))
 
 
 def group_timeout(group: Any) -> float:
