@@ -52,14 +52,9 @@ class Progress:
     """A progress bar for ``total`` bytes (None: unknown total, no percentage).
 
     :meth:`update` is thread-safe and cheap; the bar is redrawn at most every
-    ``interval`` seconds, and once more (with a newline) by :meth:`close`.
-
-    Args:
-        total: bytes expected, or None when unknown.
-        label: what is being done, shown before the bar.
-        stream: where to draw (default ``sys.stderr``, looked up when created).
-        enabled: force drawing on or off; None draws only when ``stream`` is a terminal.
-        interval: least seconds between two redraws.
+    ``interval`` seconds, and once more (with a newline) by :meth:`close`. ``label`` is
+    shown before the bar; ``stream`` defaults to ``sys.stderr`` (looked up when created);
+    ``enabled`` forces drawing on or off (None: only when ``stream`` is a terminal).
     """
 
     def __init__(

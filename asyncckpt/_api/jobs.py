@@ -346,17 +346,12 @@ def submit(
 ) -> SaveHandle:
     """Run ``job`` (which returns the bytes written) on the save thread; return its handle.
 
-    Args:
-        job: the background part of a save; must release its snapshot's arena.
-        label: what the handle reports as its path.
-        raw_bytes: the state's data size, for the stats.
-        started: ``time.perf_counter()`` when the caller entered ``save``.
-        target: what the save writes, so loads of it wait for the save.
-        nice: the save thread's niceness below the caller (``writer_nice``), fixed when
-            the process's first save creates it.
-        owner: whose save it is (None: the module-level API; a ``Checkpointer``).
-        on_cancel: undoes what the caller prepared for ``job`` (frees its arena) if the
-            handle is cancelled before ``job`` starts; None: it cannot be cancelled.
+    ``job`` must release its snapshot's arena; ``target`` is what the save writes, so loads
+    of it wait for the save; ``nice`` is the save thread's niceness below the caller
+    (``writer_nice``), fixed when the process's first save creates it; ``owner`` whose save
+    it is (None: the module-level API); ``on_cancel`` undoes what the caller prepared for
+    ``job`` (frees its arena) if the handle is cancelled before ``job`` starts (None: it
+    cannot be cancelled).
     """
     stats = SaveStats(time.perf_counter() - started, raw_bytes)
     handle = SaveHandle(label, Future(), stats, started, owner, target)
@@ -406,21 +401,9 @@ def stage_and_submit(
     The arena is released after the job, and never before the copy has ended: a job that
     fails early (a refused lease, a full disk) must not lend the arena to another save while
     the copy still writes into it. The job may release it sooner once it has read every byte.
-    The handle settles only once the caller's blocking time is recorded.
-
-    Args:
-        copy: stages the state, calling its argument once the layout is known.
-        job: the background part of the save; returns the bytes written.
-        label: what the handle reports as its path.
-        started: ``time.perf_counter()`` when the caller entered its ``save``.
-        target: what the save writes, so loads of it wait for the save.
-        nice: see :func:`submit`.
-        owner: whose save it is (see :func:`submit`).
-        on_cancel: what else to undo if the handle is cancelled before the job starts (the
-            arena is freed in any case); None: the save cannot be cancelled.
-
-    Returns:
-        The snapshot (complete) and the save's handle.
+    The handle settles only once the caller's blocking time is recorded. The other
+    arguments are :func:`submit`'s; ``on_cancel`` is what else to undo (the arena is freed
+    in any case). Returns the snapshot (complete) and the save's handle.
 
     Raises:
         Exception: whatever ``copy`` raised. If the copy failed after the job started, the

@@ -86,19 +86,10 @@ def load(
     (:meth:`RootReader.load <asyncckpt._versions.reading.RootReader.load>`, which owns the
     follow-the-newest loop), with this module reading it if it is sharded.
 
-    Args:
-        ckpt: the root and this process's rank and group.
-        step: the version to load.
-        commit: its commit marker, or None if it was retired since it was chosen.
-        placement: where plain tensors (and consolidated ones) go.
-        into: a state to load into: DTensors are loaded in place (collectively); other
-            tensors at matching key paths receive this rank's plain values in place.
-        use_group: whether this is a collective load (needed for DTensors in ``into``).
-        follow_latest: the caller asked for the newest version (no step, not collective).
-        max_bytes: the memory budget of each attempt (see :class:`Budget`).
-        settings: the load's settings (None: resolved here).
-        keys: top-level keys to load (None: all); of a sharded version, only the tensors
-            under them are read (so only the rank files and chunks that hold them).
+    ``commit`` is None if the version was retired since it was chosen. DTensors in ``into``
+    are loaded in place (collectively: ``use_group``), its other tensors at matching key
+    paths receive this rank's plain values in place. Of a sharded version, only the tensors
+    under ``keys`` are read (so only the rank files and chunks that hold them).
 
     Returns:
         The state as saved by the rank whose plain values are used, each DTensor replaced
@@ -350,12 +341,6 @@ class LazyShardedVersion(LazyEntries):
     ``map_location``, its other values as this rank saved them, every chunk verified, nothing
     cached. A committed version never changes; one that retention deletes meanwhile raises
     ``IncompleteCheckpointError``.
-
-    Args:
-        root: the root and this process's rank.
-        commit: the version's ``COMMIT`` record (sharded).
-        placement: where tensors go.
-        settings: the load's settings.
     """
 
     def __init__(
