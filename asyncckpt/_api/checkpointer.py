@@ -44,11 +44,7 @@ from asyncckpt._versions.ranks import RankJob
 from asyncckpt._versions.reading import RootReader
 from asyncckpt._versions.retention import RetentionPolicy
 from asyncckpt._versions.writing import RootWriter
-from asyncckpt.errors import (
-    AsyncCkptError,
-    CheckpointNotFoundError,
-    ConflictError,
-)
+from asyncckpt.errors import AsyncCkptError, CheckpointNotFoundError, ConflictError
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +224,7 @@ class Checkpointer(VersionsMixin):
         pieces = sharded.pieces_of(plan)
         job = RankJob(self._storage, self._root, step, attempt, rank, world, None, pieces, options)
         job.timeout, job.settings = timeout, self._settings
-        job.start_beat()  # before the copy: see sharded_save._ProgressWatch
+        job.start_beat()  # before the copy: see _versions.ranks._ProgressWatch
         return job
 
     def _stage_and_write(
