@@ -19,7 +19,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from types import TracebackType
 from typing import TextIO
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -33,11 +32,11 @@ def format_bytes(n: float) -> str:
         ('0 B', '1.5 KiB', '256.0 MiB')
     """
     value = float(n)
-    for unit in _UNITS:
-        if abs(value) < 1024 or unit == _UNITS[-1]:
+    for unit in _UNITS[:-1]:
+        if abs(value) < 1024:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{value:.1f} {_UNITS[-1]}"
 
 
 def is_terminal(stream: TextIO) -> bool:
@@ -53,14 +52,9 @@ class Progress:
     """A progress bar for ``total`` bytes (None: unknown total, no percentage).
 
     :meth:`update` is thread-safe and cheap; the bar is redrawn at most every
-    ``interval`` seconds, and once more (with a newline) by :meth:`close`.
-
-    Args:
-        total: bytes expected, or None when unknown.
-        label: what is being done, shown before the bar.
-        stream: where to draw (default ``sys.stderr``, looked up when created).
-        enabled: force drawing on or off; None draws only when ``stream`` is a terminal.
-        interval: least seconds between two redraws.
+    ``interval`` seconds, and once more (with a newline) by :meth:`close`. ``label`` is
+    shown before the bar; ``stream`` defaults to ``sys.stderr`` (looked up when created);
+    ``enabled`` forces drawing on or off (None: only when ``stream`` is a terminal).
     """
 
     def __init__(
@@ -142,10 +136,5 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

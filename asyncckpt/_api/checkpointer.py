@@ -15,10 +15,8 @@ import threading
 import time
 import uuid
 from collections.abc import Collection, Mapping
-from types import TracebackType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from asyncckpt._api import jobs, sharded_load
@@ -46,11 +44,7 @@ from asyncckpt._versions.ranks import RankJob
 from asyncckpt._versions.reading import RootReader
 from asyncckpt._versions.retention import RetentionPolicy
 from asyncckpt._versions.writing import RootWriter
-from asyncckpt.errors import (
-    AsyncCkptError,
-    CheckpointNotFoundError,
-    ConflictError,
-)
+from asyncckpt.errors import AsyncCkptError, CheckpointNotFoundError, ConflictError
 
 log = logging.getLogger(__name__)
 
@@ -139,27 +133,6 @@ class Checkpointer(VersionsMixin):
         self._last_snapshot: Snapshot | None = None
         self._agreed_step: int | None = None
 
-    @property
-    def root(self) -> str:
-        """The root as a user would write it."""
-        return self._storage.describe(self._root)
-
-    @property
-    def _distributed(self) -> bool:
-        # Resolved on every use, not at construction: a Checkpointer may be built before
-        # init_process_group.
-        return dist.is_available() and dist.is_initialized()
-
-    @property
-    def rank(self) -> int:
-        """This process's rank in the group (0 without an initialized process group)."""
-        return dist.get_rank(self._group) if self._distributed else 0
-
-    @property
-    def is_writer(self) -> bool:
-        """Whether this process is the group's writer rank (it may still be read-only)."""
-        return self.rank == self.writer_rank
-
     # -- writing ------------------------------------------------------------------------
 
     def save(
@@ -221,7 +194,10 @@ class Checkpointer(VersionsMixin):
         started = time.perf_counter()
         # First, while every rank is sure to get here: a rank raising before the (first
         # sharded save's) broadcast would leave the others waiting in it.
-        attempt = self._next_attempt(step) if is_sharded else self._token
+        attempt = self._token
+        if is_sharded:
+            device = collective_device(self._group)
+            attempt = self._attempts.next(step, self._group, self.writer_rank, device)
         jobs.raise_unobserved_failure(self)
         jobs.raise_unobserved_failure()
         plan = sharded.split_state(state) if is_sharded else None
@@ -234,9 +210,6 @@ class Checkpointer(VersionsMixin):
             self._last_snapshot = snap
             self._last_step = step
         return handle
-
-    def _next_attempt(self, step: int) -> str:
-        return self._attempts.next(step, self._group, self.writer_rank, self._collective_device())
 
     def _part(self, step: int, attempt: str, plan: sharded.RankState | None) -> RankPart:
         """This rank's part of version ``step``: the one file, or its shards' file."""
@@ -251,7 +224,7 @@ class Checkpointer(VersionsMixin):
         pieces = sharded.pieces_of(plan)
         job = RankJob(self._storage, self._root, step, attempt, rank, world, None, pieces, options)
         job.timeout, job.settings = timeout, self._settings
-        job.start_beat()  # before the copy: see sharded_save._ProgressWatch
+        job.start_beat()  # before the copy: see _versions.ranks._ProgressWatch
         return job
 
     def _stage_and_write(
@@ -330,11 +303,6 @@ class Checkpointer(VersionsMixin):
             return reserve_arena(sharded.split_state(state_or_nbytes).plain, self._settings)
         return reserve_arena(state_or_nbytes, self._settings) if self.is_writer else None
 
-    def _check_writable(self) -> None:
-        self._check_open()
-        if self.read_only:
-            raise AsyncCkptError(f"this Checkpointer for {self.root} is read-only (read_only=True)")
-
     def _check_world(self) -> None:
         world = os.environ.get("WORLD_SIZE", "1")
         if not self._distributed and world.isdigit() and int(world) > 1:
@@ -385,37 +353,19 @@ class Checkpointer(VersionsMixin):
         return overlap.guard(list(targets), self.wait_for_snapshot)
 
     def _check_new_step(self, step: int) -> None:
-        if read_commit(self._storage, self._root, step) is not None:
-            raise ConflictError(f"step {step} is already committed under {self.root}")
         if self._last_step is None:  # the first save: continue from what is committed
             self._last_step = self._reader.latest()
+        # After reading the newest: a step committed meanwhile is a conflict, not a step
+        # that went backwards.
+        if read_commit(self._storage, self._root, step) is not None:
+            raise ConflictError(f"step {step} is already committed under {self.root}")
         if self._last_step is not None and step <= self._last_step:
-            if read_commit(self._storage, self._root, step) is not None:  # committed meanwhile
-                raise ConflictError(f"step {step} is already committed under {self.root}")
             raise ValueError(
                 f"steps must increase: {step} is not greater than {self._last_step}, the last "
                 f"step saved under {self.root}"
             )
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until this process's pending saves are committed.
-
-        Raises:
-            CheckpointTimeoutError: a save is still running after ``timeout`` seconds.
-            Exception: the failure of a save of this Checkpointer that nobody observed yet
-                (each failure is raised once: by its handle, or here).
-        """
-        jobs.wait(self, timeout)
-
     # -- reading ------------------------------------------------------------------------
-
-    def latest(self) -> int | None:
-        """The newest committed step, or None if there is none. Changes nothing."""
-        return self._reader.latest()
-
-    def versions(self) -> list[int]:
-        """Every committed step, ascending. Changes nothing."""
-        return self._reader.versions()
 
     def load(
         self,
@@ -493,13 +443,17 @@ class Checkpointer(VersionsMixin):
             raise ValueError("collective=True needs an initialized torch.distributed group")
         writer = None  # whose save of the step is awaited: the current lease holder's
         if use_group:
-            target, writer = self._agree_on_step(step)
+            target, writer = agree_on_step(
+                self._group, self.writer_rank, step, self._newest_expected, self._token, self.root
+            )
+            if target is not None:
+                # Every rank finished the previous collective load before entering this one, so
+                # only the step agreed now can still be in use by a slow rank: retention spares it.
+                self._agreed_step = target
             if timeout is None:
                 timeout = group_timeout(self._group)
-        elif step is None and self.is_writer:
-            target = self._newest_expected()  # includes this process's own pending saves
         else:
-            target = step if step is not None else self.latest()
+            target = self._chosen(step)  # includes this process's own pending saves
         if target is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         follow_latest = step is None and not use_group
@@ -518,48 +472,7 @@ class Checkpointer(VersionsMixin):
             keys=keys,
         )
 
-    def _newest_expected(self) -> int | None:
-        pending = [h.target for h in jobs.tracked(self) if not h.failed() and not h.cancelled()]
-        committed = self.latest()
-        candidates = [s for s in [*pending, committed] if s is not None]
-        return max(candidates) if candidates else None
-
-    def _agree_on_step(self, step: int | None) -> tuple[int | None, str]:
-        """The step every rank loads and the token of its writer (one ``all_gather``)."""
-        agreed, writer = agree_on_step(
-            self._group, self.writer_rank, step, self._newest_expected, self._token, self.root
-        )
-        if agreed is not None:
-            # Every rank finished the previous collective load before entering this one, so
-            # only the step agreed now can still be in use by a slow rank: retention spares it.
-            self._agreed_step = agreed
-        return agreed, writer
-
-    def _collective_device(self) -> torch.device:
-        return collective_device(self._group)
-
-    def _wait_committed(
-        self, step: int, timeout: float | None, poll: bool, writer: str | None = None
-    ) -> None:
-        """Wait for this process's own save of ``step``, then (if ``poll``) for storage.
-
-        Without ``poll`` the step is known to be committed already (or to be this
-        process's own save); if retention removes it meanwhile, the read moves on.
-        ``writer``: the token of the writer whose save is awaited (a collective load's
-        writer rank), else the current lease holder's.
-        """
-        if self.is_writer:
-            mine = [h for h in jobs.tracked(self) if h.target == step and not h.cancelled()]
-            for handle in mine:
-                handle.result(timeout)
-        if poll:
-            self._reader.wait(step, timeout, writer)
-
     # -- lifetime -----------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise AsyncCkptError(f"this Checkpointer for {self.root} is closed")
 
     def close(self) -> None:
         """Wait for pending saves (raising a failure nobody observed) and stop.
@@ -581,12 +494,7 @@ class Checkpointer(VersionsMixin):
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         try:
             self.close()
         except Exception as close_exc:  # keep the original error; report the other

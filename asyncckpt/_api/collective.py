@@ -49,15 +49,9 @@ def agree_on_step(
     writer's token); returns the agreed step and the writer's token.
 
     The token tells every rank whose save of the step it waits for: a ``FAILED`` marker
-    another job left for the same step is not that save's failure.
-
-    Args:
-        group: the process group.
-        writer_rank: the writer's rank in it; only there is ``choose`` called.
-        step: the step this rank asked for (None: the newest).
-        choose: the writer's newest step (its own pending saves included).
-        token: the writer's token (12 hex digits; ignored on other ranks).
-        where: the root, for messages.
+    another job left for the same step is not that save's failure. ``choose`` (the
+    writer's newest step, its own pending saves included) is called on the writer only;
+    ``token`` (12 hex digits) is read there only.
 
     Raises:
         ValueError: the ranks asked for different steps.
@@ -109,10 +103,7 @@ def collective_device(group: Any) -> torch.device:
 
 def error_index(exc: AsyncCkptError) -> int:
     """The index in :data:`COLLECTIVE_ERRORS` of the most specific class of ``exc``."""
-    for i in range(len(COLLECTIVE_ERRORS) - 1, -1, -1):
-        if isinstance(exc, COLLECTIVE_ERRORS[i]):
-            return i
-    return 0
+    return max(i for i, kind in enumerate(COLLECTIVE_ERRORS) if isinstance(exc, kind))
 
 
 def group_timeout(group: Any) -> float:

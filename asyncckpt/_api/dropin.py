@@ -180,29 +180,28 @@ class _MarkerStart:
             try:
                 on_layout(snap)
             except BaseException as exc:  # no job will end this save: end it here
-                if self.check is not None:
-                    pending.finish(self.check, exc)
+                self.finish(exc)
                 raise
 
         return layout
 
     def cancel(self) -> None:
         """The save was cancelled before its write started: end its marker."""
+        self.finish(CancelledError())
+
+    def finish(self, failure: BaseException | None = None) -> None:
         if self.check is not None:
-            pending.finish(self.check, CancelledError())
+            pending.finish(self.check, failure)
 
     def write(self, snap: Snapshot, options: WriteOptions) -> int:
         if self.failure is not None:
             raise self.failure
-        check = self.check
         try:
-            size = writer_process.write(snap, self.storage, self.path, options, guard=check)
+            size = writer_process.write(snap, self.storage, self.path, options, guard=self.check)
         except BaseException as exc:
-            if check is not None:
-                pending.finish(check, exc)
+            self.finish(exc)
             raise
-        if check is not None:
-            pending.finish(check)
+        self.finish()
         return size
 
 
@@ -226,7 +225,7 @@ def _save_to_file_object(obj: Any, f: Any, options: WriteOptions, started: float
     finally:
         snap.lease.release()
     stats = SaveStats(blocking, snap.raw_bytes, time.perf_counter() - started, stored)
-    return completed_handle(storage.describe(""), stats, stored)  # a failure was raised above
+    return completed_handle(storage.describe(""), stats)  # a failure was raised above
 
 
 def _target(storage: Storage, path: str) -> tuple[str, str]:

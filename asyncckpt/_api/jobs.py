@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import os
 import sys
@@ -60,9 +59,7 @@ class SaveStats:
     @property
     def throughput(self) -> float | None:
         """Raw bytes per second from the call until durable, once known."""
-        if not self.total_s:
-            return None
-        return self.raw_bytes / self.total_s
+        return self.raw_bytes / self.total_s if self.total_s else None
 
     @property
     def ratio(self) -> float | None:
@@ -78,9 +75,6 @@ class SaveInfo:
 
     path: str
     stats: SaveStats
-
-
-_sequence = itertools.count()
 
 
 class SaveHandle:
@@ -116,7 +110,6 @@ class SaveHandle:
         target: Any = None,
     ) -> None:
         self.path = path
-        self.sequence = next(_sequence)
         self.owner = owner
         #: What the save writes (a file, a Checkpointer's step): loads of it wait for it.
         self.target = target
@@ -252,33 +245,34 @@ class _Tracker:
         self.jobs: list[SaveHandle] = []
 
     def add(self, handle: SaveHandle) -> None:
+        self.forget_settled(handle.owner)
         with self.lock:
-            self.jobs = [h for h in self.jobs if h.owner is not handle.owner or not _settled(h)]
             self.jobs.append(handle)
 
     def of(self, owner: Any) -> list[SaveHandle]:
         """``owner``'s jobs (every owner's for :data:`ANY`) not settled, oldest first."""
         with self.lock:
-            return [h for h in self.jobs if owner is ANY or h.owner is owner]
+            return [h for h in self.jobs if _owned(h, owner)]
 
     def forget_settled(self, owner: Any) -> None:
         with self.lock:
-            self.jobs = [
-                h for h in self.jobs if not (owner is ANY or h.owner is owner) or not _settled(h)
-            ]
+            self.jobs = [h for h in self.jobs if not (_owned(h, owner) and _settled(h))]
 
     def take_failure(self, owner: Any) -> SaveHandle | None:
         """The oldest unobserved failure of ``owner``, marked observed; None if none."""
         with self.lock:
             for handle in self.jobs:
-                mine = owner is ANY or handle.owner is owner
-                if mine and handle.failed() and not handle.observed:
+                if _owned(handle, owner) and handle.failed() and not handle.observed:
                     handle._observed = True
                     return handle
         return None
 
 
 _tracker = _Tracker()
+
+
+def _owned(handle: SaveHandle, owner: Any) -> bool:
+    return owner is ANY or handle.owner is owner
 
 
 def _settled(handle: SaveHandle) -> bool:
@@ -352,17 +346,12 @@ def submit(
 ) -> SaveHandle:
     """Run ``job`` (which returns the bytes written) on the save thread; return its handle.
 
-    Args:
-        job: the background part of a save; must release its snapshot's arena.
-        label: what the handle reports as its path.
-        raw_bytes: the state's data size, for the stats.
-        started: ``time.perf_counter()`` when the caller entered ``save``.
-        target: what the save writes, so loads of it wait for the save.
-        nice: the save thread's niceness below the caller (``writer_nice``), fixed when
-            the process's first save creates it.
-        owner: whose save it is (None: the module-level API; a ``Checkpointer``).
-        on_cancel: undoes what the caller prepared for ``job`` (frees its arena) if the
-            handle is cancelled before ``job`` starts; None: it cannot be cancelled.
+    ``job`` must release its snapshot's arena; ``target`` is what the save writes, so loads
+    of it wait for the save; ``nice`` is the save thread's niceness below the caller
+    (``writer_nice``), fixed when the process's first save creates it; ``owner`` whose save
+    it is (None: the module-level API); ``on_cancel`` undoes what the caller prepared for
+    ``job`` (frees its arena) if the handle is cancelled before ``job`` starts (None: it
+    cannot be cancelled).
     """
     stats = SaveStats(time.perf_counter() - started, raw_bytes)
     handle = SaveHandle(label, Future(), stats, started, owner, target)
@@ -379,11 +368,11 @@ def submit(
     return handle
 
 
-def completed_handle(label: str, stats: SaveStats | None = None, stored: int = 0) -> SaveHandle:
+def completed_handle(label: str, stats: SaveStats | None = None) -> SaveHandle:
     """A handle for a save that has ended already (nothing to do, or written in place)."""
-    future: Future[int] = Future()
-    future.set_result(stored)
     stats = stats or SaveStats(0.0, 0, 0.0, 0)
+    future: Future[int] = Future()
+    future.set_result(stats.stored_bytes or 0)
     handle = SaveHandle(label, future, stats, time.perf_counter())
     handle._observed = True  # nothing can fail later
     return handle
@@ -412,21 +401,9 @@ def stage_and_submit(
     The arena is released after the job, and never before the copy has ended: a job that
     fails early (a refused lease, a full disk) must not lend the arena to another save while
     the copy still writes into it. The job may release it sooner once it has read every byte.
-    The handle settles only once the caller's blocking time is recorded.
-
-    Args:
-        copy: stages the state, calling its argument once the layout is known.
-        job: the background part of the save; returns the bytes written.
-        label: what the handle reports as its path.
-        started: ``time.perf_counter()`` when the caller entered its ``save``.
-        target: what the save writes, so loads of it wait for the save.
-        nice: see :func:`submit`.
-        owner: whose save it is (see :func:`submit`).
-        on_cancel: what else to undo if the handle is cancelled before the job starts (the
-            arena is freed in any case); None: the save cannot be cancelled.
-
-    Returns:
-        The snapshot (complete) and the save's handle.
+    The handle settles only once the caller's blocking time is recorded. The other
+    arguments are :func:`submit`'s; ``on_cancel`` is what else to undo (the arena is freed
+    in any case). Returns the snapshot (complete) and the save's handle.
 
     Raises:
         Exception: whatever ``copy`` raised. If the copy failed after the job started, the

@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterable
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -87,10 +87,5 @@ class Preemption:
     def __enter__(self) -> Preemption:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.remove()

@@ -18,6 +18,7 @@ unwrapped, so a damaged file raises :class:`~asyncckpt.errors.ChecksumError`.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -49,7 +50,6 @@ from asyncckpt.errors import (
 )
 
 if TYPE_CHECKING:
-    from asyncckpt._storage.base import Storage
     from asyncckpt._versions.reading import RootReader
 
 
@@ -58,16 +58,13 @@ class ShardedRoot:
     """What a load needs of its ``Checkpointer``: the root and this process's place in it.
 
     Attributes:
-        reader: the root's reading side (it dispatches on the ``COMMIT``).
-        storage: the backend, and ``path`` the root on it (``label``: the root as shown).
+        reader: the root's reading side (it dispatches on the ``COMMIT``; its storage and
+            path are the root's).
         group: the process group of a collective load (None: the default group).
         rank: this process's rank (which rank file holds its plain values).
     """
 
     reader: RootReader
-    storage: Storage
-    path: str
-    label: str
     group: Any
     rank: int
 
@@ -89,19 +86,10 @@ def load(
     (:meth:`RootReader.load <asyncckpt._versions.reading.RootReader.load>`, which owns the
     follow-the-newest loop), with this module reading it if it is sharded.
 
-    Args:
-        ckpt: the root and this process's rank and group.
-        step: the version to load.
-        commit: its commit marker, or None if it was retired since it was chosen.
-        placement: where plain tensors (and consolidated ones) go.
-        into: a state to load into: DTensors are loaded in place (collectively); other
-            tensors at matching key paths receive this rank's plain values in place.
-        use_group: whether this is a collective load (needed for DTensors in ``into``).
-        follow_latest: the caller asked for the newest version (no step, not collective).
-        max_bytes: the memory budget of each attempt (see :class:`Budget`).
-        settings: the load's settings (None: resolved here).
-        keys: top-level keys to load (None: all); of a sharded version, only the tensors
-            under them are read (so only the rank files and chunks that hold them).
+    ``commit`` is None if the version was retired since it was chosen. DTensors in ``into``
+    are loaded in place (collectively: ``use_group``), its other tensors at matching key
+    paths receive this rank's plain values in place. Of a sharded version, only the tensors
+    under ``keys`` are read (so only the rank files and chunks that hold them).
 
     Returns:
         The state as saved by the rank whose plain values are used, each DTensor replaced
@@ -141,104 +129,70 @@ def load(
     )
 
 
+@dataclass(frozen=True)
 class ShardedLoad:
     """How one load reads a sharded version, and what it refuses of a plain one (the
     :class:`~asyncckpt._versions.reading.KindReader` of ``Checkpointer.load``)."""
 
-    def __init__(
-        self,
-        ckpt: ShardedRoot,
-        placement: Placement,
-        into: Any,
-        use_group: bool,
-        settings: Settings,
-        keys: Collection[Any] | None = None,
-    ) -> None:
-        self._ckpt, self._placement, self._into = ckpt, placement, into
-        self._use_group, self._settings, self._keys = use_group, settings, keys
+    ckpt: ShardedRoot
+    placement: Placement
+    into: Any
+    use_group: bool
+    settings: Settings
+    keys: Collection[Any] | None
 
     def sharded(self, commit: CommitRecord, budget: Budget) -> Any:
         """Load the sharded version ``commit`` on this rank."""
-        return _load_sharded(
-            self._ckpt,
-            commit,
-            self._placement,
-            self._into,
-            self._use_group,
-            budget,
-            self._settings,
-            self._keys,
-        )
+        keys, settings = self.keys, self.settings
+        directory, reader, metadata = _version(self.ckpt, commit, budget, settings)
+        dtensors = {path: dt for path, _key, dt in dtensor_leaves(self.into) if _kept(path, keys)}
+        if dtensors and not self.use_group:
+            raise ValueError(
+                "loading into DTensors is collective: call load() on every rank of the group "
+                "(not with collective=False)"
+            )
+        if dtensors:
+            flat = {fqn_of(path): dt for path, dt in dtensors.items()}
+            _dcp_load(flat, reader, self.ckpt.group, no_dist=False)
+            loaded: dict[Path, Any] = dict(dtensors)
+        else:
+            loaded = _consolidated(metadata, reader, self.placement, self.into, budget, keys)
+        opened, skip = rank_file(self.ckpt, commit, directory, metadata)
+        with opened:
+            replaced = {key_path(path) for path in loaded}
+            plain = materialize(
+                opened,
+                self.placement,
+                settings.threads,
+                self.into,
+                budget,
+                settings=settings,
+                skip=skip,
+                replaced=replaced,
+                keys=keys,
+            )
+        return substituted(plain, loaded, opened.name)
 
     def check_plain(self, step: int) -> None:
         """A plain version cannot load into DTensors."""
-        refuse_dtensors(step, self._ckpt.label, self._into)
+        if holds_dtensor(self.into):
+            raise ValueError(
+                f"step {step} under {self.ckpt.reader.where} was not saved from DTensors; load it "
+                "without DTensors in `into`"
+            )
 
 
-def refuse_dtensors(step: int, root: str, into: Any) -> None:
-    """Raise ValueError if ``into`` holds DTensors: version ``step`` is not sharded."""
-    if holds_dtensor(into):
-        raise ValueError(
-            f"step {step} under {root} was not saved from DTensors; load it without DTensors "
-            "in `into`"
-        )
-
-
-def _load_sharded(
-    ckpt: ShardedRoot,
-    commit: CommitRecord,
-    placement: Placement,
-    into: Any,
-    use_group: bool,
-    budget: Budget,
-    settings: Settings,
-    keys: Collection[Any] | None = None,
-) -> Any:
-    storage = ckpt.storage
-    directory = step_dir(storage, ckpt.path, commit.step)
-    named = commit.metadata_file  # the metadata of exactly this version, as COMMIT names it
-    reader = Reader.at(storage, directory, named, budget, settings)
-    metadata = _read(reader.read_metadata)
-    dtensors = {path: dt for path, _key, dt in dtensor_leaves(into) if _kept(path, keys)}
-    if dtensors and not use_group:
-        raise ValueError(
-            "loading into DTensors is collective: call load() on every rank of the group "
-            "(not with collective=False)"
-        )
-    if dtensors:
-        flat = {fqn_of(path): dt for path, dt in dtensors.items()}
-        at = Reader.at(storage, directory, named, budget, settings)
-        _dcp_load(flat, at, ckpt.group, no_dist=False)
-        loaded: dict[Path, Any] = dict(dtensors)
-    else:
-        reader = Reader.at(storage, directory, named, budget, settings)
-        loaded = _consolidated(
-            metadata, reader, placement, into, budget, reader.checkpoint_id, keys
-        )
-    opened, name = rank_file(ckpt, commit, directory)
-    with opened:
-        skip = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
-        replaced = {key_path(path) for path in loaded}
-        plain = materialize(
-            opened,
-            placement,
-            settings.threads,
-            into,
-            budget,
-            settings=settings,
-            skip=skip,
-            replaced=replaced,
-            keys=keys,
-        )
-    return substituted(plain, loaded, opened.name)
-
-
-def _read(fn: Any) -> Metadata:
+def _version(
+    root: ShardedRoot, commit: CommitRecord, budget: Budget | None, settings: Settings
+) -> tuple[str, Reader, Metadata]:
+    """The step directory of ``commit``, a reader of it, and the metadata it names."""
+    storage = root.reader.storage
+    directory = step_dir(storage, root.reader.root, commit.step)
+    reader = Reader.at(storage, directory, commit.metadata_file, budget, settings)
     try:
-        metadata: Metadata = fn()
+        return directory, reader, reader.read_metadata()
     except CheckpointNotFoundError as exc:  # deleted meanwhile (load() tells how)
         raise IncompleteCheckpointError(f"{exc}; the version was deleted") from exc
-    return metadata
 
 
 def _dcp_load(state: dict[str, Any], reader: Reader, group: Any, no_dist: bool) -> None:
@@ -260,8 +214,7 @@ def _consolidated(
     placement: Placement,
     into: Any,
     budget: Budget,
-    name: str,
-    keys: Collection[Any] | None = None,
+    keys: Collection[Any] | None,
 ) -> dict[Path, torch.Tensor]:
     """Every tensor of the version, whole, by its path in the saved state.
 
@@ -284,7 +237,8 @@ def _consolidated(
             target = targets.get(key_path(path))
             if target is None:
                 if shared is None:
-                    budget.charge(name, value_bytes(metadata, fqn), f"the whole of {fqn}")
+                    need = value_bytes(metadata, fqn)
+                    budget.charge(reader.checkpoint_id, need, f"the whole of {fqn}")
                     where = device or placement.device_for("cpu")
                     shared = torch.empty(md.size, dtype=md.properties.dtype, device=where)
                 target = shared
@@ -310,37 +264,37 @@ def key_path(path: Path) -> str:
         >>> key_path(("model", 0))
         "state['model'][0]"
     """
-    key = ROOT_NAME
-    for k in path:
-        key = child_path(key, k)
-    return key
+    return functools.reduce(child_path, path, ROOT_NAME)
 
 
-def rank_file(ckpt: ShardedRoot, commit: CommitRecord, directory: str) -> tuple[OpenedFile, str]:
+def rank_file(
+    ckpt: ShardedRoot, commit: CommitRecord, directory: str, metadata: Metadata
+) -> tuple[OpenedFile, set[int]]:
     """This rank's file of the version, or rank 0's if the version has no file of this rank
     (it was saved by fewer ranks); opened (the caller closes it) and checked against its
-    committed size."""
+    committed size; with the entries of its tensor table that are shards of DTensors."""
     by_rank = {}
     for name, size in zip(commit.files, commit.sizes or [None] * len(commit.files)):
         rank = rank_of_data_file(name)
         if rank is not None:
             by_rank[rank] = (name, size)
     if not by_rank:
-        raise FormatError(f"{ckpt.label}: step {commit.step} names no rank file")
+        raise FormatError(f"{ckpt.reader.where}: step {commit.step} names no rank file")
     rank = ckpt.rank if ckpt.rank in by_rank else min(by_rank)
     name, size = by_rank[rank]
-    path = ckpt.storage.join(directory, name)
+    storage = ckpt.reader.storage
+    path = storage.join(directory, name)
     try:
-        opened = open_file(ckpt.storage, path)
+        opened = open_file(storage, path)
     except CheckpointNotFoundError as exc:
         raise IncompleteCheckpointError(
-            f"{ckpt.storage.describe(path)}: named by step {commit.step}'s COMMIT but missing"
+            f"{storage.describe(path)}: named by step {commit.step}'s COMMIT but missing"
         ) from exc
     if size is not None and opened.size != size:
         opened.close()
         kind = TruncatedFileError if opened.size < size else FormatError
         raise kind(f"{opened.name}: {opened.size} bytes, but {size} were committed")
-    return opened, name
+    return opened, {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
 
 
 def substituted(tree: Any, values: dict[Path, Any], name: str) -> Any:
@@ -371,9 +325,7 @@ def substituted(tree: Any, values: dict[Path, Any], name: str) -> Any:
     for path in values.keys() - placed:  # saved by other ranks only: add the levels
         node = tree
         for k in path[:-1]:
-            if not isinstance(node, dict):
-                raise FormatError(f"{name}: no place for {fqn_of(path)} in the saved state")
-            node = node.setdefault(k, {})
+            node = node.setdefault(k, {}) if isinstance(node, dict) else None
         if not isinstance(node, dict):
             raise FormatError(f"{name}: no place for {fqn_of(path)} in the saved state")
         node[path[-1]] = values[path]
@@ -389,12 +341,6 @@ class LazyShardedVersion(LazyEntries):
     ``map_location``, its other values as this rank saved them, every chunk verified, nothing
     cached. A committed version never changes; one that retention deletes meanwhile raises
     ``IncompleteCheckpointError``.
-
-    Args:
-        root: the root and this process's rank.
-        commit: the version's ``COMMIT`` record (sharded).
-        placement: where tensors go.
-        settings: the load's settings.
     """
 
     def __init__(
@@ -402,16 +348,13 @@ class LazyShardedVersion(LazyEntries):
     ) -> None:
         self._root, self._commit = root, commit
         self._placement, self._settings = placement, settings
-        directory = step_dir(root.storage, root.path, commit.step)
-        reader = Reader.at(root.storage, directory, commit.metadata_file, None, settings)
-        metadata = _read(reader.read_metadata)
-        opened, name = rank_file(root, commit, directory)
+        directory, _reader, metadata = _version(root, commit, None, settings)
+        opened, shards = rank_file(root, commit, directory, metadata)
         with opened:
             pairs = top_level(opened.manifest.root, opened.name)
-            shards = {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
             plain = [e for i, e in enumerate(opened.manifest.tensors) if i not in shards]
             storages = opened.manifest.storages
-            self._name = f"{root.label} step {commit.step}"
+            self._name = f"{root.reader.where} step {commit.step}"
         if pairs is None:
             raise AsyncCkptError(f"{self.name}: open() reads a saved dict; load it instead")
         self._keys = [key for key, _node in pairs]

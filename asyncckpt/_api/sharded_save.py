@@ -26,9 +26,7 @@ from asyncckpt._format.container import MAX_DEPTH
 from asyncckpt._format.tree import ROOT_NAME, child_path, dtype_name, flatten
 from asyncckpt._versions import ranks
 from asyncckpt._versions.ranks import Piece
-from asyncckpt.errors import (
-    UnsupportedObjectError,
-)
+from asyncckpt.errors import UnsupportedObjectError
 
 #: A leaf's keys from the root of a state (defined with the pieces that record it).
 Path = ranks.Path
@@ -190,9 +188,7 @@ _CHUNK_CACHE_MAX: Final = 4096
 
 def _chunks(dt: Any) -> list[Any]:
     """``dt.__create_chunk_list__()``, from :data:`_chunk_cache` when it was seen before."""
-    by_layout = _chunk_cache.get(dt.device_mesh)
-    if by_layout is None:
-        by_layout = _chunk_cache[dt.device_mesh] = {}
+    by_layout = _chunk_cache.setdefault(dt.device_mesh, {})
     key = (tuple(dt.placements), dt.shape)
     chunks = by_layout.get(key)
     if chunks is None:

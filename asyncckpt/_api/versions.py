@@ -1,5 +1,6 @@
 """What a :class:`~asyncckpt.Checkpointer` tells and does about its versions as a whole:
-their metadata (:meth:`~VersionsMixin.info`), the best one by a metric, and rewinding.
+which are committed or pending, their metadata (:meth:`~VersionsMixin.info`), the best one
+by a metric, and rewinding; and where it stands (its root, rank, whether it is open).
 
 Kept apart from :mod:`asyncckpt._api.checkpointer` (which saves and loads); the retention
 rule itself is :mod:`asyncckpt._versions.retention`.
@@ -13,6 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
+from asyncckpt._api import jobs
 from asyncckpt._api.collective import check_load_step
 from asyncckpt._api.preemption import Preemption
 from asyncckpt._api.sharded_load import LazyShardedVersion, ShardedRoot
@@ -62,44 +66,87 @@ class VersionsMixin:
     _settings: Settings
     _group: Any
     _last_step: int | None
+    _closed: bool
     retention: RetentionPolicy
+    writer_rank: int
+    read_only: bool
 
     @property
-    def root(self) -> str:  # pragma: no cover - Checkpointer's
+    def root(self) -> str:
         """The root as a user would write it."""
-        raise NotImplementedError
+        return self._storage.describe(self._root)
 
     @property
-    def rank(self) -> int:  # pragma: no cover - Checkpointer's
-        """This process's rank."""
-        raise NotImplementedError
+    def _distributed(self) -> bool:
+        # Resolved on every use, not at construction: a Checkpointer may be built before
+        # init_process_group.
+        return dist.is_available() and dist.is_initialized()
 
     @property
-    def is_writer(self) -> bool:  # pragma: no cover - Checkpointer's
-        """Whether this process is the writer rank."""
-        raise NotImplementedError
+    def rank(self) -> int:
+        """This process's rank in the group (0 without an initialized process group)."""
+        return dist.get_rank(self._group) if self._distributed else 0
 
-    def _check_writable(self) -> None:  # pragma: no cover - Checkpointer's
-        raise NotImplementedError
+    @property
+    def is_writer(self) -> bool:
+        """Whether this process is the group's writer rank (it may still be read-only)."""
+        return self.rank == self.writer_rank
 
-    def wait(self, timeout: float | None = None) -> None:  # pragma: no cover
-        """Block until this process's pending saves are committed."""
-        raise NotImplementedError
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AsyncCkptError(f"this Checkpointer for {self.root} is closed")
 
-    def _check_open(self) -> None:  # pragma: no cover - Checkpointer's
-        raise NotImplementedError
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.read_only:
+            raise AsyncCkptError(f"this Checkpointer for {self.root} is read-only (read_only=True)")
 
-    def _newest_expected(self) -> int | None:  # pragma: no cover - Checkpointer's
-        raise NotImplementedError
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until this process's pending saves are committed.
 
-    def _wait_committed(  # pragma: no cover - Checkpointer's
+        Raises:
+            CheckpointTimeoutError: a save is still running after ``timeout`` seconds.
+            Exception: the failure of a save of this Checkpointer that nobody observed yet
+                (each failure is raised once: by its handle, or here).
+        """
+        jobs.wait(self, timeout)
+
+    def latest(self) -> int | None:
+        """The newest committed step, or None if there is none. Changes nothing."""
+        return self._reader.latest()
+
+    def versions(self) -> list[int]:
+        """Every committed step, ascending. Changes nothing."""
+        return self._reader.versions()
+
+    def _newest_expected(self) -> int | None:
+        pending = [h.target for h in jobs.tracked(self) if not h.failed() and not h.cancelled()]
+        committed = self.latest()
+        candidates = [s for s in [*pending, committed] if s is not None]
+        return max(candidates) if candidates else None
+
+    def _chosen(self, step: int | None) -> int | None:
+        """``step``, or the newest one (on the writer, its own pending saves included)."""
+        if step is None and self.is_writer:
+            return self._newest_expected()
+        return step if step is not None else self.latest()
+
+    def _wait_committed(
         self, step: int, timeout: float | None, poll: bool, writer: str | None = None
     ) -> None:
-        raise NotImplementedError
+        """Wait for this process's own save of ``step``, then (if ``poll``) for storage.
 
-    def latest(self) -> int | None:  # pragma: no cover - Checkpointer's
-        """The newest committed step."""
-        raise NotImplementedError
+        Without ``poll`` the step is known to be committed already (or to be this
+        process's own save); if retention removes it meanwhile, the read moves on.
+        ``writer``: the token of the writer whose save is awaited (a collective load's
+        writer rank), else the current lease holder's.
+        """
+        if self.is_writer:
+            mine = [h for h in jobs.tracked(self) if h.target == step and not h.cancelled()]
+            for handle in mine:
+                handle.result(timeout)
+        if poll:
+            self._reader.wait(step, timeout, writer)
 
     def open(
         self, step: int | None = None, *, map_location: MapLocation = None
@@ -122,8 +169,7 @@ class VersionsMixin:
         self._check_open()
         check_load_step(step)
         placement = Placement(map_location)
-        target = self._newest_expected() if step is None and self.is_writer else step
-        if (target := self.latest() if target is None else target) is None:
+        if (target := self._chosen(step)) is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         self._wait_committed(target, None, poll=False)
         commit = self._reader.commit_of(target)
@@ -133,8 +179,7 @@ class VersionsMixin:
 
     def _sharded_root(self) -> ShardedRoot:
         """What a sharded load of this root needs (the root, this rank, its group)."""
-        parts = (self._reader, self._storage, self._root, self.root, self._group, self.rank)
-        return ShardedRoot(*parts)
+        return ShardedRoot(self._reader, self._group, self.rank)
 
     def info(self, step: int | None = None) -> VersionInfo:
         """A committed version's metadata (step, time, size, metrics, kind), read from its
@@ -199,12 +244,10 @@ class VersionsMixin:
         how = mode if mode is not None else self.retention.best_mode
         if how not in BEST_MODES:
             raise ValueError(f"mode must be 'min' or 'max', got {how!r}")
-        entries = [StepEntry(s, COMMITTED, commit=self._reader.commit_of(s)) for s in self._steps()]
+        reader = self._reader
+        entries = [StepEntry(s, COMMITTED, commit=reader.commit_of(s)) for s in reader.versions()]
         order = ranked(entries, name, how)
         return order[0] if order else None
-
-    def _steps(self) -> list[int]:
-        return self._reader.versions()
 
     def rewind(self, step: int) -> list[int]:
         """Go back to committed version ``step``: delete every newer version, so that
