@@ -469,6 +469,7 @@ class Checkpointer(VersionsMixin):
             use_group,
             follow_latest=follow_latest,
             max_bytes=max_bytes,
+            settings=self._settings,
             keys=keys,
         )
 

@@ -352,11 +352,13 @@ def load(
     del pickle_module, weights_only, mmap, pickle_load_args
     budget = Budget(max_bytes)
     placement = Placement(map_location)
-    storage, path = _load_source(f, storage_options, dead_writer)
-    threads = Settings.resolve().threads
+    settings = Settings.resolve()  # an entry point: once, here (argument > environment)
+    storage, path = _load_source(f, storage_options, dead_writer, settings)
 
     def work(opened: OpenedFile) -> Any:
-        return materialize(opened, placement, threads, into, budget, keys=keys)
+        return materialize(
+            opened, placement, settings.threads, into, budget, settings=settings, keys=keys
+        )
 
     return read_file(storage, path, work, budget)
 
@@ -399,8 +401,9 @@ def open_checkpoint(
         ['model', 'step'] {"state['model']['w']": (torch.Size([2]), torch.float32)} tensor([1., 1.])
     """
     placement = Placement(map_location)
-    storage, path = _load_source(f, storage_options, dead_writer)
-    return LazyCheckpoint(open_file(storage, path), placement, Settings.resolve())
+    settings = Settings.resolve()  # an entry point: once, here
+    storage, path = _load_source(f, storage_options, dead_writer, settings)
+    return LazyCheckpoint(open_file(storage, path), placement, settings)
 
 
 _mmap_warned = threading.Event()
@@ -422,7 +425,10 @@ def warn_mmap_once() -> None:
 
 
 def _load_source(
-    f: PathOrUrl | BinaryIO, storage_options: dict[str, Any] | None, dead_writer: str
+    f: PathOrUrl | BinaryIO,
+    storage_options: dict[str, Any] | None,
+    dead_writer: str,
+    settings: Settings,
 ) -> tuple[Storage, str]:
     """The storage and path a load reads, once this and other processes' saves to it are
     done (a file object: from its position to its end, as ``torch.load`` reads)."""
@@ -431,9 +437,8 @@ def _load_source(
             f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
         )
     if isinstance(f, (str, os.PathLike)):
-        storage, path = resolve(f, storage_options)
+        storage, path = resolve(f, storage_options, settings)
         _wait_for_writes_to(storage, path)
-        settings = Settings.resolve()
         pending.wait_for_saves(storage, path, dead_writer, settings=settings)  # other processes
         return storage, path
     if is_file_object(f, "read") and not isinstance(f, io.TextIOBase):

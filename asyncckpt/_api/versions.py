@@ -146,7 +146,8 @@ class VersionsMixin:
             for handle in mine:
                 handle.result(timeout)
         if poll:
-            self._reader.wait(step, timeout, writer)
+            expiry_s = self._settings.lease_expiry_ms / 1000
+            self._reader.wait(step, timeout, writer, expiry_s=expiry_s)
 
     def open(
         self, step: int | None = None, *, map_location: MapLocation = None

@@ -199,7 +199,9 @@ class ShardedSource:
         check_devices(opened)
         locations: dict[MetadataIndex, ItemLocation] = self.metadata.storage_data
         skip = {loc.entry for loc in locations.values() if loc.file == name}
-        plain = materialize(opened, Placement("cpu"), self.settings.threads, skip=skip)
+        plain = materialize(
+            opened, Placement("cpu"), self.settings.threads, settings=self.settings, skip=skip
+        )
         return substituted(plain, dict(placeholders), opened.name)
 
     def _opened(self, name: str, size: int | None) -> OpenedFile:

@@ -95,8 +95,7 @@ class Reader(CheckpointLocation, StorageReader):
     ) -> None:
         StorageReader.__init__(self)
         # An entry point: the tunables are resolved once, here (argument > environment).
-        self._settings = Settings.resolve(threads=threads)
-        CheckpointLocation.__init__(self, url, storage_options)
+        CheckpointLocation.__init__(self, url, storage_options, Settings.resolve(threads=threads))
         self._load_id = uuid.uuid4().hex
         self._locations: dict[MetadataIndex, ItemLocation] = {}
         self._max_bytes = max_bytes

@@ -85,11 +85,13 @@ class RootReader:
         """The commit marker of ``step`` if it is committed (and understood), else None."""
         return read_commit(self.storage, self.root, step)
 
-    def wait(self, step: int, timeout: float | None, writer: str | None = None) -> None:
+    def wait(
+        self, step: int, timeout: float | None, writer: str | None, *, expiry_s: float
+    ) -> None:
         """Block until ``step`` is committed (:func:`~._versions.waiting.wait_for_step`):
         only ``writer``'s failure to save it ends the wait (None: the current lease
-        holder's)."""
-        wait_for_step(self.storage, self.root, step, timeout, writer=writer)
+        holder's), or a lease not renewed for ``expiry_s`` (the caller's settings')."""
+        wait_for_step(self.storage, self.root, step, timeout, writer=writer, expiry_s=expiry_s)
 
     def load(
         self,

@@ -30,6 +30,7 @@ from asyncckpt._api import jobs
 from asyncckpt._api import staging as staging_api
 from asyncckpt._api.jobs import raise_unobserved_failure
 from asyncckpt._engine import snapshot as staging
+from asyncckpt._settings import Settings
 from asyncckpt._storage import TEMP_MARK, AtomicWriter, Storage, resolve
 from asyncckpt._versions.protocol import (
     CommitRecord,
@@ -643,6 +644,46 @@ def test_load_timeout_says_what_is_committed(any_root: str) -> None:
     # an older step that was never committed cannot appear any more: no waiting
     with pytest.raises(IncompleteCheckpointError, match="never committed"):
         other.load(step=0, timeout=30)
+
+
+def test_a_wait_gives_up_on_a_frozen_writer_after_the_expiry_its_checkpointer_resolved(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lease_expiry_ms`` is resolved when the Checkpointer is created, like every tunable:
+    changing the environment later does not change how long its loads wait for a writer
+    that stopped renewing its lease (issue 20: nothing below the entry points reads it)."""
+    root = str(tmp_path / "root")
+    committed_root(root, [1])  # its writer's lease record stays, never renewed again
+    monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "300")
+    other = reader(root)
+    monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "3600000")
+    with pytest.raises(CheckpointTimeoutError, match="has not renewed its lease"):
+        other.load(step=2, timeout=60)
+
+
+def test_loads_resolve_the_settings_once_at_their_entry_point(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``asyncckpt.load`` resolves the tunables once per call; a Checkpointer's loads use
+    those it resolved when it was created, whatever the environment says by then."""
+    root = str(tmp_path / "root")
+    committed_root(root, [1])
+    asyncckpt.save(make_state(2), tmp_path / "two.ackpt").result()
+    other = reader(root)
+    calls: list[str] = []
+    real = Settings.resolve.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Settings], *args: Any, **kwargs: Any) -> Settings:
+        calls.append("resolve")
+        return real(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Settings, "resolve", classmethod(counted))
+    assert_state(other.load(), 1)
+    assert_state(other.load(step=1), 1)
+    assert torch.equal(other.open(1)["w"], make_state(1)["w"])
+    assert calls == []
+    assert_state(asyncckpt.load(tmp_path / "two.ackpt"), 2)
+    assert calls == ["resolve"]
 
 
 def test_load_waits_for_a_step_saved_in_the_background(

@@ -686,6 +686,26 @@ def test_doc_examples_run(tmp_path: Path) -> None:
         assert result.returncode == 0, f"block {i}:\n{result.stdout}\n{result.stderr}"
 
 
+def test_the_readers_threads_argument_is_what_its_load_runs_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Reader(threads=N)`` wins over ``ASYNCCKPT_THREADS``, as every entry point's argument."""
+    url = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.ones(4)}, storage_writer=Writer(url))
+    used: list[int] = []
+    real = Reader._load_file
+
+    def spy(self: Reader, opened: Any, reqs: Any, planner: Any, threads: int) -> None:
+        used.append(threads)
+        real(self, opened, reqs, planner, threads)
+
+    monkeypatch.setattr(Reader, "_load_file", spy)
+    monkeypatch.setenv("ASYNCCKPT_THREADS", "5")
+    target = {"w": torch.zeros(4)}
+    dcp.load(target, storage_reader=Reader(url, threads=3))
+    assert used == [3] and torch.equal(target["w"], torch.ones(4))
+
+
 def test_writer_and_reader_survive_pickling(memory_root: str) -> None:
     # DCP's process-based async_save sends the storage writer to another process.
     import pickle
