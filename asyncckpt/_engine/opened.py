@@ -1,8 +1,9 @@
 """An opened asyncckpt file: its footer and manifest read and validated, its handle pinned.
 
 Every load opens its file once (:func:`open_file`), reads every chunk through that one
-handle, and starts over if the file is replaced meanwhile (:func:`read_file`); the memory it
-may allocate for decoded data is a :class:`Budget` shared by every file of the load.
+handle, and starts over if the file is replaced meanwhile
+(:func:`~asyncckpt._engine.decode.read_file`); the memory it may allocate for decoded data
+is a :class:`Budget` shared by every file of the load.
 """
 
 from __future__ import annotations

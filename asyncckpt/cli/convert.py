@@ -217,7 +217,7 @@ def _convert_sharded(
         "dst_bytes": written,
         "streamed": dst_format != "torch",
     }
-    source = f"({len(sizes)} rank files, {format_bytes(sum(sizes.values()))})"
+    source = f"({plural(len(sizes), 'rank file')}, {format_bytes(sum(sizes.values()))})"
     return doc, f"consolidated {src.name} {source}"
 
 

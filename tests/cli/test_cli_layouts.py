@@ -103,6 +103,15 @@ def test_inspect_of_a_sharded_version_shows_global_shapes_and_shards(
 
 
 @pytest.mark.timeout(300)
+def test_convert_of_a_one_rank_sharded_version_counts_its_file_in_the_singular(
+    layouts: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "convert", layouts["sharded"], tmp_path / "whole.ackpt")
+    assert code == 0, err
+    assert "(1 rank file, " in out + err and "1 rank files" not in out + err
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["single", "plain", "sharded", "dcp"])
 def test_verify_passes_every_layout(
     layouts: dict[str, Path], layout: str, capsys: pytest.CaptureFixture[str]
