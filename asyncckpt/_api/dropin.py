@@ -143,7 +143,7 @@ def save(
     options = write_options(compression, settings)
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
-    storage, path = resolve(f, storage_options)
+    storage, path = resolve(f, storage_options, settings)
     marker = _MarkerStart(storage, path, options.settings)
     _, handle = stage_and_submit(
         lambda on_layout: stage(obj, on_layout=marker.then(on_layout), options=options),

@@ -661,11 +661,12 @@ def test_a_wait_gives_up_on_a_frozen_writer_after_the_expiry_its_checkpointer_re
         other.load(step=2, timeout=60)
 
 
-def test_loads_resolve_the_settings_once_at_their_entry_point(
+def test_saves_and_loads_resolve_the_settings_once_at_their_entry_point(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``asyncckpt.load`` resolves the tunables once per call; a Checkpointer's loads use
-    those it resolved when it was created, whatever the environment says by then."""
+    """``asyncckpt.save``/``load`` resolve the tunables once per call; a Checkpointer's saves
+    and loads use those it resolved when it was created, whatever the environment says by
+    then (issue 20: nothing below the entry points reads it)."""
     root = str(tmp_path / "root")
     committed_root(root, [1])
     asyncckpt.save(make_state(2), tmp_path / "two.ackpt").result()
@@ -684,6 +685,13 @@ def test_loads_resolve_the_settings_once_at_their_entry_point(
     assert calls == []
     assert_state(asyncckpt.load(tmp_path / "two.ackpt"), 2)
     assert calls == ["resolve"]
+    calls.clear()  # the same for saves
+    asyncckpt.save(make_state(3), tmp_path / "three.ackpt").result()
+    assert calls == ["resolve"]
+    with Checkpointer(str(tmp_path / "other")) as ckpt:
+        calls.clear()
+        ckpt.save(1, make_state(1)).result()
+    assert calls == []
 
 
 def test_load_waits_for_a_step_saved_in_the_background(
