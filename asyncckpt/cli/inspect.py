@@ -415,5 +415,5 @@ def _show_other(
         f"  {format_bytes(raw)} raw, file {format_bytes(size)}",
         "",
     ]
-    lines += _table(rows)
+    lines += _table(rows, fit=terminal_width())
     emit(args, doc, lines)
