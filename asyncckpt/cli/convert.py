@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -139,7 +140,8 @@ def _convert_file(
             if args.shard_size:
                 written = _write_hub(args, flat, storage, path, bar)
             else:
-                written = write_safetensors(flat, storage, path, metadata, bar.update)
+                with _writing(storage, path):
+                    written = write_safetensors(flat, storage, path, metadata, bar.update)
         elif dst_format == "torch":
             written = save_torch(obj, storage, path, bar.update)
         else:
@@ -189,14 +191,10 @@ def _convert_sharded(
             else:
                 specs = [(key, *src.spec(t)) for key, t in flat.items()]
                 meta = header_metadata(flat, {}, None)
-                try:
+                with _writing(storage, path):
                     written = stream_safetensors(
                         specs, lambda key: src.full(flat[key]), storage, path, meta, bar.update
                     )
-                except ValueError as exc:
-                    raise SafetensorsError(
-                        f"cannot write {storage.describe(path)}: {exc}"
-                    ) from None
         elif dst_format == "torch":
             # torch.save pickles one object: the whole state is built in memory first.
             written = save_torch(materialize_all(src, tree), storage, path, bar.update)
@@ -221,6 +219,15 @@ def _convert_sharded(
     return doc, f"consolidated {src.name} {source}"
 
 
+@contextlib.contextmanager
+def _writing(storage: Storage, path: str) -> Iterator[None]:
+    """What safetensors cannot hold (a dtype, a shape) is an error that names DST."""
+    try:
+        yield
+    except ValueError as exc:  # SafetensorsError included: it names the key
+        raise SafetensorsError(f"cannot write {storage.describe(path)}: {exc}") from None
+
+
 def _flat(args: argparse.Namespace, tree: Any, name: str) -> dict[str, torch.Tensor]:
     """The selected part as safetensors' flat dict (the error names SRC and ``--key``)."""
     return flat_tensors(tree, f"{name} --key {args.key}" if args.key else name)
@@ -237,12 +244,10 @@ def _write_hub(
     """``--shard-size``: the folder of safetensors shards and the index ``from_pretrained``
     reads, one tensor in memory at a time (built by ``src``, if sharded)."""
     full, spec = (lambda t: t, tensor_spec) if src is None else (src.full, src.spec)
-    try:
+    with _writing(storage, directory):
         names, written = write_hub_shards(
             flat, full, spec, storage, directory, args.shard_size, bar.update
         )
-    except ValueError as exc:
-        raise SafetensorsError(f"cannot write {storage.describe(directory)}: {exc}") from None
     for name in names:
         abort_strays(storage, storage.join(directory, name))
     return written

@@ -111,6 +111,19 @@ def test_convert_of_a_one_rank_sharded_version_counts_its_file_in_the_singular(
     assert "(1 rank file, " in out + err and "1 rank files" not in out + err
 
 
+@pytest.mark.parametrize("shards", [False, True])
+def test_a_dtype_safetensors_cannot_hold_names_the_output_and_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], shards: bool
+) -> None:
+    """One message whether DST is one file or a folder of shards."""
+    src = tmp_path / "c.ackpt"
+    asyncckpt.save({"c": torch.zeros(2, dtype=torch.complex128)}, src).result()
+    dst = tmp_path / ("hub" if shards else "c.safetensors")
+    code, _, err = run(capsys, "convert", src, dst, *(["--shard-size", "1MB"] if shards else []))
+    assert code != 0 and "Traceback" not in err
+    assert f"cannot write {dst}" in err and "c: safetensors has no dtype for" in err, err
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["single", "plain", "sharded", "dcp"])
 def test_verify_passes_every_layout(
