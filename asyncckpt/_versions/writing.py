@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
-from asyncckpt._versions.lease import create_lease, lease_epoch_of, lease_epochs, renew_lease
+from asyncckpt._versions.lease import create_lease, lease_epoch_of, renew_lease
 from asyncckpt._versions.protocol import (
     COMMIT_FILE,
     COMMITTED,
@@ -118,7 +118,10 @@ class RootWriter:
         self._start_heartbeat()
 
     def _claim_epoch(self, record: VersionRecord | None) -> int:
-        known = [record.epoch if record else 0, *lease_epochs(self.storage, self.root)]
+        # A temp file's epoch counts as taken: a writer killed while claiming it leaves one,
+        # and taking that epoch again would keep its debris as this writer's own for ever.
+        names = self.storage.list_dir(self.storage.join(self.root, LEASE_DIR))
+        known = [record.epoch if record else 0, *filter(None, map(lease_epoch_of, names))]
         epoch = max(known) + 1
         while True:
             try:
