@@ -1,10 +1,11 @@
 """The documentation cannot rot: every ```python block of the guide and the README runs.
 
 Each block runs as a script of its own, in a fresh temporary working directory, in a
-subprocess with a timeout, twice in a row in the same directory (and against the same
-bucket): a user runs an example again, a job restarts, and the second run meets what the
-first one left (a committed step, an existing file). The first
-line of a block may say how to run it:
+subprocess with a timeout. A block whose doc says to run it twice (the paragraph right
+before or after it says "twice") runs twice in a row in the same directory (and against the
+same bucket): a user runs the example again, a job restarts, and the second run meets what
+the first one left (a committed step, an existing file). The first line of a block may say
+how to run it:
 
 - ``# run: torchrun --nproc_per_node=N`` runs it under ``python -m torch.distributed.run
   --standalone --nproc_per_node=N`` (so a training script's resume path runs too);
@@ -33,29 +34,36 @@ from asyncckpt.cli import build_parser
 REPO = Path(__file__).resolve().parents[1]
 DOC_NAMES = ("guide.md", "s3.md", "lightning.md", "sharded.md")
 DOCS = [REPO / "docs" / name for name in DOC_NAMES] + [REPO / "README.md"]
-#: A block runs twice in the same directory: the second run is a rerun or a restart.
+#: A block its doc says to run twice runs again in the same directory: a rerun or a restart.
 RUNS = ("first run", "second run, in the same directory")
 _FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
 
 
 def code_blocks(path: Path, language: str = "python") -> list[tuple[int, str]]:
     """``(line number, code)`` of each fenced block in ``language``."""
+    return [(line, code) for line, code, _ in _blocks_in(path, language)]
+
+
+def _blocks_in(path: Path, language: str) -> list[tuple[int, str, bool]]:
+    """``(line number, code, whether the doc says to run it twice)`` of each block."""
     text = path.read_text(encoding="utf-8")
-    return [
-        (text.count("\n", 0, m.start()) + 1, m.group(2))
-        for m in _FENCE.finditer(text)
-        if m.group(1) == language
-    ]
+    found = []
+    for m in _FENCE.finditer(text):
+        if m.group(1) != language:
+            continue
+        before = text[: m.start()].rstrip().rsplit("\n\n", 1)[-1]
+        after = text[m.end() :].lstrip().split("\n\n", 1)[0]
+        twice = "twice" in before.lower() or "twice" in after.lower()
+        found.append((text.count("\n", 0, m.start()) + 1, m.group(2), twice))
+    return found
 
 
 def _blocks() -> list[object]:
     params = []
     for doc in DOCS:
-        for line, code in code_blocks(doc):
-            first = code.splitlines()[0] if code.strip() else ""
-            marks = [pytest.mark.slow] if "torchrun" in first else []
+        for line, code, twice in _blocks_in(doc, "python"):
             rel = doc.relative_to(REPO)
-            params.append(pytest.param(doc, line, code, id=f"{rel}:{line}", marks=marks))
+            params.append(pytest.param(doc, line, code, twice, id=f"{rel}:{line}"))
     return params
 
 
@@ -72,9 +80,9 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float, where: 
     )
 
 
-@pytest.mark.parametrize(("doc", "line", "code"), _blocks())
+@pytest.mark.parametrize(("doc", "line", "code", "twice"), _blocks())
 def test_python_block_runs(
-    doc: Path, line: int, code: str, tmp_path: Path, request: pytest.FixtureRequest
+    doc: Path, line: int, code: str, twice: bool, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     where = f"the python block at {doc.relative_to(REPO)}:{line}"
     script = tmp_path / "block.py"
@@ -100,12 +108,18 @@ def test_python_block_runs(
         env = dict(os.environ, PYTHONPATH=str(REPO), S3_ENDPOINT_URL=server.endpoint_url)
     else:
         pytest.fail(f"{where}: unknown directive {first!r}")
-    for attempt in RUNS:
+    for attempt in RUNS if twice else RUNS[:1]:
         _run(cmd, work, env, timeout, f"{where} ({attempt})")
 
 
 def test_the_readme_and_the_guide_have_python_blocks() -> None:
     assert len(code_blocks(REPO / "README.md")) >= 1
+    # the examples that promise a rerun resumes are run twice
+    readme, guide = (_blocks_in(REPO / d, "python") for d in ("README.md", "docs/guide.md"))
+    assert [twice for *_, twice in readme] == [True]
+    assert [code.splitlines()[0] for _, code, twice in guide if twice] == [
+        "# run: torchrun --nproc_per_node=2"
+    ]
     blocks = code_blocks(REPO / "docs" / "guide.md")
     firsts = [code.splitlines()[0] for _, code in blocks]
     assert len(blocks) >= 8

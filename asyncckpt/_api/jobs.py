@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from asyncckpt import _threads as workers
@@ -105,7 +105,6 @@ class SaveHandle:
         path: str,
         future: Future[int],
         stats: SaveStats,
-        started: float,
         owner: Any = None,
         target: Any = None,
     ) -> None:
@@ -115,7 +114,6 @@ class SaveHandle:
         self.target = target
         self._future = future
         self._stats = stats
-        self._started = started
         self._observed = False
         self._gate = threading.Lock()
         self._state = "queued"  # "running" once the job starts, "cancelled"
@@ -199,6 +197,11 @@ class SaveHandle:
             raise CancelledError(f"the save to {self.path} was cancelled")
         return exc
 
+    def _record(self, **fields: Any) -> None:
+        """Update some of the stats (the caller's thread and the job's may both write)."""
+        with self._gate:
+            self._stats = replace(self._stats, **fields)
+
     def _start(self) -> bool:
         """Called by the job as it starts: False if it was cancelled (it must not run)."""
         with self._gate:
@@ -212,17 +215,15 @@ class SaveHandle:
         if self.cancelled():
             log.info("save to %s cancelled", self.path)
         elif exc is None:
-            total = time.perf_counter() - self._started
-            stats = SaveStats(self._stats.blocking_s, self._stats.raw_bytes, total, future.result())
-            self._stats = stats
+            stats = self._stats
             log.info(
                 "saved %s: blocked %.3f s, durable after %.3f s, %d bytes raw, %d stored "
                 "(%.1f%%), %.1f MB/s",
                 self.path,
                 stats.blocking_s,
-                total,
+                stats.total_s or 0.0,
                 stats.raw_bytes,
-                future.result(),
+                stats.stored_bytes or 0,
                 100 * (stats.ratio or 0),
                 (stats.throughput or 0) / 1e6,
             )
@@ -354,13 +355,18 @@ def submit(
     cannot be cancelled).
     """
     stats = SaveStats(time.perf_counter() - started, raw_bytes)
-    handle = SaveHandle(label, Future(), stats, started, owner, target)
+    handle = SaveHandle(label, Future(), stats, owner, target)
     handle._on_cancel = on_cancel
 
     def run() -> int:
         if not handle._start():
             return 0  # cancelled: ``cancel`` undid what was prepared
-        return job()
+        stored = job()
+        # Before the future completes: its waiters wake before its done callbacks run, so
+        # stats completed in a callback could still be missing when ``result()`` returns.
+        total = time.perf_counter() - started
+        handle._record(total_s=total, stored_bytes=stored)
+        return stored
 
     handle._future = workers.save_queue(nice).submit(run)
     _tracker.add(handle)
@@ -373,7 +379,7 @@ def completed_handle(label: str, stats: SaveStats | None = None) -> SaveHandle:
     stats = stats or SaveStats(0.0, 0, 0.0, 0)
     future: Future[int] = Future()
     future.set_result(stats.stored_bytes or 0)
-    handle = SaveHandle(label, future, stats, time.perf_counter())
+    handle = SaveHandle(label, future, stats)
     handle._observed = True  # nothing can fail later
     return handle
 
@@ -466,7 +472,7 @@ def stage_and_submit(
             handle._future.exception()  # the job aborts its file and frees the arena
         raise
     handle = handles[0]
-    handle._stats = SaveStats(time.perf_counter() - started, snap.raw_bytes)
+    handle._record(blocking_s=time.perf_counter() - started, raw_bytes=snap.raw_bytes)
     copied.set()
     return snap, handle
 
