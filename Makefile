@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint wheel-check bench gpu-wheels clean
+.PHONY: demo quick test test-all lint wheel-check bench gpu-wheels clean
 
 # Every install step takes $(TORCH_SPEC) as a constraint, so no dependency can swap the
 # chosen torch for another build (a CUDA wheel of several GB on a machine with no GPU).
@@ -44,8 +44,23 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check asyncckpt tests benchmarks examples
 	$(BIN)/mypy asyncckpt
 
+# Tests run on parallel workers (pytest-xdist); tests/marks.py marks each at collection by
+# what it needs (procs, s3, docs, bench). `make quick`: lint and the in-process tests, about a
+# minute; `make test`: everything, each S3 test on one store; `make test-all`: every S3 test
+# on both stores (moto and SeaweedFS).
+WORKERS ?= auto
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal
+QUICK := not procs and not s3 and not docs and not bench and not cuda
+
+quick: $(STAMP)
+	$(BIN)/ruff check asyncckpt tests benchmarks examples
+	$(PYTEST) -m "$(QUICK)"
+
 test: lint wheel-check
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
+
+test-all: lint wheel-check
+	$(PYTEST) --s3-stores=all
 
 # What a user gets from `pip install asyncckpt`: build the sdist, the wheel from the sdist
 # (so a file missing from the sdist fails here), install the wheel into its own virtual

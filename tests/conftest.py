@@ -10,6 +10,7 @@ import fsspec
 import pytest
 
 import asyncckpt.testing  # noqa: F401  (registers the faulty:// and s3mem:// filesystems)
+from tests import marks
 
 
 @pytest.fixture
@@ -62,6 +63,17 @@ S3_OTHER_ACCESS_KEY = "AKIAIOSFODNN7EXAMPLE"
 S3_OTHER_SECRET_KEY = "wJalrXUtnFEMI-K7MDENG-bPxRfiCYSECRETKEY"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--s3-stores",
+        choices=("one", "all"),
+        default="one",
+        help="one: each S3 test on one store (SeaweedFS, the real one, unless the test "
+        "names the stores it needs, or there is no 'weed' binary); all: on every store it "
+        "can run on (make test-all)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
@@ -71,14 +83,24 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Run every test that uses ``s3_server`` (even through another fixture) on each store."""
+    """Run every test that uses ``s3_server`` (even through another fixture) on its stores:
+    each of them with ``--s3-stores=all``, else the first (SeaweedFS where it can)."""
     if "s3_server" not in metafunc.fixturenames:
         return
     marker = metafunc.definition.get_closest_marker("s3_stores")
-    stores = marker.args if marker is not None else S3_STORES
+    stores = marker.args if marker is not None else _default_stores()
     unknown = set(stores) - set(S3_STORES)
     assert not unknown, f"unknown S3 stores {unknown}; known: {S3_STORES}"
+    if metafunc.config.getoption("s3_stores") == "one":
+        stores = stores[:1]
     metafunc.parametrize("s3_store", stores, indirect=True)
+
+
+def _default_stores() -> tuple[str, ...]:
+    """Every store, SeaweedFS first; moto alone where SeaweedFS cannot run (no binary)."""
+    from asyncckpt.testing import find_weed
+
+    return ("seaweedfs", "moto") if find_weed() is not None else ("moto",)
 
 
 @pytest.fixture(scope="session")
@@ -172,6 +194,7 @@ SEAWEEDFS_XFAIL: dict[str, str] = {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marks.apply(items)
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is None or callspec.params.get("s3_store") != "seaweedfs":

@@ -1,9 +1,15 @@
 """Run a test function on several gloo ranks on loopback, failing loudly instead of hanging.
 
-Each rank is a spawned process that joins a ``gloo`` group through a ``TCPStore`` the parent
-owns (127.0.0.1, port chosen by the OS); the group and every wait have timeouts, and the
-parent kills all ranks as soon as one fails or the deadline passes, then shows every rank's
+Each rank is a process that joins a ``gloo`` group through a ``TCPStore`` the parent owns
+(127.0.0.1, port chosen by the OS); the group and every wait have timeouts, and the parent
+kills all ranks as soon as one fails or the deadline passes, then shows every rank's
 traceback. Test modules wrap :func:`run` as their own ``run_ranks``.
+
+Ranks are forked from a ``forkserver`` that has imported torch, torch.distributed and
+asyncckpt once (each ``spawn`` imported torch again: seconds of CPU per rank). A rank gets
+the parent's environment and working directory as they are when it starts, as a spawned
+one did (the server's own are those of the moment it started). ``pristine=True`` spawns a
+fresh interpreter instead, for a test that needs one.
 """
 
 from __future__ import annotations
@@ -27,10 +33,24 @@ import torch.multiprocessing as mp
 WAIT = timedelta(seconds=120)  # every store wait and collective in a rank
 
 
+#: What every forked rank finds imported already.
+_PRELOAD = ["torch", "torch.distributed", "asyncckpt", "tests.ranks"]
+
+
 def _rank_main(
-    target: tuple[str, str, bool], rank: int, world: int, port: int, workdir: str, args: Any
+    target: tuple[str, str, bool],
+    rank: int,
+    world: int,
+    port: int,
+    workdir: str,
+    args: Any,
+    env: dict[str, str],
+    cwd: str,
 ) -> None:
-    """Entry point of one spawned rank: join the group, run ``module.name``, report failures."""
+    """Entry point of one rank: join the group, run ``module.name``, report failures."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -68,21 +88,26 @@ def run(
     timeout: float = 200,
     killed: tuple[int, ...] = (),
     with_store: bool = False,
+    pristine: bool = False,
 ) -> None:
     """Run ``module.name(rank, world, workdir, *args)`` on ``world`` ranks; fail on any error.
 
     With ``with_store`` the function also gets the ``TCPStore`` after ``world``. Ranks in
-    ``killed`` must end by SIGKILL (they kill themselves on purpose).
+    ``killed`` must end by SIGKILL (they kill themselves on purpose). ``pristine`` starts
+    each rank in a fresh interpreter (``spawn``) rather than from the preloaded server.
     """
     expected = [-signal.SIGKILL if r in killed else 0 for r in range(world)]
     for old in workdir.glob("rank*.traceback"):
         old.unlink()
     store = dist.TCPStore("127.0.0.1", 0, world + 1, True, WAIT, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn" if pristine else "forkserver")
+    if not pristine:
+        ctx.set_forkserver_preload(_PRELOAD)
+    env, cwd = dict(os.environ), os.getcwd()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=((module, name, with_store), r, world, store.port, str(workdir), args),
+            args=((module, name, with_store), r, world, store.port, str(workdir), args, env, cwd),
         )
         for r in range(world)
     ]
