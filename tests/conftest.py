@@ -13,6 +13,19 @@ import asyncckpt.testing  # noqa: F401  (registers the faulty:// and s3mem:// fi
 from tests import marks
 
 
+@pytest.fixture(autouse=True)
+def _torch_global_modes() -> Iterator[None]:
+    """Each test starts with torch's global modes as the session had them: a test that
+    turns deterministic algorithms on (a Lightning ``Trainer`` does) must not change what
+    the next test on the same worker runs."""
+    import torch
+
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
 @pytest.fixture
 def arena_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A fresh host-arena pool, as in a new process; returns the sizes it allocates."""

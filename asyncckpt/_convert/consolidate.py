@@ -78,7 +78,7 @@ from asyncckpt._format.container import (
 )
 from asyncckpt._format.index import ItemLocation, tied_names
 from asyncckpt._format.names import rank_of_data_file
-from asyncckpt._format.tree import dtype_name, flatten, torch_dtype
+from asyncckpt._format.tree import dtype_name, empty_of, flatten, torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._version import __version__
@@ -154,7 +154,7 @@ class ShardedSource:
                 # writers tell placeholders apart by identity, and it costs no memory.
                 # Names stored alike (a tied weight) share one: it is built once, and
                 # written once by the writers, which keep ties.
-                placeholder = torch.empty(0, dtype=md.properties.dtype)
+                placeholder = empty_of(md.properties.dtype)
                 src._fqn_of[id(placeholder)] = names[0]
                 for fqn in names:
                     placeholders[tuple(paths.get(fqn, (fqn,)))] = placeholder
@@ -236,7 +236,7 @@ class ShardedSource:
             raise FormatError(f"{opened.name}: no tensor {where.entry} in the file")
         entry = manifest.tensors[where.entry]
         buf = read_storages(opened, self.settings.threads, sids={entry.storage})
-        t = torch.empty(0, dtype=torch_dtype(entry.dtype))
+        t = empty_of(torch_dtype(entry.dtype))
         t.set_(buf[entry.storage].untyped_storage(), entry.offset, entry.shape, entry.stride)
         if t.numel() * t.element_size() != where.nbytes:
             raise FormatError(f"{opened.name}: tensor {where.entry} is not {where.nbytes} bytes")

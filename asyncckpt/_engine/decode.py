@@ -21,7 +21,7 @@ from asyncckpt._engine.chunks import read_runs, whole_run
 from asyncckpt._engine.decode_select import Selection, for_into, select, top_level
 from asyncckpt._engine.opened import Budget, OpenedFile, check_sizes, open_file
 from asyncckpt._format.container import ArrayEntry, StorageEntry, TensorEntry
-from asyncckpt._format.tree import tensor_paths, torch_dtype, unflatten
+from asyncckpt._format.tree import empty_of, tensor_paths, torch_dtype, unflatten
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt.errors import FileReplacedError, FormatError
@@ -343,7 +343,7 @@ def _check_target(name: str, key: str, target: torch.Tensor, loaded: torch.Tenso
 
 
 def _view(storage: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    t = torch.empty(0, dtype=torch_dtype(entry.dtype), device=storage.device)
+    t = empty_of(torch_dtype(entry.dtype), storage.device)
     t.set_(storage.untyped_storage(), entry.offset, entry.shape, entry.stride)
     if entry.parameter:
         return torch.nn.Parameter(t, requires_grad=entry.requires_grad)

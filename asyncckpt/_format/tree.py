@@ -58,6 +58,19 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def empty_of(dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """A tensor of no elements of ``dtype``, to ``set_`` onto a storage.
+
+    Not ``torch.empty(0, dtype=dtype)``: under ``torch.use_deterministic_algorithms(True)``
+    that fills the new tensor, which torch cannot do for every dtype (float4_e2m1fn_x2).
+
+    Example:
+        >>> empty_of(torch.float4_e2m1fn_x2).shape
+        torch.Size([0])
+    """
+    return torch.empty(0, dtype=torch.uint8, device=device).view(dtype)
+
+
 def flatten(obj: Any) -> Flattened:
     """Validate ``obj`` and encode it as JSON nodes plus tensor/array tables.
 

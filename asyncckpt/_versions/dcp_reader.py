@@ -37,7 +37,7 @@ from asyncckpt._format.index import (
     is_data_file_name,
     item_key,
 )
-from asyncckpt._format.tree import torch_dtype
+from asyncckpt._format.tree import empty_of, torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage, is_temp_name
 from asyncckpt._versions.dcp_location import CheckpointLocation
@@ -444,7 +444,7 @@ def _slice(buf: torch.Tensor, base: int, item: _Item) -> torch.Tensor:
     entry = item.entry
     dtype = torch_dtype(entry.dtype)
     if 0 in item.lengths:
-        return torch.empty(item.lengths, dtype=dtype)
+        return empty_of(dtype).reshape(item.lengths)
     first = entry.offset + sum(o * s for o, s in zip(item.offsets, entry.stride))
-    t = torch.empty(0, dtype=dtype)
+    t = empty_of(dtype)
     return t.set_(buf.untyped_storage(), first - base // dtype.itemsize, item.lengths, entry.stride)

@@ -351,6 +351,24 @@ def test_every_dtype_in_many_chunks(
     assert_same(state, roundtrip(state, any_root, compression))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_loads_under_deterministic_algorithms(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """torch.use_deterministic_algorithms(True) (Lightning's ``deterministic=True``) fills
+    new tensors, which some dtypes (float4) cannot do: a load must not make any."""
+    raw = (torch.arange(8 * dtype.itemsize) % (2 if dtype is torch.bool else 256)).to(torch.uint8)
+    state = {"w": raw.view(dtype), "zero_d": raw[: dtype.itemsize].view(dtype).reshape(())}
+    path = str(tmp_path / "d.ackpt")
+    asyncckpt.save(state, path).result()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert_same(state, asyncckpt.load(path))
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_scalars_exactly(any_root: str) -> None:
     state = {
         "none": None,
