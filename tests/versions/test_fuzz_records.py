@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import given
-from hypothesis import strategies as st
 
 from asyncckpt import Checkpointer
 from asyncckpt._storage import Storage, resolve
