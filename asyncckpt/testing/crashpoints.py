@@ -24,7 +24,8 @@ Calls on a path outside :attr:`CrashPlan.allowed` are recorded in :attr:`CrashPl
 Unlike :class:`~asyncckpt.testing.FaultyFileSystem`, which fails fsspec calls, this sits at
 the storage interface, so it covers local disk (``LocalStorage``) as the library uses it.
 One backend call is one point: what a backend does inside a call (the temp file, fsync and
-link of a local ``create_exclusive``) is atomic here.
+link of a local ``create_exclusive``) is atomic here, except a local ``delete_tree``, whose
+entries are removed (and numbered) one by one, as the OS does.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ import os
 import re
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 from asyncckpt._storage.base import AtomicWriter, PublishGuard, ReadHandle, Storage
+from asyncckpt._storage.local import LocalStorage
 from asyncckpt.errors import StorageError
 
 __all__ = ["CRASH_MODES", "MUTATING_OPS", "CrashPlan", "CrashStorage", "StorageOp"]
@@ -93,6 +96,9 @@ class CrashPlan:
             change storage (``"crash"``, ``"kill"``); ignored by ``"count"``.
         allowed: path prefixes the calls may touch (empty: any).
         every_read: with ``"fail"``, every read is a point, not only the first of its kind.
+        on_call: called with each :class:`StorageOp` before it runs (and before the plan
+            acts on it): tests use it to act at an exact moment, e.g. to play a racing
+            writer's part.
     """
 
     def __init__(
@@ -102,10 +108,12 @@ class CrashPlan:
         allowed: tuple[str, ...] = (),
         *,
         every_read: bool = False,
+        on_call: Callable[[StorageOp], None] | None = None,
     ) -> None:
         if mode not in CRASH_MODES:
             raise ValueError(f"unknown mode {mode!r}; known: {CRASH_MODES}")
         self.mode, self.at, self.allowed, self.every_read = mode, at, allowed, every_read
+        self.on_call = on_call
         self.trace: list[StorageOp] = []
         self._points = 0
         self._kinds: set[tuple[str, str]] = set()
@@ -144,6 +152,8 @@ class CrashPlan:
     def enter(self, op: str, path: str) -> None:
         """Count one call; raise or stop the process if the plan says so."""
         entry = StorageOp(op, path, threading.current_thread().name)
+        if self.on_call is not None and not self.dead:
+            self.on_call(entry)
         with self._lock:
             if self.dead:
                 raise StorageError(f"[simulated crash: {op} {path} after the process died]")
@@ -224,6 +234,18 @@ class CrashStorage(Storage):
         return self.inner.list_dir(path)
 
     def delete_tree(self, path: str) -> None:
+        # A real rmtree removes entries one by one in directory order, which may put a
+        # step's data before its COMMIT: each entry is a point, in reverse name order
+        # (data files before COMMIT), so a crash can stop it midway as the OS can.
+        local = isinstance(self.inner, LocalStorage)
+        if local and os.path.isdir(path) and not os.path.islink(path):
+            for name in sorted(os.listdir(path), reverse=True):
+                child = os.path.join(path, name)
+                if os.path.isdir(child) and not os.path.islink(child):
+                    self.delete_tree(child)
+                else:
+                    self.plan.enter("delete_tree", child)
+                    self.inner.delete(child)
         self.plan.enter("delete_tree", path)
         self.inner.delete_tree(path)
 

@@ -35,10 +35,10 @@ from tests.testing.crash_scenarios import SCENARIOS, Scenario
 #: ``kill``: the operations that change storage). A change means the protocol's sequence
 #: changed: look at the trace, then update these.
 POINTS = {
-    "save": (17, 12),
-    "restart": (29, 20),
-    "gc": (11, 6),
-    "rewind": (16, 9),
+    "save": (18, 13),
+    "restart": (32, 23),
+    "gc": (15, 10),
+    "rewind": (18, 11),
     "dropin": (11, 9),
 }
 #: A killed child must be gone by then: a hang fails loudly.
