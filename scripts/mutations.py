@@ -95,6 +95,27 @@ MUTATIONS = (
         ),
     ),
     Mutation(
+        "version-replaced-unconditionally",
+        "VERSION moves only by compare-and-swap: never backwards, never to a fenced epoch (§0)",
+        "asyncckpt/_versions/protocol.py",
+        "    return storage.replace_if(storage.join(root, VERSION_FILE), "
+        "encode_record(asdict(record)), tag)",
+        "    return storage.replace_if(storage.join(root, VERSION_FILE), "
+        "encode_record(asdict(record)), read_version_tagged(storage, root)[1])",
+        (
+            "tests/versions/test_commit_order.py::"
+            "test_a_writer_taken_over_after_its_epoch_check_cannot_move_version_back",
+        ),
+    ),
+    Mutation(
+        "dropin-load-does-not-wait",
+        "a drop-in load waits for a save of the file in flight in another process (§8)",
+        "asyncckpt/_versions/pending.py",
+        "    if storage.process_local:\n        return\n    marker = marker_of(path)",
+        "    if True:\n        return\n    marker = marker_of(path)",
+        ("tests/api/test_dropin_processes.py::test_ddp_tutorial_recipe_on_two_gloo_ranks",),
+    ),
+    Mutation(
         "reader-repairs-lagging-version",
         "readers never write (§0)",
         "asyncckpt/_versions/protocol.py",

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,7 +24,9 @@ from typing import Any
 import pytest
 
 from asyncckpt import Checkpointer
-from asyncckpt.errors import ConflictError
+from asyncckpt._storage import LocalStorage
+from asyncckpt._versions.protocol import read_version_file
+from asyncckpt.errors import AsyncCkptError, ConflictError
 from asyncckpt.testing.crashpoints import CrashPlan, StorageOp
 from tests.testing.crash_scenarios import (
     DETERMINISTIC_ENV,
@@ -138,3 +141,41 @@ def test_a_commit_marker_that_appears_first_is_never_overwritten(tmp_path: Path)
     reader = Checkpointer(root, read_only=True)
     assert reader.latest() == 2
     assert content_hash(reader.load()) == EXPECTED[1]  # the racer's data, whole
+
+
+def test_a_writer_taken_over_after_its_epoch_check_cannot_move_version_back(
+    tmp_path: Path,
+) -> None:
+    """Writer A passes its epoch check for step 2; right then, before its COMMIT, writer B
+    takes the root (claims epoch 2 and installs it in VERSION). A's COMMIT of step 2 still
+    lands (the residual window of PROTOCOL.md §0: its data is whole and nothing newer was
+    published, so the version stands), but its version-file replace is conditional on the
+    tag A read before the takeover: VERSION keeps B's epoch, and B goes on saving."""
+    root = tmp_path / "root"
+    commit_2 = str(root / "2" / "COMMIT")
+    taken_over: list[Checkpointer] = []
+
+    def b_takes_over(op: StorageOp) -> None:
+        if op.mutating and op.path == commit_2 and not taken_over:
+            b = Checkpointer(root, compression="none")
+            taken_over.append(b)
+            b._writer.acquire()  # on this thread: the save threads are A's
+
+    plan = CrashPlan("count", on_call=b_takes_over)
+    with wrapped_storage(plan):
+        a = Checkpointer(root, compression="none")
+        a.save(1, state(1)).result()
+        with contextlib.suppress(AsyncCkptError):  # A may report its step 2 as standing
+            a.save(2, state(2)).result()
+    assert taken_over, "A never reached its COMMIT"
+    (b,) = taken_over
+    record = read_version_file(LocalStorage(), str(root))
+    assert record is not None and record.writer == b._writer.token, "VERSION is A's again"
+    reader = Checkpointer(root, read_only=True)
+    newest = reader.latest()
+    assert newest in (1, 2) and content_hash(reader.load()) == EXPECTED[newest]
+    b.save(5, state(5)).result()  # B still holds the root
+    assert content_hash(Checkpointer(root, read_only=True).load()) == EXPECTED[5]
+    b.close()
+    with contextlib.suppress(AsyncCkptError):
+        a.close()
