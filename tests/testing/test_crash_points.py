@@ -11,9 +11,11 @@ For each scenario of :mod:`tests.testing.crash_scenarios` the operations are fir
   (every operation that changes storage, for the scenarios whose action starts from a
   fresh object; the steady save's object was made before the fork).
 
-After each, a restart checks the invariants (``crash_scenarios.check_after``). The number
-of points of each scenario is asserted, so a change to the protocol's operations shows up
-here and the harness's reach is reported (``-rP`` prints it).
+After each, a restart checks the invariants (``crash_scenarios.check_after``). Each test
+counts its scenario's points first and tries them all, so the harness follows the protocol
+when its operations change; ``test_the_points_are_deterministic`` prints the counts
+(``-rP``), and each scenario must keep at least the points it had when it was written
+(fewer would mean an operation escaped the numbering).
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from asyncckpt.testing.crashpoints import CrashPlan
 from tests.testing import crash_scenarios as cs
 from tests.testing.crash_scenarios import SCENARIOS, Scenario
 
-#: Points per scenario: (``fail``: the writes and the first read of each kind; ``crash`` and
-#: ``kill``: the operations that change storage). A change means the protocol's sequence
-#: changed: look at the trace, then update these.
+#: Points per scenario when the harness was written: (``fail``: the writes and the first read
+#: of each kind; ``crash`` and ``kill``: the operations that change storage). A scenario with
+#: fewer now lost an operation from the numbering (or the protocol shrank: then lower these).
 POINTS = {
     "save": (18, 13),
     "restart": (32, 23),
@@ -78,7 +80,7 @@ def test_the_points_are_deterministic(tmp_path: Path, name: str) -> None:
     assert shape(first) == shape(second)
     points = (first.points("fail"), first.points("crash"))
     print(f"{name}: {len(first.trace)} operations, points: {points} (fail, crash)")
-    assert points == POINTS[name]
+    assert points[0] >= POINTS[name][0] and points[1] >= POINTS[name][1], points
 
 
 #: Issue 29 defect 12 (a killed drop-in save's temp file is never removed): the drop-in
@@ -102,7 +104,7 @@ def _cases(modes: list[str]) -> list[Any]:
 @pytest.mark.parametrize(("name", "mode"), _cases(["fail", "crash"]))
 def test_every_point_in_process(tmp_path: Path, name: str, mode: str) -> None:
     scenario = SCENARIOS[name]
-    points = POINTS[name][0 if mode == "fail" else 1]
+    points = _counted(tmp_path / "count", scenario).points(mode)
     leftovers: list[str] = []
     for at in range(1, points + 1):
         base = tmp_path / f"p{at}"
@@ -140,7 +142,7 @@ def _checked(
 @pytest.mark.parametrize(("name", "mode"), [c for c in _cases(["kill"]) if c.values[0] != "save"])
 def test_every_point_with_sigkill(tmp_path: Path, name: str, mode: str) -> None:
     scenario = SCENARIOS[name]
-    points = POINTS[name][1]
+    points = _counted(tmp_path / "count", scenario).points(mode)
     leftovers: list[str] = []
     for at in range(1, points + 1):
         base = tmp_path / f"p{at}"
