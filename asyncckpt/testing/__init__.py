@@ -6,6 +6,9 @@ Usable from any project's tests:
   protocol) fails, slows or truncates chosen calls of any filesystem following a
   :class:`FaultPlan`; :class:`MemoryS3FileSystem` (``s3mem``) serves the S3 API from
   memory for link simulations.
+* :mod:`~asyncckpt.testing.crashpoints` — :class:`CrashStorage` numbers every call through
+  a storage and, following a :class:`CrashPlan`, fails one, or stops the process (in
+  process, or with SIGKILL) just before one: crash-at-every-step tests.
 * :mod:`~asyncckpt.testing.servers` — real S3 servers on loopback: :class:`MotoServer`
   and :class:`SeaweedServer`; :mod:`~asyncckpt.testing.proxy` — :class:`FaultProxy`, an
   HTTP proxy in front of either that holds requests or loses their responses on the wire.
@@ -13,7 +16,8 @@ Usable from any project's tests:
   every :class:`~asyncckpt._storage.Storage` backend passes.
 
 Modules depend downwards only: ``conformance`` and ``servers`` do not import each other,
-``proxy`` imports ``servers``, ``faults`` imports ``s3mem`` (its S3 errors) only.
+``proxy`` imports ``servers``, ``faults`` imports ``s3mem`` (its S3 errors) only,
+``crashpoints`` none of them.
 
 Example:
     >>> from asyncckpt.testing import Fault, FaultPlan
@@ -29,6 +33,7 @@ import contextlib
 import fsspec
 
 from asyncckpt.testing.conformance import StorageConformanceSuite
+from asyncckpt.testing.crashpoints import CrashPlan, CrashStorage
 from asyncckpt.testing.faults import (
     FAULT_KINDS,
     S3_OPERATIONS,
@@ -57,6 +62,8 @@ __all__ = [
     "FAULT_KINDS",
     "S3_OPERATIONS",
     "TRANSIENT_KINDS",
+    "CrashPlan",
+    "CrashStorage",
     "Fault",
     "FaultEvent",
     "FaultPlan",

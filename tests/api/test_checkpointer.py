@@ -186,21 +186,27 @@ class _GatedWriter(AtomicWriter):
 
 
 @pytest.fixture(autouse=True)
-def _drain_saves() -> Iterator[None]:
-    """After each test, let its saves finish and observe their failures.
+def _drain_saves(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test, let its saves finish, and fail the test if one of them failed
+    without anyone observing it (a save failure the test did not see is a defect, or a
+    test that does not look at what it checks).
 
-    A failing test can leave a save pending (e.g. on a root its fixture then removes); its
-    failure must not surface in the next test's ``save``.
+    Drained either way, so that a failure never surfaces in the next test's ``save``. A
+    test that leaves an unobserved failure on purpose says so with
+    ``@pytest.mark.leaves_unobserved_failure``.
     """
     yield
     for handle in jobs.pending():
         handle.exception(timeout=120)
+    unobserved: list[str] = []
     for _ in range(100):
         try:
             raise_unobserved_failure()
             break
-        except Exception:
-            continue
+        except Exception as exc:
+            unobserved.append(f"{type(exc).__name__}: {exc}")
+    if unobserved and request.node.get_closest_marker("leaves_unobserved_failure") is None:
+        pytest.fail("save failures nobody observed:\n" + "\n".join(unobserved))
 
 
 @pytest.fixture

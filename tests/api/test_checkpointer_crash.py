@@ -17,6 +17,7 @@ fresh Checkpointer finds under the root:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import signal
@@ -139,8 +140,20 @@ def parse_log(path: Path) -> tuple[set[int], set[int]]:
     return started, confirmed
 
 
-def tree(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+def tree(root: Path) -> dict[str, str]:
+    """Every entry under ``root`` and what it holds (a content hash; directories and
+    links by kind): a reader that rewrote a file with new bytes under the same name
+    changes this, not only one that adds or removes a name."""
+    out: dict[str, str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink():
+            out[rel] = "link:" + os.readlink(p)
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out
 
 
 def check_root(
@@ -148,6 +161,10 @@ def check_root(
 ) -> int | None:
     """Everything a fresh Checkpointer must find after a kill; returns the latest step."""
     floor = max([*confirmed, *([] if previous is None else [previous])], default=None)
+    # Taken before any reader looks: readers and a writer that did not save change nothing
+    # (the next run's first save rolls the version file forward and drops leftovers:
+    # checked by the callers).
+    before = tree(root)
     # A reader sees a committed step before anyone repairs the root.
     seen = Checkpointer(root, writer_rank=1).latest()
     if seen is not None:
@@ -155,9 +172,6 @@ def check_root(
         assert_bits(Checkpointer(root, writer_rank=1).load(), seen)
     if floor is not None:
         assert seen is not None and seen >= floor, f"{context}: reader's latest {seen} < {floor}"
-    # Opening the root as a writer changes nothing until it saves (the next run's first
-    # save rolls the version file forward and drops leftovers: checked by the callers).
-    before = tree(root)
     with Checkpointer(root, keep_last=2) as ckpt:
         latest = ckpt.latest()
         versions = ckpt.versions()
@@ -177,7 +191,7 @@ def check_root(
             assert read_commit(storage, base, step) is not None
             assert_bits(ckpt.load(step=step), step)
         assert_bits(ckpt.load(), latest)
-    assert tree(root) == before, f"{context}: a Checkpointer that did not save changed the root"
+    assert tree(root) == before, f"{context}: a reader or a writer that did not save changed it"
     return latest
 
 

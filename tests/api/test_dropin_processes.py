@@ -77,7 +77,11 @@ def check_state(got: Any) -> int:
 # --------------------------------------------------------------------------- child processes
 
 
-def _hold_local_publish(hold: str, gate: str | None, delay: float) -> None:
+#: How many data-file commits ``_hold_local_publish`` held in this process.
+_held: list[str] = []
+
+
+def _hold_local_publish(hold: str, gate: str | None, delay: float, name: str = ".ackpt") -> None:
     """Slow down or hold every local data-file commit of this process, before it publishes.
 
     ``delay``: sleep that long; ``gate``: wait for ``<gate>/release``; ``block``: wait for
@@ -92,7 +96,8 @@ def _hold_local_publish(hold: str, gate: str | None, delay: float) -> None:
     real = local._LocalWriter.commit
 
     def commit(self: Any) -> None:
-        if self.target.endswith(".ackpt"):
+        if self.target.endswith(name):
+            _held.append(self.target)
             if gate is not None:
                 Path(gate, "held").touch()
             if hold == "delay":
@@ -119,8 +124,11 @@ def _gated_s3_plan(gate: str) -> Any:
 
 
 def _wait_for(flag: Path) -> None:
+    """Until ``flag`` exists; raises at the children's timeout (a hang fails loudly)."""
     deadline = time.monotonic() + _CHILD_TIMEOUT
-    while not flag.exists() and time.monotonic() < deadline:
+    while not flag.exists():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"{flag} never appeared in {_CHILD_TIMEOUT} s")
         time.sleep(0.01)
 
 
@@ -171,6 +179,7 @@ def loader_main(
     if go:
         storage, target = resolve(path, options)
         storage.exists(target)  # the client is set up (its first request is slow on S3)
+        _say_when_waiting(path)
         print("ready", flush=True)
         _wait_for(Path(go))
         print("loading", flush=True)
@@ -183,6 +192,30 @@ def loader_main(
             print("error", type(exc).__name__, json.dumps(str(exc)), flush=True)
             return
         done += 1
+
+
+def _say_when_waiting(path: str) -> None:
+    """Print ``waiting`` once this process's load reads the save marker of ``path`` a
+    second time: the first read found a save in flight, so the load is waiting for it."""
+    from asyncckpt._api import dropin
+    from asyncckpt.testing.crashpoints import CrashPlan, CrashStorage, StorageOp
+
+    reads: list[StorageOp] = []
+
+    def on_call(op: StorageOp) -> None:
+        if op.op == "read_marker" and op.path.endswith(MARKER):
+            reads.append(op)
+            if len(reads) == 2:
+                print("waiting", flush=True)
+
+    plan = CrashPlan("count", on_call=on_call)
+    real = dropin.resolve
+
+    def resolve_counted(f: Any, options: Any, settings: Any = None) -> tuple[Any, str]:
+        storage, where = real(f, options, settings)
+        return CrashStorage(storage, plan), where
+
+    dropin.resolve = resolve_counted  # type: ignore[assignment]
 
 
 class Child:
@@ -282,7 +315,7 @@ def _load_while_held(children: Any, path: str, options: Any, gate: Path) -> str:
     loader.expect("ready")  # imported: its load starts as soon as it is told to
     go.touch()
     loader.expect("loading")
-    time.sleep(1.0)  # the load begins while the write is held (ordering only; nothing timed)
+    loader.expect("waiting")  # the load found the held save in flight and waits for it
     (gate / "release").touch()
     line = loader.expect("")
     assert loader.wait() == 0
@@ -313,7 +346,9 @@ def _tutorial(rank: int, world: int, workdir: Path, overwrite: bool, slow_disk: 
             asyncckpt.save(_Net(8).state_dict(), path).result()
         dist.barrier()
     if rank == 0 and slow_disk:
-        _hold_local_publish("delay", None, 1.0)  # a slow disk: the write outlasts the barrier
+        # A slow disk: the write outlasts the barrier. The hold matches the file the recipe
+        # saves (not only .ackpt names), and is checked below to have fired.
+        _hold_local_publish("delay", None, 1.0, name=os.path.basename(path))
     torch.manual_seed(rank)
     model = DistributedDataParallel(_Net(512))  # rank 0's initial weights, broadcast
     if rank == 0:
@@ -331,6 +366,8 @@ def _tutorial(rank: int, world: int, workdir: Path, overwrite: bool, slow_disk: 
     assert set(loaded) == set(mine), f"rank {rank} loaded keys {sorted(loaded)}"
     for key, value in loaded.items():
         assert torch.equal(value, mine[key]), f"rank {rank}: {key} differs from rank 0's"
+    if rank == 0 and slow_disk:
+        assert _held == [path], f"the slow disk never held the save: {_held}"
     dist.barrier()
 
 

@@ -327,9 +327,16 @@ def test_failure_is_recorded_once_done_is_true(faults: Faults) -> None:
     """``done()`` is true as soon as the save failed, even while a slow log handler is still
     reporting the failure; a save made right then must already raise it."""
 
+    entered, release, finished = threading.Event(), threading.Event(), threading.Event()
+
     class SlowHandler(logging.Handler):
+        """Reports the failure only once the test lets it: it is provably still reporting
+        while the test checks ``done()`` and saves."""
+
         def emit(self, record: logging.LogRecord) -> None:
-            time.sleep(0.5)
+            entered.set()
+            release.wait(60)
+            finished.set()
 
     logger = logging.getLogger("asyncckpt")
     handler = SlowHandler(logging.ERROR)
@@ -339,15 +346,19 @@ def test_failure_is_recorded_once_done_is_true(faults: Faults) -> None:
         faults.mode = "write"
         failed = asyncckpt.save(_state(2.0), path)
         _wait_done(failed)
+        assert entered.wait(60), "the failure was never reported"
+        assert not finished.is_set() and failed.done()  # done while the report is held
         faults.mode = None
         with pytest.raises(StorageError) as info:
             asyncckpt.save(_state(3.0), path)
         _assert_is_injected(info.value, faults)
         _assert_old_intact(faults, path, old)
-        time.sleep(0.6)  # let the handler finish; the failure must not come back
+        release.set()  # the report ends now: the failure must not come back after it
+        assert finished.wait(60), "the log handler never finished"
         asyncckpt.wait()
         asyncckpt.save(_state(4.0), path).result()
     finally:
+        release.set()
         logger.removeHandler(handler)
 
 

@@ -370,6 +370,10 @@ trainer.fit(Wide(), torch.utils.data.DataLoader(data, batch_size=8))
 """
 
 
+#: The seed of the kill's delay after the child's fourth save.
+SIGKILL_SEED = 20261203
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_after_sigkill_mid_save(tmp_path: pathlib.Path) -> None:
@@ -386,8 +390,11 @@ def test_resume_after_sigkill_mid_save(tmp_path: pathlib.Path) -> None:
         while not (log_path.exists() and len(log_path.read_text().splitlines()) >= 4):
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
             time.sleep(0.05)
-        time.sleep(random.uniform(0.0, 1.5))
-        assert proc.poll() is None, "the child must still be training when it is killed"
+        # Seeded: every run kills at the same delay after the fourth save, so a failure
+        # reproduces (the delay is in the message).
+        delay = random.Random(SIGKILL_SEED).uniform(0.0, 1.5)
+        time.sleep(delay)
+        assert proc.poll() is None, f"the child must still be training when killed ({delay:.3f} s)"
         proc.send_signal(signal.SIGKILL)
     finally:
         if proc.poll() is None:

@@ -319,7 +319,9 @@ def test_the_heartbeat_thread_beats_while_a_save_is_in_flight(
     assert check is not None
     assert _wait_for_beats(storage, path, 3) >= 3
     pending.finish(check)
-    time.sleep(0.1)
+    # A full beat pass, now: it takes each marker's lock, so a beat of the heartbeat thread
+    # in flight at finish() has ended by then; it must find nothing left to beat.
+    assert pending.beat_all() == 0
     assert not os.path.exists(path + MARKER)  # no beat brings it back
 
 

@@ -20,7 +20,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
-from asyncckpt._storage import resolve
+from asyncckpt._storage import TEMP_MARK, resolve
 from asyncckpt._versions.protocol import parse_step, read_version_file
 from asyncckpt.errors import AsyncCkptError, ConflictError, StorageError
 
@@ -56,10 +56,21 @@ def listing(root: str) -> dict[str, bytes]:
 # --------------------------------------------------------------------------- readers
 
 
-def test_readers_change_nothing(any_root: str) -> None:
+@pytest.mark.parametrize("root_state", ["healthy", "lagging"])
+def test_readers_change_nothing(any_root: str, root_state: str) -> None:
+    """A reader writes nothing, on a healthy root and on one a writer would repair: a
+    version file that lags the newest COMMIT (its write failed after the commit), a temp
+    file and an uncommitted step left by a killed save."""
+    storage, base = resolve(any_root, None)
+    version = storage.join(base, "VERSION")
     with Checkpointer(any_root) as ckpt:
-        for step in (1, 2):
-            ckpt.save(step, state(step))
+        ckpt.save(1, state(1)).result()
+        lagging = storage.read_bytes(version, 1 << 20)
+        ckpt.save(2, state(2))
+    if root_state == "lagging":
+        storage.write_bytes(version, lagging)
+        storage.write_bytes(storage.join(base, f"VERSION{TEMP_MARK}0123456789ab"), b"{")
+        storage.write_bytes(storage.join(base, "3", "r00000-0123456789ab.ackpt"), b"partial")
     before = listing(any_root)
     reader = Checkpointer(any_root)  # not read_only: constructing and loading still write nothing
     assert reader.latest() == 2 and reader.versions() == [1, 2]

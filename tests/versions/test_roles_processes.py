@@ -203,6 +203,7 @@ RACER = (
 root, who, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 options = json.loads(sys.argv[4])
 ckpt = Checkpointer(root, storage_options=options or None)
+open(f"{go}.ready{who}", "w").close()  # at the start line
 while not os.path.exists(go):
     time.sleep(0.001)
 try:
@@ -219,7 +220,8 @@ def _race(root: str, options: dict[str, Any], tmp_path: Path, racers: int = 6) -
 
     go = str(tmp_path / "go")
     procs = [_run(RACER, root, str(i), go, json.dumps(options)) for i in range(racers)]
-    time.sleep(3)  # let every racer import torch and reach the start line
+    for i, proc in enumerate(procs):  # every racer has imported torch and is at the line
+        _wait_for_file(f"{go}.ready{i}", proc)
     Path(go).touch()
     results = [_finish(p) for p in procs]
     for code, _, err in results:
