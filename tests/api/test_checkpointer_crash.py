@@ -195,15 +195,15 @@ def check_root(
     return latest
 
 
-def wait_for_line(log: Path, proc: subprocess.Popen[bytes], step: int, err: Path) -> None:
-    """Until the writer has logged the start of ``step`` (its first save)."""
+def wait_for_line(log: Path, proc: subprocess.Popen[bytes], line: str, err: Path) -> None:
+    """Until the writer has logged ``line`` (``S n``: it calls save; ``C n``: n is durable)."""
     deadline = time.monotonic() + 120
-    while f"S {step}\n" not in (log.read_text() if log.exists() else ""):
+    while f"{line}\n" not in (log.read_text() if log.exists() else ""):
         if proc.poll() is not None:
             pytest.fail(f"writer exited with {proc.returncode}:\n{err.read_text()}")
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"writer never started step {step}:\n{err.read_text()}")
+            pytest.fail(f"writer never logged {line!r}:\n{err.read_text()}")
         time.sleep(0.01)
 
 
@@ -241,9 +241,14 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
         context = f"trial {trial} (CRASH_TEST_SEED={seed})"
         err = tmp_path / f"writer{trial}.err"
         proc = start_writer(root, log, next_step, latest, -1, err)
+        # A random moment: after a random point of the writer's progress (so a loaded
+        # machine shifts no kill before it), then a random pause. The first trial's point
+        # is a durable step, so some run always commits whatever the machine's speed.
+        n = next_step
+        points = [f"C {n}"] if trial == 0 else [f"S {n}", f"S {n + 1}", f"C {n}", f"C {n + 1}"]
         try:
-            wait_for_line(log, proc, next_step, err)
-            time.sleep(rng.uniform(0.0, 1.0))  # a random moment, not a threshold
+            wait_for_line(log, proc, rng.choice(points), err)
+            time.sleep(rng.uniform(0.0, 0.5))  # a random moment, not a threshold
             assert proc.poll() is None, f"{context}: writer died:\n{err.read_text()}"
         finally:
             proc.kill()  # SIGKILL
