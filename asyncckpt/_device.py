@@ -321,6 +321,10 @@ class Cuda:
         library = _cudart_library()
         return -1 if library is None else int(library.cudaGetLastError())
 
+    def empty(self, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``torch.empty`` on ``device`` (any device; the fake makes its CUDA ones)."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """A pinned host buffer from torch's caching host allocator (the fallback)."""
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

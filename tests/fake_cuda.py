@@ -196,6 +196,12 @@ class FakeCuda(Cuda):
         self._log(("clear_error",))
         return 0
 
+    def empty(self, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cuda":
+            return torch.empty(shape, dtype=dtype, device=device)
+        self._log(("empty", device))
+        return self.put(torch.empty(shape, dtype=dtype), device.index or 0)
+
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         self._log(("pinned_empty", nbytes))
         return torch.empty(nbytes, dtype=torch.uint8)
