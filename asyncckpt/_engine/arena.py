@@ -27,6 +27,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,6 +168,8 @@ def _fits(buffer: torch.Tensor | None, nbytes: int, shared: bool, pin: int | Non
 
 
 _pinned_lock = threading.Lock()
+#: address -> the mmap behind a host arena, while it lives (for _note_pinned).
+_mappings: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
 _pinned: dict[int, int] = {}  # address of a page-locked arena -> its CUDA device
 
 
@@ -212,6 +215,28 @@ def _allocate(nbytes: int, shared: bool = False, pin: int | None = None) -> torc
     return fallback
 
 
+#: Pinned load buffers at least this large are registered at their exact size; smaller ones
+#: come from torch's caching host allocator (a mapping and a registration each would cost
+#: more than its power-of-two rounding wastes).
+EXACT_PIN_MIN = 1 << 20
+
+
+def pinned_host(nbytes: int, device: int) -> torch.Tensor:
+    """A host buffer of ``nbytes`` page-locked for ``device``, for a load's reads.
+
+    From ``EXACT_PIN_MIN`` up, registered at its exact size and unregistered when dropped
+    (torch's caching host allocator would round it up to a power of two and keep it pinned
+    for the life of the process); pageable if registration fails.
+    """
+    if nbytes < EXACT_PIN_MIN:
+        with cuda().on_device(device):
+            return cuda().pinned_empty(nbytes)
+    size = -(-nbytes // _PAGE) * _PAGE
+    buffer = _host_arena(size)
+    _register(buffer, size, device)  # False: stays pageable (the copy is then synchronous)
+    return buffer[:nbytes]
+
+
 def _register(buffer: torch.Tensor, size: int, pin: int) -> bool:
     """Page-lock ``buffer`` for device ``pin``; unregister it when the buffer is freed."""
     address = buffer.data_ptr()
@@ -226,8 +251,11 @@ def _note_pinned(buffer: torch.Tensor, pin: int, registered: bool) -> None:
     address = buffer.data_ptr()
     with _pinned_lock:
         _pinned[address] = pin
+    # Unpinned when the memory goes: the mapping outlives every view of it (a load's
+    # storages are slices of its buffer), so it, not the tensor object, is watched.
+    owner: Any = _mappings.get(address, buffer)
     # The seam that pinned it unpins it (a test's fake may be gone by then).
-    finalizer = weakref.finalize(buffer, _unpin, address, pin, registered, cuda())
+    finalizer = weakref.finalize(owner, _unpin, address, pin, registered, cuda())
     finalizer.atexit = False  # at exit the process's memory goes anyway, and CUDA may be gone
 
 
@@ -256,6 +284,7 @@ def _faulted_in(region: mmap.mmap) -> torch.Tensor:
             region.madvise(mmap.MADV_HUGEPAGE)
     # The tensor holds the mapping's buffer: it is unmapped when the last view goes away.
     buffer = torch.frombuffer(region, dtype=torch.uint8)
+    _mappings[buffer.data_ptr()] = region
     _fault_in(region)  # every page now, not during a save's copy
     return buffer
 

@@ -230,3 +230,20 @@ def test_load_into_device_tensors_copies_host_straight_into_them(
 
 def test_fake_streams_are_distinct() -> None:
     assert FakeStream(0, 1) != FakeStream(0, 0)
+
+
+def test_pinned_load_buffers_are_registered_exactly_and_freed_after_the_load(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    state = _state(fake_cuda, 2 * MIB + 4096)
+    asyncckpt.save(state, tmp_path / "x.ackpt", compression="none").result()
+    staging_api._arenas = None  # drop the save's arena: only the load's memory is left
+    gc.collect()
+    del fake_cuda.calls[:]
+    loaded = asyncckpt.load(tmp_path / "x.ackpt")
+    registers = [c for c in fake_cuda.calls if c[0] == "register"]
+    assert [size for _, _, size in registers] == [2 * MIB + 4096]  # not 4 MiB
+    assert torch.equal(loaded["w"], state["w"])
+    del loaded
+    gc.collect()
+    assert not fake_cuda.registered  # unregistered once the load's buffers are gone
