@@ -247,3 +247,22 @@ def test_pinned_load_buffers_are_registered_exactly_and_freed_after_the_load(
     del loaded
     gc.collect()
     assert not fake_cuda.registered  # unregistered once the load's buffers are gone
+
+
+def test_the_host_waits_for_the_copies_before_handing_the_arena_to_the_writer_process(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt._engine import writer_process
+
+    real_job = writer_process.WriteJob
+
+    def job(*args: Any) -> Any:
+        fake_cuda.mark("handed to the writer process")
+        return real_job(*args)
+
+    monkeypatch.setattr(writer_process, "WriteJob", job)
+    with asyncckpt.Checkpointer(tmp_path / "run", overlap=True) as ckpt:
+        ckpt.save(1, _state(fake_cuda)).result()
+    names = fake_cuda.names()
+    handed = _index(names, "mark:handed to the writer process")
+    assert _index(names, "synchronize_event") < handed
