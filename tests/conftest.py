@@ -37,10 +37,12 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     ``devices``, ``rank``, ``bound``, ``fail``... The real seam comes back afterwards."""
     from asyncckpt import _device
     from asyncckpt._api import staging as staging_api
+    from asyncckpt._engine import arena as arena_mod
     from tests.fake_cuda import FakeCuda
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(staging_api, "_arenas", None)
+    monkeypatch.setattr(arena_mod, "_unpinnable", False)  # a failed registration sticks
     fake = FakeCuda()
     previous = _device.use_cuda(fake)
     try:

@@ -19,6 +19,7 @@ import torch
 from asyncckpt._device import Placement, device_types, known_device
 from asyncckpt._engine.chunks import read_runs, whole_run
 from asyncckpt._engine.decode_select import Selection, for_into, select, top_level
+from asyncckpt._engine.device_load import stream_to_device, streamable
 from asyncckpt._engine.opened import Budget, OpenedFile, check_sizes, open_file
 from asyncckpt._format.container import ArrayEntry, StorageEntry, TensorEntry
 from asyncckpt._format.tree import tensor_paths, tensor_paths_all, torch_dtype, unflatten
@@ -230,12 +231,21 @@ def materialize(
         sids = {manifest.tensors[i].storage for i in wanted}
         sids |= {manifest.arrays[i].storage for i in chosen.arrays}
     pins = [placement.wants_pinned(entry.device) for entry in manifest.storages]
+    every = range(len(manifest.storages)) if sids is None else sorted(sids)
+    streamed: dict[int, torch.Tensor] = {}
+    if not targets:  # fresh device tensors only: see below, and _engine/device_load.py
+        to_stream = streamable(opened, placement, every)
+        if budget is not None and to_stream:
+            nbytes = sum(manifest.storages[sid].nbytes for sid in to_stream)
+            budget.charge(opened.name, nbytes, "its storages")
+        window = pin_budget_bytes(settings)
+        streamed = stream_to_device(opened, placement, to_stream, threads, window)
     # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
     # not leave the caller's tensors half overwritten.
     raw = read_storages(
         opened,
         threads,
-        sids=sids,
+        sids=[sid for sid in every if sid not in streamed],
         pinned=pins,
         budget=budget,
         pin_budget=pin_budget_bytes(settings),
@@ -256,6 +266,7 @@ def materialize(
         sid: placement.place(buf, manifest.storages[sid].device) if sid in to_place else buf
         for sid, buf in raw.items()
     }
+    placed.update(streamed)
     tensors: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     copies = []
     for i in wanted:

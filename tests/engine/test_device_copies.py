@@ -266,3 +266,32 @@ def test_the_host_waits_for_the_copies_before_handing_the_arena_to_the_writer_pr
     names = fake_cuda.names()
     handed = _index(names, "mark:handed to the writer process")
     assert _index(names, "synchronize_event") < handed
+
+
+def test_a_cuda_load_streams_through_a_bounded_reused_pinned_window(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {f"w{i}": fake_cuda.put(torch.randn(75 << 10), 0) for i in range(6)}  # 300 KiB each
+    asyncckpt.save(state, tmp_path / "x.ackpt", compression="none").result()
+    staging_api._arenas = None
+    gc.collect()
+    monkeypatch.setenv("ASYNCCKPT_PIN_BUDGET_BYTES", str(1 << 20))  # halves of 512 KiB
+    del fake_cuda.calls[:]
+    loaded = asyncckpt.load(tmp_path / "x.ackpt")
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value) and fake_cuda.device_of(loaded[key]).index == 0
+    calls = fake_cuda.calls
+    assert [c[0] for c in calls].count("pinned_empty") == 2  # the window, reused: not 6
+    copies = [i for i, c in enumerate(calls) if c[0] == "to_device"]
+    recorded = [i for i, c in enumerate(calls) if c[0] == "record_event"]
+    assert len(copies) == len(recorded) == 6  # one storage per half, an event after each
+    waited = {c[1] for c in calls if c[0] == "synchronize_event"}
+    for k in range(2, 6):  # a half is refilled only after the event of its last copies
+        event_index = recorded[k - 2]
+        waits = [
+            i
+            for i, c in enumerate(calls)
+            if c[0] == "synchronize_event" and event_index < i < copies[k]
+        ]
+        assert waits, f"batch {k} reused its half before its earlier copy had landed"
+    assert len(waited) == 6  # and every copy landed before the load returned
