@@ -104,3 +104,20 @@ def test_a_cpu_only_save_and_load_never_initializes_cuda(
 
 def test_the_real_seam_answers_on_this_machine() -> None:
     assert cuda().device_of(torch.zeros(1)) == torch.device("cpu")
+
+
+def test_a_child_forked_from_a_cuda_parent_loads_on_the_cpu_with_a_warning(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt import _device
+
+    asyncckpt.save({"w": fake_cuda.put(torch.ones(4), 0)}, tmp_path / "x.ackpt").result()
+    previous = _device.use_cuda(_device.Cuda())  # the real seam, in a "forked child"
+    try:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+        with pytest.warns(AsyncCkptWarning, match="loaded on the CPU"):
+            loaded = asyncckpt.load(tmp_path / "x.ackpt")
+    finally:
+        _device.use_cuda(previous)
+    assert loaded["w"].device.type == "cpu" and torch.equal(loaded["w"], torch.ones(4))
