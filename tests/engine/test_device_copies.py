@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import asyncckpt
+from asyncckpt import _threads as workers
 from asyncckpt._api import staging as staging_api
 from asyncckpt._engine import arena as arena_mod
 from asyncckpt._engine.arena import ArenaPool
@@ -158,6 +159,11 @@ def test_arenas_are_registered_exactly_under_the_callers_device(
     _, device, size = registers[0]
     assert device == 2
     assert 5 * MIB + 4096 <= size < 6 * MIB  # exact (page-rounded), not a power of two
+    fake_cuda.set_device(0)  # the pool drops the arena from a thread on another device
+    staging_api._arenas = None
+    assert workers.wait_idle(30)  # the save thread has dropped its views of the arena
+    gc.collect()
+    assert [c[1] for c in fake_cuda.calls if c[0] == "unregister"] == [2]
 
 
 def test_a_failed_registration_clears_the_cuda_error_and_the_save_goes_on(
@@ -178,6 +184,7 @@ def test_replaced_arenas_are_not_kept_alive(fake_cuda: FakeCuda, tmp_path: Path)
         for step, mib in enumerate([1, 3, 5, 7], start=1):
             handles.append(ckpt.save(step, _state(fake_cuda, mib * MIB)))
             handles[-1].result()
+        assert workers.wait_idle(30)  # the save thread has dropped its task's references
         gc.collect()
         alive = len(fake_cuda.registered)
     assert alive == 1  # max_inflight=1: the 7 MiB arena only, handles kept or not
@@ -245,6 +252,7 @@ def test_pinned_load_buffers_are_registered_exactly_and_freed_after_the_load(
     assert [size for _, _, size in registers] == [2 * MIB + 4096]  # not 4 MiB
     assert torch.equal(loaded["w"], state["w"])
     del loaded
+    assert workers.wait_idle(30)  # the read threads have dropped their chunk views
     gc.collect()
     assert not fake_cuda.registered  # unregistered once the load's buffers are gone
 
