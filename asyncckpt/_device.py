@@ -1,21 +1,39 @@
-"""Where loaded tensors go: ``map_location`` rules, including asyncckpt's default.
+"""The device seam: where loaded tensors go, and every CUDA call asyncckpt makes.
 
-The default differs from ``torch.load`` on purpose. ``torch.load`` puts a tensor saved from
-``cuda:3`` back on ``cuda:3``; in data-parallel training every rank saved from its own GPU, so
-all ranks loading rank 0's file pile onto rank 0's GPU. asyncckpt's default places CPU tensors
-on the CPU and accelerator tensors on the *loading* process's current device, which is what
-each rank wants. Without CUDA, CUDA tensors load on the CPU with one warning.
+Two parts. :class:`Placement` decides where each loaded storage goes (``map_location``
+rules, including asyncckpt's default). :class:`Cuda` is the only place the package calls
+``torch.cuda`` (device choice, streams, events, page-locking, error clearing): the rest of
+the package asks :func:`cuda` for it, and tests swap in a recording fake with
+:func:`use_cuda` (``tests/fake_cuda.py``), which makes the ordering of a save's copies
+observable without a GPU.
+
+The default placement differs from ``torch.load`` on purpose. ``torch.load`` puts a tensor
+saved from ``cuda:3`` back on ``cuda:3``; in data-parallel training every rank saved from its
+own GPU, so all ranks loading rank 0's file pile onto rank 0's GPU. asyncckpt's default
+places CPU tensors on the CPU and CUDA tensors on the loading process's *own* device
+(:meth:`Cuda.own_device`: a device the process chose, else ``LOCAL_RANK``, else its
+process-group rank modulo the device count, else the current device). Without CUDA, CUDA
+tensors load on the CPU with one warning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import logging
+import os
+import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final, TypeAlias
 
 import torch
+import torch.distributed as dist
 
+from asyncckpt import _threads as workers
 from asyncckpt.errors import AsyncCkptWarning, DeviceUnavailableError
+
+log = logging.getLogger(__name__)
 
 MapLocation: TypeAlias = (
     str | torch.device | Mapping[str, str | torch.device] | Callable[..., Any] | None
@@ -105,6 +123,271 @@ def check_available(where: str | torch.device) -> None:
         )
 
 
+# ------------------------------------------------------------------ the CUDA seam
+
+
+class Cuda:
+    """Every ``torch.cuda`` call asyncckpt makes, and the own-device rule built on them.
+
+    The methods are the primitives (one CUDA runtime call each, no policy), so that a fake
+    (``tests/fake_cuda.py``) can record them in order and fail any of them; the policy
+    (:meth:`own_device`, the order of a save's copies in ``_engine/snapshot.py``, arena
+    registration in ``_engine/arena.py``) runs unchanged over the fake.
+
+    Example:
+        >>> cuda().device_of(torch.zeros(1))
+        device(type='cpu')
+    """
+
+    def __init__(self) -> None:
+        self._streams: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()
+
+    # -- devices ----------------------------------------------------------------------
+
+    def in_use(self) -> bool:
+        """Whether this process has initialized CUDA (it holds CUDA tensors if it has
+        any); unlike ``is_available`` this never initializes the driver."""
+        return bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
+
+    def available(self) -> bool:
+        """Whether a CUDA device can be used (initializes the driver: not on CPU paths).
+
+        False in a child forked from a process that had initialized CUDA: CUDA cannot be
+        re-initialized there ("Cannot re-initialize CUDA in forked subprocess")."""
+        if torch.cuda._is_in_bad_fork():  # type: ignore[no-untyped-call]
+            return False
+        return bool(torch.cuda.is_available())
+
+    def device_count(self) -> int:
+        """How many CUDA devices this process sees."""
+        return int(torch.cuda.device_count())
+
+    def current_device(self) -> int:
+        """The calling thread's current device (0 unless ``set_device`` chose another)."""
+        return int(torch.cuda.current_device())
+
+    def bound_device(self) -> int | None:
+        """The device the default process group is bound to
+        (``init_process_group(device_id=...)``), if any."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
+        return None if bound is None or bound.index is None else int(bound.index)
+
+    def group_rank(self) -> int | None:
+        """This process's rank in the default process group (None: no group)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        return int(dist.get_rank())
+
+    def device_of(self, t: torch.Tensor) -> torch.device:
+        """The device ``t``'s data lives on."""
+        return t.device
+
+    def on_device(self, index: int) -> contextlib.AbstractContextManager[Any]:
+        """Make ``index`` the calling thread's current device for a block."""
+        return torch.cuda.device(index)
+
+    def own_device(self) -> int:
+        """This process's own CUDA device: the rule of every default placement.
+
+        In order: the device the default process group is bound to; a device the process
+        chose (``torch.cuda.set_device`` to anything but 0); ``LOCAL_RANK`` (torchrun); the
+        process-group rank modulo the device count (``mp.spawn`` on one node, as the DDP
+        tutorial does; warned, since it assumes one node); else the current device (warned
+        when there are several devices). With one visible device it is that one.
+        """
+        bound = self.bound_device()
+        if bound is not None:
+            return bound
+        current = self.current_device()
+        count = self.device_count()
+        if count <= 1 or current != 0:
+            return current
+        local = os.environ.get("LOCAL_RANK", "")
+        if local.isdigit() and local.isascii():
+            if int(local) < count:
+                return int(local)
+            self._warn_once(
+                "local",
+                f"LOCAL_RANK={local} but {count} CUDA devices are visible; using "
+                f"cuda:{int(local) % count}; call torch.cuda.set_device to choose",
+            )
+            return int(local) % count
+        rank = self.group_rank()
+        if rank is not None:
+            self._warn_once(
+                "rank",
+                f"no CUDA device chosen (torch.cuda.set_device) and no LOCAL_RANK: "
+                f"asyncckpt takes cuda:{rank % count} (process-group rank {rank} modulo "
+                f"{count} devices), which assumes one node; call torch.cuda.set_device(...) "
+                "to choose",
+            )
+            return rank % count
+        self._warn_once(
+            "current",
+            f"{count} CUDA devices, none chosen (torch.cuda.set_device, "
+            "LOCAL_RANK, a process group): asyncckpt uses the current device, cuda:0",
+        )
+        return current
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, AsyncCkptWarning, stacklevel=3)
+
+    # -- streams and events -----------------------------------------------------------
+
+    def current_stream(self, index: int) -> Any:
+        """The current stream of device ``index`` (where the caller's kernels run)."""
+        return torch.cuda.current_stream(index)
+
+    def copy_stream(self, index: int) -> Any:
+        """asyncckpt's one copy stream on device ``index``, created once per process: pool
+        streams are shared round-robin with other libraries (NCCL among them)."""
+        with self._lock:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = self.new_stream(index)
+            return stream
+
+    def new_stream(self, index: int) -> Any:
+        """A new stream on device ``index`` (only :meth:`copy_stream` makes one)."""
+        return torch.cuda.Stream(index)  # type: ignore[no-untyped-call]
+
+    def wait_stream(self, stream: Any, producer: Any) -> None:
+        """Make ``stream`` wait (on the device) for the work queued on ``producer``."""
+        stream.wait_stream(producer)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Queue ``dst.copy_(src)`` on ``stream`` without waiting for it."""
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        """Keep the allocator from reusing ``t``'s memory before ``stream``'s queued work."""
+        t.record_stream(stream)
+
+    def record_event(self, stream: Any) -> Any:
+        """An event marking the end of the work queued on ``stream`` so far."""
+        return stream.record_event()
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait (on the device, the host goes on) for ``event``."""
+        stream.wait_event(event)
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block the host until ``event`` has happened."""
+        event.synchronize()
+
+    def synchronize(self, index: int) -> None:
+        """Block the host until device ``index`` is idle."""
+        torch.cuda.synchronize(index)
+
+    # -- host memory ------------------------------------------------------------------
+
+    def to_device(self, data: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A copy of host ``data`` on ``device`` (asynchronous from pinned memory)."""
+        return data.to(device, non_blocking=data.is_pinned())
+
+    def copy_into(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """``target.copy_(source)``: host to device, asynchronous from pinned memory."""
+        target.copy_(source, non_blocking=source.is_pinned())
+
+    def register(self, address: int, size: int) -> bool:
+        """Page-lock host memory for the current device (``cudaHostRegister``, exact size:
+        not the caching host allocator, which rounds up to a power of two and keeps it).
+
+        A failure leaves the runtime's last error set, which the next kernel launch of
+        the caller's training would raise as its own: it is cleared here.
+        """
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        if int(cudart.cudaHostRegister(address, size, 0)) == 0:
+            return True
+        self.clear_error()
+        return False
+
+    def unregister(self, address: int) -> None:
+        """Undo :meth:`register` (on the device it was registered on)."""
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        if int(cudart.cudaHostUnregister(address)) != 0:
+            self.clear_error()
+
+    def clear_error(self) -> int:
+        """Reset this thread's last CUDA runtime error (``cudaGetLastError``); returns it,
+        or -1 where the runtime library is not loaded."""
+        library = _cudart_library()
+        return -1 if library is None else int(library.cudaGetLastError())
+
+    def empty(self, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``torch.empty`` on ``device`` (any device; the fake makes its CUDA ones)."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def pinned_empty(self, nbytes: int) -> torch.Tensor:
+        """A pinned host buffer from torch's caching host allocator (the fallback)."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+_CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
+
+
+def _cudart_library() -> Any:
+    """The CUDA runtime torch has loaded (``RTLD_NOLOAD``: never a second copy), or None."""
+    mode = getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL
+    for name in _CUDART_NAMES:
+        try:
+            return ctypes.CDLL(name, mode=mode)
+        except OSError:
+            continue
+    log.debug("no CUDA runtime library loaded: the last CUDA error is left as it is")
+    return None
+
+
+_cuda: Cuda = Cuda()
+
+
+def cuda() -> Cuda:
+    """The process's CUDA seam (a fake one in tests: :func:`use_cuda`).
+
+    Example:
+        >>> isinstance(cuda(), Cuda)
+        True
+    """
+    return _cuda
+
+
+def use_cuda(backend: Cuda) -> Cuda:
+    """Make ``backend`` the process's CUDA seam; return the previous one (to restore).
+
+    Example:
+        >>> previous = use_cuda(Cuda())
+        >>> _ = use_cuda(previous)
+    """
+    global _cuda
+    previous, _cuda = _cuda, backend
+    return previous
+
+
+@workers.after_fork_in_child
+def _forget_parent_streams() -> None:
+    """A forked child cannot use its parent's CUDA streams (nor CUDA at all)."""
+    global _cuda
+    if type(_cuda) is Cuda:
+        _cuda = Cuda()
+
+
+@contextlib.contextmanager
+def on_own_device(index: int | None) -> Iterator[None]:
+    """Run a block with ``index`` current (None: as it is)."""
+    if index is None:
+        yield
+        return
+    with cuda().on_device(index):
+        yield
+
+
 class Placement:
     """Decides the device of each storage from its saved device string.
 
@@ -142,8 +425,8 @@ class Placement:
         kind = saved.split(":")[0]
         if kind == "cpu":
             return torch.device("cpu")
-        if kind == "cuda" and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
+        if kind == "cuda" and cuda().available():
+            return torch.device("cuda", cuda().own_device())
         if kind != "cuda" and known_device(saved):
             module = getattr(torch, kind, None)  # only allow-listed names: never torch._dynamo
             available = getattr(module, "is_available", None)
@@ -176,17 +459,33 @@ class Placement:
             result = self.map_location(data.untyped_storage(), saved)  # type: ignore[operator,misc]
             if isinstance(result, torch.UntypedStorage):
                 return torch.empty(0, dtype=torch.uint8, device=result.device).set_(result)
+            if result is None and saved.startswith("cuda") and cuda().available():
+                return self._to_cuda(data, torch.device(saved))  # torch.load: where saved
             return data
         device = self.device_for(saved)
         if device.type == "cpu":
             return data
         if device.type == "cuda":
-            self._cuda_devices.add(device)
-            return data.to(device, non_blocking=data.is_pinned())
+            return self._to_cuda(data, device)
         return data.to(device)
 
+    def _to_cuda(self, data: torch.Tensor, device: torch.device) -> torch.Tensor:
+        self._cuda_devices.add(device)
+        return cuda().to_device(data, device)
+
+    def copy_into(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """``target.copy_(source)``; from host memory into a CUDA ``target`` directly, and
+        asynchronously from pinned memory (call :meth:`synchronize` before use)."""
+        device = cuda().device_of(target)
+        if device.type == "cuda" and cuda().device_of(source).type == "cpu":
+            self._cuda_devices.add(device)
+            cuda().copy_into(target, source)
+            return
+        target.copy_(source)
+
     def synchronize(self) -> None:
-        """Wait for the asynchronous host-to-device copies started by :meth:`place`."""
+        """Wait for the asynchronous host-to-device copies started by :meth:`place` and
+        :meth:`copy_into`."""
         for device in self._cuda_devices:
-            torch.cuda.synchronize(device)
+            cuda().synchronize(device.index if device.index is not None else 0)
         self._cuda_devices.clear()

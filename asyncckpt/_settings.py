@@ -136,8 +136,9 @@ class Settings:
     )
     pin_budget_bytes: int = _tunable(
         1 << 30,
-        "bytes of host memory one load may pin for copies to CUDA; storages past it are "
-        "read into pageable memory",
+        "bytes of host memory one load may pin for copies to CUDA: the window a load "
+        "streams its storages through (two halves, one read while the other is copied); "
+        "larger storages and loads with into= are pinned within it, then pageable",
     )
     lease_renew_ms: int = _tunable(
         5_000,

@@ -180,6 +180,16 @@ class SafetensorsError(AsyncCkptError, ValueError):
     """A file is not valid safetensors, or a state cannot be written as safetensors."""
 
 
+class DeviceCopyError(AsyncCkptError, RuntimeError):
+    """A CUDA error while a save copied the state to host memory: the save did not happen.
+
+    The message names the device and CUDA's error; the original is chained (``from``). The
+    host arena and the drop-in save marker are released, so other saves and other
+    processes' loads are not held up; a sticky error (an illegal access, a device-side
+    assert) leaves the CUDA context unusable, and the process should be restarted.
+    """
+
+
 class SnapshotFailedError(Exception):
     """Raised in the writer when the copy it was waiting for failed (the caller sees why)."""
 

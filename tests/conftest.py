@@ -36,12 +36,33 @@ def arena_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     allocated: list[int] = []
     real_allocate = arena_mod._allocate
 
-    def allocate(nbytes: int, shared: bool = False) -> Any:
+    def allocate(nbytes: int, shared: bool = False, pin: int | None = None) -> Any:
         allocated.append(nbytes)
-        return real_allocate(nbytes, shared)
+        return real_allocate(nbytes, shared, pin)
 
     monkeypatch.setattr(arena_mod, "_allocate", allocate)
     return allocated
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A :class:`tests.fake_cuda.FakeCuda` (one device) at the device seam, with a fresh
+    arena pool (its arenas are page-locked through the fake); the test may change its
+    ``devices``, ``rank``, ``bound``, ``fail``... The real seam comes back afterwards."""
+    from asyncckpt import _device
+    from asyncckpt._api import staging as staging_api
+    from asyncckpt._engine import arena as arena_mod
+    from tests.fake_cuda import FakeCuda
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(staging_api, "_arenas", None)
+    monkeypatch.setattr(arena_mod, "_unpinnable", False)  # a failed registration sticks
+    fake = FakeCuda()
+    previous = _device.use_cuda(fake)
+    try:
+        yield fake
+    finally:
+        _device.use_cuda(previous)
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from asyncckpt._api.versions import VersionsMixin
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import overlap
 from asyncckpt._engine.decode import Budget
-from asyncckpt._engine.snapshot import Snapshot
+from asyncckpt._engine.snapshot import DeviceCopies, Snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
@@ -130,7 +130,9 @@ class Checkpointer(VersionsMixin):
         self._attempts = sharded.Attempts()
         self._last_step: int | None = None
         self._closed = False
-        self._last_snapshot: Snapshot | None = None
+        # Only the last save's copy events: the snapshot would keep its arena alive (on
+        # CUDA, page-locked) after a later save replaced it.
+        self._last_copies: DeviceCopies | None = None
         self._agreed_step: int | None = None
 
     # -- writing ------------------------------------------------------------------------
@@ -207,7 +209,7 @@ class Checkpointer(VersionsMixin):
             snap, handle = self._stage_and_write(
                 part, state if plan is None else plan.plain, started, checked
             )
-            self._last_snapshot = snap
+            self._last_copies = snap.copies
             self._last_step = step
         return handle
 
@@ -317,9 +319,9 @@ class Checkpointer(VersionsMixin):
 
         Only needed with ``overlap=True``: before that, the state's tensors must not change.
         """
-        snap = self._last_snapshot
-        if snap is not None:
-            snap.wait_copied()
+        copies = self._last_copies
+        if copies is not None:
+            copies.wait()
 
     def protect(self, *targets: Any) -> Any:
         """Make everything that mutates saved state wait for the last save's copies.
@@ -350,7 +352,14 @@ class Checkpointer(VersionsMixin):
             >>> opt.step()  # waits for the snapshot's copies first
             >>> ckpt.close()
         """
-        return overlap.guard(list(targets), self.wait_for_snapshot)
+        return overlap.guard(list(targets), self._order_after_snapshot)
+
+    def _order_after_snapshot(self) -> None:
+        """The guard's wait: the devices' streams wait for the last save's copies; the host
+        goes on (a host wait here would stall every optimizer step until the copy ends)."""
+        copies = self._last_copies
+        if copies is not None:
+            copies.order_after()
 
     def _check_new_step(self, step: int) -> None:
         if self._last_step is None:  # the first save: continue from what is committed

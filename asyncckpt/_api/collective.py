@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncckpt._device import cuda
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -95,9 +96,10 @@ def agree_on_step(
 
 
 def collective_device(group: Any) -> torch.device:
-    """Where a collective's tensors live for ``group``'s backend."""
+    """Where a collective's tensors live for ``group``'s backend: for NCCL, this rank's
+    own device (:meth:`asyncckpt._device.Cuda.own_device`), never every rank's GPU 0."""
     if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", cuda().own_device())
     return torch.device("cpu")
 
 

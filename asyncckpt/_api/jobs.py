@@ -151,7 +151,7 @@ class SaveHandle:
             if self._state != "queued" or self._on_cancel is None or self._future.done():
                 return self._state == "cancelled"
             self._state = "cancelled"
-            on_cancel = self._on_cancel
+            on_cancel, self._on_cancel = self._on_cancel, None
         self._observed = True
         on_cancel()
         return True
@@ -208,6 +208,9 @@ class SaveHandle:
             if self._state == "cancelled":
                 return False
             self._state = "running"
+            # It can no longer be cancelled: drop what the undo holds (the snapshot, whose
+            # arena, page-locked on CUDA, a kept handle would otherwise keep alive).
+            self._on_cancel = None
             return True
 
     def _finish(self, future: Future[int]) -> None:

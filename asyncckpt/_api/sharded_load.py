@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from asyncckpt._api.sharded_save import Path, dtensor_leaves, fqn_of, holds_dtensor
-from asyncckpt._device import Placement
+from asyncckpt._device import Placement, cuda
 from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file
 from asyncckpt._engine.decode_lazy import LazyEntries
 from asyncckpt._engine.decode_select import top_level
@@ -151,14 +151,20 @@ class ShardedLoad:
                 "loading into DTensors is collective: call load() on every rank of the group "
                 "(not with collective=False)"
             )
-        if dtensors:
-            flat = {fqn_of(path): dt for path, dt in dtensors.items()}
-            _dcp_load(flat, reader, self.ckpt.group, no_dist=False)
-            loaded: dict[Path, Any] = dict(dtensors)
-        else:
-            loaded = _consolidated(metadata, reader, self.placement, self.into, budget, keys)
         opened, skip = rank_file(self.ckpt, commit, directory, metadata)
         with opened:
+            if dtensors:
+                flat = {fqn_of(path): dt for path, dt in dtensors.items()}
+                _dcp_load(flat, reader, self.ckpt.group, no_dist=False)
+                loaded: dict[Path, Any] = dict(dtensors)
+            else:
+                # Whole tensors go where this rank's shards were saved from, as placed (its
+                # own device by default), like the plain values beside them: never the CPU
+                # for some and a GPU for the others.
+                saved = shards_device(opened, skip)
+                loaded = _consolidated(
+                    metadata, reader, self.placement, self.into, budget, keys, saved
+                )
             replaced = {key_path(path) for path in loaded}
             plain = materialize(
                 opened,
@@ -215,11 +221,13 @@ def _consolidated(
     into: Any,
     budget: Budget,
     keys: Collection[Any] | None,
+    saved: str = "cpu",
 ) -> dict[Path, torch.Tensor]:
     """Every tensor of the version, whole, by its path in the saved state.
 
     Names stored alike (a tied weight) share one tensor, allocated once, as a single-file
-    load gives tied tensors back; a name with a target in ``into`` loads into it.
+    load gives tied tensors back; a name with a target in ``into`` loads into it. Tensors
+    without a target are allocated where ``placement`` puts storages saved on ``saved``.
     """
     targets = tensor_paths(into) if into is not None else {}
     device = torch.device("cpu") if callable(placement.map_location) else None
@@ -239,8 +247,8 @@ def _consolidated(
                 if shared is None:
                     need = value_bytes(metadata, fqn)
                     budget.charge(reader.checkpoint_id, need, f"the whole of {fqn}")
-                    where = device or placement.device_for("cpu")
-                    shared = torch.empty(md.size, dtype=md.properties.dtype, device=where)
+                    where = device or placement.device_for(saved)
+                    shared = cuda().empty(md.size, md.properties.dtype, where)
                 target = shared
             elif (target.shape, target.dtype) != (md.size, md.properties.dtype):
                 raise ValueError(
@@ -250,6 +258,16 @@ def _consolidated(
             full[fqn] = paths[path] = target
     _dcp_load(full, reader, None, no_dist=True)
     return paths
+
+
+def shards_device(opened: OpenedFile, skip: set[int]) -> str:
+    """The device this rank's shards were saved from (its rank file's DTensor entries),
+    ``"cpu"`` if it stored none."""
+    manifest = opened.manifest
+    for i in sorted(skip):
+        if 0 <= i < len(manifest.tensors):
+            return manifest.storages[manifest.tensors[i].storage].device
+    return "cpu"
 
 
 def _kept(path: Path, keys: Collection[Any] | None) -> bool:

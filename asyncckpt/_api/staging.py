@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncckpt import _threads as workers
+from asyncckpt._device import cuda
 from asyncckpt._engine import writer_process
 from asyncckpt._engine.arena import ArenaPool
 from asyncckpt._engine.encode import WriteOptions
-from asyncckpt._engine.snapshot import Snapshot, arena_bytes, snapshot
+from asyncckpt._engine.snapshot import Snapshot, arena_bytes, snapshot, snapshot_device
 from asyncckpt._format.codec import check_compression
 from asyncckpt._format.tree import flatten
 from asyncckpt._settings import Settings
@@ -83,9 +84,13 @@ def reserve_arena(state_or_nbytes: Any, settings: Settings) -> threading.Thread 
     """
     if isinstance(state_or_nbytes, int):
         nbytes = state_or_nbytes + state_or_nbytes // 64 + (1 << 20)  # room for alignment
+        pin = cuda().own_device() if cuda().in_use() else None
     else:
-        nbytes = arena_bytes(flatten(state_or_nbytes))
+        flat = flatten(state_or_nbytes)
+        nbytes = arena_bytes(flat)
+        pin = snapshot_device(flat)
     shared = writer_process.wanted(write_options("none", settings))
     if shared:
         writer_process.start(settings)  # its start-up (an interpreter importing torch) too
-    return arena_pool(settings).reserve(nbytes, shared)
+    # The device is chosen here, on the caller's thread: the reserve thread's is 0.
+    return arena_pool(settings).reserve(nbytes, shared, pin)

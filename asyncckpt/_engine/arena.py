@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from asyncckpt import _threads as workers
+from asyncckpt._device import Cuda, cuda
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,19 @@ class ArenaPool:
         self._reserving = False
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int, shared: bool = False) -> ArenaLease:
+    def acquire(self, nbytes: int, shared: bool = False, pin: int | None = None) -> ArenaLease:
         """Take a buffer of at least ``nbytes``, waiting while all are leased.
 
         ``shared``: the buffer must be in shared memory (see :func:`shared_region`), for a
-        writer process to read; a free buffer of the other kind is replaced.
+        writer process to read; a free buffer of the other kind is replaced. ``pin``: the
+        CUDA device the buffer must be page-locked for (the copies come from there); None
+        for host-only snapshots. A buffer that is too small is replaced by one at least
+        :data:`GROWTH` times its size, so that a state growing a little at each save does
+        not reallocate (and re-register) on every one.
+
+        Raises:
+            Exception: the allocation's error (ENOMEM, EMFILE...); the lease is returned
+                first, so later saves are not blocked by it.
         """
         with self._cond:
             # A reservation in progress is the arena this save should get: wait for it
@@ -72,16 +81,25 @@ class ArenaPool:
                 self._cond.wait()
             self._leased += 1
             buffer = self._free.pop() if self._free else None
-        if not _fits(buffer, nbytes, shared):
-            del buffer  # drop the unfit one before allocating, to cap peak memory
-            buffer = _allocate(nbytes, shared)
+        try:
+            if not _fits(buffer, nbytes, shared, pin):
+                grown = nbytes if buffer is None else max(nbytes, int(buffer.numel() * GROWTH))
+                del buffer  # drop the unfit one before allocating, to cap peak memory
+                buffer = _allocate(grown, shared, pin)
+        except BaseException:
+            with self._cond:  # a lease counted for no buffer would block every later save
+                self._leased -= 1
+                self._cond.notify_all()
+            raise
         assert buffer is not None
         return ArenaLease(self, buffer)
 
-    def reserve(self, nbytes: int, shared: bool = False) -> threading.Thread | None:
-        """Allocate and pre-fault an arena of ``nbytes`` (in shared memory if ``shared``, as
-        ``acquire`` asks for) in a background thread; return it, to join, or None if there
-        was nothing to do.
+    def reserve(
+        self, nbytes: int, shared: bool = False, pin: int | None = None
+    ) -> threading.Thread | None:
+        """Allocate and pre-fault an arena of ``nbytes`` (in shared memory if ``shared``,
+        page-locked for CUDA device ``pin``, as ``acquire`` asks for) in a background
+        thread; return it, to join, or None if there was nothing to do.
 
         Takes the page faults of a first save off its critical path: call it as soon as the
         state's size is known (e.g. once the model is built). A save that starts meanwhile
@@ -90,7 +108,7 @@ class ArenaPool:
         """
         with self._cond:
             free_slots = self.max_inflight - self._leased
-            fit = any(_fits(b, nbytes, shared) for b in self._free)
+            fit = any(_fits(b, nbytes, shared, pin) for b in self._free)
             if self._reserving or free_slots <= 0 or fit:
                 return None
             self._reserving = True
@@ -101,7 +119,7 @@ class ArenaPool:
         def work() -> None:
             buffer: torch.Tensor | None = None
             try:
-                buffer = _allocate(nbytes, shared)
+                buffer = _allocate(nbytes, shared, pin)  # registered under `pin`, not device 0
             finally:
                 with self._cond:
                     if buffer is not None:
@@ -118,6 +136,10 @@ class ArenaPool:
             self._leased -= 1
             self._free.append(buffer)
             self._cond.notify_all()
+
+
+#: A too-small arena is replaced by one this many times its size (or the size asked for).
+GROWTH = 1.5
 
 
 class ArenaLease:
@@ -137,17 +159,34 @@ class ArenaLease:
         self._pool._give_back(self.buffer)
 
 
-def _fits(buffer: torch.Tensor | None, nbytes: int, shared: bool) -> bool:
+def _fits(buffer: torch.Tensor | None, nbytes: int, shared: bool, pin: int | None) -> bool:
     if buffer is None or buffer.numel() < nbytes:
         return False
+    if pin is not None and _pinned_for(buffer) != pin:
+        return False  # pageable (or pinned for another device): device copies would crawl
     return not shared or shared_region(buffer) is not None
 
 
-def _allocate(nbytes: int, shared: bool = False) -> torch.Tensor:
+_pinned_lock = threading.Lock()
+#: address -> the mmap behind a host arena, while it lives (for _note_pinned).
+_mappings: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()
+_pinned: dict[int, int] = {}  # address of a page-locked arena -> its CUDA device
+
+
+def _pinned_for(buffer: torch.Tensor) -> int | None:
+    with _pinned_lock:
+        return _pinned.get(buffer.data_ptr())
+
+
+def _allocate(nbytes: int, shared: bool = False, pin: int | None = None) -> torch.Tensor:
     """A host buffer of at least ``nbytes``, every page already faulted in.
 
-    On CUDA: pinned memory (``cudaHostAlloc`` maps it resident). Elsewhere: an anonymous
-    mapping advised to use transparent huge pages, then touched once per page. Touching
+    An anonymous mapping advised to use transparent huge pages, then touched once per page;
+    with ``pin`` (a CUDA device), page-locked with ``cudaHostRegister`` of its exact size,
+    under that device (a helper thread's current device is 0: registering there would
+    create a context on GPU 0 in every rank). Not ``pin_memory=True``: torch's caching
+    host allocator rounds every request up to a power of two and keeps it pinned for the
+    life of the process; a registered arena is unregistered when dropped. Touching
     costs what the copy would have paid in page faults anyway, but huge pages make it about
     6x cheaper (0.07 s instead of 0.41 s for 1 GiB on the 2-core benchmark machine) and halve
     the TLB misses of every later copy into the arena.
@@ -155,13 +194,77 @@ def _allocate(nbytes: int, shared: bool = False) -> torch.Tensor:
     ``shared``: a memfd mapping another process can map too (:func:`shared_region`), pinned
     by registration on CUDA. Raises OSError where memfd does not exist (not Linux).
     """
-    # Round up so small growth between saves does not force a new arena every time.
-    size = max(ALIGN, -(-nbytes // (1 << 20)) * (1 << 20))
+    size = max(ALIGN, -(-nbytes // _PAGE) * _PAGE)
     if shared:
-        return _shared_arena(size)
-    if torch.cuda.is_available():
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-    return _host_arena(size)
+        return _shared_arena(size, pin)
+    buffer = _host_arena(size)
+    if pin is None:
+        return buffer
+    if _register(buffer, size, pin):
+        return buffer
+    log.warning(
+        "CUDA could not page-lock a %d-byte arena (cudaHostRegister) on cuda:%d; using "
+        "torch's pinned memory instead",
+        size,
+        pin,
+    )
+    del buffer
+    with cuda().on_device(pin):
+        fallback = cuda().pinned_empty(size)
+    _note_pinned(fallback, pin, registered=False)
+    return fallback
+
+
+#: Pinned load buffers at least this large are registered at their exact size; smaller ones
+#: come from torch's caching host allocator (a mapping and a registration each would cost
+#: more than its power-of-two rounding wastes).
+EXACT_PIN_MIN = 1 << 20
+
+
+def pinned_host(nbytes: int, device: int) -> torch.Tensor:
+    """A host buffer of ``nbytes`` page-locked for ``device``, for a load's reads.
+
+    From ``EXACT_PIN_MIN`` up, registered at its exact size and unregistered when dropped
+    (torch's caching host allocator would round it up to a power of two and keep it pinned
+    for the life of the process); pageable if registration fails.
+    """
+    if nbytes < EXACT_PIN_MIN:
+        with cuda().on_device(device):
+            return cuda().pinned_empty(nbytes)
+    size = -(-nbytes // _PAGE) * _PAGE
+    buffer = _host_arena(size)
+    _register(buffer, size, device)  # False: stays pageable (the copy is then synchronous)
+    return buffer[:nbytes]
+
+
+def _register(buffer: torch.Tensor, size: int, pin: int) -> bool:
+    """Page-lock ``buffer`` for device ``pin``; unregister it when the buffer is freed."""
+    address = buffer.data_ptr()
+    with cuda().on_device(pin):
+        if not cuda().register(address, size):
+            return False
+    _note_pinned(buffer, pin, registered=True)
+    return True
+
+
+def _note_pinned(buffer: torch.Tensor, pin: int, registered: bool) -> None:
+    address = buffer.data_ptr()
+    with _pinned_lock:
+        _pinned[address] = pin
+    # Unpinned when the memory goes: the mapping outlives every view of it (a load's
+    # storages are slices of its buffer), so it, not the tensor object, is watched.
+    owner: Any = _mappings.get(address, buffer)
+    # The seam that pinned it unpins it (a test's fake may be gone by then).
+    finalizer = weakref.finalize(owner, _unpin, address, pin, registered, cuda())
+    finalizer.atexit = False  # at exit the process's memory goes anyway, and CUDA may be gone
+
+
+def _unpin(address: int, pin: int, registered: bool, backend: Cuda) -> None:
+    with _pinned_lock:
+        _pinned.pop(address, None)
+    if registered:
+        with backend.on_device(pin):  # the device it was registered on, from any thread
+            backend.unregister(address)
 
 
 def _host_arena(size: int) -> torch.Tensor:
@@ -181,6 +284,7 @@ def _faulted_in(region: mmap.mmap) -> torch.Tensor:
             region.madvise(mmap.MADV_HUGEPAGE)
     # The tensor holds the mapping's buffer: it is unmapped when the last view goes away.
     buffer = torch.frombuffer(region, dtype=torch.uint8)
+    _mappings[buffer.data_ptr()] = region
     _fault_in(region)  # every page now, not during a save's copy
     return buffer
 
@@ -290,7 +394,7 @@ def shared_regions() -> list[SharedRegion]:
         return list(_shared.values())
 
 
-def _shared_arena(size: int) -> torch.Tensor:
+def _shared_arena(size: int, pin: int | None) -> torch.Tensor:
     fd = os.memfd_create("asyncckpt-arena", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
@@ -300,8 +404,7 @@ def _shared_arena(size: int) -> torch.Tensor:
         os.close(fd)
         raise
     address = buffer.data_ptr()
-    pinned = _pin(address, size)
-    if torch.cuda.is_available() and not pinned:
+    if pin is not None and not _register(buffer, size, pin):
         global _unpinnable
         _unpinnable = True
         log.warning(
@@ -310,29 +413,22 @@ def _shared_arena(size: int) -> torch.Tensor:
         )
         del buffer, region
         os.close(fd)
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        with cuda().on_device(pin):
+            fallback = cuda().pinned_empty(size)
+        _note_pinned(fallback, pin, registered=False)
+        return fallback
     ident = next(_shared_ids)
     with _shared_lock:
         _shared[ident] = SharedRegion(ident, fd, size, address)
-    # Dropped by the pool (replaced by a larger arena): forget it, unpin, close the memfd.
-    finalizer = weakref.finalize(buffer, _forget_shared, ident, fd, address if pinned else None)
+    # Dropped by the pool (replaced by a larger arena): forget it, close the memfd (its
+    # registration, if any, is undone by _register's own finalizer).
+    finalizer = weakref.finalize(buffer, _forget_shared, ident, fd)
     finalizer.atexit = False  # at exit the process's memory goes anyway, and CUDA may be gone
     return buffer
 
 
-def _pin(address: int, size: int) -> bool:
-    """Page-lock shared host memory for CUDA copies, as ``pin_memory=True`` would."""
-    if not torch.cuda.is_available():
-        return False
-    cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    return int(cudart.cudaHostRegister(address, size, 0)) == 0
-
-
-def _forget_shared(ident: int, fd: int, pinned_at: int | None) -> None:
+def _forget_shared(ident: int, fd: int) -> None:
     with _shared_lock:
         _shared.pop(ident, None)
-    if pinned_at is not None:
-        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        cudart.cudaHostUnregister(pinned_at)
     with contextlib.suppress(OSError):
         os.close(fd)

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from asyncckpt._device import cuda
+from asyncckpt._engine.arena import pinned_host
 from asyncckpt._engine.opened import Budget, OpenedFile, check_sizes
 from asyncckpt._engine.snapshot import byte_view
 from asyncckpt._format.codec import checksum, decode_chunk
@@ -165,7 +167,9 @@ def _allocate_for(opened: OpenedFile, nbytes: int, pin: bool) -> torch.Tensor:
 
 
 def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if pin:
+        return pinned_host(nbytes, cuda().own_device())
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _stored_scratch(size: int) -> memoryview:

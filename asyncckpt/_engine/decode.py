@@ -19,9 +19,16 @@ import torch
 from asyncckpt._device import Placement, device_types, known_device
 from asyncckpt._engine.chunks import read_runs, whole_run
 from asyncckpt._engine.decode_select import Selection, for_into, select, top_level
+from asyncckpt._engine.device_load import stream_to_device, streamable
 from asyncckpt._engine.opened import Budget, OpenedFile, check_sizes, open_file
 from asyncckpt._format.container import ArrayEntry, StorageEntry, TensorEntry
-from asyncckpt._format.tree import empty_of, tensor_paths, torch_dtype, unflatten
+from asyncckpt._format.tree import (
+    empty_of,
+    tensor_paths,
+    tensor_paths_all,
+    torch_dtype,
+    unflatten,
+)
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt.errors import FileReplacedError, FormatError
@@ -230,31 +237,54 @@ def materialize(
         sids = {manifest.tensors[i].storage for i in wanted}
         sids |= {manifest.arrays[i].storage for i in chosen.arrays}
     pins = [placement.wants_pinned(entry.device) for entry in manifest.storages]
+    every = range(len(manifest.storages)) if sids is None else sorted(sids)
+    streamed: dict[int, torch.Tensor] = {}
+    if not targets:  # fresh device tensors only: see below, and _engine/device_load.py
+        to_stream = streamable(opened, placement, every)
+        if budget is not None and to_stream:
+            nbytes = sum(manifest.storages[sid].nbytes for sid in to_stream)
+            budget.charge(opened.name, nbytes, "its storages")
+        window = pin_budget_bytes(settings)
+        streamed = stream_to_device(opened, placement, to_stream, threads, window)
     # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
     # not leave the caller's tensors half overwritten.
     raw = read_storages(
         opened,
         threads,
-        sids=sids,
+        sids=[sid for sid in every if sid not in streamed],
         pinned=pins,
         budget=budget,
         pin_budget=pin_budget_bytes(settings),
     )
-    placed = {sid: placement.place(buf, manifest.storages[sid].device) for sid, buf in raw.items()}
+    # Every key path of each tensor: a tensor saved at two paths ({"model": sd, "ema": sd},
+    # tied weights) is one table entry, and into's tensor at each of its paths gets it.
+    paths = {}
+    if targets:
+        paths = key_paths(manifest.root, len(manifest.tensors), len(manifest.arrays), opened.name)
+    goes_into = {
+        i: [targets[p] for p in paths.get(i, [manifest.tensors[i].key]) if p in targets]
+        for i in wanted
+    }
+    # A storage all of whose tensors go into targets is copied from host memory straight
+    # into them: placing it first would hold a second copy of the state on the device.
+    to_place = {manifest.tensors[i].storage for i in wanted if not goes_into[i]}
+    placed = {
+        sid: placement.place(buf, manifest.storages[sid].device) if sid in to_place else buf
+        for sid, buf in raw.items()
+    }
+    placed.update(streamed)
     tensors: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     copies = []
     for i in wanted:
         entry = manifest.tensors[i]
         view = _view(placed[entry.storage], entry)
-        target = targets.get(entry.key)
-        if target is not None:
+        for target in goes_into[i]:
             _check_target(opened.name, entry.key, target, view)
             copies.append((target, view))
-            view = target
-        tensors[i] = view
+        tensors[i] = goes_into[i][0] if goes_into[i] else view
     with torch.no_grad():
         for target, view in copies:
-            target.copy_(view)
+            placement.copy_into(target, view)
     placement.synchronize()
     arrays = [
         _array(raw[a.storage], a) if i in chosen.arrays else None
@@ -262,6 +292,23 @@ def materialize(
     ]
     # Skipped entries are None: the caller puts their values there.
     return unflatten(chosen.root, tensors, arrays, opened.name)  # type: ignore[arg-type]
+
+
+def key_paths(root: Any, tensors: int, arrays: int, name: str) -> dict[int, list[str]]:
+    """Every key path at which the tree ``root`` holds each tensor of its table (of
+    ``tensors`` entries; ``arrays``: the length of its array table).
+
+    Example:
+        >>> key_paths({"dict": [["a", {"tensor": 0}], ["b", {"tensor": 0}]]}, 1, 0, "f")
+        {0: ["state['a']", "state['b']"]}
+    """
+    markers = [torch.empty(0) for _ in range(tensors)]
+    index = {id(t): i for i, t in enumerate(markers)}
+    rebuilt = unflatten(root, markers, [None] * arrays, name)
+    found: dict[int, list[str]] = {}
+    for path, t in sorted(tensor_paths_all(rebuilt)):
+        found.setdefault(index[id(t)], []).append(path)
+    return found
 
 
 def _selection(

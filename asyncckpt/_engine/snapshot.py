@@ -5,8 +5,8 @@ large host buffer reused across saves (:mod:`asyncckpt._engine.arena`): fresh me
 cost page faults on every save and grow the process (the leak users report with other
 async checkpointers).
 
-Storages shared by several tensors (tied weights, views) are copied once. Device-specific
-code is confined to :class:`DeviceCopies` and ``arena._allocate``.
+Storages shared by several tensors (tied weights, views) are copied once. Device copies go
+through the CUDA seam (:func:`asyncckpt._device.cuda`) in :class:`DeviceCopies` only.
 
 The copy and the write can run as a pipeline: :func:`snapshot` may hand the snapshot to a
 writer (``on_layout``) before copying, and the writer waits on :class:`CopyProgress` for each
@@ -19,17 +19,19 @@ which is what the caller waits for).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from asyncckpt._device import cuda
 from asyncckpt._engine.arena import (
     ALIGN,
     ArenaLease,
@@ -38,7 +40,7 @@ from asyncckpt._engine.arena import (
 from asyncckpt._format.container import ArrayEntry, TensorEntry
 from asyncckpt._format.tree import Flattened, dtype_name
 from asyncckpt._settings import Settings
-from asyncckpt.errors import SnapshotFailedError
+from asyncckpt.errors import DeviceCopyError, SnapshotFailedError
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +141,11 @@ class Snapshot:
         """Block until the device-to-host copies have landed (a no-op once they have)."""
         self.copies.wait()
 
+    def order_after_copies(self) -> None:
+        """Make the devices' current streams wait for the copies, without blocking the host:
+        what the overlap guard runs before an in-place update (``Checkpointer.protect``)."""
+        self.copies.order_after()
+
     def wait_staged(self, index: int, end: int) -> None:
         """Block until bytes ``[0, end)`` of ``storages[index]`` are in host memory.
 
@@ -180,46 +187,76 @@ def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceCopies:
-    """Device-to-host copies: one side stream per CUDA device, ordered after the producer.
+    """Device-to-host copies, on asyncckpt's one copy stream per CUDA device.
 
-    Each side stream first waits for the work already queued on its device's current
-    stream (so the copy sees the values as of the ``save`` call), then copies with
-    ``non_blocking=True`` into pinned memory. ``record_stream`` keeps the caching allocator
-    from reusing a source's memory before its copy ran, even if the caller frees it.
-    Without CUDA this is a plain synchronous ``copy_``.
+    Before its first copy from a device, the copy stream waits (on the device) for the work
+    already queued on that device's current stream, so the copy sees the values as of the
+    ``save`` call; then copies with ``non_blocking=True`` into pinned memory.
+    ``record_stream`` keeps the caching allocator from reusing a source's memory before its
+    copy ran, even if the caller frees it. :meth:`record` puts one event per device after
+    the copies: the host waits on it (:meth:`wait`) before the arena is read, released or
+    handed to a writer process; an in-place update waits on it on the device
+    (:meth:`order_after`). Host sources are a plain synchronous ``copy_``. A CUDA error in
+    any of these is raised as :class:`~asyncckpt.errors.DeviceCopyError` naming the device.
     """
 
     def __init__(self) -> None:
-        self._streams: dict[torch.device, Any] = {}
-        self._events: list[Any] = []
+        self._streams: dict[int, Any] = {}
+        self._events: list[tuple[int, Any]] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` (any device) into the host view ``dst``."""
-        if src.device.type != "cuda":
+        device = cuda().device_of(src)
+        if device.type != "cuda":
             dst.copy_(src)
             return
-        stream = self._streams.get(src.device)
-        if stream is None:
-            stream = torch.cuda.Stream(src.device)  # type: ignore[no-untyped-call]
-            stream.wait_stream(torch.cuda.current_stream(src.device))
-            self._streams[src.device] = stream
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-        src.record_stream(stream)
+        index = device.index or 0
+        with _device_errors(index, "copy to host memory"):
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = cuda().copy_stream(index)
+                cuda().wait_stream(stream, cuda().current_stream(index))
+                self._streams[index] = stream
+            cuda().copy_async(dst, src, stream)
+            cuda().record_stream(src, stream)
 
     def record(self) -> None:
         """Mark the end of the copies queued so far (one event per device)."""
-        for stream in self._streams.values():
-            self._events.append(stream.record_event())
+        for index, stream in self._streams.items():
+            with _device_errors(index, "event after the copies"):
+                self._events.append((index, cuda().record_event(stream)))
 
     def wait(self) -> None:
         """Block until every queued copy has landed in host memory.
 
         Safe to call from the writer and the caller at once (both only ever wait).
         """
-        for event in list(self._events):
-            event.synchronize()
+        for index, event in list(self._events):
+            with _device_errors(index, "wait for the copies"):
+                cuda().synchronize_event(event)
         self._events.clear()
+
+    def order_after(self) -> None:
+        """Make each device's current stream wait for the copies' events (no host wait)."""
+        for index, event in list(self._events):
+            with _device_errors(index, "wait for the copies"):
+                cuda().stream_wait_event(cuda().current_stream(index), event)
+
+    @property
+    def devices(self) -> list[int]:
+        """The CUDA devices copied from so far."""
+        return list(self._streams)
+
+
+@contextlib.contextmanager
+def _device_errors(index: int, what: str) -> Iterator[None]:
+    """Raise a CUDA runtime error as :class:`DeviceCopyError`, naming the device."""
+    try:
+        yield
+    except DeviceCopyError:
+        raise
+    except RuntimeError as exc:  # torch's CUDA errors (AcceleratorError too) are these
+        raise DeviceCopyError(f"cuda:{index}: {what} failed: {exc}") from exc
 
 
 @dataclass
@@ -311,6 +348,16 @@ def snapshot(
     return _stage(flat.root, entries, arrays, sources, pool, overlap, on_layout, shared, stream)
 
 
+def snapshot_device(flat: Flattened) -> int | None:
+    """The CUDA device a snapshot of ``flat`` copies from first (its arena is page-locked
+    for it), or None if it holds no CUDA tensor."""
+    for t, _ in flat.tensors:
+        device = cuda().device_of(t)
+        if device.type == "cuda":
+            return device.index or 0
+    return None
+
+
 def arena_bytes(flat: Flattened) -> int:
     """Bytes of arena a snapshot of ``flat`` takes (for :meth:`ArenaPool.reserve`)."""
     sources, _ = _regions([_resolved(t) for t, _ in flat.tensors])
@@ -329,7 +376,7 @@ def _regions(tensors: list[torch.Tensor]) -> tuple[list[_Source], list[tuple[int
             empty.append(i)  # no address to compare; each stands alone
             continue
         start = storage.data_ptr()
-        ident = (str(t.device), start, start + storage.nbytes())
+        ident = (str(cuda().device_of(t)), start, start + storage.nbytes())
         if ident not in spans:
             spans[ident] = _Span(*ident, _storage_bytes(t), [])
         spans[ident].tensors.append(i)
@@ -339,7 +386,8 @@ def _regions(tensors: list[torch.Tensor]) -> tuple[list[_Source], list[tuple[int
         for region in _mergeable(group, tensors)
     ]
     regions += [
-        [_Span(str(tensors[i].device), 0, 0, _storage_bytes(tensors[i]), [i])] for i in empty
+        [_Span(str(cuda().device_of(tensors[i])), 0, 0, _storage_bytes(tensors[i]), [i])]
+        for i in empty
     ]
     # First-seen order, as the tensors appear in the state, keeps files deterministic.
     regions.sort(key=lambda region: min(i for span in region for i in span.tensors))
@@ -410,7 +458,9 @@ def _stage(
     for src in sources:
         offsets.append(end)
         end += -(-src.nbytes // ALIGN) * ALIGN
-    lease = pool.acquire(end, shared)
+    devices = [int(src.device[5:] or 0) for src in sources if src.device.startswith("cuda:")]
+    # Page-locked for the device copied from (the first: a rank saves from its own).
+    lease = pool.acquire(end, shared, devices[0] if devices else None)
     copies = DeviceCopies()
     staged = [
         StagedStorage(lease.buffer[off : off + src.nbytes], src.itemsize, src.is_float, src.device)
@@ -439,12 +489,18 @@ def _stage(
         if progress is not None:
             progress.finish()
     except BaseException as exc:
-        copies.record()  # never hand back a buffer that a copy is still writing into
-        copies.wait()
-        if progress is not None:
-            progress.fail(exc)
-        if not handed_out:  # a writer that has the snapshot releases the arena when done
-            lease.release()
+        try:
+            copies.record()  # never hand back a buffer that a copy is still writing into
+            copies.wait()
+        except DeviceCopyError as device_error:
+            # A sticky CUDA error fails every later call too: no copy will run again, so
+            # the arena is free; the writer and the caller must still hear of it.
+            log.debug("after a failed snapshot copy: %s", device_error)
+        finally:
+            if progress is not None:
+                progress.fail(exc)
+            if not handed_out:  # a writer that has the snapshot releases the arena when done
+                lease.release()
         raise
     return snap
 

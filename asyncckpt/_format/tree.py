@@ -315,11 +315,25 @@ def tensor_paths(obj: Any) -> dict[str, torch.Tensor]:
         ["state['model']['w']"]
     """
     found: dict[str, torch.Tensor] = {}
+    for path, node in tensor_paths_all(obj):
+        found.setdefault(path, node)
+    return found
+
+
+def tensor_paths_all(obj: Any) -> list[tuple[str, torch.Tensor]]:
+    """Every (key path, tensor) in ``obj``, a tensor held at several paths at each.
+
+    Example:
+        >>> w = torch.zeros(1)
+        >>> sorted(p for p, _ in tensor_paths_all({"a": w, "b": [w]}))
+        ["state['a']", "state['b'][0]"]
+    """
+    found: list[tuple[str, torch.Tensor]] = []
     stack: list[tuple[Any, str, int]] = [(obj, ROOT_NAME, 0)]
     while stack:
         node, path, depth = stack.pop()
         if isinstance(node, torch.Tensor):
-            found.setdefault(path, node)
+            found.append((path, node))
         elif depth < MAX_DEPTH and isinstance(node, dict):
             stack.extend((v, child_path(path, k), depth + 1) for k, v in node.items())
         elif depth < MAX_DEPTH and isinstance(node, (list, tuple)):

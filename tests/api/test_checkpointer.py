@@ -1200,9 +1200,8 @@ def test_reserve_then_the_first_save_reuses_the_arena(
         assert len(allocated) == 1
         reserved = staging_api.arena_pool()._free[0].data_ptr()
         assert ckpt.reserve(state) is None  # large enough already
-        ckpt.save(1, state)
-        assert ckpt._last_snapshot is not None
-        assert ckpt._last_snapshot.lease.buffer.data_ptr() == reserved
+        ckpt.save(1, state).result()  # its arena is back in the pool: the reserved one
+        assert [b.data_ptr() for b in staging_api.arena_pool()._free] == [reserved]
         ckpt.save(2, state)
     assert len(allocated) == 1  # no second arena, for the first save nor the next
     assert reader(str(tmp_path)).versions() == [1, 2]

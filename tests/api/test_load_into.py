@@ -103,3 +103,30 @@ def test_corrupt_chunk_still_raises_with_into(tmp_path: Any) -> None:
     path.write_bytes(bytes(data))
     with pytest.raises(asyncckpt.errors.ChecksumError):
         asyncckpt.load(path, into={"w": torch.zeros(1000)})
+
+
+def test_a_tensor_saved_at_two_paths_is_loaded_into_every_one(tmp_path: Any) -> None:
+    source = _model()
+    sd = source.state_dict()
+    asyncckpt.save({"model": sd, "ema": sd}, tmp_path / "m.ackpt").result()  # one table entry
+    model, ema = _model(), _model()
+    asyncckpt.load(
+        tmp_path / "m.ackpt", into={"model": model.state_dict(), "ema": ema.state_dict()}
+    )
+    for key, value in sd.items():
+        assert torch.equal(model.state_dict()[key], value)
+        assert torch.equal(ema.state_dict()[key], value), key
+
+
+def test_tied_weights_are_loaded_into_both_names(tmp_path: Any) -> None:
+    def tied() -> torch.nn.Module:
+        model = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    source = tied()
+    asyncckpt.save(source.state_dict(keep_vars=True), tmp_path / "t.ackpt").result()
+    target = {k: torch.zeros_like(v) for k, v in source.state_dict().items()}  # untied copies
+    asyncckpt.load(tmp_path / "t.ackpt", into=target)
+    assert torch.equal(target["0.weight"], source[0].weight)
+    assert torch.equal(target["1.weight"], source[0].weight)

@@ -262,6 +262,33 @@ def test_one_process_without_a_group_loads_the_full_state(four: Path) -> None:
     assert not torch.equal(into["model"]["0.weight"], want["model"]["0.weight"])  # step 1
 
 
+@pytest.mark.timeout(300)
+def test_a_consolidated_load_puts_whole_and_plain_tensors_on_one_device(
+    four: Path, fake_cuda: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As if the four ranks had saved from their GPUs: their files name cuda:0 (through the
+    # fake CUDA, no GPU). One process loads the whole state: everything on its own device.
+    import dataclasses
+
+    from asyncckpt._api import sharded_load
+
+    real = sharded_load.rank_file
+
+    def saved_on_cuda(*args: Any) -> Any:
+        opened, skip = real(*args)
+        storages = [dataclasses.replace(s, device="cuda:0") for s in opened.manifest.storages]
+        manifest = dataclasses.replace(opened.manifest, storages=tuple(storages))
+        return dataclasses.replace(opened, manifest=manifest), skip
+
+    monkeypatch.setattr(sharded_load, "rank_file", saved_on_cuda)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    fake_cuda.devices = 2
+    loaded = Checkpointer(four / "ckpt").load()
+    devices = {str(fake_cuda.device_of(t)) for t in tensor_leaves(loaded)}
+    assert devices == {"cuda:1"}
+    state_checks.assert_same(loaded, torch.load(four / "full.pt", weights_only=True))
+
+
 @pytest.fixture
 def read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The bytes of each chunk read (every chunk goes through ``OpenedFile.read_into``)."""

@@ -290,10 +290,10 @@ def test_acquire_waits_for_a_reservation_in_progress(monkeypatch: Any) -> None:
     real = arena_mod._allocate
     calls: list[int] = []
 
-    def slow(nbytes: int, shared: bool = False) -> torch.Tensor:
+    def slow(nbytes: int, shared: bool = False, pin: int | None = None) -> torch.Tensor:
         calls.append(nbytes)
         assert gate.wait(30)
-        return real(nbytes, shared)
+        return real(nbytes, shared, pin)
 
     monkeypatch.setattr(arena_mod, "_allocate", slow)
     pool = ArenaPool(max_inflight=1)

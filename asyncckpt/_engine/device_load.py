@@ -1,0 +1,110 @@
+"""A CUDA load streamed through a bounded, reused pinned window.
+
+Reading a whole file into host memory before the first host-to-device copy holds the state
+twice (host and device) and serializes reading and copying. Here the storages bound for
+one CUDA device are read, in file order, into one half of a pinned window (each chunk
+checked as it is read), copied to the device asynchronously, and the other half is read
+meanwhile; a half is reused only once the event after its copies has happened. Host memory
+stays at the window (``pin_budget_bytes``); reads overlap copies.
+
+Only fresh device tensors are filled this way: ``load(into=...)`` keeps reading every
+storage before touching the caller's tensors (a damaged chunk found late must not leave
+them half overwritten).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from asyncckpt._device import Placement, cuda
+from asyncckpt._engine.arena import ALIGN, pinned_host
+from asyncckpt._engine.chunks import read_runs, run_bytes, whole_run
+from asyncckpt._engine.opened import OpenedFile
+
+
+def streamable(opened: OpenedFile, placement: Placement, sids: Sequence[int]) -> list[int]:
+    """The storages of ``sids`` a load can stream: those ``placement`` puts on CUDA, if it
+    puts them all on one device (and is not a callable, which gets host storages)."""
+    where = placement.map_location
+    if callable(where) and not isinstance(where, Mapping):
+        return []
+    storages = opened.manifest.storages
+    chosen = [sid for sid in sids if placement.device_for(storages[sid].device).type == "cuda"]
+    devices = {placement.device_for(storages[sid].device) for sid in chosen}
+    return chosen if len(devices) == 1 else []
+
+
+def stream_to_device(
+    opened: OpenedFile,
+    placement: Placement,
+    sids: Sequence[int],
+    threads: int,
+    window: int,
+) -> dict[int, torch.Tensor]:
+    """Read storages ``sids`` (from :func:`streamable`) and copy them to their device
+    through two pinned halves of ``window`` bytes; returns ``{storage: device tensor}``
+    (1-D uint8). Storages larger than a half are left out (the caller reads them whole).
+    Returns once every copy has landed, so the window can be freed.
+
+    Raises:
+        ChecksumError: a chunk is damaged (device tensors already filled are dropped).
+    """
+    storages = opened.manifest.storages
+    sizes = {sid: run_bytes(opened, whole_run(opened, sid)) for sid in sids}
+    half = max(ALIGN, window // 2)
+    fits = [-(-n // ALIGN) * ALIGN for n in sizes.values() if -(-n // ALIGN) * ALIGN <= half]
+    half = min(half, max(ALIGN, sum(fits)))  # a small load pins what it needs, no more
+    index = placement.device_for(storages[sids[0]].device).index or 0 if sids else 0
+    halves: list[torch.Tensor | None] = [None, None]
+    events: list[Any] = [None, None]
+    placed: dict[int, torch.Tensor] = {}
+    batch: list[tuple[int, int]] = []  # (storage, its bytes)
+    state = {"turn": 0, "used": 0}
+
+    def flush() -> None:
+        turn = state["turn"]
+        if not batch:
+            return
+        if events[turn] is not None:
+            cuda().synchronize_event(events[turn])  # the copies out of this half landed
+        buffer = halves[turn]
+        if buffer is None:
+            buffer = halves[turn] = pinned_host(half, index)
+        views, at = {}, 0
+        for sid, nbytes in batch:
+            views[sid] = buffer[at : at + nbytes]
+            at += -(-nbytes // ALIGN) * ALIGN
+        read_runs(opened, {sid: whole_run(opened, sid) for sid, _ in batch}, threads, into=views)
+        for sid, _ in batch:
+            placed[sid] = placement.place(views[sid], storages[sid].device)
+        events[turn] = cuda().record_event(cuda().current_stream(index))
+        state["turn"], state["used"] = 1 - turn, 0
+        batch.clear()
+
+    try:
+        for sid in sids:
+            nbytes = sizes[sid]
+            room = -(-nbytes // ALIGN) * ALIGN
+            if room > half:
+                continue
+            if state["used"] + room > half:
+                flush()
+            batch.append((sid, nbytes))
+            state["used"] += room
+        flush()
+    except BaseException:
+        with contextlib.suppress(Exception):  # the first error is the one to raise
+            _landed(events)
+        raise
+    _landed(events)  # the window is freed on return: no copy may still read it
+    return placed
+
+
+def _landed(events: list[Any]) -> None:
+    for event in events:
+        if event is not None:
+            cuda().synchronize_event(event)

@@ -1,0 +1,305 @@
+"""A save's device copies through the fake CUDA: their order, their errors, the arenas.
+
+The fake runs no kernels, so these tests check what the engine asks of CUDA and when (see
+``tests/fake_cuda.py``); ``tests/engine/test_cuda.py`` checks the same on a real GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncckpt
+from asyncckpt import _threads as workers
+from asyncckpt._api import staging as staging_api
+from asyncckpt._engine import arena as arena_mod
+from asyncckpt._engine.arena import ArenaPool
+from asyncckpt.errors import DeviceCopyError
+from tests.fake_cuda import FakeCuda, FakeStream
+
+MIB = 1 << 20
+
+
+def _state(fake: FakeCuda, nbytes: int = 64 << 10, device: int = 0) -> dict[str, torch.Tensor]:
+    return {"w": fake.put(torch.randn(nbytes // 4), device), "step": torch.tensor(3)}
+
+
+def _index(names: list[str], name: str, start: int = 0) -> int:
+    return names.index(name, start)
+
+
+def test_the_copy_waits_for_the_compute_stream_and_lands_before_save_returns(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    state = _state(fake_cuda)
+    handle = asyncckpt.save(state, tmp_path / "x.ackpt")
+    fake_cuda.mark("save returned")
+    handle.result()
+    calls = fake_cuda.calls
+    names = fake_cuda.names()
+    wait, copy = _index(names, "wait_stream"), _index(names, "copy_async")
+    assert wait < copy
+    copy_stream, producer = calls[wait][1], calls[wait][2]
+    assert producer == fake_cuda.current_stream(0) and copy_stream != producer
+    assert calls[copy][1] == copy_stream  # the copy runs on the stream that waited
+    record = _index(names, "record_stream", copy)
+    assert calls[record][1] == copy_stream  # the source is kept from reuse until it ran
+    event = _index(names, "record_event", record)
+    assert _index(names, "synchronize_event", event) < _index(names, "mark:save returned")
+    assert torch.equal(asyncckpt.load(tmp_path / "x.ackpt", map_location="cpu")["w"], state["w"])
+
+
+def test_one_copy_stream_per_device_for_every_save(fake_cuda: FakeCuda, tmp_path: Path) -> None:
+    fake_cuda.devices = 2
+    for i in range(3):
+        state = {"a": fake_cuda.put(torch.ones(16), 0), "b": fake_cuda.put(torch.ones(16), 1)}
+        asyncckpt.save(state, tmp_path / f"{i}.ackpt").result()
+    made = [c[1] for c in fake_cuda.calls if c[0] == "new_stream"]
+    assert sorted(stream.device for stream in made) == [0, 1]
+    # ...and every save's copies still wait for the caller's queued work first.
+    assert fake_cuda.names().count("wait_stream") == 6
+
+
+def test_the_overlap_guard_waits_on_the_device_not_the_host(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = torch.nn.Linear(8, 8)
+    for p in model.parameters():
+        fake_cuda.put(p, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    released = threading.Event()
+    real_give_back = ArenaPool._give_back
+
+    def give_back(pool: ArenaPool, buffer: torch.Tensor) -> None:
+        fake_cuda.mark("arena released")
+        real_give_back(pool, buffer)
+        released.set()
+
+    monkeypatch.setattr(ArenaPool, "_give_back", give_back)
+    with asyncckpt.Checkpointer(tmp_path / "run", overlap=True) as ckpt:
+        ckpt.protect(opt)
+        handle = ckpt.save(1, model.state_dict())
+        fake_cuda.mark("save returned")
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        fake_cuda.mark("step done")
+        handle.result()
+        released.wait()
+    names = fake_cuda.names()
+    returned, done = _index(names, "mark:save returned"), _index(names, "mark:step done")
+    hook = fake_cuda.calls[returned:done]
+    waits = [c for c in hook if c[0] == "stream_wait_event"]
+    assert waits and waits[0][1] == fake_cuda.current_stream(0)  # the optimizer's stream
+    event = waits[0][2]
+    assert event.stream != fake_cuda.current_stream(0)  # the copy stream's event
+    # The host waits for that event before the arena is lent again, never in the hook.
+    host_waits = [i for i, c in enumerate(fake_cuda.calls) if c[0] == "synchronize_event"]
+    assert host_waits and host_waits[0] < _index(names, "mark:arena released")
+    assert all(
+        fake_cuda.calls[i][2] != threading.main_thread().name
+        for i in host_waits
+        if returned < i < done
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["copy_async", "record_event", "synchronize_event"])
+@pytest.mark.parametrize("api", ["save", "checkpointer"])
+def test_a_sticky_cuda_error_ends_the_save_with_an_error_and_frees_everything(
+    fake_cuda: FakeCuda, tmp_path: Path, where: str, api: str
+) -> None:
+    fake_cuda.fail[where] = RuntimeError("CUDA error: an illegal memory access was encountered")
+    fake_cuda.sticky = True
+    path = tmp_path / "x.ackpt"
+    outcome: list[BaseException | None] = []
+
+    def save() -> None:
+        try:
+            if api == "save":
+                asyncckpt.save(_state(fake_cuda), path).result()
+            else:
+                with asyncckpt.Checkpointer(tmp_path / "run") as ckpt:
+                    ckpt.save(1, _state(fake_cuda)).result()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=save, daemon=True)
+    thread.start()
+    thread.join(60)  # a hard bound: today's failure mode is a save that never returns
+    assert not thread.is_alive(), "save hung after a CUDA error"
+    error = outcome[0]
+    assert isinstance(error, DeviceCopyError), error
+    assert "cuda:0" in str(error) and "illegal memory access" in str(error)
+    pool = staging_api.arena_pool()
+    assert pool._leased == 0  # the arena is free again
+    assert not (tmp_path / "x.ackpt.ackpending").exists()  # other processes' loads go on
+    fake_cuda.fail.clear()
+    fake_cuda._broken = None  # a new context: saves work again
+    asyncckpt.save(_state(fake_cuda), tmp_path / "y.ackpt").result()
+
+
+def test_arenas_are_registered_exactly_under_the_callers_device(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    fake_cuda.devices = 4
+    fake_cuda.set_device(2)
+    state = _state(fake_cuda, 5 * MIB + 4096, device=2)
+    thread = asyncckpt.reserve(state)  # registers on the reserve thread, whose device is 0
+    assert thread is not None
+    thread.join()
+    asyncckpt.save(state, tmp_path / "x.ackpt").result()
+    registers = [c for c in fake_cuda.calls if c[0] == "register"]
+    assert len(registers) == 1  # the save used the reserved arena
+    _, device, size = registers[0]
+    assert device == 2
+    assert 5 * MIB + 4096 <= size < 6 * MIB  # exact (page-rounded), not a power of two
+    fake_cuda.set_device(0)  # the pool drops the arena from a thread on another device
+    staging_api._arenas = None
+    assert workers.wait_idle(30)  # the save thread has dropped its views of the arena
+    gc.collect()
+    assert [c[1] for c in fake_cuda.calls if c[0] == "unregister"] == [2]
+
+
+def test_a_failed_registration_clears_the_cuda_error_and_the_save_goes_on(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    fake_cuda.register_fails = True
+    state = _state(fake_cuda)
+    asyncckpt.save(state, tmp_path / "x.ackpt").result()
+    names = fake_cuda.names()
+    assert _index(names, "clear_error") == _index(names, "register") + 1
+    assert "pinned_empty" in names  # the fallback: torch's pinned memory
+    assert torch.equal(asyncckpt.load(tmp_path / "x.ackpt", map_location="cpu")["w"], state["w"])
+
+
+def test_replaced_arenas_are_not_kept_alive(fake_cuda: FakeCuda, tmp_path: Path) -> None:
+    handles = []
+    with asyncckpt.Checkpointer(tmp_path / "run") as ckpt:
+        for step, mib in enumerate([1, 3, 5, 7], start=1):
+            handles.append(ckpt.save(step, _state(fake_cuda, mib * MIB)))
+            handles[-1].result()
+        assert workers.wait_idle(30)  # the save thread has dropped its task's references
+        gc.collect()
+        alive = len(fake_cuda.registered)
+    assert alive == 1  # max_inflight=1: the 7 MiB arena only, handles kept or not
+    assert [c[0] for c in fake_cuda.calls].count("unregister") == 3
+
+
+def test_arenas_grow_geometrically(tmp_path: Path, arena_allocations: list[int]) -> None:
+    nbytes = 8 * MIB
+    for i in range(5):  # a state 10 % larger at each save
+        asyncckpt.save({"w": torch.zeros(nbytes // 4)}, tmp_path / f"{i}.ackpt").result()
+        nbytes = nbytes * 11 // 10
+    assert len(arena_allocations) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_arena_allocation_blocks_no_later_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ArenaPool(max_inflight=1)
+    real = arena_mod._allocate
+    failures = [OSError(24, "Too many open files")]
+
+    def allocate(*args: Any) -> torch.Tensor:
+        if failures:
+            raise failures.pop()
+        return real(*args)
+
+    monkeypatch.setattr(arena_mod, "_allocate", allocate)
+    with pytest.raises(OSError, match="Too many open files"):
+        pool.acquire(4096)
+    got: list[Any] = []
+    thread = threading.Thread(target=lambda: got.append(pool.acquire(4096)), daemon=True)
+    thread.start()
+    thread.join(30)
+    assert got, "the failed allocation's lease was never returned: acquire blocks for ever"
+    got[0].release()
+
+
+def test_load_into_device_tensors_copies_host_straight_into_them(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    state = _state(fake_cuda, 4096)
+    asyncckpt.save(state, tmp_path / "x.ackpt").result()
+    target = {"w": fake_cuda.put(torch.zeros(1024), 0), "step": torch.tensor(0)}
+    del fake_cuda.calls[:]
+    asyncckpt.load(tmp_path / "x.ackpt", into=target)
+    names = fake_cuda.names()
+    assert "to_device" not in names  # no second copy of the state on the GPU
+    assert names.count("copy_into") == 1
+    assert torch.equal(target["w"], state["w"]) and int(target["step"]) == 3
+
+
+def test_fake_streams_are_distinct() -> None:
+    assert FakeStream(0, 1) != FakeStream(0, 0)
+
+
+def test_pinned_load_buffers_are_registered_exactly_and_freed_after_the_load(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    state = _state(fake_cuda, 2 * MIB + 4096)
+    asyncckpt.save(state, tmp_path / "x.ackpt", compression="none").result()
+    staging_api._arenas = None  # drop the save's arena: only the load's memory is left
+    gc.collect()
+    del fake_cuda.calls[:]
+    loaded = asyncckpt.load(tmp_path / "x.ackpt")
+    registers = [c for c in fake_cuda.calls if c[0] == "register"]
+    assert [size for _, _, size in registers] == [2 * MIB + 4096]  # not 4 MiB
+    assert torch.equal(loaded["w"], state["w"])
+    del loaded
+    assert workers.wait_idle(30)  # the read threads have dropped their chunk views
+    gc.collect()
+    assert not fake_cuda.registered  # unregistered once the load's buffers are gone
+
+
+def test_the_host_waits_for_the_copies_before_handing_the_arena_to_the_writer_process(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt._engine import writer_process
+
+    real_job = writer_process.WriteJob
+
+    def job(*args: Any) -> Any:
+        fake_cuda.mark("handed to the writer process")
+        return real_job(*args)
+
+    monkeypatch.setattr(writer_process, "WriteJob", job)
+    with asyncckpt.Checkpointer(tmp_path / "run", overlap=True) as ckpt:
+        ckpt.save(1, _state(fake_cuda)).result()
+    names = fake_cuda.names()
+    handed = _index(names, "mark:handed to the writer process")
+    assert _index(names, "synchronize_event") < handed
+
+
+def test_a_cuda_load_streams_through_a_bounded_reused_pinned_window(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = {f"w{i}": fake_cuda.put(torch.randn(75 << 10), 0) for i in range(6)}  # 300 KiB each
+    asyncckpt.save(state, tmp_path / "x.ackpt", compression="none").result()
+    staging_api._arenas = None
+    gc.collect()
+    monkeypatch.setenv("ASYNCCKPT_PIN_BUDGET_BYTES", str(1 << 20))  # halves of 512 KiB
+    del fake_cuda.calls[:]
+    loaded = asyncckpt.load(tmp_path / "x.ackpt")
+    for key, value in state.items():
+        assert torch.equal(loaded[key], value) and fake_cuda.device_of(loaded[key]).index == 0
+    calls = fake_cuda.calls
+    assert [c[0] for c in calls].count("pinned_empty") == 2  # the window, reused: not 6
+    copies = [i for i, c in enumerate(calls) if c[0] == "to_device"]
+    recorded = [i for i, c in enumerate(calls) if c[0] == "record_event"]
+    assert len(copies) == len(recorded) == 6  # one storage per half, an event after each
+    waited = {c[1] for c in calls if c[0] == "synchronize_event"}
+    for k in range(2, 6):  # a half is refilled only after the event of its last copies
+        event_index = recorded[k - 2]
+        waits = [
+            i
+            for i, c in enumerate(calls)
+            if c[0] == "synchronize_event" and event_index < i < copies[k]
+        ]
+        assert waits, f"batch {k} reused its half before its earlier copy had landed"
+    assert len(waited) == 6  # and every copy landed before the load returned
