@@ -555,6 +555,22 @@ def list_steps(storage: Storage, root: str) -> list[StepEntry]:
     return entries
 
 
+def newest_good(storage: Storage, root: str, entries: list[StepEntry]) -> int | None:
+    """The newest committed step of ``entries`` (a :func:`list_steps` listing) whose files
+    verify: the version a reader loads when the version file names a step that is gone or
+    damaged (:func:`latest_step`'s fallback). Nothing ever deletes it
+    (:func:`~asyncckpt._versions.retention.deletion_plan`), whatever the version file says.
+    None when no committed step verifies.
+
+    Raises:
+        StorageError: reading a file failed.
+    """
+    for entry in reversed(entries):
+        if entry.commit is not None and verify_commit(storage, root, entry.commit) is None:
+            return entry.step
+    return None
+
+
 def delete_version(storage: Storage, root: str, step: int) -> None:
     """Remove a version: the commit marker first, so readers stop seeing it at once.
 

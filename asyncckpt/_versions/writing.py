@@ -41,6 +41,7 @@ from asyncckpt._versions.protocol import (
     delete_version,
     list_steps,
     mark_failed,
+    newest_good,
     publish_version,
     read_commit_strict,
     read_failure,
@@ -254,7 +255,8 @@ class RootWriter:
         try:
             entries = list_steps(storage, root)
             self._remove_temps(root, "temp files")
-            plan = deletion_plan(entries, RetentionPolicy(), self.published)
+            good = newest_good(storage, root, entries)
+            plan = deletion_plan(entries, RetentionPolicy(), self.published, good=good)
             for entry in plan:
                 if not self._may_delete(f"step {entry.step}"):
                     return
@@ -323,7 +325,8 @@ class RootWriter:
                 if entry.state == UNREADABLE:
                     log.warning("retention leaves step %d alone: %s", entry.step, entry.problem)
             spared = () if spare is None else (spare,)
-            for entry in deletion_plan(entries, policy, pinned, spared):
+            good = newest_good(storage, root, entries)
+            for entry in deletion_plan(entries, policy, pinned, spared, good=good):
                 if not self._may_delete(f"step {entry.step} (retention)"):
                     return
                 delete_version(storage, root, entry.step)

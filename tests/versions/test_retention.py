@@ -49,7 +49,8 @@ def _entry(step: int, metrics: dict[str, Any] | None = None, at: float | None = 
 
 
 def _plan(entries: list[StepEntry], policy: RetentionPolicy, now: float = 0.0) -> list[int]:
-    return [e.step for e in deletion_plan(entries, policy, entries[-1].step, now=now)]
+    pinned = entries[-1].step
+    return [e.step for e in deletion_plan(entries, policy, pinned, now=now, good=pinned)]
 
 
 # -- metrics ---------------------------------------------------------------------------------
