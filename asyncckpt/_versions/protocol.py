@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from asyncckpt._format.container import FOOTER_SIZE, decode_footer
+from asyncckpt._format.container import FOOTER_SIZE, decode_footer, parse_json
 
 # The file names of a version are defined once, in _format.names; imported from here too.
 from asyncckpt._format.names import METADATA_SUFFIX as METADATA_SUFFIX
@@ -187,12 +187,13 @@ def decode_record(raw: bytes, where: str) -> dict[str, Any]:
     """Parse a protocol record's JSON.
 
     Raises:
-        UnreadableRecordError: not JSON, not an object, or a protocol this code does not know.
+        UnreadableRecordError: not JSON (nested too deeply included), not an object, or a
+            protocol this code does not know.
     """
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise UnreadableRecordError(f"{where}: not valid JSON: {exc}") from exc
+    try:  # the one strict parser: deep nesting is a FormatError there, not a RecursionError
+        doc = parse_json(raw, where)
+    except FormatError as exc:
+        raise UnreadableRecordError(str(exc)) from exc
     if not isinstance(doc, dict):
         raise UnreadableRecordError(f"{where}: not an asyncckpt protocol record")
     version = doc.get("protocol")

@@ -401,6 +401,36 @@ def test_a_nul_byte_in_a_commits_file_name_skips_the_version(
         Checkpointer(any_root).save(3, make_state(3)).result(timeout=60)
 
 
+_DEEP = b"[" * 100_000 + b"]" * 100_000  # far past Python's recursion limit, under 1 MiB
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [
+        b'{"protocol": 1, "step": 2, "files": ' + _DEEP + b', "writer": "w"}',
+        record(step=2, files=["r00000-a.ackpt"], writer="w", metrics={"n": 0}).replace(
+            b'"n": 0', b'"n": ' + b"9" * 400
+        ),
+    ],
+    ids=["deeply-nested", "400-digit-metric"],
+)
+def test_a_commit_that_cannot_be_parsed_is_an_unreadable_record_never_a_crash(
+    any_root: str, capsys: pytest.CaptureFixture[str], marker: bytes
+) -> None:
+    from asyncckpt.cli import main
+
+    committed_root(any_root, [1])
+    put(any_root, "2/COMMIT", marker)
+    other = reader(any_root)
+    assert other.latest() == 1 and other.versions() == [1]
+    assert_state(other.load(), 1)
+    assert main(["ls", any_root, "--json"]) == 0
+    versions = {v["step"]: v for v in json.loads(capsys.readouterr().out)["versions"]}
+    assert versions[2]["state"] == "unreadable"
+    with pytest.raises(ConflictError, match="refusing to write"):
+        Checkpointer(any_root).save(3, make_state(3)).result(timeout=60)
+
+
 # --------------------------------------------------------------------------- 16. FAILED
 
 

@@ -81,8 +81,19 @@ def test_record_round_trip() -> None:
         json.dumps({**json.loads(encode_pending(_record())), "protocol": 99}).encode(),
         json.dumps({**json.loads(encode_pending(_record())), "pid": "12"}).encode(),
         json.dumps({**json.loads(encode_pending(_record())), "pid_start": 1.5}).encode(),
+        b'{"protocol": 1, "kind": "drop-in-save", "token": ' + b"[" * 10**5 + b"]" * 10**5 + b"}",
     ],
-    ids=["empty", "cut", "trailing", "binary", "other-kind", "newer", "pid-str", "start-float"],
+    ids=[
+        "empty",
+        "cut",
+        "trailing",
+        "binary",
+        "other-kind",
+        "newer",
+        "pid-str",
+        "start-float",
+        "deeply-nested",
+    ],
 )
 def test_partial_or_foreign_bytes_are_no_record(raw: bytes) -> None:
     assert decode_pending(raw) is None

@@ -19,6 +19,7 @@ import torch
 
 from asyncckpt import Checkpointer
 from asyncckpt._storage import resolve
+from asyncckpt._versions.metrics import check_metrics
 from asyncckpt._versions.protocol import (
     COMMITTED,
     CommitRecord,
@@ -54,6 +55,12 @@ def _plan(entries: list[StepEntry], policy: RetentionPolicy, now: float = 0.0) -
 
 
 # -- metrics ---------------------------------------------------------------------------------
+
+
+def test_an_integer_metric_too_large_for_a_float_is_invalid(any_root: str) -> None:
+    with Checkpointer(any_root) as ckpt, pytest.raises(InvalidMetricsError, match="'n'"):
+        ckpt.save(1, make_state(1), metrics={"n": 10**400})
+    assert check_metrics({"n": 10**300}) == {"n": 10**300}  # a float holds it: ranked as one
 
 
 def test_metrics_are_kept_in_commit_and_read_by_info(any_root: str) -> None:
