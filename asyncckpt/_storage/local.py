@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import shutil
+import stat
 import sys
 import time
 import weakref
@@ -131,13 +132,25 @@ class LocalStorage(Storage):
         # Written over the old bytes, then cut to length: never truncated to zero first,
         # which ext4 (auto_da_alloc) answers with a flush on close (~1 ms, not 10 us). A
         # reader in between sees new bytes followed by old ones: not JSON, so "rewriting".
+        # The marker sits beside a file a user names, in a directory others may write to:
+        # never follow a link planted there (O_NOFOLLOW: ELOOP), never block on a FIFO
+        # (O_NONBLOCK: ENXIO), never write into anything but a plain file of one name.
+        flags = os.O_WRONLY | os.O_CREAT
+        for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC"):  # POSIX; absent on Windows
+            flags |= getattr(os, name, 0)
         with errors_as(self, path, "write"):
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                fd = os.open(path, flags, 0o644)
             except FileNotFoundError:  # the first file of a new directory
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                fd = os.open(path, flags, 0o644)
             try:
+                found = os.fstat(fd)
+                if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+                    raise StorageError(
+                        f"{self.describe(path)}: write failed: the save marker is not a plain "
+                        "file of one name (a link or a special file was put there); delete it"
+                    )
                 view, at = memoryview(data), 0
                 while at < len(view):
                     at += os.pwrite(fd, view[at:], at)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -265,6 +266,33 @@ def test_a_marker_that_cannot_be_written_fails_the_handle(
         handle.result()
     assert sorted(os.listdir(tmp_path)) == ["model.ackpt"]
     assert asyncckpt.load(path)["v"].sum() == 0
+
+
+@pytest.mark.parametrize("plant", ["symlink", "dangling-symlink", "fifo"])
+def test_a_marker_planted_as_a_link_or_special_file_is_never_written_through(
+    tmp_path: Path, plant: str
+) -> None:
+    path = tmp_path / "model.ackpt"
+    asyncckpt.save({"v": torch.zeros(4)}, path).result()
+    victim = tmp_path / "elsewhere" / "precious.txt"
+    victim.parent.mkdir()
+    marker = Path(f"{path}{MARKER}")
+    if plant == "symlink":
+        victim.write_bytes(b"someone else's file")
+        marker.symlink_to(victim)
+    elif plant == "dangling-symlink":
+        marker.symlink_to(victim)  # would create the file it points to
+    else:
+        os.mkfifo(marker)  # opening it to write would block until a reader came
+    handle = asyncckpt.save({"v": torch.ones(4)}, path)
+    with pytest.raises(StorageError, match=re.escape(str(marker))):
+        handle.result()
+    if plant == "symlink":
+        assert victim.read_bytes() == b"someone else's file"
+    else:
+        assert not victim.exists()
+    marker.unlink()
+    assert asyncckpt.load(path)["v"].sum() == 0  # the file was left alone
 
 
 @pytest.mark.timeout(120)
