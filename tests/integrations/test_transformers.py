@@ -95,6 +95,22 @@ def test_resume_equals_the_stock_trainer_resumed(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+def test_resume_from_another_runs_folder_loads_that_runs_version(tmp_path: Path) -> None:
+    other = _trainer(AsyncCkptTrainer, tmp_path / "other", learning_rate=1e-2)
+    other.train()
+    _trainer(AsyncCkptTrainer, tmp_path / "this").train()  # this run has its own step 3
+    with asyncckpt.Checkpointer(tmp_path / "other" / ROOT_NAME, read_only=True) as ckpt:
+        wanted = ckpt.load(3)["model"]
+    with asyncckpt.Checkpointer(tmp_path / "this" / ROOT_NAME, read_only=True) as ckpt:
+        assert not torch.equal(ckpt.load(3)["model"]["lm_head.weight"], wanted["lm_head.weight"])
+    resumed = _trainer(AsyncCkptTrainer, tmp_path / "this")
+    # What Trainer.train calls first with the folder it is given
+    resumed._load_from_checkpoint(str(tmp_path / "other" / "checkpoint-3"))
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, wanted[name]), name
+
+
+@pytest.mark.timeout(300)
 def test_folders_follow_the_trainer_conventions(tmp_path: Path) -> None:
     trainer = _trainer(AsyncCkptTrainer, tmp_path)
     trainer.train()
