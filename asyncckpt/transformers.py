@@ -117,6 +117,7 @@ class AsyncCkptTrainerMixin:
     def __init__(self, *args: Any, checkpointer: Checkpointer | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._ackpt = checkpointer
+        self._ackpt_built = False  # ours to close (one passed in is the caller's)
         # The version last loaded, by (root, step): the load methods each ask for it.
         self._ackpt_loaded: tuple[tuple[str, int], dict[str, Any]] | None = None
         # Saves whose checkpoint-N folder is written once they are committed.
@@ -137,6 +138,7 @@ class AsyncCkptTrainerMixin:
                 best_metric=metric,
                 best_mode="max" if args.greater_is_better else "min",
             )
+            self._ackpt_built = True
         return self._ackpt
 
     # -- train ------------------------------------------------------------------------
@@ -159,11 +161,22 @@ class AsyncCkptTrainerMixin:
             output = super().train(  # type: ignore[misc]
                 resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs
             )
+            self._finish_saves(wait=True)
+            self._rotate(self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
         finally:
             self._ackpt_loaded = None
-        self._finish_saves(wait=True)
-        self._rotate(self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
+            self._close_built()
         return output
+
+    def _close_built(self) -> None:
+        """Close the Checkpointer this trainer built (its lease heartbeat ends; retention
+        runs once more), so that nothing of it outlives ``train``; a later use opens the
+        root again. One passed in is the caller's to close."""
+        if self._ackpt is None or not self._ackpt_built:
+            return
+        ckpt, self._ackpt, self._ackpt_built = self._ackpt, None, False
+        self._ackpt_pending.clear()  # close() waits for them; their folders are written
+        ckpt.close()
 
     def _resume_folder(self, trial: Any) -> str | None:
         step = self.checkpointer.latest()
