@@ -362,6 +362,23 @@ def test_the_heartbeat_thread_beats_while_a_save_is_in_flight(
     assert not os.path.exists(path + MARKER)  # no beat brings it back
 
 
+def test_nothing_of_a_files_marker_outlives_its_saves(tmp_path: Path) -> None:
+    """The bookkeeping of a file's marker (its slot) goes with its last save, and the
+    heartbeat thread with the last marker: a process saving many distinct files (a new
+    name per epoch) holds nothing for the files it saved before."""
+    beating = []
+    for i in range(20):
+        handle = asyncckpt.save({"v": torch.full((4,), float(i))}, tmp_path / f"e{i}.ackpt")
+        beating += [t for t in threading.enumerate() if t.name == "asyncckpt-marker"]
+        handle.result()
+    assert beating  # markers were beaten by a thread while the saves ran
+    for thread in beating:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert pending._slots == {}
+    assert asyncckpt.load(tmp_path / "e19.ackpt")["v"].tolist() == [19.0] * 4
+
+
 def _beat_of(storage: Storage, path: str) -> int:
     record = decode_pending(storage.read_marker(path + MARKER, 1000) or b"")
     return -1 if record is None else record.beat
