@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 from asyncckpt._settings import Settings
 from asyncckpt._storage.base import (
+    TEMP_MARK,
     AtomicWriter,
     ReadHandle,
     Storage,
@@ -158,6 +159,41 @@ class LocalStorage(Storage):
             finally:
                 os.close(fd)
         return content_tag(data)
+
+    def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
+        """With ``exact``: remove the temp files of writes of ``path`` whose writer is dead.
+
+        A writer holds an ``flock`` on its temp file from its creation to its rename
+        (:class:`_LocalWriter`), and the kernel drops it when the writer dies, SIGKILL
+        included; a temp file this process can lock is therefore provably abandoned. One
+        still locked (a live writer in any process of this machine, or a forked child
+        still holding the descriptor) or on a filesystem without flock is left alone.
+        Directory sweeps (without ``exact``) are the writer lease's recovery's.
+        """
+        import fcntl
+
+        if not exact:
+            return
+        directory, prefix = os.path.dirname(path) or ".", os.path.basename(path) + TEMP_MARK
+        with errors_as(self, path, "list"):
+            names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+        for name in names:
+            temp = os.path.join(directory, name)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            try:
+                fd = os.open(temp, flags)
+            except OSError:
+                continue  # gone (renamed by its writer, or removed), or not ours to open
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                found, named = os.fstat(fd), os.lstat(temp)
+                if stat.S_ISREG(found.st_mode) and os.path.samestat(found, named):
+                    os.unlink(temp)  # while locked: its writer cannot be alive
+                    log.info("removed %s, left by a write that was killed", temp)
+            except OSError:
+                pass  # alive, or cannot tell: left
+            finally:
+                os.close(fd)
 
     def marker_lock(self, path: str) -> AbstractContextManager[None]:
         return _directory_locked(self, path)
@@ -324,7 +360,28 @@ class _LocalWriter(AtomicWriter):
         self.writeback_bytes = storage.settings.writeback_mib << 20  # a save sets its own
         with errors_as(storage, target, "create"):
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            self.file: BinaryIO = open(self.temp, "xb", buffering=0)  # noqa: SIM115
+            self.file: BinaryIO = self._open_locked_temp()
+
+    def _open_locked_temp(self) -> BinaryIO:
+        """Create the temp file and hold an ``flock`` on it until it is renamed or removed:
+        the proof of life that lets the next write of the target remove the temp files of
+        writers that died (:meth:`LocalStorage.abort_unfinished`), and only those."""
+        import fcntl
+
+        while True:
+            file = open(self.temp, "xb", buffering=0)  # noqa: SIM115
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in _FLOCK_UNSUPPORTED:
+                    return file  # no flock here: sweeps cannot lock it either, and leave it
+                file.close()  # a sweep locked it in the instant between: it removes it
+                self.temp = temp_name(self.target)
+                continue
+            if os.fstat(file.fileno()).st_nlink > 0:
+                return file
+            file.close()  # a sweep locked and removed it before this lock: start again
+            self.temp = temp_name(self.target)
 
     def write(self, data: bytes | memoryview) -> None:
         with errors_as(self.storage, self.temp, "write"):
@@ -353,9 +410,9 @@ class _LocalWriter(AtomicWriter):
         try:
             with errors_as(self.storage, self.target, "commit"):
                 os.fsync(self.file.fileno())
-                self.file.close()
                 with self.publishing():
                     os.replace(self.temp, self.target)
+                self.file.close()  # only now: the lock proves the temp file alive until renamed
                 fsync_dir(os.path.dirname(self.target) or ".")
         except BaseException:
             self.abort()
