@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
+from asyncckpt import _threads as workers
 from asyncckpt._settings import Settings
 from asyncckpt._storage.base import (
     TEMP_MARK,
@@ -262,13 +263,15 @@ def _flocked(storage: LocalStorage, lock_path: str) -> Iterator[None]:
     turns into a clear error instead of a hang; the lock is only held for a read and an
     atomic rename, so a healthy holder never comes near the limit.
     """
-    with errors_as(storage, lock_path, "lock"):
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    # Closing the descriptor releases the lock; a forked child never shares it (fork hook).
+    with contextlib.ExitStack() as stack:
+        with errors_as(storage, lock_path, "lock"):
+            fd = stack.enter_context(
+                workers.lock_descriptor(lambda: os.open(lock_path, flags, 0o644))
+            )
         _flock(fd, lock_path, storage.settings.lock_timeout_ms)
         yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _flock(fd: int, what: str, timeout_ms: int) -> None:
@@ -316,14 +319,19 @@ def _directory_locked(storage: LocalStorage, path: str) -> Iterator[None]:
     import fcntl
 
     directory = os.path.dirname(path) or "."
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-    with errors_as(storage, path, "lock"):
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC
+
+    def open_directory() -> int:
         try:
-            fd = os.open(directory, flags)
+            return os.open(directory, flags)
         except FileNotFoundError:  # the first save into a new directory
             os.makedirs(directory, exist_ok=True)
-            fd = os.open(directory, flags)
-    try:
+            return os.open(directory, flags)
+
+    # Closing the descriptor releases the lock; a forked child never shares it (fork hook).
+    with contextlib.ExitStack() as stack:
+        with errors_as(storage, path, "lock"):
+            fd = stack.enter_context(workers.lock_descriptor(open_directory))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -334,8 +342,6 @@ def _directory_locked(storage: LocalStorage, path: str) -> Iterator[None]:
                 return
             _flock(fd, directory, storage.settings.lock_timeout_ms)
         yield
-    finally:
-        os.close(fd)
 
 
 def _warn_no_dir_lock(directory: str, exc: OSError) -> None:
