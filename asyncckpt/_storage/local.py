@@ -115,12 +115,19 @@ class LocalStorage(Storage):
         return os.path.join(*parts)
 
     def read_marker(self, path: str, limit: int) -> bytes | None:
+        # O_NONBLOCK: a FIFO planted where a marker goes must not hang a load in open().
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
         with errors_as(self, path, "read"):
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, flags)
             except FileNotFoundError:
                 return None
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise StorageError(
+                        f"{self.describe(path)}: read failed: the save marker is not a plain "
+                        "file (a special file was put there); delete it"
+                    )
                 data = os.pread(fd, limit + 1, 0)
             finally:
                 os.close(fd)

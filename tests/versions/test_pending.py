@@ -295,6 +295,18 @@ def test_a_marker_planted_as_a_link_or_special_file_is_never_written_through(
     assert asyncckpt.load(path)["v"].sum() == 0  # the file was left alone
 
 
+@pytest.mark.timeout(60)
+def test_a_marker_planted_as_a_fifo_fails_a_load_instead_of_hanging_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.ackpt"
+    asyncckpt.save({"v": torch.zeros(4)}, path).result()
+    marker = Path(f"{path}{MARKER}")
+    os.mkfifo(marker)  # opening it to read would block until a writer came
+    with pytest.raises(StorageError, match=re.escape(str(marker))):
+        asyncckpt.load(path)
+    marker.unlink()
+    assert asyncckpt.load(path)["v"].sum() == 0
+
+
 @pytest.mark.timeout(120)
 def test_the_check_runs_in_the_writer_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
