@@ -24,12 +24,13 @@ What the parent owned is kept, untouched, rather than freed in the child
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, Final, TypeVar
 
@@ -317,15 +318,70 @@ def keep_from_parent(*objects: Any) -> None:
     _inherited.extend(objects)
 
 
+#: Descriptors this process holds file locks on (``flock``), by the code that opened them.
+#: A lock belongs to the open file description, which a fork shares with the child: a child
+#: keeping the descriptor (a DataLoader worker forked while a save commits) would hold the
+#: parent's lock for its whole life. Open and close under :data:`_fd_gate`, which a fork
+#: waits for, so that no descriptor is ever unregistered at the moment of a fork.
+_lock_fds: set[int] = set()
+_fd_gate = threading.Lock()
+
+
+@contextlib.contextmanager
+def lock_descriptor(open_fd: Callable[[], int]) -> Iterator[int]:
+    """The descriptor ``open_fd()`` opens, for a file lock, closed on exit; a child forked
+    meanwhile never shares it (see :data:`_lock_fds`).
+
+    Example:
+        >>> with lock_descriptor(lambda: os.open(os.devnull, os.O_RDONLY)) as fd:
+        ...     fd in _lock_fds
+        True
+    """
+    with _fd_gate:
+        fd = open_fd()
+        _lock_fds.add(fd)
+    try:
+        yield fd
+    finally:
+        with _fd_gate:  # closed and forgotten at once: a fork never sees one without the other
+            _lock_fds.discard(fd)
+            os.close(fd)
+
+
+def _drop_lock_descriptors() -> None:
+    """In a forked child: let go of the parent's lock descriptors. Each is replaced by
+    ``/dev/null`` rather than closed, so that the number stays taken: were the parent's
+    code to close it in the child too, it would close nothing of the child's."""
+    global _fd_gate
+    _fd_gate = threading.Lock()
+    if _lock_fds:
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for fd in _lock_fds:
+                os.dup2(null, fd)
+        finally:
+            os.close(null)
+    _lock_fds.clear()
+
+
 def _forget_parent() -> None:
     """In a forked child: no pool, fresh locks; then every registered hook."""
     global _lock
     _lock = threading.Lock()
+    _drop_lock_descriptors()
     keep_from_parent(list(_pools.values()))
     _pools.clear()
     for reset in _after_fork:
         reset()
 
 
+def _gate_release() -> None:
+    _fd_gate.release()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_parent)
+    os.register_at_fork(
+        before=lambda: _fd_gate.acquire(),
+        after_in_parent=_gate_release,
+        after_in_child=_forget_parent,
+    )

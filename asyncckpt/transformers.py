@@ -20,7 +20,9 @@ Layout under ``output_dir``:
 
 ``train(resume_from_checkpoint=True)`` resumes from the newest committed version (falling
 back to the stock Trainer's folders when the root has none); a path ``.../checkpoint-N``
-resumes from version N if it is committed, else from the stock files in that folder.
+resumes from version N of the run that folder belongs to (this run's root, or
+``<that run>/asyncckpt`` for another run's folder) if it is committed there, else from the
+stock files in that folder.
 Rotation is the Checkpointer's retention (run by the writer after each commit, fenced by its
 lease, with the root's storage options): ``save_total_limit`` is ``keep_last``, and
 ``metric_for_best_model`` / ``greater_is_better`` are ``keep_best=1`` with that metric
@@ -115,7 +117,9 @@ class AsyncCkptTrainerMixin:
     def __init__(self, *args: Any, checkpointer: Checkpointer | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._ackpt = checkpointer
-        self._ackpt_loaded: tuple[int, dict[str, Any]] | None = None
+        self._ackpt_built = False  # ours to close (one passed in is the caller's)
+        # The version last loaded, by (root, step): the load methods each ask for it.
+        self._ackpt_loaded: tuple[tuple[str, int], dict[str, Any]] | None = None
         # Saves whose checkpoint-N folder is written once they are committed.
         self._ackpt_pending: dict[int, tuple[SaveHandle, str, str]] = {}
 
@@ -134,6 +138,7 @@ class AsyncCkptTrainerMixin:
                 best_metric=metric,
                 best_mode="max" if args.greater_is_better else "min",
             )
+            self._ackpt_built = True
         return self._ackpt
 
     # -- train ------------------------------------------------------------------------
@@ -156,11 +161,22 @@ class AsyncCkptTrainerMixin:
             output = super().train(  # type: ignore[misc]
                 resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs
             )
+            self._finish_saves(wait=True)
+            self._rotate(self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
         finally:
             self._ackpt_loaded = None
-        self._finish_saves(wait=True)
-        self._rotate(self._get_output_dir(trial=trial))  # type: ignore[attr-defined]
+            self._close_built()
         return output
+
+    def _close_built(self) -> None:
+        """Close the Checkpointer this trainer built (its lease heartbeat ends; retention
+        runs once more), so that nothing of it outlives ``train``; a later use opens the
+        root again. One passed in is the caller's to close."""
+        if self._ackpt is None or not self._ackpt_built:
+            return
+        ckpt, self._ackpt, self._ackpt_built = self._ackpt, None, False
+        self._ackpt_pending.clear()  # close() waits for them; their folders are written
+        ckpt.close()
 
     def _resume_folder(self, trial: Any) -> str | None:
         step = self.checkpointer.latest()
@@ -268,24 +284,56 @@ class AsyncCkptTrainerMixin:
     # -- loading ----------------------------------------------------------------------
 
     def _version(self, checkpoint: str | None) -> dict[str, Any] | None:
-        """The committed version a ``checkpoint-N`` folder stands for, loaded once; or None."""
+        """The committed version a ``checkpoint-N`` folder stands for, loaded once; or None.
+
+        The folder names its run: one of this trainer's run folders means this trainer's
+        Checkpointer; another run's folder means the version N of *that* run's root
+        (``<its run folder>/asyncckpt``, read only), never this run's version N; a folder
+        of neither (a stock Trainer's) means None: its own files are loaded.
+        """
         if checkpoint is None:
             return None
-        match = _FOLDER.match(os.path.basename(os.path.normpath(checkpoint)))
+        folder = os.path.normpath(checkpoint)
+        match = _FOLDER.match(os.path.basename(folder))
         if match is None:
             return None
-        step = int(match.group(1))
-        if self._ackpt_loaded is not None and self._ackpt_loaded[0] == step:
+        step, run_dir = int(match.group(1)), os.path.dirname(folder)
+        ours = self._is_run_dir(run_dir)
+        key = (self.checkpointer.root if ours else os.path.realpath(run_dir), step)
+        if self._ackpt_loaded is not None and self._ackpt_loaded[0] == key:
             return self._ackpt_loaded[1]
-        if step not in self.checkpointer.versions():
+        if ours:
+            state = self._load_version(self.checkpointer, step, collective=None)
+        elif os.path.isdir(os.path.join(run_dir, ROOT_NAME)):
+            with Checkpointer(os.path.join(run_dir, ROOT_NAME), read_only=True) as other:
+                # Not this job's root: every rank reads the committed version on its own.
+                state = self._load_version(other, step, collective=False)
+        else:
             return None
-        state = self.checkpointer.load(step, map_location=self.args.device)
+        if state is not None:
+            self._ackpt_loaded = (key, state)
+        return state
+
+    def _is_run_dir(self, directory: str) -> bool:
+        """Whether ``directory`` is where this trainer writes its ``checkpoint-N`` folders:
+        ``output_dir``, or a hyperparameter search trial's ``run-*`` folder in it."""
+        output = os.path.realpath(self.args.output_dir)
+        found = os.path.realpath(directory)
+        if found == output:
+            return True
+        return os.path.dirname(found) == output and os.path.basename(found).startswith("run-")
+
+    def _load_version(
+        self, ckpt: Checkpointer, step: int, collective: bool | None
+    ) -> dict[str, Any] | None:
+        if step not in ckpt.versions():
+            return None
+        state = ckpt.load(step, map_location=self.args.device, collective=collective)
         if not isinstance(state, dict) or state.get(_FORMAT_KEY) != _FORMAT:
             raise FormatError(
-                f"{self.checkpointer.root} step {step} was not written by "
-                "asyncckpt.transformers (or by a newer one)"
+                f"{ckpt.root} step {step} was not written by asyncckpt.transformers (or by a "
+                "newer one)"
             )
-        self._ackpt_loaded = (step, state)
         return state
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

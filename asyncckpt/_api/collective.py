@@ -56,7 +56,9 @@ def agree_on_step(
 
     Raises:
         ValueError: the ranks asked for different steps.
-        AsyncCkptError: (a subclass) the writer failed to choose; on the writer, its error.
+        AsyncCkptError: (a subclass) the writer failed to choose (with any error: the others
+            get an AsyncCkptError, or the subclass the writer raised); on the writer, its
+            own error.
     """
     is_writer = dist.get_rank(group) == writer_rank
     choice, error = NO_STEP, None
@@ -64,9 +66,9 @@ def agree_on_step(
         try:
             found = step if step is not None else choose()
             choice = NO_STEP if found is None else found
-        except AsyncCkptError as exc:  # every rank must hear of it, or they hang
+        except BaseException as exc:  # any error: every rank must hear of it, or they hang
             error = exc
-            choice = -2 - error_index(exc)
+            choice = -2 - (error_index(exc) if isinstance(exc, AsyncCkptError) else 0)
     asked = NO_STEP if step is None else step
     mine_token = int(token, 16) if is_writer else 0  # 48 bits: fits an int64
     mine = torch.tensor(

@@ -252,6 +252,15 @@ class _Tracker:
         self.forget_settled(handle.owner)
         with self.lock:
             self.jobs.append(handle)
+        # A job that ends with nothing to report leaves at once: the tracker must not keep
+        # its owner (a Checkpointer, and through it the lease heartbeat) alive after the
+        # user dropped it. A failure stays until it is observed (or printed at exit).
+        handle._future.add_done_callback(lambda _: self._drop_if_settled(handle))
+
+    def _drop_if_settled(self, handle: SaveHandle) -> None:
+        if _settled(handle):
+            with self.lock:
+                self.jobs = [h for h in self.jobs if h is not handle]
 
     def of(self, owner: Any) -> list[SaveHandle]:
         """``owner``'s jobs (every owner's for :data:`ANY`) not settled, oldest first."""

@@ -235,14 +235,39 @@ def untie(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
         >>> list(unique), aliases, unique["emb"].data_ptr() == w.data_ptr()  # not copied
         (['emb', 'half'], {'head': 'emb'}, True)
     """
-    unique: dict[str, torch.Tensor] = {}
+    kept, aliases = _untie_plan(tensors)
+    unique = {
+        key: t.clone(memory_format=torch.contiguous_format) if copy else t
+        for key, (t, copy) in kept.items()
+    }
+    return unique, aliases
+
+
+def dense_copy_bytes(tensors: dict[str, torch.Tensor]) -> list[int]:
+    """The bytes of each copy :func:`untie` makes of ``tensors`` (a broadcast tensor of a
+    few stored bytes becomes its whole dense size): what a memory budget must count.
+
+    Example:
+        >>> dense_copy_bytes({"w": torch.zeros(1).expand(1000), "b": torch.zeros(3)})
+        [4000]
+    """
+    kept, _ = _untie_plan(tensors)
+    return [t.numel() * t.element_size() for t, copy in kept.values() if copy]
+
+
+def _untie_plan(
+    tensors: dict[str, torch.Tensor],
+) -> tuple[dict[str, tuple[torch.Tensor, bool]], dict[str, str]]:
+    """:func:`untie`'s decisions, with no copy made: each kept key's CPU tensor and whether
+    it must be copied, and the aliases."""
+    kept: dict[str, tuple[torch.Tensor, bool]] = {}
     aliases: dict[str, str] = {}
     first_of_view: dict[tuple[Any, ...], str] = {}
     storages: set[tuple[Any, int]] = set()
     for key, t in tensors.items():
         t = t.detach().cpu()
         if t.numel() == 0:  # no bytes: a fresh tensor shares nothing
-            unique[key] = torch.empty(t.shape, dtype=t.dtype)
+            kept[key] = (torch.empty(t.shape, dtype=t.dtype), False)
             continue
         view = _view_id(t)
         if view in first_of_view:
@@ -252,8 +277,8 @@ def untie(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
         storage = (t.device, t.untyped_storage().data_ptr())
         shared = storage in storages
         storages.add(storage)
-        unique[key] = t.clone(memory_format=torch.contiguous_format) if shared else t.contiguous()
-    return unique, aliases
+        kept[key] = (t, shared or not t.is_contiguous())
+    return kept, aliases
 
 
 def header_metadata(

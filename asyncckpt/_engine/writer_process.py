@@ -21,8 +21,10 @@ The child
     and 50 MB resident, against 2-3 s and 300 MB with torch), and runs ``writer_nice``
     below the caller's main thread, as the writer threads would;
   * dies with the caller's process (``PR_SET_PDEATHSIG`` on Linux): a write must not
-    outlive the process whose lease and snapshot it carries; it ignores ``SIGINT`` (a
-    Ctrl-C is the caller's to handle, as it would be for a writer thread);
+    outlive the process whose lease and snapshot it carries; it runs in a session of its
+    own and ignores ``SIGINT``, so a signal to the caller's process group (torchrun's
+    ``killpg``, SLURM, a Ctrl-C) is the caller's to handle, as it would be for a writer
+    thread: with ``on_preemption()`` the write in flight finishes and commits;
   * runs one write at a time; if it dies, the write it was running fails with
     :class:`~asyncckpt.errors.WriterProcessError` (the target is untouched, the temp file
     beside it removed; an object store's unfinished upload is left to the root's next
@@ -118,8 +120,17 @@ class WriterProcess:
         try:
             argv = [sys.executable, "-c", _CHILD_MAIN, str(theirs.fileno())]
             argv += [str(_niceness_below_main(nice)), str(os.getpid()), _PACKAGE_DIR]
+            # Its own session: a signal to the caller's process group (torchrun's killpg,
+            # SLURM, a terminal's Ctrl-C) does not reach it, so the write in flight can
+            # finish if the caller survives the signal (on_preemption); if the caller dies
+            # of it, PR_SET_PDEATHSIG kills the child. A session, not just a group: no
+            # controlling terminal to stop it (SIGTTOU) or hang it up.
             self.process = subprocess.Popen(
-                argv, pass_fds=(theirs.fileno(),), env=_child_environ(), stdin=subprocess.DEVNULL
+                argv,
+                pass_fds=(theirs.fileno(),),
+                env=_child_environ(),
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
             )
         except OSError as exc:
             ours.close()

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import shutil
+import stat
 import sys
 import time
 import weakref
@@ -21,8 +22,10 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
+from asyncckpt import _threads as workers
 from asyncckpt._settings import Settings
 from asyncckpt._storage.base import (
+    TEMP_MARK,
     AtomicWriter,
     ReadHandle,
     Storage,
@@ -112,12 +115,19 @@ class LocalStorage(Storage):
         return os.path.join(*parts)
 
     def read_marker(self, path: str, limit: int) -> bytes | None:
+        # O_NONBLOCK: a FIFO planted where a marker goes must not hang a load in open().
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
         with errors_as(self, path, "read"):
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, flags)
             except FileNotFoundError:
                 return None
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise StorageError(
+                        f"{self.describe(path)}: read failed: the save marker is not a plain "
+                        "file (a special file was put there); delete it"
+                    )
                 data = os.pread(fd, limit + 1, 0)
             finally:
                 os.close(fd)
@@ -131,13 +141,25 @@ class LocalStorage(Storage):
         # Written over the old bytes, then cut to length: never truncated to zero first,
         # which ext4 (auto_da_alloc) answers with a flush on close (~1 ms, not 10 us). A
         # reader in between sees new bytes followed by old ones: not JSON, so "rewriting".
+        # The marker sits beside a file a user names, in a directory others may write to:
+        # never follow a link planted there (O_NOFOLLOW: ELOOP), never block on a FIFO
+        # (O_NONBLOCK: ENXIO), never write into anything but a plain file of one name.
+        flags = os.O_WRONLY | os.O_CREAT
+        for name in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC"):  # POSIX; absent on Windows
+            flags |= getattr(os, name, 0)
         with errors_as(self, path, "write"):
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                fd = os.open(path, flags, 0o644)
             except FileNotFoundError:  # the first file of a new directory
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                fd = os.open(path, flags, 0o644)
             try:
+                found = os.fstat(fd)
+                if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+                    raise StorageError(
+                        f"{self.describe(path)}: write failed: the save marker is not a plain "
+                        "file of one name (a link or a special file was put there); delete it"
+                    )
                 view, at = memoryview(data), 0
                 while at < len(view):
                     at += os.pwrite(fd, view[at:], at)
@@ -145,6 +167,41 @@ class LocalStorage(Storage):
             finally:
                 os.close(fd)
         return content_tag(data)
+
+    def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
+        """With ``exact``: remove the temp files of writes of ``path`` whose writer is dead.
+
+        A writer holds an ``flock`` on its temp file from its creation to its rename
+        (:class:`_LocalWriter`), and the kernel drops it when the writer dies, SIGKILL
+        included; a temp file this process can lock is therefore provably abandoned. One
+        still locked (a live writer in any process of this machine, or a forked child
+        still holding the descriptor) or on a filesystem without flock is left alone.
+        Directory sweeps (without ``exact``) are the writer lease's recovery's.
+        """
+        import fcntl
+
+        if not exact:
+            return
+        directory, prefix = os.path.dirname(path) or ".", os.path.basename(path) + TEMP_MARK
+        with errors_as(self, path, "list"):
+            names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+        for name in names:
+            temp = os.path.join(directory, name)
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            try:
+                fd = os.open(temp, flags)
+            except OSError:
+                continue  # gone (renamed by its writer, or removed), or not ours to open
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                found, named = os.fstat(fd), os.lstat(temp)
+                if stat.S_ISREG(found.st_mode) and os.path.samestat(found, named):
+                    os.unlink(temp)  # while locked: its writer cannot be alive
+                    log.info("removed %s, left by a write that was killed", temp)
+            except OSError:
+                pass  # alive, or cannot tell: left
+            finally:
+                os.close(fd)
 
     def marker_lock(self, path: str) -> AbstractContextManager[None]:
         return _directory_locked(self, path)
@@ -213,13 +270,15 @@ def _flocked(storage: LocalStorage, lock_path: str) -> Iterator[None]:
     turns into a clear error instead of a hang; the lock is only held for a read and an
     atomic rename, so a healthy holder never comes near the limit.
     """
-    with errors_as(storage, lock_path, "lock"):
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+    # Closing the descriptor releases the lock; a forked child never shares it (fork hook).
+    with contextlib.ExitStack() as stack:
+        with errors_as(storage, lock_path, "lock"):
+            fd = stack.enter_context(
+                workers.lock_descriptor(lambda: os.open(lock_path, flags, 0o644))
+            )
         _flock(fd, lock_path, storage.settings.lock_timeout_ms)
         yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _flock(fd: int, what: str, timeout_ms: int) -> None:
@@ -267,14 +326,19 @@ def _directory_locked(storage: LocalStorage, path: str) -> Iterator[None]:
     import fcntl
 
     directory = os.path.dirname(path) or "."
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-    with errors_as(storage, path, "lock"):
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC
+
+    def open_directory() -> int:
         try:
-            fd = os.open(directory, flags)
+            return os.open(directory, flags)
         except FileNotFoundError:  # the first save into a new directory
             os.makedirs(directory, exist_ok=True)
-            fd = os.open(directory, flags)
-    try:
+            return os.open(directory, flags)
+
+    # Closing the descriptor releases the lock; a forked child never shares it (fork hook).
+    with contextlib.ExitStack() as stack:
+        with errors_as(storage, path, "lock"):
+            fd = stack.enter_context(workers.lock_descriptor(open_directory))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -285,8 +349,6 @@ def _directory_locked(storage: LocalStorage, path: str) -> Iterator[None]:
                 return
             _flock(fd, directory, storage.settings.lock_timeout_ms)
         yield
-    finally:
-        os.close(fd)
 
 
 def _warn_no_dir_lock(directory: str, exc: OSError) -> None:
@@ -311,7 +373,28 @@ class _LocalWriter(AtomicWriter):
         self.writeback_bytes = storage.settings.writeback_mib << 20  # a save sets its own
         with errors_as(storage, target, "create"):
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            self.file: BinaryIO = open(self.temp, "xb", buffering=0)  # noqa: SIM115
+            self.file: BinaryIO = self._open_locked_temp()
+
+    def _open_locked_temp(self) -> BinaryIO:
+        """Create the temp file and hold an ``flock`` on it until it is renamed or removed:
+        the proof of life that lets the next write of the target remove the temp files of
+        writers that died (:meth:`LocalStorage.abort_unfinished`), and only those."""
+        import fcntl
+
+        while True:
+            file = open(self.temp, "xb", buffering=0)  # noqa: SIM115
+            try:
+                fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in _FLOCK_UNSUPPORTED:
+                    return file  # no flock here: sweeps cannot lock it either, and leave it
+                file.close()  # a sweep locked it in the instant between: it removes it
+                self.temp = temp_name(self.target)
+                continue
+            if os.fstat(file.fileno()).st_nlink > 0:
+                return file
+            file.close()  # a sweep locked and removed it before this lock: start again
+            self.temp = temp_name(self.target)
 
     def write(self, data: bytes | memoryview) -> None:
         with errors_as(self.storage, self.temp, "write"):
@@ -340,9 +423,9 @@ class _LocalWriter(AtomicWriter):
         try:
             with errors_as(self.storage, self.target, "commit"):
                 os.fsync(self.file.fileno())
-                self.file.close()
                 with self.publishing():
                     os.replace(self.temp, self.target)
+                self.file.close()  # only now: the lock proves the temp file alive until renamed
                 fsync_dir(os.path.dirname(self.target) or ".")
         except BaseException:
             self.abort()

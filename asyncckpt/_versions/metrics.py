@@ -80,6 +80,13 @@ def _check_value(key: str, value: Any, where: str) -> float | int | str:
             f"{where}: {key!r} is {type(value).__name__}; a metric is a finite number or a "
             "short string"
         )
-    if not math.isfinite(value):
+    try:  # an int is ranked as a float: one too large for it would raise OverflowError there
+        finite = math.isfinite(value)
+    except OverflowError:
+        raise InvalidMetricsError(
+            f"{where}: {key!r} is an integer of {len(str(abs(int(value))))} digits; a metric must "
+            "fit in a float"
+        ) from None
+    if not finite:
         raise InvalidMetricsError(f"{where}: {key!r} is {value!r}; a metric must be finite")
     return int(value) if isinstance(value, int) else float(value)  # numpy/torch subclasses

@@ -203,10 +203,37 @@ _wake = threading.Event()  # a marker was created or beaten: the heartbeat recom
 _BEAT_THREADS = 4
 
 
+def _key(storage: Storage, path: str) -> tuple[str, str]:
+    return (type(storage).__name__, storage.describe(path))
+
+
 def _slot(storage: Storage, path: str) -> _Slot:
-    key = (type(storage).__name__, storage.describe(path))
     with _lock:
-        return _slots.setdefault(key, _Slot())
+        return _slots.setdefault(_key(storage, path), _Slot())
+
+
+@contextlib.contextmanager
+def _held_slot(storage: Storage, path: str) -> Iterator[_Slot]:
+    """The file's slot, its ``io`` lock held: the one in :data:`_slots` (a slot dropped
+    while this thread waited for its lock is taken anew). On the way out, a slot with no
+    save in flight is dropped: a file's bookkeeping lives as long as its saves (a failed
+    ``begin`` included), not as long as the process."""
+    key = _key(storage, path)
+    while True:
+        slot = _slot(storage, path)
+        with slot.io:
+            with _lock:
+                current = _slots.get(key) is slot
+            if not current:
+                continue
+            try:
+                yield slot
+            finally:
+                if slot.token is None:
+                    with _lock:
+                        if _slots.get(key) is slot:
+                            del _slots[key]
+            return
 
 
 @dataclass(frozen=True)
@@ -271,9 +298,8 @@ def begin(storage: Storage, path: str, *, settings: Settings) -> MarkerCheck | N
     """
     if not _enabled or storage.process_local:
         return None
-    slot = _slot(storage, path)
     marker = marker_of(path)
-    with slot.io, storage.marker_lock(marker):
+    with _held_slot(storage, path) as slot, storage.marker_lock(marker):
         if slot.token is not None and _carries(storage, marker, slot.token):
             slot.count += 1
             return MarkerCheck(storage, path, slot.token)
@@ -316,8 +342,7 @@ def finish(check: MarkerCheck, failure: BaseException | None = None) -> None:
             file would wait for it, then fail).
     """
     storage, marker = check.storage, marker_of(check.path)
-    slot = _slot(storage, check.path)
-    with slot.io:
+    with _held_slot(storage, check.path) as slot:
         if slot.token != check.token:
             return  # superseded: the marker belongs to a later save
         slot.count -= 1
@@ -339,6 +364,7 @@ def finish(check: MarkerCheck, failure: BaseException | None = None) -> None:
         finally:
             with _lock:
                 _live_tokens.discard(check.token)
+            _wake.set()  # the heartbeat ends if this was the last save in flight
 
 
 def _remove_if_ours(storage: Storage, marker: str, token: str) -> None:
@@ -370,10 +396,17 @@ def _start_heartbeat() -> None:
 
 
 def _beat_forever() -> None:
-    """Hand each marker that is due to the beat pool; sleep until the next one is due."""
+    """Hand each marker that is due to the beat pool; sleep until the next one is due.
+    Ends once no save is in flight here (the next :func:`begin` starts another): decided
+    under the lock that :func:`_start_heartbeat` checks, after ``begin`` set its token."""
+    global _heartbeat
     while True:
         now = time.monotonic()
         with _lock:
+            if not any(s.token is not None for s in _slots.values()):
+                if _heartbeat is threading.current_thread():
+                    _heartbeat = None
+                return
             slots = [s for s in _slots.values() if s.token is not None and s.beating]
         for slot in slots:
             if slot.due <= now and not slot.busy:

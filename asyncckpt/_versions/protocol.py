@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from asyncckpt._format.container import FOOTER_SIZE, decode_footer
+from asyncckpt._format.container import FOOTER_SIZE, decode_footer, parse_json
 
 # The file names of a version are defined once, in _format.names; imported from here too.
 from asyncckpt._format.names import METADATA_SUFFIX as METADATA_SUFFIX
@@ -187,12 +187,13 @@ def decode_record(raw: bytes, where: str) -> dict[str, Any]:
     """Parse a protocol record's JSON.
 
     Raises:
-        UnreadableRecordError: not JSON, not an object, or a protocol this code does not know.
+        UnreadableRecordError: not JSON (nested too deeply included), not an object, or a
+            protocol this code does not know.
     """
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise UnreadableRecordError(f"{where}: not valid JSON: {exc}") from exc
+    try:  # the one strict parser: deep nesting is a FormatError there, not a RecursionError
+        doc = parse_json(raw, where)
+    except FormatError as exc:
+        raise UnreadableRecordError(str(exc)) from exc
     if not isinstance(doc, dict):
         raise UnreadableRecordError(f"{where}: not an asyncckpt protocol record")
     version = doc.get("protocol")
@@ -553,6 +554,22 @@ def list_steps(storage: Storage, root: str) -> list[StepEntry]:
         state = UNCOMMITTED if commit is None else COMMITTED
         entries.append(StepEntry(step, state, link, commit))
     return entries
+
+
+def newest_good(storage: Storage, root: str, entries: list[StepEntry]) -> int | None:
+    """The newest committed step of ``entries`` (a :func:`list_steps` listing) whose files
+    verify: the version a reader loads when the version file names a step that is gone or
+    damaged (:func:`latest_step`'s fallback). Nothing ever deletes it
+    (:func:`~asyncckpt._versions.retention.deletion_plan`), whatever the version file says.
+    None when no committed step verifies.
+
+    Raises:
+        StorageError: reading a file failed.
+    """
+    for entry in reversed(entries):
+        if entry.commit is not None and verify_commit(storage, root, entry.commit) is None:
+            return entry.step
+    return None
 
 
 def delete_version(storage: Storage, root: str, step: int) -> None:

@@ -4,7 +4,8 @@
 step, those younger than a duration: the union of what each rule keeps), and
 :func:`deletion_plan` the one rule that applies it to a :func:`~asyncckpt._versions.protocol.
 list_steps` listing, with the protocol's own guarantees on top (never the version file's
-step, nothing newer, nothing unreadable, nothing a collective load may be reading). The
+step, nor the newest version that verifies whatever the version file says, nothing newer,
+nothing unreadable, nothing a collective load may be reading). The
 writer's retention and recovery (:mod:`asyncckpt._versions.writing`) and ``asyncckpt gc``
 delete exactly what it returns; see docs/PROTOCOL.md §5.
 """
@@ -148,6 +149,8 @@ def deletion_plan(
     pinned: int | None,
     spare: Collection[int] = (),
     now: float | None = None,
+    *,
+    good: int | None,
 ) -> list[StepEntry]:
     """The one rule for which step directories may be deleted.
 
@@ -159,25 +162,34 @@ def deletion_plan(
       understood: what is newest is unknown);
     * never ``pinned`` (the version file's step), nor anything newer (a save in
       progress), nor a step in ``spare`` (one a slower rank may still be reading);
+    * never ``good``, the newest committed step whose files verify
+      (:func:`~asyncckpt._versions.protocol.newest_good`), whatever ``pinned`` is: a
+      version file naming a step that is gone (a ``rewind`` killed after its first
+      deletion) or damaged must not make the version readers fall back to go;
     * never an :data:`UNREADABLE` step: it may be a version this asyncckpt cannot read;
     * a committed step older than ``pinned`` that ``policy`` does not keep;
     * an uncommitted step older than ``pinned``: a failed or interrupted save, which can
       never commit, since steps only increase.
 
     ``entries`` are the root's step directories, ascending; ``now`` is the time
-    ``keep_for`` counts from (None: now). Returns the entries to delete, ascending.
+    ``keep_for`` counts from (None: now); ``good`` is required so that no caller can forget
+    it (None: no committed step verifies). Returns the entries to delete, ascending.
 
     Example:
         >>> entries = [StepEntry(1, COMMITTED), StepEntry(2, UNREADABLE),
         ...            StepEntry(3, UNCOMMITTED), StepEntry(4, COMMITTED),
         ...            StepEntry(5, COMMITTED), StepEntry(6, UNCOMMITTED)]
-        >>> [e.step for e in deletion_plan(entries, RetentionPolicy(keep_last=1), pinned=5)]
+        >>> [e.step for e in deletion_plan(entries, RetentionPolicy(keep_last=1), 5, good=5)]
         [1, 3, 4]
+        >>> [e.step for e in deletion_plan(entries, RetentionPolicy(keep_last=1), 5, good=4)]
+        [1, 3]
     """
     if pinned is None:
         return []
     committed = [e for e in entries if e.state == COMMITTED]
     keep = policy.keeps(committed, now) | {pinned} | set(spare)
+    if good is not None:
+        keep.add(good)
     return [e for e in entries if e.step < pinned and e.state != UNREADABLE and e.step not in keep]
 
 
@@ -195,6 +207,6 @@ def retention_plan(
     entries = [
         StepEntry(s, COMMITTED if s in done else UNCOMMITTED) for s in sorted(done | set(all_dirs))
     ]
-    plan = deletion_plan(entries, RetentionPolicy(keep_last), pinned)
+    plan = deletion_plan(entries, RetentionPolicy(keep_last), pinned, good=pinned)
     dirs = set(all_dirs)
     return [e.step for e in plan if e.step in dirs]

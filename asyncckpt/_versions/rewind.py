@@ -21,6 +21,7 @@ from asyncckpt._versions.protocol import (
     publish_version,
     read_commit_strict,
     read_version_tagged,
+    verify_commit,
 )
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FencedError
@@ -33,16 +34,27 @@ def rewind(writer: RootWriter, step: int) -> list[int]:
     the caller has no save in flight. Returns the steps deleted, newest first.
 
     Raises:
-        CheckpointNotFoundError: ``step`` is not committed (nothing is deleted).
+        CheckpointNotFoundError: ``step`` is not committed, or its files do not verify
+            (nothing is deleted).
         FencedError: another writer took the root over meanwhile; it deleted nothing more.
         ConflictError: the lease could not be taken.
     """
     writer.acquire()
     storage, root = writer.storage, writer.root
-    if read_commit_strict(storage, root, step) is None:
+    commit = read_commit_strict(storage, root, step)
+    if commit is None:
         raise CheckpointNotFoundError(
             f"step {step} under {writer.where} is not committed: rewind goes back to a "
             "committed version (asyncckpt ls lists them)"
+        )
+    # The target becomes the newest version: were its data damaged, rewinding would delete
+    # every version that loads (the one rule of docs/PROTOCOL.md §5: the newest version
+    # that verifies is never deleted).
+    problem = verify_commit(storage, root, commit)
+    if problem is not None:
+        raise CheckpointNotFoundError(
+            f"step {step} under {writer.where} does not verify ({problem}): rewind goes back "
+            "only to a version that loads; nothing was deleted"
         )
     newer = [e.step for e in reversed(list_steps(storage, root)) if e.step > step]
     for doomed in newer:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ from asyncckpt._versions.protocol import (
     delete_version,
     list_steps,
     mark_failed,
+    newest_good,
     publish_version,
     read_commit_strict,
     read_failure,
@@ -182,25 +184,44 @@ class RootWriter:
             )
 
     def _start_heartbeat(self) -> None:
+        """Rewrite this writer's lease record every ``lease_renew_ms`` until :meth:`release`,
+        until the writer is fenced (another took the root: its recovery pruned the record,
+        which a beat must not bring back), or until the writer is garbage (a Checkpointer
+        never closed): the thread holds the writer only weakly."""
         interval = self.settings.lease_renew_ms / 1000
         assert self.epoch is not None
-        epoch = self.epoch
+        epoch, token, stop = self.epoch, self.token, self._stop
+        storage, root, where = self.storage, self.root, self.where
+        owner = weakref.ref(self)
+        weakref.finalize(self, stop.set)  # a writer collected wakes its thread at once
 
         def beat() -> None:
             count = 0
-            while not self._stop.wait(interval):
+            while not stop.wait(interval):
+                writer = owner()
+                if writer is None or writer._lease_held() is False:
+                    log.info(
+                        "the writer lease on %s (epoch %d) ended: stopped renewing", where, epoch
+                    )
+                    return
+                del writer  # only weakly held between beats
                 count += 1
                 try:
-                    renew_lease(self.storage, self.root, LeaseRecord(epoch, self.token, count))
+                    renew_lease(storage, root, LeaseRecord(epoch, token, count))
                 except Exception as exc:  # a missed beat only makes readers wait less
-                    log.warning("could not renew the writer lease on %s: %s", self.where, exc)
+                    log.warning("could not renew the writer lease on %s: %s", where, exc)
 
         self._heartbeat = threading.Thread(target=beat, name="asyncckpt-lease", daemon=True)
         self._heartbeat.start()
 
     def release(self) -> None:
-        """Stop renewing the lease (the lease record stays: readers see the writer stop)."""
+        """Stop renewing the lease (the lease record stays: readers see the writer stop),
+        and wait for the heartbeat thread to end: none outlives its writer's close. A beat
+        in progress finishes first (one small write)."""
         self._stop.set()
+        beating = self._heartbeat
+        if beating is not None and beating is not threading.current_thread():
+            beating.join()
 
     # -- the lease, before every deletion ---------------------------------------------
 
@@ -257,7 +278,8 @@ class RootWriter:
         try:
             entries = list_steps(storage, root)
             self._remove_temps(root, "temp files")
-            plan = deletion_plan(entries, RetentionPolicy(), self.published)
+            good = newest_good(storage, root, entries)
+            plan = deletion_plan(entries, RetentionPolicy(), self.published, good=good)
             for entry in plan:
                 if not self._may_delete(f"step {entry.step}"):
                     return
@@ -326,7 +348,8 @@ class RootWriter:
                 if entry.state == UNREADABLE:
                     log.warning("retention leaves step %d alone: %s", entry.step, entry.problem)
             spared = () if spare is None else (spare,)
-            for entry in deletion_plan(entries, policy, pinned, spared):
+            good = newest_good(storage, root, entries)
+            for entry in deletion_plan(entries, policy, pinned, spared, good=good):
                 if not self._may_delete(f"step {entry.step} (retention)"):
                     return
                 delete_version(storage, root, entry.step)

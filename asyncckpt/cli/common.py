@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
+from asyncckpt._format.container import parse_json
 from asyncckpt._format.names import METADATA_NAME
 from asyncckpt._progress import Progress
 from asyncckpt._settings import Settings
@@ -411,8 +412,8 @@ def need_root(ref: FileRef | RootRef, spec: str) -> RootRef:
 def record_time(storage: Storage, path: str) -> str | None:
     """The informational ``time`` field of a protocol record (COMMIT, FAILED)."""
     try:
-        doc = json.loads(storage.read_bytes(path, 1 << 20))
-    except (AsyncCkptError, ValueError):
+        doc = parse_json(storage.read_bytes(path, 1 << 20), storage.describe(path))
+    except AsyncCkptError:  # FormatError included: deep nesting is one, not a RecursionError
         return None
     value = doc.get("time") if isinstance(doc, dict) else None
     return value if isinstance(value, str) else None

@@ -12,6 +12,7 @@ import torch
 from asyncckpt._api.dropin import write_options
 from asyncckpt._convert.consolidate import ShardedSource, materialize_all, write_ackpt_stream
 from asyncckpt._convert.safetensors import (
+    dense_copy_bytes,
     flat_tensors,
     header_metadata,
     read_safetensors,
@@ -137,6 +138,7 @@ def _convert_file(
         if dst_format == "safetensors":
             flat = _flat(args, obj, src.name)
             del obj  # the flat dict holds the same tensors; nothing else should keep them
+            _charge_dense_copies(args, flat, src.name)
             if args.shard_size:
                 written = _write_hub(args, flat, storage, path, bar)
             else:
@@ -158,6 +160,26 @@ def _convert_file(
         "dst_bytes": written,
     }
     return doc, f"converted {src.name} ({src_format}, {format_bytes(size)})"
+
+
+def _charge_dense_copies(
+    args: argparse.Namespace, flat: dict[str, torch.Tensor], name: str
+) -> None:
+    """Refuse, within ``--max-bytes``, the copies safetensors' dense layout needs on top of
+    the state as loaded: a broadcast (zero-stride) tensor stored in a few bytes is written
+    at its whole size. One file holds every copy at once; ``--shard-size`` one at a time.
+
+    Raises:
+        MemoryBudgetError: the state and those copies need more than ``--max-bytes``.
+    """
+    copies = dense_copy_bytes(flat)
+    if not copies:
+        return
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in flat.values()}
+    extra = max(copies) if args.shard_size else sum(copies)
+    Budget(args.max_bytes).charge(
+        name, sum(held.values()) + extra, "its tensors made dense for safetensors"
+    )
 
 
 def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:

@@ -21,6 +21,7 @@ from asyncckpt._versions.protocol import (
     StepEntry,
     delete_version,
     list_steps,
+    newest_good,
     read_version_file,
 )
 from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
@@ -48,7 +49,8 @@ def add_parser(sub: Subparsers) -> None:
         "gc",
         "delete old versions as the Checkpointer's retention would",
         "Apply the Checkpointer's retention rules (keep_last, keep_best, keep_every, keep_for; "
-        "a version stays if any rule keeps it) and keep the one the version file names; delete "
+        "a version stays if any rule keeps it) and keep the one the version file names and the "
+        "newest one that verifies; delete "
         "older committed versions no rule keeps and leftovers of interrupted saves older than "
         "it. Never touches anything newer than the "
         "version file's step (a save in progress), nor a step whose COMMIT this asyncckpt "
@@ -187,7 +189,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     record = read_version_file(storage, root)
     entries = list_steps(storage, root)
     pinned = record.step if record is not None else None
-    plan = deletion_plan(entries, policy, pinned)
+    plan = deletion_plan(entries, policy, pinned, good=newest_good(storage, root, entries))
     lines = []
     if pinned is None:
         lines.append(

@@ -177,3 +177,44 @@ def test_kill_9_never_leaves_a_partial_checkpoint(tmp_path: Path, mode: str) -> 
                 assert name.startswith("ckpt.ackpt" + TEMP_MARK), name
         seen.append(it)
     assert len(seen) == TRIALS_PER_MODE
+
+
+_TEMP_WRITER = """
+import sys
+from asyncckpt._storage import LocalStorage
+with LocalStorage().atomic_write(sys.argv[1]) as out:  # a write of the file in flight
+    out.write(b"half a checkpoint")
+    print("ready", flush=True)
+    sys.stdin.read()  # until the test ends it
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_next_save_removes_the_temp_file_of_a_killed_save_and_only_that(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "model.ackpt"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _TEMP_WRITER, str(target)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        (temp,) = tmp_path.glob(f"model.ackpt{TEMP_MARK}*")
+        asyncckpt.save(make_state(1), target).result()
+        assert temp.exists()  # a live writer's: another process still writes it
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    assert temp.exists()  # killed mid-write: left behind ...
+    asyncckpt.save(make_state(2), target).result()
+    assert not temp.exists()  # ... until the next save of the file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.ackpt"]
+    assert_is_state_of(asyncckpt.load(target), 2)

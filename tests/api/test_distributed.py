@@ -600,3 +600,30 @@ def test_a_collective_load_is_not_ended_by_an_earlier_jobs_failed_marker(tmp_pat
     old.close()
     assert (tmp_path / "ckpt" / "2" / "FAILED").exists()
     run_ranks("_collective_load_beside_an_earlier_jobs_failure", 2, tmp_path)
+
+
+def _writer_fails_to_choose_with_any_error(
+    rank: int, world: int, store: Any, workdir: Path
+) -> None:
+    from asyncckpt.errors import AsyncCkptError
+
+    ckpt = Checkpointer(workdir / "ckpt")
+    if rank == 0:
+
+        def choose() -> int | None:  # not an AsyncCkptError: a bug, a KeyError, a torch error
+            raise KeyError("injected: the writer's choice failed")
+
+        ckpt._newest_expected = choose  # type: ignore[method-assign]
+        with pytest.raises(KeyError, match="injected"):
+            ckpt.load()
+    else:
+        with pytest.raises(AsyncCkptError, match=r"writer rank \(0\) failed to choose"):
+            ckpt.load()
+    ckpt.close()
+    dist.barrier()
+
+
+@pytest.mark.timeout(180)
+def test_every_rank_hears_of_any_failure_of_the_writers_choice(tmp_path: Path) -> None:
+    # Before: the other ranks waited in all_gather for the group's timeout (120 s here).
+    run_ranks("_writer_fails_to_choose_with_any_error", 3, tmp_path, timeout=60)

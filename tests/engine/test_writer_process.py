@@ -504,3 +504,57 @@ def test_the_child_writes_without_importing_torch(tmp_path: Path) -> None:
     footer = decode_footer(data[-FOOTER_SIZE:], len(data), "a.ackpt")
     body = data[footer.manifest_offset : footer.manifest_offset + footer.manifest_length]
     assert decode_manifest(body, footer, "a.ackpt").meta["torch"] == torch.__version__
+
+
+_TRAINER = """
+import os, sys, time, torch, asyncckpt
+import tests.engine.test_writer_process  # registers gated://
+base, preempted = sys.argv[1], sys.argv[2] == "handled"
+gate = base + "/gate"
+ckpt = asyncckpt.Checkpointer("gated://" + base + "/root", storage_options={"gate": gate})
+stop = ckpt.on_preemption() if preempted else None
+ckpt.save(1, {"w": torch.ones(10)})
+print("saving", flush=True)
+assert stop is not None and stop.wait(120), "no preemption signal came"
+open(gate + "/release", "w").close()  # the loop goes on: the held write may finish now
+ckpt.close()  # waits for the write the child was doing when the signal came, and commits
+print("committed", ckpt.latest(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("preempted", ["handled", "unhandled"])
+def test_a_sigterm_to_the_process_group_lets_the_child_finish_the_write(
+    tmp_path: Path, preempted: str
+) -> None:
+    """torchrun and SLURM signal the trainer's whole process group: with on_preemption()
+    the write in flight in the writer process must still commit; without, the trainer dies
+    of the signal and its child with it."""
+    (tmp_path / "gate").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ASYNCCKPT_WRITER_PROCESSES": "1"}
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _TRAINER, str(tmp_path), preempted],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as under torchrun or srun
+    )
+    try:
+        wait_for(tmp_path / "gate" / "started", timeout=120)  # the child is in the write
+        writer = int((tmp_path / "gate" / "started").read_text())
+        os.killpg(trainer.pid, signal.SIGTERM)
+        out, err = trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGKILL)
+            trainer.wait(timeout=30)
+    if preempted == "handled":
+        assert trainer.returncode == 0, err
+        assert "committed 1" in out
+    else:
+        assert trainer.returncode == -signal.SIGTERM, err
+    deadline = time.monotonic() + 60  # either way the child does not outlive the trainer
+    while not _gone(writer):
+        assert time.monotonic() < deadline, f"the writer process {writer} outlived its caller"
+        time.sleep(0.05)

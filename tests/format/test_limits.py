@@ -424,6 +424,22 @@ def test_the_command_line_takes_a_memory_budget(
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("shards", [[], ["--shard-size", "1GiB"]], ids=["one-file", "hub"])
+def test_convert_to_safetensors_budgets_the_dense_copy_of_a_zero_stride_tensor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], shards: list[str]
+) -> None:
+    """A broadcast tensor is a few bytes on disk and loaded as such (stride 0), but
+    safetensors holds dense data: the copy that makes it so is what the budget must see."""
+    path = tmp_path / "x.ackpt"
+    wide = torch.zeros(1).expand(1 << 22)  # 4 bytes stored, 16 MiB dense
+    asyncckpt.save({"w": wide}, path).result()
+    assert path.stat().st_size < 4096
+    out = tmp_path / "out.safetensors"
+    assert cli.main(["convert", str(path), str(out), *shards, "--max-bytes", "1MiB"]) == 1
+    assert "16,777,220 bytes" in capsys.readouterr().err and not out.exists()  # + 4 stored
+    assert cli.main(["convert", str(path), str(out), *shards, "--max-bytes", "17MiB"]) == 0
+
+
 def test_convert_of_a_sharded_checkpoint_takes_a_memory_budget(
     dcp_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -38,7 +38,9 @@ def _data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def _trainer(cls: type, out: Path, stop_at: int | None = None, **args: Any) -> Any:
+def _trainer(
+    cls: type, out: Path, stop_at: int | None = None, checkpointer: Any = None, **args: Any
+) -> Any:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
     model = transformers.GPT2LMHeadModel(config)  # dropout on: the RNG states matter
@@ -57,7 +59,9 @@ def _trainer(cls: type, out: Path, stop_at: int | None = None, **args: Any) -> A
     }
     training_args = transformers.TrainingArguments(output_dir=str(out), **{**defaults, **args})
     callbacks = [] if stop_at is None else [_StopAt(stop_at)]
+    extra = {} if checkpointer is None else {"checkpointer": checkpointer}
     return cls(
+        **extra,
         model=model,
         args=training_args,
         train_dataset=_data(32, 1),
@@ -92,6 +96,37 @@ def test_resume_equals_the_stock_trainer_resumed(tmp_path: Path) -> None:
     _assert_same_training_state(ours, stock)
     # It resumed from step 3 (saved before the stop at 5), not from scratch.
     assert ours.checkpointer.versions() == [3, 6, 8]
+
+
+@pytest.mark.timeout(300)
+def test_resume_from_another_runs_folder_loads_that_runs_version(tmp_path: Path) -> None:
+    other = _trainer(AsyncCkptTrainer, tmp_path / "other", learning_rate=1e-2)
+    other.train()
+    _trainer(AsyncCkptTrainer, tmp_path / "this").train()  # this run has its own step 3
+    with asyncckpt.Checkpointer(tmp_path / "other" / ROOT_NAME, read_only=True) as ckpt:
+        wanted = ckpt.load(3)["model"]
+    with asyncckpt.Checkpointer(tmp_path / "this" / ROOT_NAME, read_only=True) as ckpt:
+        assert not torch.equal(ckpt.load(3)["model"]["lm_head.weight"], wanted["lm_head.weight"])
+    resumed = _trainer(AsyncCkptTrainer, tmp_path / "this")
+    # What Trainer.train calls first with the folder it is given
+    resumed._load_from_checkpoint(str(tmp_path / "other" / "checkpoint-3"))
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, wanted[name]), name
+
+
+@pytest.mark.timeout(300)
+def test_train_closes_the_checkpointer_it_built_and_not_one_passed_in(tmp_path: Path) -> None:
+    trainer = _trainer(AsyncCkptTrainer, tmp_path / "built")
+    built = trainer.checkpointer
+    trainer.train()
+    lease = built._writer._heartbeat
+    assert built._closed and lease is not None and not lease.is_alive()
+    assert trainer.checkpointer is not built  # a later use opens the root again
+    assert trainer.checkpointer.versions() == [3, 6, 8]
+    with asyncckpt.Checkpointer(tmp_path / "given") as given:
+        _trainer(AsyncCkptTrainer, tmp_path / "run", checkpointer=given).train()
+        assert not given._closed  # the caller's, to close
+        given.save(9, {"w": torch.zeros(1)}).result()
 
 
 @pytest.mark.timeout(300)

@@ -9,12 +9,14 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import asyncckpt
 import asyncckpt._storage.local as local
+from asyncckpt._settings import Settings
 from asyncckpt._storage import LocalStorage, is_temp_name
 from asyncckpt.errors import StorageError
 
@@ -182,3 +184,37 @@ def test_a_storage_uses_the_settings_it_was_built_with(
         writer.abort()
     monkeypatch.setenv("ASYNCCKPT_LOCK_TIMEOUT_MS", "7")
     assert resolve(str(tmp_path), None)[0].settings.lock_timeout_ms == 7  # None: resolved now
+
+
+def _held_across_a_fork(hold: Callable[[], Any], take: Callable[[], Any]) -> None:
+    """Fork a child while ``hold()`` is held (as a DataLoader worker started while a save
+    commits), release it in the parent, then ``take()`` it again while the child lives."""
+    release_child_r, release_child_w = os.pipe()
+    with hold():
+        pid = os.fork()
+        if pid == 0:  # the child: stays alive, doing nothing, until told to exit
+            try:
+                os.read(release_child_r, 1)
+            finally:
+                os._exit(0)
+    try:
+        with take():  # before the fix: "still locked by another process" (the child)
+            pass
+    finally:
+        os.write(release_child_w, b"x")
+        _, status = os.waitpid(pid, 0)
+        os.close(release_child_r)
+        os.close(release_child_w)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_keep_the_parents_file_locks(tmp_path: Path) -> None:
+    storage = LocalStorage(Settings.resolve(lock_timeout_ms=200))
+    marker = str(tmp_path / "model.ackpt.ackpending")
+    _held_across_a_fork(lambda: storage.marker_lock(marker), lambda: storage.marker_lock(marker))
+    version = str(tmp_path / "VERSION.lock")
+    _held_across_a_fork(
+        lambda: local._flocked(storage, version), lambda: local._flocked(storage, version)
+    )

@@ -37,12 +37,19 @@ from asyncckpt._versions.protocol import (
     UNREADABLE,
     StepEntry,
     commit_from,
+    delete_version,
     list_steps,
+    newest_good,
     read_failure,
 )
 from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
 from asyncckpt._versions.writing import RootWriter
-from asyncckpt.errors import CheckpointTimeoutError, ConflictError, UnreadableRecordError
+from asyncckpt.errors import (
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    ConflictError,
+    UnreadableRecordError,
+)
 from tests.api.test_checkpointer import (
     _drain_saves,  # noqa: F401 (an autouse fixture)
     _GatedWriter,
@@ -214,7 +221,7 @@ def test_the_deletion_rule() -> None:
     )
 
     def plan(policy: RetentionPolicy, pinned: int | None, spare: tuple[int, ...] = ()) -> Any:
-        return [e.step for e in deletion_plan(listing, policy, pinned, spare)]
+        return [e.step for e in deletion_plan(listing, policy, pinned, spare, good=pinned)]
 
     assert plan(RetentionPolicy(keep_last=1), 5) == [1, 3, 4]
     assert plan(RetentionPolicy(keep_last=1), 5, spare=(4,)) == [1, 3]
@@ -262,6 +269,77 @@ def test_gc_never_deletes_a_step_whose_commit_it_cannot_read(tmp_path: Path, dam
     # ... and the writer's retention agrees: it refuses the root, as for any unreadable record
     with pytest.raises(ConflictError, match="refusing to write"):
         Checkpointer(root, keep_last=2).save(50, make_state(50)).result(timeout=60)
+
+
+def _damage(root: Path, how: str) -> None:
+    """Leave ``root`` (steps 10..40 committed, VERSION naming 40) with its version file
+    naming a step that is gone or unreadable, as a killed ``rewind`` or a bad disk does."""
+    if how == "version-names-a-deleted-step":  # a rewind killed after its first deletion
+        delete_version(*resolve(str(root), None), 40)
+    elif how == "version-names-a-damaged-commit":
+        (root / "40" / "COMMIT").write_text("{not json")
+    else:  # "version-names-truncated-data": COMMIT parses, its data file does not verify
+        data = next((root / "40").glob("*.ackpt"))
+        data.write_bytes(data.read_bytes()[:100])
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "version-names-a-deleted-step",
+        "version-names-a-damaged-commit",
+        "version-names-truncated-data",
+    ],
+)
+@pytest.mark.parametrize(
+    "rule",
+    [["--keep-every", "1000"], ["--keep-best", "1", "--best-metric", "loss"], ["--keep-last", "1"]],
+    ids=str,
+)
+def test_gc_never_deletes_the_newest_good_version_whatever_the_version_file_says(
+    tmp_path: Path, how: str, rule: list[str]
+) -> None:
+    from asyncckpt.cli import main
+
+    root = tmp_path / "run"
+    committed_root(str(root), [10, 20, 30, 40])
+    _damage(root, how)
+    assert main(["gc", str(root), *rule]) == 0
+    assert (root / "30" / "COMMIT").exists()  # the newest version that loads
+    assert_state(reader(str(root)).load(30), 30)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "version-names-a-deleted-step",
+        "version-names-a-damaged-commit",
+        "version-names-truncated-data",
+    ],
+)
+def test_the_deletion_rule_never_deletes_the_newest_good_version(tmp_path: Path, how: str) -> None:
+    root = tmp_path / "run"
+    committed_root(str(root), [10, 20, 30, 40])
+    _damage(root, how)
+    entries = list_steps(*resolve(str(root), None))
+    good = newest_good(*resolve(str(root), None), entries)
+    assert good == 30
+    # whatever step a caller pins (the version file's 40), the newest good one stays
+    plan = deletion_plan(entries, RetentionPolicy(keep_every=1000), 40, good=good)
+    assert 30 not in [e.step for e in plan]
+
+
+def test_rewind_to_a_version_whose_data_is_damaged_deletes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with Checkpointer(str(root)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, make_state(step))
+        ckpt.wait()
+        data = next((root / "2").glob("*.ackpt"))
+        data.write_bytes(data.read_bytes()[:100])
+        with pytest.raises(CheckpointNotFoundError, match=r"step 2 .*does not verify"):
+            ckpt.rewind(2)
+        assert ckpt.versions() == [1, 2, 3] and ckpt.latest() == 3
 
 
 def test_ls_shows_an_unreadable_commit_as_unreadable(
@@ -320,6 +398,36 @@ def test_a_nul_byte_in_a_commits_file_name_skips_the_version(
     assert main(["verify", f"{any_root}@2"]) == 1
     assert "not committed" in capsys.readouterr().err
     with pytest.raises(ConflictError, match=r"step 2 names the file 'r00000-ab\\x00cd.ackpt'"):
+        Checkpointer(any_root).save(3, make_state(3)).result(timeout=60)
+
+
+_DEEP = b"[" * 100_000 + b"]" * 100_000  # far past Python's recursion limit, under 1 MiB
+
+
+@pytest.mark.parametrize(
+    "marker",
+    [
+        b'{"protocol": 1, "step": 2, "files": ' + _DEEP + b', "writer": "w"}',
+        record(step=2, files=["r00000-a.ackpt"], writer="w", metrics={"n": 0}).replace(
+            b'"n": 0', b'"n": ' + b"9" * 400
+        ),
+    ],
+    ids=["deeply-nested", "400-digit-metric"],
+)
+def test_a_commit_that_cannot_be_parsed_is_an_unreadable_record_never_a_crash(
+    any_root: str, capsys: pytest.CaptureFixture[str], marker: bytes
+) -> None:
+    from asyncckpt.cli import main
+
+    committed_root(any_root, [1])
+    put(any_root, "2/COMMIT", marker)
+    other = reader(any_root)
+    assert other.latest() == 1 and other.versions() == [1]
+    assert_state(other.load(), 1)
+    assert main(["ls", any_root, "--json"]) == 0
+    versions = {v["step"]: v for v in json.loads(capsys.readouterr().out)["versions"]}
+    assert versions[2]["state"] == "unreadable"
+    with pytest.raises(ConflictError, match="refusing to write"):
         Checkpointer(any_root).save(3, make_state(3)).result(timeout=60)
 
 

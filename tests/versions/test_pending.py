@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -81,8 +82,19 @@ def test_record_round_trip() -> None:
         json.dumps({**json.loads(encode_pending(_record())), "protocol": 99}).encode(),
         json.dumps({**json.loads(encode_pending(_record())), "pid": "12"}).encode(),
         json.dumps({**json.loads(encode_pending(_record())), "pid_start": 1.5}).encode(),
+        b'{"protocol": 1, "kind": "drop-in-save", "token": ' + b"[" * 10**5 + b"]" * 10**5 + b"}",
     ],
-    ids=["empty", "cut", "trailing", "binary", "other-kind", "newer", "pid-str", "start-float"],
+    ids=[
+        "empty",
+        "cut",
+        "trailing",
+        "binary",
+        "other-kind",
+        "newer",
+        "pid-str",
+        "start-float",
+        "deeply-nested",
+    ],
 )
 def test_partial_or_foreign_bytes_are_no_record(raw: bytes) -> None:
     assert decode_pending(raw) is None
@@ -256,6 +268,45 @@ def test_a_marker_that_cannot_be_written_fails_the_handle(
     assert asyncckpt.load(path)["v"].sum() == 0
 
 
+@pytest.mark.parametrize("plant", ["symlink", "dangling-symlink", "fifo"])
+def test_a_marker_planted_as_a_link_or_special_file_is_never_written_through(
+    tmp_path: Path, plant: str
+) -> None:
+    path = tmp_path / "model.ackpt"
+    asyncckpt.save({"v": torch.zeros(4)}, path).result()
+    victim = tmp_path / "elsewhere" / "precious.txt"
+    victim.parent.mkdir()
+    marker = Path(f"{path}{MARKER}")
+    if plant == "symlink":
+        victim.write_bytes(b"someone else's file")
+        marker.symlink_to(victim)
+    elif plant == "dangling-symlink":
+        marker.symlink_to(victim)  # would create the file it points to
+    else:
+        os.mkfifo(marker)  # opening it to write would block until a reader came
+    handle = asyncckpt.save({"v": torch.ones(4)}, path)
+    with pytest.raises(StorageError, match=re.escape(str(marker))):
+        handle.result()
+    if plant == "symlink":
+        assert victim.read_bytes() == b"someone else's file"
+    else:
+        assert not victim.exists()
+    marker.unlink()
+    assert asyncckpt.load(path)["v"].sum() == 0  # the file was left alone
+
+
+@pytest.mark.timeout(60)
+def test_a_marker_planted_as_a_fifo_fails_a_load_instead_of_hanging_it(tmp_path: Path) -> None:
+    path = tmp_path / "model.ackpt"
+    asyncckpt.save({"v": torch.zeros(4)}, path).result()
+    marker = Path(f"{path}{MARKER}")
+    os.mkfifo(marker)  # opening it to read would block until a writer came
+    with pytest.raises(StorageError, match=re.escape(str(marker))):
+        asyncckpt.load(path)
+    marker.unlink()
+    assert asyncckpt.load(path)["v"].sum() == 0
+
+
 @pytest.mark.timeout(120)
 def test_the_check_runs_in_the_writer_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -323,6 +374,23 @@ def test_the_heartbeat_thread_beats_while_a_save_is_in_flight(
     # in flight at finish() has ended by then; it must find nothing left to beat.
     assert pending.beat_all() == 0
     assert not os.path.exists(path + MARKER)  # no beat brings it back
+
+
+def test_nothing_of_a_files_marker_outlives_its_saves(tmp_path: Path) -> None:
+    """The bookkeeping of a file's marker (its slot) goes with its last save, and the
+    heartbeat thread with the last marker: a process saving many distinct files (a new
+    name per epoch) holds nothing for the files it saved before."""
+    beating = []
+    for i in range(20):
+        handle = asyncckpt.save({"v": torch.full((4,), float(i))}, tmp_path / f"e{i}.ackpt")
+        beating += [t for t in threading.enumerate() if t.name == "asyncckpt-marker"]
+        handle.result()
+    assert beating  # markers were beaten by a thread while the saves ran
+    for thread in beating:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    assert pending._slots == {}
+    assert asyncckpt.load(tmp_path / "e19.ackpt")["v"].tolist() == [19.0] * 4
 
 
 def _beat_of(storage: Storage, path: str) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from asyncckpt import Checkpointer
 from asyncckpt._storage import resolve
+from asyncckpt._versions.metrics import check_metrics
 from asyncckpt._versions.protocol import (
     COMMITTED,
     CommitRecord,
@@ -49,10 +50,17 @@ def _entry(step: int, metrics: dict[str, Any] | None = None, at: float | None = 
 
 
 def _plan(entries: list[StepEntry], policy: RetentionPolicy, now: float = 0.0) -> list[int]:
-    return [e.step for e in deletion_plan(entries, policy, entries[-1].step, now=now)]
+    pinned = entries[-1].step
+    return [e.step for e in deletion_plan(entries, policy, pinned, now=now, good=pinned)]
 
 
 # -- metrics ---------------------------------------------------------------------------------
+
+
+def test_an_integer_metric_too_large_for_a_float_is_invalid(any_root: str) -> None:
+    with Checkpointer(any_root) as ckpt, pytest.raises(InvalidMetricsError, match="'n'"):
+        ckpt.save(1, make_state(1), metrics={"n": 10**400})
+    assert check_metrics({"n": 10**300}) == {"n": 10**300}  # a float holds it: ranked as one
 
 
 def test_metrics_are_kept_in_commit_and_read_by_info(any_root: str) -> None:

@@ -7,6 +7,7 @@ The multi-process scenarios (a polling evaluator, a frozen writer, racing writer
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -432,3 +433,39 @@ def test_a_new_writer_removes_temp_files_of_older_lease_writes(tmp_path: Path) -
         second.save(2, {"w": torch.ones(2)}).result()
     (record,) = (root / "_lease").iterdir()  # the older record and its temp file are gone
     assert TEMP_MARK not in record.name and int(record.name) > int(old.name)
+
+
+# --------------------------------------------------------------------------- lease heartbeats
+
+
+def _heartbeat(ckpt: Checkpointer) -> threading.Thread:
+    thread = ckpt._writer._heartbeat
+    assert thread is not None and thread.is_alive()
+    return thread
+
+
+def test_a_fenced_writers_heartbeat_stops_and_never_brings_back_its_lease_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "20")
+    root = tmp_path / "ckpt"
+    old = Checkpointer(root)
+    old.save(1, state(1)).result()
+    beating = _heartbeat(old)
+    (old_record,) = (root / "_lease").iterdir()
+    with Checkpointer(root) as new:  # a restarted job: takes the root, prunes old's record
+        new.save(2, state(2)).result()
+        beating.join(timeout=60)  # the fenced writer's heartbeat ends on its own
+        assert not beating.is_alive()
+        assert not old_record.exists()  # and did not write it again
+    old.close()
+
+
+def test_the_heartbeat_of_a_checkpointer_never_closed_ends_with_it(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(1, state(1)).result()
+    beating = _heartbeat(ckpt)
+    del ckpt
+    gc.collect()
+    beating.join(timeout=60)
+    assert not beating.is_alive()
