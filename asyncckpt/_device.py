@@ -322,8 +322,14 @@ class Cuda:
         return -1 if library is None else int(library.cudaGetLastError())
 
     def empty(self, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``torch.empty`` on ``device`` (any device; the fake makes its CUDA ones)."""
-        return torch.empty(shape, dtype=dtype, device=device)
+        """``torch.empty`` on ``device`` (any device; the fake makes its CUDA ones).
+
+        Made as bytes and viewed: under ``torch.use_deterministic_algorithms(True)``
+        ``torch.empty`` fills the tensor, which torch cannot do for every dtype (float4).
+        """
+        size = torch.Size(shape)
+        raw = torch.empty(size.numel() * dtype.itemsize, dtype=torch.uint8, device=device)
+        return raw.view(dtype).reshape(size)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         """A pinned host buffer from torch's caching host allocator (the fallback)."""

@@ -315,5 +315,14 @@ class _CountedWriter(AtomicWriter):
         self.inner.commit()
 
     def abort(self) -> None:
-        self.plan.enter("abort", self.path)
+        try:
+            self.plan.enter("abort", self.path)
+        except StorageError:
+            if self.plan.dead:
+                # What the OS does for a dead process: its files close, and the locks on
+                # them go (a local temp file's flock tells later saves its writer is dead).
+                file = getattr(self.inner, "file", None)
+                if file is not None:
+                    file.close()
+            raise
         self.inner.abort()

@@ -83,21 +83,8 @@ def test_the_points_are_deterministic(tmp_path: Path, name: str) -> None:
     assert points[0] >= POINTS[name][0] and points[1] >= POINTS[name][1], points
 
 
-#: Issue 29 defect 12 (a killed drop-in save's temp file is never removed): the drop-in
-#: scenario's crash points after its temp file exists fail on it, and on nothing else.
-DEFECT_12 = pytest.mark.xfail(
-    strict=True,
-    raises=cs.LeftoverTempFile,
-    reason="issue 29 defect 12: a killed drop-in save leaves <path>.acktmp-* for ever",
-)
-
-
 def _cases(modes: list[str]) -> list[Any]:
-    return [
-        pytest.param(name, mode, marks=[DEFECT_12] if name == "dropin" and mode != "fail" else [])
-        for name in sorted(SCENARIOS)
-        for mode in modes
-    ]
+    return [pytest.param(name, mode) for name in sorted(SCENARIOS) for mode in modes]
 
 
 @pytest.mark.timeout(240)
@@ -105,7 +92,6 @@ def _cases(modes: list[str]) -> list[Any]:
 def test_every_point_in_process(tmp_path: Path, name: str, mode: str) -> None:
     scenario = SCENARIOS[name]
     points = _counted(tmp_path / "count", scenario).points(mode)
-    leftovers: list[str] = []
     for at in range(1, points + 1):
         base = tmp_path / f"p{at}"
         plan = CrashPlan("count", allowed=(str(base / "root"),))
@@ -117,25 +103,7 @@ def test_every_point_in_process(tmp_path: Path, name: str, mode: str) -> None:
         assert plan.fired is not None, f"{context}: the point was never reached"
         assert error is None or isinstance(error, AsyncCkptError), f"{context}: {error!r}"
         assert plan.outside == [], f"{context}: touched {plan.outside}"
-        _checked(base, root, scenario, before, context, leftovers)
-    if leftovers:
-        raise cs.LeftoverTempFile("\n".join(leftovers))
-
-
-def _checked(
-    base: Path,
-    root: Path,
-    scenario: Scenario,
-    before: dict[str, object],
-    context: str,
-    leftovers: list[str],
-) -> None:
-    """The invariants; a leftover temp file of defect 12 is collected, so that every point
-    is still checked for everything else."""
-    try:
         cs.check_after(base, root, scenario, before, context)
-    except cs.LeftoverTempFile as exc:
-        leftovers.append(str(exc))
 
 
 @pytest.mark.timeout(240)
@@ -143,7 +111,6 @@ def _checked(
 def test_every_point_with_sigkill(tmp_path: Path, name: str, mode: str) -> None:
     scenario = SCENARIOS[name]
     points = _counted(tmp_path / "count", scenario).points(mode)
-    leftovers: list[str] = []
     for at in range(1, points + 1):
         base = tmp_path / f"p{at}"
         plan = CrashPlan("count", allowed=(str(base / "root"),))
@@ -161,9 +128,7 @@ def test_every_point_with_sigkill(tmp_path: Path, name: str, mode: str) -> None:
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
             f"{context}: the child was not killed at its point (status {status})"
         )
-        _checked(base, root, scenario, before, context, leftovers)
-    if leftovers:
-        raise cs.LeftoverTempFile("\n".join(leftovers))
+        cs.check_after(base, root, scenario, before, context)
 
 
 def _wait(pid: int) -> int:
