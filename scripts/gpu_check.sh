@@ -44,8 +44,7 @@ TEST_TIMEOUT="${TEST_TIMEOUT:-140}"
 CHECK_TIMEOUT="${CHECK_TIMEOUT:-130}"
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-70}"
 started=$SECONDS
-mkdir -p "$OUT"
-JSONL="$OUT/gpu_check.jsonl"
+JSONL="$OUT/gpu_check.jsonl"  # $OUT is made once there is a device to measure
 export GPU_CHECK_JSONL="$JSONL"
 
 say() { printf '\n== %s (%ds)\n' "$*" $((SECONDS - started)); }
@@ -135,6 +134,7 @@ fi
 device_flag=cuda
 [ "${no_device:-0}" = 1 ] && device_flag=cpu
 
+mkdir -p "$OUT"
 say "CUDA tests: pytest -m cuda tests/ (one JSON line each in $JSONL)"
 # --continue-on-collection-errors: a test module whose import needs what this image lacks
 # (an S3 server, hypothesis) holds no cuda test; it must not stop the others.

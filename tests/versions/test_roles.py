@@ -21,6 +21,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
+from asyncckpt import _threads as workers
 from asyncckpt._storage import TEMP_MARK, resolve
 from asyncckpt._versions.protocol import parse_step, read_version_file
 from asyncckpt.errors import AsyncCkptError, ConflictError, StorageError
@@ -466,6 +467,9 @@ def test_the_heartbeat_of_a_checkpointer_never_closed_ends_with_it(tmp_path: Pat
     ckpt.save(1, state(1)).result()
     beating = _heartbeat(ckpt)
     del ckpt
+    # The save thread drops its last task (which held the Checkpointer) just after the
+    # result is published: wait for that, as the exit hook does.
+    assert workers.wait_idle(60)
     gc.collect()
     beating.join(timeout=60)
     assert not beating.is_alive()
