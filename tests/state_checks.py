@@ -1,7 +1,11 @@
-"""Bit-exact comparison of checkpoint states in tests (DTensors compared by local shard)."""
+"""Bit-exact comparison of checkpoint states in tests (DTensors compared by local shard),
+and of the files under a root."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,3 +63,19 @@ def cloned(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
     return obj
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every entry under ``root`` and what it holds (a content hash; directories and
+    links by kind): a process that rewrote a file with new bytes under the same name
+    changes this, not only one that adds or removes a name."""
+    out: dict[str, str] = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink():
+            out[rel] = "link:" + os.readlink(p)
+        elif p.is_file():
+            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[rel] = "dir"
+    return out

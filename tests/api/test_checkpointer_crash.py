@@ -17,7 +17,6 @@ fresh Checkpointer finds under the root:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import signal
@@ -34,6 +33,7 @@ from asyncckpt import Checkpointer
 from asyncckpt._storage import TEMP_MARK, resolve
 from asyncckpt._versions import writing as root_writer
 from asyncckpt._versions.protocol import read_commit, read_version_file
+from tests.state_checks import tree
 
 pytestmark = pytest.mark.slow
 
@@ -138,22 +138,6 @@ def parse_log(path: Path) -> tuple[set[int], set[int]]:
             (started if parts[0] == "S" else confirmed).add(int(parts[1]))
     assert confirmed <= started
     return started, confirmed
-
-
-def tree(root: Path) -> dict[str, str]:
-    """Every entry under ``root`` and what it holds (a content hash; directories and
-    links by kind): a reader that rewrote a file with new bytes under the same name
-    changes this, not only one that adds or removes a name."""
-    out: dict[str, str] = {}
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if p.is_symlink():
-            out[rel] = "link:" + os.readlink(p)
-        elif p.is_file():
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-        else:
-            out[rel] = "dir"
-    return out
 
 
 def check_root(

@@ -35,6 +35,7 @@ from asyncckpt._versions.protocol import read_version_file
 from asyncckpt.cli.main import main as cli_main
 from asyncckpt.errors import AsyncCkptError, CheckpointTimeoutError
 from asyncckpt.testing.crashpoints import CrashPlan, CrashStorage
+from tests.state_checks import tree
 
 #: Settings that make a scenario's operations one deterministic sequence: writes on this
 #: process's threads (the wrapper is not sent to a writer process), no heartbeat wake-up
@@ -95,20 +96,6 @@ def wrapped_storage(plan: CrashPlan) -> Iterator[None]:
         for module in _RESOLVERS:
             mp.setattr(f"{module}.resolve", resolve)
         yield
-
-
-def tree(where: Path) -> dict[str, str]:
-    """``{relative path: content hash}`` of every file and link below ``where``."""
-    out: dict[str, str] = {}
-    for p in sorted(where.rglob("*")):
-        rel = p.relative_to(where).as_posix()
-        if p.is_symlink():
-            out[rel] = "link:" + os.readlink(p)
-        elif p.is_file():
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-        else:
-            out[rel] = "dir"
-    return out
 
 
 def outside_tree(base: Path, root: Path) -> dict[str, str]:
