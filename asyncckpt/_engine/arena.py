@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
 import mmap
@@ -238,13 +239,51 @@ def pinned_host(nbytes: int, device: int) -> torch.Tensor:
 
 
 def _register(buffer: torch.Tensor, size: int, pin: int) -> bool:
-    """Page-lock ``buffer`` for device ``pin``; unregister it when the buffer is freed."""
+    """Page-lock ``buffer`` for device ``pin``; unregister it when the buffer is freed.
+
+    The mapping is also kept out of forked children (``MADV_DONTFORK``): the kernel copies
+    a DMA-pinned private page into the child at the fork itself, so every DataLoader worker
+    started after a save would copy the whole arena. The child gets an inaccessible
+    placeholder at the same addresses instead (:func:`_placeholders_in_child`).
+    """
     address = buffer.data_ptr()
     with cuda().on_device(pin):
         if not cuda().register(address, size):
             return False
     _note_pinned(buffer, pin, registered=True)
+    region = _mappings.get(address)
+    if region is not None and hasattr(mmap, "MADV_DONTFORK"):
+        with contextlib.suppress(OSError):
+            region.madvise(mmap.MADV_DONTFORK)
+            with _pinned_lock:
+                _not_forked[address] = len(region)
     return True
+
+
+#: address -> length of each mapping kept out of forked children, while it lives.
+_not_forked: dict[int, int] = {}
+
+
+@workers.after_fork_in_child
+def _placeholders_in_child() -> None:
+    """In a forked child: map an inaccessible placeholder where each ``MADV_DONTFORK``
+    arena was. The child still holds the parent's objects for those arenas (kept, unused,
+    by ``workers.keep_from_parent``); one freed there unmaps its range, which must be the
+    placeholder, never a mapping the child made since at an address the fork left free."""
+    global _pinned_lock
+    _pinned_lock = threading.Lock()
+    _pinned.clear()  # the child's CUDA, if any, is its own: nothing of it is page-locked
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, *[ctypes.c_int] * 3, ctypes.c_long]
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED
+    for address, length in _not_forked.items():
+        libc.mmap(address, length, _PROT_NONE, flags, -1, 0)
+    _not_forked.clear()
+
+
+_MAP_FIXED = 0x10  # Linux, every architecture (the mmap module does not export it)
+_PROT_NONE = 0
 
 
 def _note_pinned(buffer: torch.Tensor, pin: int, registered: bool) -> None:
@@ -262,6 +301,7 @@ def _note_pinned(buffer: torch.Tensor, pin: int, registered: bool) -> None:
 def _unpin(address: int, pin: int, registered: bool, backend: Cuda) -> None:
     with _pinned_lock:
         _pinned.pop(address, None)
+        _not_forked.pop(address, None)
     if registered:
         with backend.on_device(pin):  # the device it was registered on, from any thread
             backend.unregister(address)

@@ -7,6 +7,7 @@ The fake runs no kernels, so these tests check what the engine asks of CUDA and 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -303,3 +304,43 @@ def test_a_cuda_load_streams_through_a_bounded_reused_pinned_window(
         ]
         assert waits, f"batch {k} reused its half before its earlier copy had landed"
     assert len(waited) == 6  # and every copy landed before the load returned
+
+
+def _mapping_of(address: int) -> str:
+    """The permissions of this process's mapping that holds ``address`` ("" if none)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            start, end = (int(x, 16) for x in span.split("-"))
+            if start <= address < end:
+                return perms
+    return ""
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_does_not_inherit_page_locked_arenas(fake_cuda: FakeCuda) -> None:
+    """A DataLoader worker forked after a save must not get a copy of the parent's
+    page-locked arenas (the kernel copies DMA-pinned private pages into a child at fork):
+    they are MADV_DONTFORK, with an inaccessible placeholder in the child at the same
+    address, so the child's objects that still name the arena unmap only the placeholder."""
+    pinned = arena_mod._allocate(4 << 20, pin=0)
+    pageable = arena_mod._allocate(4 << 20)
+    assert _mapping_of(pinned.data_ptr()).startswith("rw")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it sees, free its views of both, exit cleanly
+        try:
+            seen = f"{_mapping_of(pinned.data_ptr())} {_mapping_of(pageable.data_ptr())}"
+            os.write(write, seen.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        child_pinned, child_pageable = pipe.read().split()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert child_pinned.startswith("---"), f"the child maps the pinned arena {child_pinned}"
+    assert child_pageable.startswith("rw"), child_pageable  # pageable ones are shared COW
+    assert _mapping_of(pinned.data_ptr()).startswith("rw")  # the parent's is untouched
+    pinned.fill_(7)
+    assert int(pinned[-1]) == 7
