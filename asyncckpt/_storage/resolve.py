@@ -3,7 +3,8 @@
 A URL whose path has an empty segment (``s3://bucket/runs//exp1``), or a ``.`` or ``..``
 segment, is refused here: object stores disagree on what it names (AWS S3 keeps ``runs//``
 as part of the key; SeaweedFS stores ``runs/exp1/...`` but lists the prefix as given, so
-every version would be invisible). See docs/s3.md.
+every version would be invisible). See docs/s3.md. An ``http(s)://`` URL is taken as it is:
+a read-only store (:class:`HttpStorage`) that loads what the server serves.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from asyncckpt._settings import Settings
-from asyncckpt._storage.base import UNSAFE_UNCONDITIONAL_WRITES, Storage
-from asyncckpt._storage.generic import FsspecStorage
+from asyncckpt._storage.base import UNSAFE_UNCONDITIONAL_WRITES, Storage, is_transport_error
+from asyncckpt._storage.generic import FsspecStorage, HttpStorage, is_http
 from asyncckpt._storage.local import LocalStorage
 from asyncckpt._storage.objectstore import ObjectStorage, is_object_store, prepare_options
 from asyncckpt.errors import StorageError
@@ -55,10 +56,16 @@ def resolve(
     unsafe = bool(options.pop(UNSAFE_UNCONDITIONAL_WRITES, False))
     try:
         fs, path = fsspec.core.url_to_fs(f, **prepare_options(f, options))
-    except (ImportError, ValueError) as exc:
+    except Exception as exc:
+        if not isinstance(exc, (ImportError, ValueError)) and not is_transport_error(exc):
+            raise
         raise StorageError(f"cannot open {f.split('://')[0]}:// storage: {exc}") from exc
     if isinstance(fs, LocalFileSystem):
         return LocalStorage(settings), os.path.abspath(path)  # the OS resolves "//", "." and ".."
+    if is_http(fs):
+        # The path is the whole URL (fsspec keeps "http://host" in it), which names exactly
+        # what the server serves: no segment rule applies, and nothing is written there.
+        return HttpStorage(fs), path
     _refuse_ambiguous(f, path)
     if is_object_store(fs):  # s3:// (and wrappers of it): no renames, see objectstore.py
         label = f[: f.rindex("://") + 3]
