@@ -20,6 +20,7 @@ from asyncckpt._storage.base import UNSAFE_UNCONDITIONAL_WRITES, Storage, is_tra
 from asyncckpt._storage.generic import FsspecStorage, HttpStorage, is_http
 from asyncckpt._storage.local import LocalStorage
 from asyncckpt._storage.objectstore import ObjectStorage, is_object_store, prepare_options
+from asyncckpt._storage.s3client import OBJECT_STORE_PROTOCOLS
 from asyncckpt.errors import StorageError
 
 
@@ -59,7 +60,9 @@ def resolve(
     except Exception as exc:
         if not isinstance(exc, (ImportError, ValueError)) and not is_transport_error(exc):
             raise
-        raise StorageError(f"cannot open {f.split('://')[0]}:// storage: {exc}") from exc
+        raise StorageError(
+            f"cannot open {f.split('://')[0]}:// storage: {exc}{_install_hint(f, exc)}"
+        ) from exc
     if isinstance(fs, LocalFileSystem):
         return LocalStorage(settings), os.path.abspath(path)  # the OS resolves "//", "." and ".."
     if is_http(fs):
@@ -72,6 +75,29 @@ def resolve(
         storage = ObjectStorage(fs, label=label, allow_unconditional=unsafe, settings=settings)
         return storage, path
     return FsspecStorage(fs), path
+
+
+#: The extra that brings each protocol's filesystem (``pip install 'asyncckpt[EXTRA]'``):
+#: fsspec's own message names the package, not the extra pinned to work with asyncckpt.
+_EXTRAS = {protocol: "s3" for protocol in OBJECT_STORE_PROTOCOLS}
+
+
+def _install_hint(url: str, exc: BaseException) -> str:
+    """What to install when opening ``url`` failed with ``exc`` for want of a package.
+
+    Example:
+        >>> _install_hint("s3://b/x", ImportError("Install s3fs to access S3"))
+        ". Install it with: pip install 'asyncckpt[s3]'"
+        >>> _install_hint("memory://x", ValueError("bad"))
+        ''
+    """
+    if not isinstance(exc, ImportError):
+        return ""
+    for link in url.split("::"):
+        extra = _EXTRAS.get(link.partition("://")[0])
+        if extra is not None:
+            return f". Install it with: pip install 'asyncckpt[{extra}]'"
+    return ""
 
 
 def _refuse_ambiguous(url: str, path: str) -> None:
