@@ -144,6 +144,7 @@ def save(
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
     storage, path = resolve(f, storage_options, settings)
+    storage.check_writable(path)  # a read-only store fails here, as torch.save would
     marker = _MarkerStart(storage, path, options.settings)
     _, handle = stage_and_submit(
         lambda on_layout: stage(obj, on_layout=marker.then(on_layout), options=options),

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from asyncckpt import _threads as workers
 from asyncckpt._engine.snapshot import Snapshot
@@ -77,18 +77,21 @@ class SaveInfo:
     stats: SaveStats
 
 
-class SaveHandle:
-    """A save running in the background, with the interface of a ``concurrent.futures.Future``
-    (what ``torch.distributed.checkpoint.async_save`` returns).
+class SaveHandle(Future[SaveInfo]):
+    """A save running in the background: a ``concurrent.futures.Future`` (as the one
+    ``torch.distributed.checkpoint.async_save`` returns), so ``concurrent.futures.wait``,
+    ``as_completed`` and ``asyncio.wrap_future`` take it.
 
     ``result``/``exception`` wait and report the outcome (and count as observing it: the
-    failure is then not raised again by ``wait`` or at exit); ``done``, ``running`` and
+    failure is then not raised again by ``wait`` or at exit; a timeout raises
+    ``CheckpointTimeoutError``, a ``TimeoutError``); ``done``, ``running`` and
     ``cancelled`` ask without waiting; ``add_done_callback`` calls ``fn(handle)`` once the
     save has ended (at once if it has). ``cancel`` stops a save whose job has not started
     yet (it waits behind an earlier save on the save thread): its file is never written,
-    its host memory is freed, ``result`` raises ``CancelledError`` and nothing is reported
-    as a failure. It returns False once the job runs or has ended, and for a save other
-    processes wait for (a rank's part of a sharded version).
+    its host memory is freed, ``result`` raises ``CancelledError``, ``wait`` and
+    ``as_completed`` count it as done at once, and nothing is reported as a failure. It
+    returns False once the job runs or has ended, and for a save other processes wait for
+    (a rank's part of a sharded version).
 
     Example:
         >>> import torch, asyncckpt, tempfile, os
@@ -103,20 +106,20 @@ class SaveHandle:
     def __init__(
         self,
         path: str,
-        future: Future[int],
         stats: SaveStats,
         owner: Any = None,
         target: Any = None,
     ) -> None:
+        super().__init__()
         self.path = path
         self.owner = owner
         #: What the save writes (a file, a Checkpointer's step): loads of it wait for it.
         self.target = target
-        self._future = future
         self._stats = stats
         self._observed = False
-        self._gate = threading.Lock()
-        self._state = "queued"  # "running" once the job starts, "cancelled"
+        # Orders ``cancel`` against the job's start (and stats updates). Re-entrant: a done
+        # callback that a successful ``cancel`` runs may itself call ``cancel``.
+        self._gate = threading.RLock()
         self._on_cancel: Callable[[], None] | None = None
 
     @property
@@ -129,36 +132,30 @@ class SaveHandle:
         """Whether someone has seen the outcome through ``result``/``exception``."""
         return self._observed
 
-    def done(self) -> bool:
-        """Whether the save has ended: written, failed or cancelled."""
-        return self._future.done()
-
-    def running(self) -> bool:
-        """Whether the save's job is running now."""
-        return self._state == "running" and not self._future.done()
-
-    def cancelled(self) -> bool:
-        """Whether :meth:`cancel` stopped the save before its job started."""
-        return self._state == "cancelled"
-
     def failed(self) -> bool:
         """Whether the save has ended with an error (does not count as observing it)."""
-        return self._future.done() and not self.cancelled() and self._future.exception() is not None
+        return self.done() and self._failure() is not None
 
     def cancel(self) -> bool:
         """Stop the save if its job has not started; see the class. Returns whether it did."""
         with self._gate:
-            if self._state != "queued" or self._on_cancel is None or self._future.done():
-                return self._state == "cancelled"
-            self._state = "cancelled"
+            # ``_on_cancel`` is set exactly while the job may still be stopped: ``_start``
+            # drops it, under this lock, as it moves the future to running.
             on_cancel, self._on_cancel = self._on_cancel, None
+            if on_cancel is None:
+                return self.cancelled()
+            super().cancel()
+            # The stdlib counts a cancelled future as done for ``wait``/``as_completed``
+            # only once its executor notices it; this save's job would notice only after
+            # the saves queued before it. Notify now (``_start`` then never runs it).
+            self.set_running_or_notify_cancel()
         self._observed = True
         on_cancel()
         return True
 
-    def add_done_callback(self, fn: Callable[[SaveHandle], Any]) -> None:
+    def add_done_callback(self, fn: Callable[[SaveHandle], object]) -> None:
         """Call ``fn(self)`` once the save has ended (from the save thread, or at once)."""
-        self._future.add_done_callback(lambda _: fn(self))
+        super().add_done_callback(cast(Callable[[Future[SaveInfo]], object], fn))
 
     def result(self, timeout: float | None = None) -> SaveInfo:
         """Wait until the file is durable.
@@ -187,15 +184,24 @@ class SaveHandle:
             CancelledError: the save was cancelled.
         """
         try:
-            exc = self._future.exception(timeout)
+            exc = super().exception(timeout)
+        except CancelledError:
+            self._observed = True
+            raise CancelledError(f"the save to {self.path} was cancelled") from None
         except FutureTimeout:
             raise CheckpointTimeoutError(
                 f"save to {self.path} still running after {timeout} s"
             ) from None
         self._observed = True
-        if self.cancelled():
-            raise CancelledError(f"the save to {self.path} was cancelled")
         return exc
+
+    def _failure(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the end and return the failure (None if written or cancelled), without
+        counting as observing it (the tracker, the exit hook and tests use it)."""
+        try:
+            return super().exception(timeout)
+        except CancelledError:
+            return None
 
     def _record(self, **fields: Any) -> None:
         """Update some of the stats (the caller's thread and the job's may both write)."""
@@ -205,16 +211,15 @@ class SaveHandle:
     def _start(self) -> bool:
         """Called by the job as it starts: False if it was cancelled (it must not run)."""
         with self._gate:
-            if self._state == "cancelled":
+            if self.cancelled():
                 return False
-            self._state = "running"
             # It can no longer be cancelled: drop what the undo holds (the snapshot, whose
             # arena, page-locked on CUDA, a kept handle would otherwise keep alive).
             self._on_cancel = None
-            return True
+            return self.set_running_or_notify_cancel()
 
-    def _finish(self, future: Future[int]) -> None:
-        exc = future.exception()
+    def _finish(self) -> None:
+        exc = self._failure()
         if self.cancelled():
             log.info("save to %s cancelled", self.path)
         elif exc is None:
@@ -255,7 +260,7 @@ class _Tracker:
         # A job that ends with nothing to report leaves at once: the tracker must not keep
         # its owner (a Checkpointer, and through it the lease heartbeat) alive after the
         # user dropped it. A failure stays until it is observed (or printed at exit).
-        handle._future.add_done_callback(lambda _: self._drop_if_settled(handle))
+        handle.add_done_callback(self._drop_if_settled)
 
     def _drop_if_settled(self, handle: SaveHandle) -> None:
         if _settled(handle):
@@ -319,7 +324,7 @@ def raise_unobserved_failure(owner: Any = ANY) -> None:
     handle = _tracker.take_failure(owner)
     _tracker.forget_settled(owner)
     if handle is not None:
-        exc = handle._future.exception()
+        exc = handle._failure()
         assert exc is not None
         raise exc
 
@@ -367,31 +372,36 @@ def submit(
     cannot be cancelled).
     """
     stats = SaveStats(time.perf_counter() - started, raw_bytes)
-    handle = SaveHandle(label, Future(), stats, owner, target)
+    handle = SaveHandle(label, stats, owner, target)
     handle._on_cancel = on_cancel
 
-    def run() -> int:
+    def run() -> None:
+        # The handle is the save's future: this sets its outcome (the pool's own future,
+        # which would only ever hold None, is dropped).
         if not handle._start():
-            return 0  # cancelled: ``cancel`` undid what was prepared
-        stored = job()
+            return  # cancelled: ``cancel`` undid what was prepared and notified waiters
+        try:
+            stored = job()
+        except BaseException as exc:  # as an executor does: the handle reports it
+            handle.set_exception(exc)
+            return
         # Before the future completes: its waiters wake before its done callbacks run, so
         # stats completed in a callback could still be missing when ``result()`` returns.
         total = time.perf_counter() - started
         handle._record(total_s=total, stored_bytes=stored)
-        return stored
+        handle.set_result(SaveInfo(handle.path, handle.stats))
 
-    handle._future = workers.save_queue(nice).submit(run)
+    workers.save_queue(nice).submit(run)
     _tracker.add(handle)
-    handle._future.add_done_callback(handle._finish)
+    handle.add_done_callback(SaveHandle._finish)
     return handle
 
 
 def completed_handle(label: str, stats: SaveStats | None = None) -> SaveHandle:
     """A handle for a save that has ended already (nothing to do, or written in place)."""
     stats = stats or SaveStats(0.0, 0, 0.0, 0)
-    future: Future[int] = Future()
-    future.set_result(stats.stored_bytes or 0)
-    handle = SaveHandle(label, future, stats)
+    handle = SaveHandle(label, stats)
+    handle.set_result(SaveInfo(label, stats))
     handle._observed = True  # nothing can fail later
     return handle
 
@@ -481,7 +491,7 @@ def stage_and_submit(
         copied.set()
         for handle in handles:  # the copy failed: its error is raised here, not later
             handle._observed = True
-            handle._future.exception()  # the job aborts its file and frees the arena
+            handle._failure()  # the job aborts its file and frees the arena
         raise
     handle = handles[0]
     handle._record(blocking_s=time.perf_counter() - started, raw_bytes=snap.raw_bytes)
@@ -515,14 +525,14 @@ def _finish_at_exit() -> None:
     if waiting:
         log.warning("interpreter exiting: waiting for %d pending checkpoint save(s)", len(waiting))
     for handle in waiting:
-        handle._future.exception()  # wait, without marking it observed
+        handle._failure()  # wait, without marking it observed
     workers.wait_idle(_EXIT_IDLE_WAIT_S)
     workers.wait_torch_threads_quiet(_EXIT_TORCH_QUIET_S)
     failed = [h for h in _tracker.of(ANY) if h.failed() and not h.observed]
     if not failed:
         return
     for handle in failed:
-        exc = handle._future.exception()
+        exc = handle._failure()
         print(
             f"asyncckpt: background save to {handle.path} failed: {type(exc).__name__}: {exc}",
             file=sys.stderr,

@@ -145,6 +145,12 @@ class Storage(ABC):
         """``path`` as a user would write it, for error messages."""
         return f"{self.label}{path}"
 
+    def check_writable(self, path: str) -> None:
+        """Raise :class:`StorageError` if ``path`` can never be written: a read-only store
+        (``http(s)://``), whose writes, commits and deletes all raise it. A save asks
+        before it starts, so it fails at once rather than at ``result()``."""
+        del path
+
     @contextlib.contextmanager
     def atomic_write(self, path: str) -> Iterator[AtomicWriter]:
         """Context manager: commit on normal exit, abort (and re-raise) on any exception."""
@@ -383,9 +389,40 @@ def content_tag(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
+#: Packages of the HTTP clients under fsspec filesystems. Some filesystems let their errors
+#: through unconverted (``hf://`` raises httpx's on a refused connection, ``http://``
+#: aiohttp's on a dropped one): they are the backend failing, as an ``OSError`` is.
+_TRANSPORT_PACKAGES = frozenset(
+    {
+        "aiohttp",
+        "httpcore",
+        "httpcore2",
+        "httpx",
+        "httpx2",
+        "huggingface_hub",
+        "requests",
+        "urllib3",
+    }
+)
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from an HTTP client library (by the package of its class).
+
+    Matched by name, not by ``isinstance``: importing every client to get its classes would
+    cost each process that never uses them.
+
+    Example:
+        >>> is_transport_error(ValueError("bad")), is_transport_error(OSError())
+        (False, False)
+    """
+    return any(cls.__module__.partition(".")[0] in _TRANSPORT_PACKAGES for cls in type(exc).__mro__)
+
+
 @contextlib.contextmanager
 def errors_as(storage: Storage, path: str, action: str) -> Iterator[None]:
-    """Translate backend exceptions into asyncckpt errors naming the file."""
+    """Translate backend exceptions (``OSError``, an HTTP client's) into asyncckpt errors
+    naming the file."""
     try:
         yield
     except (CheckpointNotFoundError, StorageError):
@@ -395,4 +432,10 @@ def errors_as(storage: Storage, path: str, action: str) -> Iterator[None]:
     except OSError as exc:
         raise StorageError(
             f"{storage.describe(path)}: {action} failed: {exc.strerror or exc}"
+        ) from exc
+    except Exception as exc:
+        if not is_transport_error(exc):
+            raise
+        raise StorageError(
+            f"{storage.describe(path)}: {action} failed: {type(exc).__name__}: {exc}"
         ) from exc

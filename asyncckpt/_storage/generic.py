@@ -34,7 +34,7 @@ import inspect
 import io
 import logging
 import threading
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import fsspec
 from fsspec.asyn import AsyncFileSystem
@@ -50,7 +50,7 @@ from asyncckpt._storage.base import (
     temp_name,
 )
 from asyncckpt._threads import after_fork_in_child
-from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FormatError
+from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +296,86 @@ class FsspecStorage(Storage):
                 self.fs.rm(path, recursive=True)
 
 
+def is_http(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is fsspec's HTTP filesystem (``http://``, ``https://``).
+
+    Example:
+        >>> import fsspec
+        >>> is_http(fsspec.filesystem("memory"))
+        False
+    """
+    return bool({"http", "https"} & set(_protocols(fs)))
+
+
+class HttpStorage(FsspecStorage):
+    """A web server through fsspec's ``http(s)://`` filesystem: a read-only store.
+
+    Files load by ranged GETs (a presigned S3 URL, a model hub, any server that answers
+    ``Range``). Nothing is ever written, moved or deleted: HTTP has no atomic write, and
+    fsspec would turn one into a PUT or POST that a server may take as anything. Paths are
+    whole URLs (fsspec keeps the scheme and host in them), so there is no label.
+
+    Example:
+        >>> import fsspec
+        >>> storage = HttpStorage(fsspec.filesystem("http"))
+        >>> storage.describe("http://127.0.0.1:8000/x.ackpt")
+        'http://127.0.0.1:8000/x.ackpt'
+        >>> storage.check_writable("http://127.0.0.1:8000/x.ackpt")
+        Traceback (most recent call last):
+        asyncckpt.errors.StorageError: http://127.0.0.1:8000/x.ackpt: http(s):// URLs are ...
+    """
+
+    def __init__(self, fs: fsspec.AbstractFileSystem) -> None:
+        super().__init__(fs, "move")
+        self.label = ""
+
+    def describe(self, path: str) -> str:
+        return path
+
+    def check_writable(self, path: str) -> NoReturn:
+        """Raise the error every write, commit or delete gets here."""
+        raise StorageError(
+            f"{self.describe(path)}: http(s):// URLs are read-only: asyncckpt loads from "
+            "them but cannot save, commit or delete there. Save to a local path or s3:// "
+            "and serve that."
+        )
+
+    def no_ranges(self, path: str) -> StorageError:
+        """The error for a server that answers a ranged GET with the whole file."""
+        return StorageError(
+            f"{self.describe(path)}: the server does not answer HTTP range requests (it "
+            "sent the whole file); a load reads a file in parts. Serve it from one that "
+            "does (web servers, S3 presigned URLs and the Hugging Face Hub do)."
+        )
+
+    def read_range(self, path: str, start: int, length: int) -> bytes:
+        data = super().read_range(path, start, length)
+        if len(data) > length:  # fsspec returns whatever body came back
+            raise self.no_ranges(path)
+        return data
+
+    def open_read(self, path: str) -> ReadHandle:
+        return _HttpHandle(self, path)
+
+    def open_atomic(self, path: str) -> AtomicWriter:
+        self.check_writable(path)
+
+    def delete(self, path: str) -> None:
+        self.check_writable(path)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self.check_writable(path)
+
+    def delete_tree(self, path: str) -> None:
+        self.check_writable(path)
+
+    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
+        self.check_writable(path)
+
+    def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
+        self.check_writable(path)
+
+
 #: Serializes seek-then-read on file objects that cannot read a range by themselves: the
 #: object may be shared (``memory://`` hands every opener the same one).
 _seek_lock = threading.Lock()
@@ -364,6 +444,18 @@ class _FsspecHandle(ReadHandle):
             self._snapshot = None
         with contextlib.suppress(Exception):
             self.file.close()
+
+
+class _HttpHandle(_FsspecHandle):
+    """A URL opened once, whose server must answer ranged GETs."""
+
+    storage: HttpStorage
+
+    def read_range(self, start: int, length: int) -> bytes:
+        try:
+            return super().read_range(start, length)
+        except ValueError as exc:  # fsspec's HTTPFile: a 200 with the whole file, past 0
+            raise self.storage.no_ranges(self.path) from exc
 
 
 def _discard(file: Any) -> None:

@@ -3,7 +3,8 @@
 A URL whose path has an empty segment (``s3://bucket/runs//exp1``), or a ``.`` or ``..``
 segment, is refused here: object stores disagree on what it names (AWS S3 keeps ``runs//``
 as part of the key; SeaweedFS stores ``runs/exp1/...`` but lists the prefix as given, so
-every version would be invisible). See docs/s3.md.
+every version would be invisible). See docs/s3.md. An ``http(s)://`` URL is taken as it is:
+a read-only store (:class:`HttpStorage`) that loads what the server serves.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from asyncckpt._settings import Settings
-from asyncckpt._storage.base import UNSAFE_UNCONDITIONAL_WRITES, Storage
-from asyncckpt._storage.generic import FsspecStorage
+from asyncckpt._storage.base import UNSAFE_UNCONDITIONAL_WRITES, Storage, is_transport_error
+from asyncckpt._storage.generic import FsspecStorage, HttpStorage, is_http
 from asyncckpt._storage.local import LocalStorage
 from asyncckpt._storage.objectstore import ObjectStorage, is_object_store, prepare_options
+from asyncckpt._storage.s3client import OBJECT_STORE_PROTOCOLS
 from asyncckpt.errors import StorageError
 
 
@@ -55,16 +57,47 @@ def resolve(
     unsafe = bool(options.pop(UNSAFE_UNCONDITIONAL_WRITES, False))
     try:
         fs, path = fsspec.core.url_to_fs(f, **prepare_options(f, options))
-    except (ImportError, ValueError) as exc:
-        raise StorageError(f"cannot open {f.split('://')[0]}:// storage: {exc}") from exc
+    except Exception as exc:
+        if not isinstance(exc, (ImportError, ValueError)) and not is_transport_error(exc):
+            raise
+        raise StorageError(
+            f"cannot open {f.split('://')[0]}:// storage: {exc}{_install_hint(f, exc)}"
+        ) from exc
     if isinstance(fs, LocalFileSystem):
         return LocalStorage(settings), os.path.abspath(path)  # the OS resolves "//", "." and ".."
+    if is_http(fs):
+        # The path is the whole URL (fsspec keeps "http://host" in it), which names exactly
+        # what the server serves: no segment rule applies, and nothing is written there.
+        return HttpStorage(fs), path
     _refuse_ambiguous(f, path)
     if is_object_store(fs):  # s3:// (and wrappers of it): no renames, see objectstore.py
         label = f[: f.rindex("://") + 3]
         storage = ObjectStorage(fs, label=label, allow_unconditional=unsafe, settings=settings)
         return storage, path
     return FsspecStorage(fs), path
+
+
+#: The extra that brings each protocol's filesystem (``pip install 'asyncckpt[EXTRA]'``):
+#: fsspec's own message names the package, not the extra pinned to work with asyncckpt.
+_EXTRAS = {protocol: "s3" for protocol in OBJECT_STORE_PROTOCOLS}
+
+
+def _install_hint(url: str, exc: BaseException) -> str:
+    """What to install when opening ``url`` failed with ``exc`` for want of a package.
+
+    Example:
+        >>> _install_hint("s3://b/x", ImportError("Install s3fs to access S3"))
+        ". Install it with: pip install 'asyncckpt[s3]'"
+        >>> _install_hint("memory://x", ValueError("bad"))
+        ''
+    """
+    if not isinstance(exc, ImportError):
+        return ""
+    for link in url.split("::"):
+        extra = _EXTRAS.get(link.partition("://")[0])
+        if extra is not None:
+            return f". Install it with: pip install 'asyncckpt[{extra}]'"
+    return ""
 
 
 def _refuse_ambiguous(url: str, path: str) -> None:

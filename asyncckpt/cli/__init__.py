@@ -11,7 +11,8 @@ Subcommands (``asyncckpt COMMAND --help`` for each)::
     asyncckpt bench URL                          sync vs async save and load on your storage
 
 Every command takes local paths or fsspec URLs, ``--storage-option key=value`` (repeatable;
-values are parsed as JSON when they can be, dotted keys nest), ``--json`` for
+values are parsed as JSON when they can be, dotted keys nest), ``--endpoint-url URL`` (the
+aws CLI's flag, ``-o endpoint_url=URL``), ``--json`` for
 machine-readable output, ``-v`` for the library's log and ``--debug`` for tracebacks.
 
 Exit status: 0 when the command did what was asked (and, for ``verify``, everything is

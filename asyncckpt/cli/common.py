@@ -87,6 +87,13 @@ def add_common_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
         help="fsspec storage option, e.g. endpoint_url=http://minio:9000 (repeatable; "
         "values are JSON when they parse, dotted keys nest: client_kwargs.region_name=eu)",
     )
+    # The aws CLI's flag, which S3 users type first: the same as -o endpoint_url=URL.
+    group.add_argument(
+        "--endpoint-url",
+        metavar="URL",
+        default=argparse.SUPPRESS if suppress else None,
+        help="an S3-compatible store's endpoint (as the aws CLI's); -o endpoint_url=URL",
+    )
     for flags, text in (
         (("--json",), "machine-readable output"),
         (("-v", "--verbose"), "show the library's INFO log on stderr"),
@@ -131,19 +138,35 @@ def lazy_command(name: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def parse_storage_options(pairs: Sequence[str]) -> dict[str, Any]:
-    """``["endpoint_url=http://x", "client_kwargs.region_name=eu"]`` -> nested options.
+def parse_storage_options(pairs: Sequence[str], endpoint_url: str | None = None) -> dict[str, Any]:
+    """``["endpoint_url=http://x", "client_kwargs.region_name=eu"]`` -> nested options;
+    ``endpoint_url`` (``--endpoint-url``) is one more, ``endpoint_url=URL``.
 
     Values that parse as JSON (numbers, true/false/null, objects, lists) are taken as such;
     anything else is a string. A later key wins.
 
     Raises:
-        UsageError: a pair without ``=``, or a dotted key below a key that is not a mapping.
+        UsageError: a pair without ``=``, a dotted key below a key that is not a mapping,
+            or ``--endpoint-url`` and ``-o endpoint_url=`` naming two endpoints.
 
     Example:
         >>> parse_storage_options(["anon=true", "client_kwargs.region_name=eu-west-1"])
         {'anon': True, 'client_kwargs': {'region_name': 'eu-west-1'}}
+        >>> parse_storage_options([], endpoint_url="http://127.0.0.1:9000")
+        {'endpoint_url': 'http://127.0.0.1:9000'}
     """
+    options = _parse_pairs(pairs)
+    if endpoint_url is not None:
+        given = options.setdefault("endpoint_url", endpoint_url)
+        if given != endpoint_url:
+            raise UsageError(
+                f"asyncckpt: --endpoint-url {endpoint_url} and -o endpoint_url={given} name "
+                "two endpoints; give one"
+            )
+    return options
+
+
+def _parse_pairs(pairs: Sequence[str]) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")

@@ -122,7 +122,7 @@ def _run(args_list: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_OK
     if args.verbose and not args.debug:
         log.setLevel(logging.INFO)
-    args.options = parse_storage_options(args.storage_option)
+    args.options = parse_storage_options(args.storage_option, args.endpoint_url)
     args.settings = Settings.resolve()  # once per command: ASYNCCKPT_* > defaults
     code: int = args.run(args)
     return code

@@ -274,7 +274,7 @@ def test_every_unobserved_failure_is_raised_in_turn() -> None:
     first = jobs.submit(failing("first"), "one", 0, time.perf_counter(), nice=0)
     second = jobs.submit(failing("second"), "two", 0, time.perf_counter(), nice=0)
     gate.set()
-    concurrent.futures.wait([first._future, second._future])
+    concurrent.futures.wait([first, second])
     while first in jobs.pending() or second in jobs.pending():
         time.sleep(0.01)  # done-callbacks record the failures
     with pytest.raises(StorageError, match="first"):

@@ -3,6 +3,8 @@ and one tracker of pending saves and unobserved failures, filtered by owner."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
@@ -15,6 +17,7 @@ import torch
 import asyncckpt
 import asyncckpt._engine.writer_process
 from asyncckpt import Checkpointer
+from asyncckpt._api.jobs import SaveInfo
 from asyncckpt.errors import StorageError
 
 
@@ -128,3 +131,49 @@ def test_a_checkpointer_raises_only_its_own_failures(
     asyncckpt.wait(60)  # each failure once
     monkeypatch.undo()
     ckpt.close()
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_futures_wait_and_as_completed_take_handles(
+    tmp_path: Path, gate: threading.Event
+) -> None:
+    first = asyncckpt.save({"w": torch.ones(4)}, tmp_path / "a.ackpt")
+    second = asyncckpt.save({"w": torch.zeros(4)}, tmp_path / "b.ackpt")
+    assert isinstance(first, concurrent.futures.Future)
+    assert second.cancel()
+    # The cancelled one counts as done at once, not when the save thread reaches it.
+    done, not_done = concurrent.futures.wait([first, second], timeout=0)
+    assert done == {second} and not_done == {first}
+    gate.set()
+    done, not_done = concurrent.futures.wait([first, second], timeout=60)
+    assert done == {first, second} and not not_done
+    third = asyncckpt.save({"w": torch.ones(4)}, tmp_path / "c.ackpt")
+    finished = list(concurrent.futures.as_completed([first, second, third], timeout=60))
+    assert set(finished) == {first, second, third}
+    assert first.result().path.endswith("a.ackpt") and third.result().stats.stored_bytes
+
+
+@pytest.mark.timeout(120)
+def test_asyncio_awaits_a_handle_and_observes_its_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> SaveInfo:
+        handle = asyncckpt.save({"w": torch.ones(4)}, tmp_path / "a.ackpt")
+        return await asyncio.wrap_future(handle)
+
+    info = asyncio.run(main())
+    assert info.path.endswith("a.ackpt") and info.stats.stored_bytes
+
+    def fail(*args: Any, **kwargs: Any) -> int:
+        raise StorageError("disk on fire")
+
+    monkeypatch.setattr(asyncckpt._engine.writer_process, "write", fail)
+    failing = asyncckpt.save({"w": torch.ones(4)}, tmp_path / "b.ackpt")
+
+    async def await_failure() -> None:
+        await asyncio.wrap_future(failing)
+
+    with pytest.raises(StorageError, match="disk on fire"):
+        asyncio.run(await_failure())
+    assert failing.observed
+    asyncckpt.wait(60)  # raised once, by the await: not again here

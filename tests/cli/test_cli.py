@@ -631,6 +631,15 @@ def test_storage_options_parse_as_json_and_nest() -> None:
     }
 
 
+def test_endpoint_url_is_a_storage_option(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["ls", "memory://cli-endpoint", "--endpoint-url", "http://127.0.0.1:9000"]
+    code, _, err = main(capsys, *args, "-o", "endpoint_url=http://127.0.0.1:9001")
+    assert code == 2 and "--endpoint-url http://127.0.0.1:9000" in one_line(err)
+    assert "-o endpoint_url=http://127.0.0.1:9001" in err  # two endpoints: which one?
+    code, _, err = main(capsys, *args, "-o", "endpoint_url=http://127.0.0.1:9000")
+    assert "unrecognized" not in err and code == 1  # the same one twice; no root there
+
+
 def test_commands_work_on_memory_urls(capsys: pytest.CaptureFixture[str]) -> None:
     url = "memory://cli-test-root"
     try:
@@ -668,7 +677,10 @@ def test_commands_on_s3(
         (20, "committed", False),
         (30, "committed", True),
     ]
-    code, out, _ = main(capsys, "verify", s3_root, "--all", *endpoint)
+    # the aws CLI's flag is taken too: it is the storage option endpoint_url
+    code, out, _ = main(
+        capsys, "verify", s3_root, "--all", "--endpoint-url", s3_server.endpoint_url
+    )
     assert code == 0 and out.count("every checksum matches") == 2
     assert main(capsys, "convert", f"{s3_root}@20", tmp_path / "s20.pt", *endpoint)[0] == 0
     assert equal(torch.load(tmp_path / "s20.pt", weights_only=False), state_at(20))

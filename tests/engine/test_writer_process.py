@@ -235,7 +235,7 @@ def test_an_unobserved_error_in_the_child_is_raised_by_the_next_save(
 ) -> None:
     handle = asyncckpt.save(state(), blocker / "x.ackpt")
     with contextlib.suppress(Exception):
-        handle._future.exception(timeout=120)  # wait without observing
+        handle._failure(timeout=120)  # wait without observing
     with pytest.raises(StorageError):
         asyncckpt.save(state(), tmp_path / "next.ackpt")
     asyncckpt.save(state(), tmp_path / "next.ackpt").result(timeout=120)

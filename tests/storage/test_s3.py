@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -45,6 +46,16 @@ from tests.conftest import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def test_a_missing_s3fs_names_the_extra_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = sys.modules["fsspec.registry"]  # ``fsspec.registry`` is its mapping proxy
+    for protocol in ("s3", "s3a"):  # forget the class, as if s3fs had never been imported
+        monkeypatch.delitem(registry._registry, protocol, raising=False)
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # and make ``import s3fs`` fail
+    with pytest.raises(StorageError, match=re.escape("pip install 'asyncckpt[s3]'")) as caught:
+        asyncckpt.load("s3://bucket/x.ackpt")
+    assert isinstance(caught.value.__cause__, ImportError)
 
 
 def scale() -> int:
