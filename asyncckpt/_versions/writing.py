@@ -53,9 +53,18 @@ from asyncckpt._versions.protocol import (
     verify_commit,
 )
 from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
-from asyncckpt.errors import AsyncCkptError, ConflictError, FencedError, FormatError
+from asyncckpt.errors import (
+    AsyncCkptError,
+    CheckpointNotFoundError,
+    ConflictError,
+    FencedError,
+    FormatError,
+)
 
 log = logging.getLogger(__name__)
+
+#: Lease claims lost to a racing writer's pruning before the claim gives up.
+_LOST_CLAIMS = 16
 
 
 @dataclass(frozen=True)
@@ -125,12 +134,21 @@ class RootWriter:
         names = self.storage.list_dir(self.storage.join(self.root, LEASE_DIR))
         known = [record.epoch if record else 0, *filter(None, map(lease_epoch_of, names))]
         epoch = max(known) + 1
+        lost = 0
         while True:
             try:
                 create_lease(self.storage, self.root, epoch, self.token)
                 return epoch
             except ConflictError:
                 epoch += 1  # another new writer claimed it first: take the next one
+            except CheckpointNotFoundError:
+                # A writer that claimed a later epoch meanwhile pruned this claim's temp
+                # file as an older epoch's debris: a later epoch exists; take the next.
+                # Bounded: a root that vanished fails this way for ever.
+                lost += 1
+                if lost > _LOST_CLAIMS:
+                    raise
+                epoch += 1
 
     def _install(self, epoch: int, record: VersionRecord | None, tag: str | None) -> int | None:
         """Write our epoch into the version file, rolled forward to the newest good commit."""

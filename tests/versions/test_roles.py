@@ -421,6 +421,33 @@ def test_lost_responses_on_the_wire_to_commit_and_version(s3_root: str, s3_serve
     check(reader.load(), 2)
 
 
+def test_a_lease_claim_whose_temp_file_a_newer_writer_pruned_claims_a_later_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two writers claiming at once: the one that took the later epoch prunes the other's
+    claim in flight (an older epoch's temp file). That claim must move on to a later epoch,
+    as when the record itself was taken first, not fail the save (found by scripts/soak.sh:
+    test_racing_writer_processes_on_local_disk)."""
+    from asyncckpt._storage import local
+
+    root = tmp_path / "ckpt"
+    with Checkpointer(root) as first:
+        first.save(1, {"w": torch.zeros(2)}).result()
+    real_link, pruned = os.link, []
+
+    def link(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        if "_lease" in str(dst) and not pruned:  # the racer pruned our temp file just now
+            os.unlink(src)
+            pruned.append(dst)
+        real_link(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(local.os, "link", link)
+    with Checkpointer(root) as second:
+        second.save(2, {"w": torch.ones(2)}).result()
+        assert second.latest() == 2
+    assert pruned and not Path(pruned[0]).exists()  # the lost claim's epoch stays free
+
+
 def test_a_new_writer_removes_temp_files_of_older_lease_writes(tmp_path: Path) -> None:
     # A writer killed while (re)writing its lease record leaves a temp file in _lease/.
     from asyncckpt._storage import TEMP_MARK
