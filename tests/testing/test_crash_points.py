@@ -87,16 +87,24 @@ def _cases(modes: list[str]) -> list[Any]:
     return [pytest.param(name, mode) for name in sorted(SCENARIOS) for mode in modes]
 
 
+def _prepared(
+    tmp_path: Path, scenario: Scenario, at: int
+) -> tuple[Path, CrashPlan, Path, Any, Any]:
+    """A fresh root for point ``at``: its folder, an unarmed plan, the root, the scenario's
+    context, and what the root and its surroundings hold before the action."""
+    base = tmp_path / f"p{at}"
+    plan = CrashPlan("count", allowed=(str(base / "root"),))
+    root, ctx = cs.prepare(base, scenario, plan)
+    return base, plan, root, ctx, _snapshot(base, root, scenario)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("name", "mode"), _cases(["fail", "crash"]))
 def test_every_point_in_process(tmp_path: Path, name: str, mode: str) -> None:
     scenario = SCENARIOS[name]
     points = _counted(tmp_path / "count", scenario).points(mode)
     for at in range(1, points + 1):
-        base = tmp_path / f"p{at}"
-        plan = CrashPlan("count", allowed=(str(base / "root"),))
-        root, ctx = cs.prepare(base, scenario, plan)
-        before = _snapshot(base, root, scenario)
+        base, plan, root, ctx, before = _prepared(tmp_path, scenario, at)
         plan.arm(mode, at)
         error = cs.run_action(root, scenario, ctx, plan)
         context = f"{name}: {mode} at point {at}/{points} ({plan.fired})"
@@ -112,10 +120,7 @@ def test_every_point_with_sigkill(tmp_path: Path, name: str, mode: str) -> None:
     scenario = SCENARIOS[name]
     points = _counted(tmp_path / "count", scenario).points(mode)
     for at in range(1, points + 1):
-        base = tmp_path / f"p{at}"
-        plan = CrashPlan("count", allowed=(str(base / "root"),))
-        root, ctx = cs.prepare(base, scenario, plan)
-        before = _snapshot(base, root, scenario)
+        base, plan, root, ctx, before = _prepared(tmp_path, scenario, at)
         pid = os.fork()
         if pid == 0:  # the child: run the action, die at the point
             try:
