@@ -188,20 +188,3 @@ class DeviceCopyError(AsyncCkptError, RuntimeError):
     processes' loads are not held up; a sticky error (an illegal access, a device-side
     assert) leaves the CUDA context unusable, and the process should be restarted.
     """
-
-
-class SnapshotFailedError(Exception):
-    """Raised in the writer when the copy it was waiting for failed (the caller sees why)."""
-
-
-class UsageError(Exception):
-    """The command line is wrong (exit status 2)."""
-
-
-class CommandFailed(Exception):
-    """The command ran and its outcome is a failure (exit status 1); output is printed."""
-
-
-class PeerClosedError(Exception):
-    """``asyncckpt.testing``'s fault proxy: the peer closed the connection (or the proxy is
-    stopping)."""

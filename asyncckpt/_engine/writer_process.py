@@ -61,11 +61,12 @@ from typing import TYPE_CHECKING, Any
 from asyncckpt import _cpu as cpu
 from asyncckpt import _threads as workers
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
+from asyncckpt._engine.snapshot import SnapshotFailedError
 from asyncckpt._engine.writer_child import Channel, StagedRef, WriteJob
 from asyncckpt._settings import ENV_PREFIX, Settings
 from asyncckpt._storage import Storage
 from asyncckpt._storage.base import TEMP_MARK, PublishGuard
-from asyncckpt.errors import SnapshotFailedError, WriterProcessError
+from asyncckpt.errors import WriterProcessError
 
 if TYPE_CHECKING:
     from asyncckpt._engine.snapshot import Snapshot

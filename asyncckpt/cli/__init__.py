@@ -37,14 +37,16 @@ from asyncckpt.cli.common import (
     EXIT_OK,
     EXIT_USAGE,
     FORMATS,
+    CommandFailed,
     FileRef,
     RootRef,
+    UsageError,
     locate,
     parse_storage_options,
     plural,
 )
 from asyncckpt.cli.main import build_parser, main
-from asyncckpt.errors import CommandFailed, SafetensorsError, UsageError
+from asyncckpt.errors import SafetensorsError
 
 if TYPE_CHECKING:
     from asyncckpt._convert.safetensors import read_safetensors, write_safetensors

@@ -20,6 +20,7 @@ from asyncckpt._storage import Storage, resolve
 from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
+    UsageError,
     display,
     emit,
     plural,
@@ -27,7 +28,7 @@ from asyncckpt.cli.common import (
 )
 from asyncckpt.cli.formats import load_torch, save_torch
 from asyncckpt.cli.terminal import table
-from asyncckpt.errors import AsyncCkptError, UsageError
+from asyncckpt.errors import AsyncCkptError
 
 
 def _bench_state(nbytes: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -41,13 +41,21 @@ from asyncckpt.errors import (
     CheckpointNotFoundError,
     FormatError,
     IncompleteCheckpointError,
-    UsageError,
 )
 
 if TYPE_CHECKING:  # torch-free at import: `asyncckpt --help` must not import torch
     from asyncckpt._engine.decode import OpenedFile
 
 log = logging.getLogger(__name__)
+
+
+class UsageError(Exception):
+    """The command line is wrong (exit status 2)."""
+
+
+class CommandFailed(Exception):
+    """The command ran and its outcome is a failure (exit status 1); output is printed."""
+
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 

@@ -29,6 +29,7 @@ from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
     RootRef,
+    UsageError,
     display,
     emit,
     kind_of,
@@ -47,7 +48,7 @@ from asyncckpt.cli.formats import (
     save_torch,
     source_format,
 )
-from asyncckpt.errors import SafetensorsError, UsageError
+from asyncckpt.errors import SafetensorsError
 
 
 def tensors_in(obj: Any) -> tuple[int, int]:

@@ -29,8 +29,16 @@ from asyncckpt._format.tree import child_path
 from asyncckpt._settings import Settings
 from asyncckpt._storage import AtomicWriter, LocalStorage, ReadHandle, Storage
 from asyncckpt._versions.protocol import SHARDED, latest_step, read_commit, step_dir
-from asyncckpt.cli.common import FORMATS, FileRef, RootRef, dcp_files, is_dcp_directory, threads
-from asyncckpt.errors import AsyncCkptError, FormatError, UsageError
+from asyncckpt.cli.common import (
+    FORMATS,
+    FileRef,
+    RootRef,
+    UsageError,
+    dcp_files,
+    is_dcp_directory,
+    threads,
+)
+from asyncckpt.errors import AsyncCkptError, FormatError
 
 #: The second byte of a pickle (its protocol) that a legacy ``torch.save`` file begins with.
 _PROTOCOLS = (b"\x02", b"\x03", b"\x04", b"\x05")

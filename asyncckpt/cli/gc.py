@@ -28,6 +28,7 @@ from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
 from asyncckpt.cli.common import (
     EXIT_OK,
     Subparsers,
+    UsageError,
     emit,
     locate,
     need_root,
@@ -35,7 +36,6 @@ from asyncckpt.cli.common import (
     version_info,
 )
 from asyncckpt.cli.listing import need_versions
-from asyncckpt.errors import UsageError
 
 
 def add_parser(sub: Subparsers) -> None:

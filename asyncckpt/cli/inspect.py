@@ -29,6 +29,7 @@ from asyncckpt.cli.common import (
     DataRef,
     FileRef,
     RootRef,
+    UsageError,
     chosen_step,
     display,
     emit,
@@ -41,7 +42,6 @@ from asyncckpt.cli.common import (
 )
 from asyncckpt.cli.formats import load_torch, open_sharded, part_at, read_ackpt, sniff
 from asyncckpt.cli.terminal import table, terminal_width
-from asyncckpt.errors import UsageError
 
 
 def _codecs(manifest: Manifest, sid: int) -> tuple[list[str], int]:

@@ -13,12 +13,13 @@ from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import VERSION_FILE, committed_steps, latest_step, parse_step
 from asyncckpt.cli.common import (
     RootRef,
+    UsageError,
     dcp_files,
     display,
     is_dcp_directory,
     version_info,
 )
-from asyncckpt.errors import AsyncCkptError, UsageError
+from asyncckpt.errors import AsyncCkptError
 
 #: How many folders below the one given are searched, and how many are listed at most.
 MAX_DEPTH, MAX_FOLDERS = 4, 2000

@@ -10,6 +10,7 @@ from asyncckpt._storage import is_temp_name
 from asyncckpt._versions.protocol import latest_step, read_version_file, step_dirs
 from asyncckpt.cli.common import (
     EXIT_OK,
+    CommandFailed,
     RootRef,
     Subparsers,
     emit,
@@ -22,7 +23,6 @@ from asyncckpt.cli.common import (
 )
 from asyncckpt.cli.listing import MAX_DEPTH, describe, find_checkpoints, is_root
 from asyncckpt.cli.terminal import table
-from asyncckpt.errors import CommandFailed
 
 
 def add_parser(sub: Subparsers) -> None:

@@ -22,14 +22,16 @@ from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
     EXIT_USAGE,
+    CommandFailed,
     Parser,
     Subparsers,
+    UsageError,
     add_common_options,
     log,
     parse_storage_options,
 )
 from asyncckpt.cli.terminal import paint
-from asyncckpt.errors import AsyncCkptError, CommandFailed, UsageError
+from asyncckpt.errors import AsyncCkptError
 
 #: The subcommands' parsers, in the order ``--help`` lists them. None imports torch (the
 #: commands that need it import it when they run): ``--help`` returns at once.

@@ -17,14 +17,15 @@ from asyncckpt._versions.writing import RootWriter
 from asyncckpt.cli.common import (
     EXIT_FAILURE,
     EXIT_OK,
+    CommandFailed,
     Subparsers,
+    UsageError,
     emit,
     locate,
     need_root,
     new_command,
 )
 from asyncckpt.cli.listing import need_versions
-from asyncckpt.errors import CommandFailed, UsageError
 
 
 def add_parser(sub: Subparsers) -> None:

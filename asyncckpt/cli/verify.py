@@ -17,8 +17,10 @@ from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import committed_steps, read_version_file, step_dirs
 from asyncckpt.cli.common import (
     EXIT_OK,
+    CommandFailed,
     FileRef,
     RootRef,
+    UsageError,
     chosen_step,
     dcp_files,
     display,
@@ -37,11 +39,9 @@ from asyncckpt.cli.terminal import paint
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
-    CommandFailed,
     FileReplacedError,
     FormatError,
     MemoryBudgetError,
-    UsageError,
 )
 
 #: How many bytes of chunks ``verify_file`` holds at once, at most (or one chunk if larger).

@@ -17,12 +17,9 @@
   ``create_multipart_upload``, ``upload_part``, ``complete_multipart_upload``,
   ``abort_multipart_upload``, ``head_object``, ``list_objects_v2``, ``delete_objects`` ...;
   ranged reads are ``cat_file``).
-* :class:`~asyncckpt.testing.s3mem.MemoryS3FileSystem` (in its own module) — the S3 calls
-  asyncckpt makes, served from memory (the ``s3mem`` protocol), to simulate links behind
-  ``faulty::`` without a server's own cost.
 
-These fail requests *inside* the client process, at the fsspec call. To fail them on the
-wire, between a real client and a real server, use :class:`asyncckpt.testing.FaultProxy`.
+These fail requests *inside* the client process, at the fsspec call (asyncckpt's own tests
+also fail them on the wire, with the HTTP fault proxy in ``tests/proxy.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +38,6 @@ import fsspec
 from fsspec.implementations.chained import ChainedFileSystem
 
 from asyncckpt._storage.objectstore import is_object_store, ranged_get
-from asyncckpt.testing.s3mem import s3_error
 
 __all__ = [
     "FAULT_KINDS",
@@ -83,6 +79,29 @@ S3_OPERATIONS = (
     "list_multipart_uploads",
     "cat_file",
 )
+
+
+def s3_error(code: str, status: int, message: str, op: str, **extra: str) -> BaseException:
+    """The exception s3fs raises for an S3 error response (a ClientError, translated)."""
+    try:
+        from botocore.exceptions import ClientError
+    except ImportError:  # pragma: no cover - s3fs needs botocore
+        return OSError(errno.EIO, f"{code}: {message}")
+    error = ClientError(
+        {
+            "Error": {"Code": code, "Message": message, **extra},
+            "ResponseMetadata": {"HTTPStatusCode": status},
+        },
+        op,
+    )
+    try:
+        from s3fs.errors import translate_boto_error
+
+        translated: BaseException = translate_boto_error(error)
+        return translated
+    except ImportError:  # pragma: no cover
+        fallback: BaseException = error
+        return fallback
 
 
 @dataclass(frozen=True)

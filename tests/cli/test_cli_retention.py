@@ -11,8 +11,8 @@ import torch
 
 import asyncckpt
 from asyncckpt import cli
+from asyncckpt.cli.common import UsageError
 from asyncckpt.cli.gc import parse_duration
-from asyncckpt.errors import UsageError
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:

@@ -18,8 +18,8 @@ from asyncckpt._api import dropin as api
 from asyncckpt._engine import arena as arena_mod
 from asyncckpt._engine import snapshot as staging
 from asyncckpt._engine import writer_process
-from asyncckpt._engine.snapshot import ArenaPool
-from asyncckpt.errors import SnapshotFailedError, StorageError
+from asyncckpt._engine.snapshot import ArenaPool, SnapshotFailedError
+from asyncckpt.errors import StorageError
 
 
 def _rss_bytes() -> int:

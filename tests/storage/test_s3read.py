@@ -125,7 +125,7 @@ def test_every_get_has_finished_when_a_failed_read_raises(
 def test_tunables_come_from_the_settings_given_at_construction(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import asyncckpt.testing  # noqa: F401 (registers s3mem://)
+    import tests.s3mem  # noqa: F401 (registers s3mem://)
     from asyncckpt._settings import Settings
     from asyncckpt._storage import ObjectStorage
 

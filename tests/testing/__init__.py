@@ -1,1 +1,2 @@
-"""Tests of the test kit itself (asyncckpt/testing): servers, fault injection."""
+"""Tests of the test kit itself: asyncckpt/testing (fault injection, crash points) and the
+S3 test doubles in tests/ (servers, proxy)."""

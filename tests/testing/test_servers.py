@@ -19,14 +19,9 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError
 from botocore.session import get_session
 
-from asyncckpt.testing import (
-    FAKE_ACCESS_KEY,
-    FAKE_SECRET_KEY,
-    FaultProxy,
-    LocalS3Server,
-    SeaweedServer,
-)
 from tests.conftest import S3_BUCKET
+from tests.proxy import FaultProxy
+from tests.servers import FAKE_ACCESS_KEY, FAKE_SECRET_KEY, LocalS3Server, SeaweedServer
 
 RACERS = 16
 

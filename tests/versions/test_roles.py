@@ -372,7 +372,7 @@ def test_a_zombie_writer_on_s3_cannot_move_the_version_backwards(
     s3_root: str, s3_server: Any
 ) -> None:
     """Writer A's VERSION PUT is held on the wire while job B takes over and commits 10, 20."""
-    from asyncckpt.testing import FaultProxy
+    from tests.proxy import FaultProxy
 
     with FaultProxy(s3_server) as proxy:
         zombie = Checkpointer(s3_root, storage_options=proxy.storage_options)
@@ -403,7 +403,7 @@ def test_a_zombie_writer_on_s3_cannot_move_the_version_backwards(
 def test_lost_responses_on_the_wire_to_commit_and_version(s3_root: str, s3_server: Any) -> None:
     """Through a proxy: the store performs the COMMIT and VERSION PUTs, the client's
     connection closes before the answer; the client library and our retry see a reset."""
-    from asyncckpt.testing import FaultProxy
+    from tests.proxy import FaultProxy
 
     with FaultProxy(s3_server) as proxy:
         ckpt = Checkpointer(s3_root, storage_options=proxy.storage_options)

@@ -2,12 +2,12 @@
 
 It serves the S3 calls asyncckpt makes from this process's memory, so that a simulated link
 (``faulty::s3mem://``, see :class:`~asyncckpt.testing.faults.FaultyFileSystem`) costs no
-server of its own. Registered as the ``s3mem`` protocol by :mod:`asyncckpt.testing`.
+server of its own. Importing this module registers it as the ``s3mem`` protocol.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import hashlib
 import threading
 import uuid
@@ -15,30 +15,9 @@ from typing import Any
 
 import fsspec
 
-__all__ = ["MemoryS3FileSystem", "s3_error"]
+from asyncckpt.testing.faults import s3_error
 
-
-def s3_error(code: str, status: int, message: str, op: str, **extra: str) -> BaseException:
-    """The exception s3fs raises for an S3 error response (a ClientError, translated)."""
-    try:
-        from botocore.exceptions import ClientError
-    except ImportError:  # pragma: no cover - s3fs needs botocore
-        return OSError(errno.EIO, f"{code}: {message}")
-    error = ClientError(
-        {
-            "Error": {"Code": code, "Message": message, **extra},
-            "ResponseMetadata": {"HTTPStatusCode": status},
-        },
-        op,
-    )
-    try:
-        from s3fs.errors import translate_boto_error
-
-        translated: BaseException = translate_boto_error(error)
-        return translated
-    except ImportError:  # pragma: no cover
-        fallback: BaseException = error
-        return fallback
+__all__ = ["MemoryS3FileSystem"]
 
 
 class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
@@ -191,3 +170,7 @@ class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
         if start >= len(data) and (start or end):
             raise s3_error("InvalidRange", 416, "The requested range is not satisfiable", "get")
         return data[start:end]
+
+
+with contextlib.suppress(ValueError):
+    fsspec.register_implementation("s3mem", MemoryS3FileSystem)

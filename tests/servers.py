@@ -6,7 +6,7 @@
   implementation: a second opinion on what moto accepts.
 * :class:`FaultProxy` — a forwarding HTTP/1.1 proxy in front of either, that holds chosen
   requests until a test releases them, or performs them and never answers the client
-  (in :mod:`asyncckpt.testing.proxy`).
+  (in :mod:`tests.proxy`).
 
 Every server listens on ``127.0.0.1`` only, on free ports, with fake credentials
 (:data:`FAKE_ACCESS_KEY`, :data:`FAKE_SECRET_KEY`); :func:`fake_aws_environment` keeps real

@@ -3,8 +3,8 @@
 :class:`FaultProxy` is a forwarding HTTP/1.1 proxy (on ``127.0.0.1``) that holds chosen
 requests until a test releases them, or performs them and never answers the client (the
 response is lost on the wire), following its :class:`ProxyRule` list. Put it in front of a
-:class:`~asyncckpt.testing.servers.MotoServer` or
-:class:`~asyncckpt.testing.servers.SeaweedServer`.
+:class:`~tests.servers.MotoServer` or
+:class:`~tests.servers.SeaweedServer`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import threading
 import time
 from typing import Any
 
-from asyncckpt.errors import PeerClosedError
-from asyncckpt.testing.servers import LocalS3Server
+from tests.servers import LocalS3Server
 
 _MAX_HEAD_BYTES = 64 << 10
+
+
+class PeerClosedError(Exception):
+    """The peer closed the connection (or the proxy is stopping)."""
 
 
 class _Reader:
@@ -216,7 +219,7 @@ class FaultProxy:
 
     Example:
         >>> import threading, fsspec
-        >>> from asyncckpt.testing.servers import MotoServer
+        >>> from tests.servers import MotoServer
         >>> with MotoServer() as server, FaultProxy(server) as proxy:
         ...     server.create_bucket("my-bucket")
         ...     fs = fsspec.filesystem("s3", skip_instance_cache=True, **proxy.storage_options)
