@@ -18,6 +18,8 @@ See docs/ARCHITECTURE.md.
 from __future__ import annotations
 
 import ast
+import re
+import types
 from pathlib import Path
 
 import pytest
@@ -206,3 +208,27 @@ def test_every_error_a_user_catches_lives_in_errors() -> None:
                     )
 
 
+def test_only_the_storage_layer_asks_a_backend_its_type() -> None:
+    """What the engine, the protocol and the tools need to know of a backend (local paths,
+    on a local disk, which device or store, picklable) are properties of ``Storage``: a
+    new backend that sets them is treated right everywhere, with no ``isinstance`` to find."""
+    import asyncckpt._storage as storage_layer
+
+    names = {
+        cls.__name__
+        for module in vars(storage_layer).values()
+        if isinstance(module, types.ModuleType)
+        for cls in vars(module).values()
+        if isinstance(cls, type) and issubclass(cls, storage_layer.Storage)
+    } - {"Storage"}
+    assert {"LocalStorage", "FsspecStorage", "ObjectStorage"} <= names
+    backends = re.compile(r"isinstance\([^)]*\b(" + "|".join(sorted(names)) + r")\b")
+    found = [
+        f"{path}:{number}: {match.group(1)}"
+        for module, path in MODULES.items()
+        if not module.startswith("asyncckpt._storage")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for match in [backends.search(line)]
+        if match
+    ]
+    assert not found, found

@@ -151,7 +151,7 @@ def save(
         lambda snap: marker.write(snap, options),
         storage.describe(path),
         started,
-        _target(storage, path),
+        storage.file_key(path),
         on_cancel=marker.cancel,
         nice=options.settings.writer_nice,
     )
@@ -229,10 +229,6 @@ def _save_to_file_object(obj: Any, f: Any, options: WriteOptions, started: float
     return completed_handle(storage.describe(""), stats)  # a failure was raised above
 
 
-def _target(storage: Storage, path: str) -> tuple[str, str]:
-    return (type(storage).__name__, storage.describe(path))
-
-
 def wait(timeout: float | None = None) -> None:
     """Block until every pending save of this process is durable.
 
@@ -249,7 +245,7 @@ def _wait_for_writes_to(storage: Storage, path: str) -> None:
     Returning the old file while swallowing the failure of the save that should have
     replaced it would lose that failure for good.
     """
-    target = _target(storage, path)
+    target = storage.file_key(path)
     for handle in jobs.pending():
         if handle.target == target and not handle.cancelled():
             seen = handle.observed

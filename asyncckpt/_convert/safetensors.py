@@ -23,7 +23,7 @@ import torch
 
 from asyncckpt._engine.snapshot import byte_view
 from asyncckpt._format.tree import child_path
-from asyncckpt._storage import LocalStorage, Storage
+from asyncckpt._storage import Storage
 from asyncckpt.errors import SafetensorsError as SafetensorsError
 
 #: ``__metadata__`` entry: JSON ``{alias: key}``, keys whose tensor is another key's tensor.
@@ -77,7 +77,7 @@ def _local_copy(
 ) -> Iterator[str]:
     """A local path to the file: itself when local, else a temporary copy streamed from the
     storage (safetensors opens files by name only)."""
-    if isinstance(storage, LocalStorage):
+    if storage.local_paths:
         yield path
         return
     fd, scratch = tempfile.mkstemp(suffix=".safetensors")
@@ -122,7 +122,7 @@ def read_safetensors(
         (True, {'format': 'pt'})
     """
     st = _library()
-    local = isinstance(storage, LocalStorage)
+    local = storage.local_paths
     tensors: dict[str, torch.Tensor] = {}
     with _local_copy(storage, path, progress) as name:
         try:

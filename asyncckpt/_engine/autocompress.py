@@ -25,7 +25,6 @@ Example:
 from __future__ import annotations
 
 import math
-import os
 import threading
 from dataclasses import dataclass
 
@@ -33,9 +32,6 @@ from asyncckpt import _threads as workers
 from asyncckpt._format.codec import INCOMPRESSIBLE, EncodeReport, Rates, choose_planes
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
-from asyncckpt._storage.generic import FsspecStorage
-from asyncckpt._storage.local import LocalStorage
-from asyncckpt._storage.objectstore import ObjectStorage
 
 
 @dataclass(frozen=True)
@@ -125,7 +121,7 @@ class _Encoders:
 
 #: Guards everything below; each use is a few arithmetic operations.
 _auto_lock = threading.Lock()
-#: Storage target (see :func:`target_key`) -> what was learned about it.
+#: Storage target (see :meth:`Storage.target`) -> what was learned about it.
 _targets: dict[tuple[str, ...], _Target] = {}
 #: Created by the process's first ``"auto"`` write.
 _encoders: _Encoders | None = None
@@ -151,78 +147,6 @@ def reset() -> None:
         _encoders = None
 
 
-def target_key(storage: Storage, path: str) -> tuple[str, ...]:
-    """Which storage target ``path`` is on: a local device, a bucket or top directory of
-    a filesystem, or (for anything else, e.g. a caller's file object) the backend type."""
-    if isinstance(storage, LocalStorage):
-        probe = os.path.dirname(path) or "."
-        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-            probe = os.path.dirname(probe)
-        try:
-            return ("local", str(os.stat(probe).st_dev))
-        except OSError:
-            return ("local",)
-    if isinstance(storage, (FsspecStorage, ObjectStorage)):
-        top = path.lstrip("/").split("/", 1)[0]
-        return (type(storage).__name__, storage.describe(top))
-    return (type(storage).__name__,)
-
-
-def is_local_disk(storage: Storage, path: str) -> bool:
-    """Whether ``path`` is a local file on a local disk, not on a network filesystem.
-
-    Example:
-        >>> from asyncckpt._storage import resolve
-        >>> is_local_disk(*resolve("memory://x/y.ackpt", None))
-        False
-    """
-    if not isinstance(storage, LocalStorage):
-        return False
-    kind = _filesystem_type(path)
-    return kind not in _NETWORK_FILESYSTEMS and not kind.startswith("fuse")
-
-
-#: Filesystems whose bytes travel over a network: compressing them pays like on S3.
-_NETWORK_FILESYSTEMS = frozenset(
-    {
-        "nfs",
-        "nfs4",
-        "cifs",
-        "smb3",
-        "smbfs",
-        "ceph",
-        "glusterfs",
-        "lustre",
-        "gpfs",
-        "beegfs",
-        "9p",
-        "afs",
-        "ocfs2",
-        "gfs2",
-        "panfs",
-        "wekafs",
-    }
-)
-
-
-def _filesystem_type(path: str) -> str:
-    """The type of the filesystem mounted at the longest mount point above ``path`` (Linux;
-    ``""`` where ``/proc/self/mounts`` cannot say)."""
-    try:
-        with open("/proc/self/mounts") as f:
-            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
-    except OSError:
-        return ""
-    full = os.path.realpath(os.path.abspath(path))
-    best, kind = "", ""
-    for point, fstype in mounts:
-        point = point.replace("\\040", " ")
-        inside = full == point or full.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, kind = point, fstype
-    return kind
-
-
 def for_write(
     storage: Storage,
     path: str,
@@ -236,11 +160,11 @@ def for_write(
     left idle when the save started (:func:`asyncckpt._cpu.spare_cores`; None: unknown).
     """
     global _encoders
-    key = target_key(storage, path)
+    key = storage.target(path)
     with _auto_lock:
         target = _targets.pop(key, None)
     if target is None:
-        target = _Target(settings, is_local_disk(storage, path))  # reads the mount table
+        target = _Target(settings, storage.on_local_disk(path))  # reads the mount table
     with _auto_lock:
         target = _targets.pop(key, None) or target
         _targets[key] = target  # most recently used last

@@ -140,10 +140,29 @@ class Storage(ABC):
     #: The files live in this process's memory (``memory://``, a caller's file object):
     #: another process cannot write them, so a writer process leaves them to threads.
     process_local: bool = False
+    #: Paths are this machine's file names: ``os`` calls (and libraries that open files by
+    #: name, such as safetensors) work on them directly.
+    local_paths: bool = False
 
     def describe(self, path: str) -> str:
         """``path`` as a user would write it, for error messages."""
         return f"{self.label}{path}"
+
+    def file_key(self, path: str) -> tuple[str, str]:
+        """Names the file ``path`` across every storage object of this process: in-process
+        bookkeeping (saves in flight, markers) keys on it."""
+        return (type(self).__name__, self.describe(path))
+
+    def target(self, path: str) -> tuple[str, ...]:
+        """Which device or store ``path`` is on (a local disk, a bucket, a filesystem's top
+        directory): what is learned about writing to one (``compression="auto"``'s
+        measurements) holds for every file on it."""
+        return (type(self).__name__,)
+
+    def on_local_disk(self, path: str) -> bool:
+        """Whether ``path`` is a file on a disk of this machine, not on a network filesystem
+        or a remote store (compressing pays less there)."""
+        return False
 
     def check_writable(self, path: str) -> None:
         """Raise :class:`StorageError` if ``path`` can never be written: a read-only store

@@ -183,6 +183,9 @@ class FsspecStorage(Storage):
         self.conditional_create = has_conditional_create(fs)
         self.process_local = "memory" in _protocols(fs)
 
+    def target(self, path: str) -> tuple[str, ...]:
+        return (type(self).__name__, self.describe(path.lstrip("/").split("/", 1)[0]))
+
     def describe(self, path: str) -> str:
         return (
             f"{self.label}{path.removeprefix('/')}"

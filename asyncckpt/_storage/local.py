@@ -45,9 +45,27 @@ class LocalStorage(Storage):
     None: resolved now (for tools and tests)."""
 
     label = ""
+    local_paths = True
 
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = Settings.resolve() if settings is None else settings
+
+    def target(self, path: str) -> tuple[str, ...]:
+        probe = os.path.dirname(path) or "."
+        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        try:
+            return ("local", str(os.stat(probe).st_dev))
+        except OSError:
+            return ("local",)
+
+    def on_local_disk(self, path: str) -> bool:
+        """Example:
+        >>> LocalStorage().on_local_disk("/proc/self/status")  # procfs is not a network fs
+        True
+        """
+        kind = filesystem_type(path)
+        return kind not in _NETWORK_FILESYSTEMS and not kind.startswith("fuse")
 
     def open_atomic(self, path: str) -> AtomicWriter:
         return _LocalWriter(self, path)
@@ -492,3 +510,44 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+#: Filesystems whose bytes travel over a network: compressing them pays like on S3.
+_NETWORK_FILESYSTEMS = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "ceph",
+        "glusterfs",
+        "lustre",
+        "gpfs",
+        "beegfs",
+        "9p",
+        "afs",
+        "ocfs2",
+        "gfs2",
+        "panfs",
+        "wekafs",
+    }
+)
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem mounted at the longest mount point above ``path`` (Linux;
+    ``""`` where ``/proc/self/mounts`` cannot say)."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return ""
+    full = os.path.realpath(os.path.abspath(path))
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = full == point or full.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind

@@ -162,6 +162,9 @@ class ObjectStorage(Storage):
         self._secrets = secrets_of(fs)
         self._rng = random.Random()
 
+    def target(self, path: str) -> tuple[str, ...]:
+        return (type(self).__name__, self.describe(path.lstrip("/").split("/", 1)[0]))
+
     def __repr__(self) -> str:
         return f"ObjectStorage({self.label!r})"
 

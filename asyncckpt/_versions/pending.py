@@ -203,13 +203,9 @@ _wake = threading.Event()  # a marker was created or beaten: the heartbeat recom
 _BEAT_THREADS = 4
 
 
-def _key(storage: Storage, path: str) -> tuple[str, str]:
-    return (type(storage).__name__, storage.describe(path))
-
-
 def _slot(storage: Storage, path: str) -> _Slot:
     with _lock:
-        return _slots.setdefault(_key(storage, path), _Slot())
+        return _slots.setdefault(storage.file_key(path), _Slot())
 
 
 @contextlib.contextmanager
@@ -218,7 +214,7 @@ def _held_slot(storage: Storage, path: str) -> Iterator[_Slot]:
     while this thread waited for its lock is taken anew). On the way out, a slot with no
     save in flight is dropped: a file's bookkeeping lives as long as its saves (a failed
     ``begin`` included), not as long as the process."""
-    key = _key(storage, path)
+    key = storage.file_key(path)
     while True:
         slot = _slot(storage, path)
         with slot.io:

@@ -23,7 +23,7 @@ from asyncckpt._format.container import parse_json
 from asyncckpt._format.names import METADATA_NAME
 from asyncckpt._progress import Progress
 from asyncckpt._settings import Settings
-from asyncckpt._storage import LocalStorage, Storage, resolve
+from asyncckpt._storage import Storage, resolve
 from asyncckpt._versions import pending
 from asyncckpt._versions.protocol import (
     COMMIT_FILE,
@@ -285,7 +285,7 @@ def short_time(iso: str | None) -> str:
 def display(storage: Storage, path: str) -> str:
     """A path as the user would write it: relative to the working directory when local
     and below it, else as the storage describes it (a URL)."""
-    if isinstance(storage, LocalStorage):
+    if storage.local_paths:
         with contextlib.suppress(ValueError):
             relative = os.path.relpath(path)
             if not relative.startswith(os.pardir):
@@ -316,7 +316,7 @@ class RootRef(_Located):
 
 def kind_of(storage: Storage, path: str) -> str:
     """``"root"`` (a directory / prefix), ``"file"`` or ``"missing"``."""
-    if isinstance(storage, LocalStorage):
+    if storage.local_paths:
         return "root" if os.path.isdir(path) else "file" if os.path.isfile(path) else "missing"
     if storage.list_dir(path):
         return "root"

@@ -27,7 +27,7 @@ from asyncckpt._engine.encode import write_snapshot
 from asyncckpt._format.container import MAGIC
 from asyncckpt._format.tree import child_path
 from asyncckpt._settings import Settings
-from asyncckpt._storage import AtomicWriter, LocalStorage, ReadHandle, Storage
+from asyncckpt._storage import AtomicWriter, ReadHandle, Storage
 from asyncckpt._versions.protocol import SHARDED, latest_step, read_commit, step_dir
 from asyncckpt.cli.common import (
     FORMATS,
@@ -324,7 +324,7 @@ def load_torch(
         pickle.UnpicklingError: the file holds something weights-only loading refuses.
     """
     with torch.serialization.safe_globals(_numpy_globals()):
-        if isinstance(ref.storage, LocalStorage):
+        if ref.storage.local_paths:
             return _load_local_torch(ref, progress, mmap)
         raw = RangeReader(ref.storage, ref.path, progress)
         with io.BufferedReader(raw, buffer_size=_READ_BLOCK) as f:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import pickle
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -316,3 +318,21 @@ class StorageConformanceSuite:
             except CheckpointNotFoundError as exc:
                 assert "named.bin" in str(exc)
                 raise
+
+    # -- capabilities: what the engine and the protocol ask of a backend ------------------
+
+    def test_capabilities_say_what_the_backend_is(self, storage_root: tuple[Storage, str]) -> None:
+        storage, root = storage_root
+        a, b = storage.join(root, "dir", "a.bin"), storage.join(root, "dir", "b.bin")
+        storage.write_bytes(a, b"a")
+        assert storage.file_key(a) == storage.file_key(a)
+        assert storage.file_key(a) != storage.file_key(b)
+        # Two files of one directory are on one device or store.
+        assert storage.target(a) == storage.target(b)
+        if storage.local_paths:  # os calls work on the backend's paths
+            assert os.path.isfile(a) and not os.path.exists(b)
+        else:
+            assert not storage.on_local_disk(a)  # only a local file can be on a local disk
+        if not storage.process_local:  # a writer process gets a working copy
+            copy = pickle.loads(pickle.dumps(storage))
+            assert copy.read_bytes(a, 10) == b"a"

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncckpt._storage.base import AtomicWriter, PublishGuard, ReadHandle, Storage
-from asyncckpt._storage.local import LocalStorage
 from asyncckpt.errors import StorageError
 
 __all__ = ["CRASH_MODES", "MUTATING_OPS", "CrashPlan", "CrashStorage", "StorageOp"]
@@ -237,7 +236,7 @@ class CrashStorage(Storage):
         # A real rmtree removes entries one by one in directory order, which may put a
         # step's data before its COMMIT: each entry is a point, in reverse name order
         # (data files before COMMIT), so a crash can stop it midway as the OS can.
-        local = isinstance(self.inner, LocalStorage)
+        local = self.inner.local_paths
         if local and os.path.isdir(path) and not os.path.islink(path):
             for name in sorted(os.listdir(path), reverse=True):
                 child = os.path.join(path, name)

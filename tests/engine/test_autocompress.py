@@ -403,17 +403,6 @@ def test_auto_explores_one_chunk_per_explore_mib_held_back(
     assert run.choose(4, (1.0, 1.0, 1.0, 1.0), nbytes=64 * MIB) == (False,) * 4  # nothing to try
 
 
-def test_targets_are_devices_buckets_and_top_directories(tmp_path: Any) -> None:
-    def key(url: str) -> tuple[str, ...]:
-        return autocompress.target_key(*resolve(url, None))
-
-    assert key(str(tmp_path / "a" / "b.ackpt")) == key(str(tmp_path / "c.ackpt"))
-    assert key(str(tmp_path / "x.ackpt"))[0] == "local"
-    assert key("memory://one/a/b.ackpt") == key("memory://one/c.ackpt")
-    assert key("memory://one/a.ackpt") != key("memory://two/a.ackpt")
-    assert key("memory://one/a.ackpt") != key(str(tmp_path / "one" / "a.ackpt"))
-
-
 # -- the CPU budget: busy cores make compression pay only on slow storage ---------------------
 
 
@@ -467,15 +456,3 @@ def test_auto_compresses_only_while_the_cpu_has_room(
     monkeypatch.setattr(cpu, "spare_cores", lambda: spare)
     asyncckpt.save({"w": _normal(2 * MIB)}, f"{memory_root}/a.ackpt", compression="auto").result()
     assert _codecs(f"{memory_root}/a.ackpt") == [codec] * 4
-
-
-def test_local_disks_and_network_filesystems_are_told_apart(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    storage, path = resolve(str(tmp_path / "x.ackpt"), None)
-    assert autocompress.is_local_disk(storage, path)
-    monkeypatch.setattr(autocompress, "_filesystem_type", lambda path: "nfs4")
-    assert not autocompress.is_local_disk(storage, path)
-    monkeypatch.setattr(autocompress, "_filesystem_type", lambda path: "fuse.s3fs")
-    assert not autocompress.is_local_disk(storage, path)
-    assert not autocompress.is_local_disk(*resolve("memory://x/y.ackpt", None))
