@@ -179,9 +179,15 @@ def check_root(
     return latest
 
 
+#: How long a writer may take to reach one point of its progress (a fresh interpreter that
+#: imports torch, then a save) before it counts as hung: each wait fails on its own, so a
+#: test of many trials has no budget for the whole that a busy machine could overrun.
+STEP_DEADLINE_S = 120
+
+
 def wait_for_line(log: Path, proc: subprocess.Popen[bytes], line: str, err: Path) -> None:
     """Until the writer has logged ``line`` (``S n``: it calls save; ``C n``: n is durable)."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + STEP_DEADLINE_S
     while f"{line}\n" not in (log.read_text() if log.exists() else ""):
         if proc.poll() is not None:
             pytest.fail(f"writer exited with {proc.returncode}:\n{err.read_text()}")
@@ -211,7 +217,9 @@ def start_writer(
         )
 
 
-@pytest.mark.timeout(300)
+# The backstop for a hang outside the waits: every trial's own bound (its wait, its pause,
+# its kill), never a budget for the loop.
+@pytest.mark.timeout((TRIALS + 1) * (2 * STEP_DEADLINE_S))
 def test_sigkill_at_random_moments(tmp_path: Path) -> None:
     # A new seed each run explores new moments; every failure names it, and setting
     # CRASH_TEST_SEED to it replays the same kills.
@@ -248,7 +256,7 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
     # A last run that is not killed continues and finishes cleanly.
     err = tmp_path / "final.err"
     proc = start_writer(root, log, next_step, latest, 3, err)
-    assert proc.wait(120) == 0, err.read_text()
+    assert proc.wait(STEP_DEADLINE_S) == 0, err.read_text()
     final = [next_step, next_step + 1, next_step + 2]
     with Checkpointer(root, keep_last=2) as ckpt:
         assert ckpt.versions() == final[-2:]
