@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from asyncckpt._progress import Progress, format_bytes
 from asyncckpt._storage import Storage, resolve
 from asyncckpt.cli.common import (
     EXIT_OK,
@@ -27,6 +26,7 @@ from asyncckpt.cli.common import (
     progress,
 )
 from asyncckpt.cli.formats import load_torch, save_torch
+from asyncckpt.cli.progress import Progress, format_bytes
 from asyncckpt.cli.terminal import table
 from asyncckpt.errors import AsyncCkptError
 

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from asyncckpt._format.container import parse_json
 from asyncckpt._format.names import METADATA_NAME
-from asyncckpt._progress import Progress
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._versions import pending
@@ -36,6 +35,7 @@ from asyncckpt._versions.protocol import (
     read_commit_strict,
     step_dir,
 )
+from asyncckpt.cli.progress import Progress
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,

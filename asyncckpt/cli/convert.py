@@ -23,7 +23,6 @@ from asyncckpt._convert.safetensors import (
 )
 from asyncckpt._engine.decode import Budget
 from asyncckpt._engine.encode import abort_strays
-from asyncckpt._progress import Progress, format_bytes
 from asyncckpt._storage import Storage, resolve
 from asyncckpt.cli.common import (
     EXIT_OK,
@@ -48,6 +47,7 @@ from asyncckpt.cli.formats import (
     save_torch,
     source_format,
 )
+from asyncckpt.cli.progress import Progress, format_bytes
 from asyncckpt.errors import SafetensorsError
 
 

@@ -14,7 +14,6 @@ import argparse
 import re
 from typing import Any
 
-from asyncckpt._progress import format_bytes
 from asyncckpt._storage import Storage, is_temp_name
 from asyncckpt._versions.protocol import (
     UNREADABLE,
@@ -36,6 +35,7 @@ from asyncckpt.cli.common import (
     version_info,
 )
 from asyncckpt.cli.listing import need_versions
+from asyncckpt.cli.progress import format_bytes
 
 
 def add_parser(sub: Subparsers) -> None:

@@ -23,7 +23,6 @@ from asyncckpt._convert.safetensors import read_header
 from asyncckpt._engine.decode import Budget
 from asyncckpt._format.container import DTYPE_ITEMSIZE, FORMAT_VERSION, Manifest
 from asyncckpt._format.tree import child_path
-from asyncckpt._progress import format_bytes
 from asyncckpt.cli.common import (
     EXIT_OK,
     DataRef,
@@ -41,6 +40,7 @@ from asyncckpt.cli.common import (
     single_file,
 )
 from asyncckpt.cli.formats import load_torch, open_sharded, part_at, read_ackpt, sniff
+from asyncckpt.cli.progress import format_bytes
 from asyncckpt.cli.terminal import table, terminal_width
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from asyncckpt._progress import format_bytes
 from asyncckpt._storage import is_temp_name
 from asyncckpt._versions.protocol import latest_step, read_version_file, step_dirs
 from asyncckpt.cli.common import (
@@ -22,6 +21,7 @@ from asyncckpt.cli.common import (
     version_info,
 )
 from asyncckpt.cli.listing import MAX_DEPTH, describe, find_checkpoints, is_root
+from asyncckpt.cli.progress import format_bytes
 from asyncckpt.cli.terminal import table
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 from asyncckpt._engine.decode import Budget, OpenedFile, read_file
 from asyncckpt._format.codec import checksum, decode_chunk
-from asyncckpt._progress import format_bytes
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import committed_steps, read_version_file, step_dirs
 from asyncckpt.cli.common import (
@@ -35,6 +34,7 @@ from asyncckpt.cli.common import (
 )
 from asyncckpt.cli.common import threads as _default_threads
 from asyncckpt.cli.formats import reject_other_format
+from asyncckpt.cli.progress import format_bytes
 from asyncckpt.cli.terminal import paint
 from asyncckpt.errors import (
     AsyncCkptError,

@@ -33,9 +33,9 @@ import torch
 import asyncckpt
 from asyncckpt import cli
 from asyncckpt._engine.decode import open_file
-from asyncckpt._progress import Progress, format_bytes
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import VERSION_FILE
+from asyncckpt.cli.progress import Progress, format_bytes
 from asyncckpt.errors import ChecksumError
 
 REPO = Path(__file__).resolve().parents[2]
