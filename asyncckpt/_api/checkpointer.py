@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from asyncckpt._api import jobs, sharded_load
+from asyncckpt._api import jobs
 from asyncckpt._api import sharded_save as sharded
 from asyncckpt._api.collective import (
     agree_on_step,
@@ -35,8 +35,10 @@ from asyncckpt._engine import overlap
 from asyncckpt._engine.decode import Budget
 from asyncckpt._engine.snapshot import DeviceCopies, Snapshot
 from asyncckpt._format.codec import check_compression
+from asyncckpt._format.tree import holds_dtensor
 from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
+from asyncckpt._versions import loading
 from asyncckpt._versions.metrics import Metrics, check_metrics
 from asyncckpt._versions.protocol import data_file_name, read_commit, step_dir
 from asyncckpt._versions.publish import PlainPart, RankPart, write_and_commit
@@ -188,7 +190,7 @@ class Checkpointer(VersionsMixin):
             else {}
         )
         self._check_world()
-        is_sharded = sharded.holds_dtensor(state)
+        is_sharded = holds_dtensor(state)
         if is_sharded and not self._distributed:
             raise AsyncCkptError("a state holding DTensors needs torch.distributed initialized")
         if not is_sharded and not self.is_writer:
@@ -301,7 +303,7 @@ class Checkpointer(VersionsMixin):
             ...     _ = ckpt.save(1, model.state_dict())  # its copy lands in reserved memory
         """
         self._check_writable()
-        if sharded.holds_dtensor(state_or_nbytes):
+        if holds_dtensor(state_or_nbytes):
             return reserve_arena(sharded.split_state(state_or_nbytes).plain, self._settings)
         return reserve_arena(state_or_nbytes, self._settings) if self.is_writer else None
 
@@ -404,7 +406,7 @@ class Checkpointer(VersionsMixin):
         collectively and in place, with this rank's own plain values (rank 0's if the
         version was saved by fewer ranks); without, as the consolidated full state (every
         tensor whole, rank 0's plain values, or this rank's own in a group). See
-        :mod:`asyncckpt._api.sharded_load`.
+        :mod:`asyncckpt._versions.sharded_reading`.
 
         Args:
             step: the step to load; None loads the newest.
@@ -468,19 +470,16 @@ class Checkpointer(VersionsMixin):
         follow_latest = step is None and not use_group
         self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
         commit = self._reader.commit_of(target)
-        # Either kind, and a version retired since it was chosen: the reading side follows.
-        return sharded_load.load(
-            self._sharded_root(),
-            target,
-            commit,
+        request = self._load_request(
             placement,
-            into,
-            use_group,
-            follow_latest=follow_latest,
-            max_bytes=max_bytes,
-            settings=self._settings,
+            into=into,
             keys=keys,
+            max_bytes=max_bytes,
+            follow_latest=follow_latest,
+            collective=use_group,
         )
+        # Either kind, and a version retired since it was chosen: the reading side follows.
+        return loading.load(self._reader, target, commit, request)
 
     # -- lifetime -----------------------------------------------------------------------
 

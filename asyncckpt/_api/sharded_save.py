@@ -15,93 +15,21 @@ import hashlib
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
 import torch.distributed as dist
 
-from asyncckpt._format.container import MAX_DEPTH
-from asyncckpt._format.tree import ROOT_NAME, child_path, dtype_name, flatten
-from asyncckpt._versions import ranks
+from asyncckpt._format.tree import (
+    Path,
+    dtensor_leaves,
+    dtype_name,
+    flatten,
+    fqn_of,
+)
 from asyncckpt._versions.ranks import Piece
 from asyncckpt.errors import UnsupportedObjectError
-
-#: A leaf's keys from the root of a state (defined with the pieces that record it).
-Path = ranks.Path
-
-# ------------------------------------------------------------------ what a state holds
-
-
-def dtensor_type() -> type[Any] | None:
-    """``torch.distributed.tensor.DTensor``, or None in a torch built without it."""
-    if not dist.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
-
-    return DTensor
-
-
-def holds_dtensor(obj: Any) -> bool:
-    """Whether ``obj`` (nested dicts, lists, tuples) holds a ``DTensor`` anywhere.
-
-    Example:
-        >>> holds_dtensor({"model": {"w": torch.zeros(2)}, "step": 3})
-        False
-    """
-    kind = dtensor_type()
-    if kind is None or obj is None:
-        return False
-    stack: list[tuple[Any, int]] = [(obj, 0)]
-    while stack:
-        node, depth = stack.pop()
-        if isinstance(node, kind):
-            return True
-        if depth < MAX_DEPTH and isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif depth < MAX_DEPTH and isinstance(node, (list, tuple)):
-            stack.extend((v, depth + 1) for v in node)
-    return False
-
-
-def fqn_of(path: Path) -> str:
-    """The flat name of the leaf at ``path``: its keys joined by dots, as DCP names them.
-
-    Example:
-        >>> fqn_of(("optim", "state", "0.weight", "exp_avg"))
-        'optim.state.0.weight.exp_avg'
-    """
-    return ".".join(str(k) for k in path)
-
-
-def dtensor_leaves(obj: Any) -> Iterator[tuple[Path, str, Any]]:
-    """Every DTensor in ``obj`` as ``(path, key path, DTensor)``, in ``flatten``'s order.
-
-    Raises:
-        UnsupportedObjectError: a DTensor sits under a key that is not a str or int.
-    """
-    kind = dtensor_type()
-    if kind is None:
-        return
-    stack: list[tuple[Any, Path, str]] = [(obj, (), ROOT_NAME)]
-    while stack:
-        node, path, key = stack.pop()
-        if isinstance(node, kind):
-            _check_path(path, key)
-            yield path, key, node
-        elif len(path) < MAX_DEPTH and isinstance(node, dict):
-            items = [(v, (*path, k), child_path(key, k)) for k, v in node.items()]
-            stack.extend(reversed(items))
-        elif len(path) < MAX_DEPTH and isinstance(node, (list, tuple)):
-            items = [(v, (*path, i), f"{key}[{i}]") for i, v in enumerate(node)]
-            stack.extend(reversed(items))
-
-
-def _check_path(path: Path, key: str) -> None:
-    if not all(type(k) in (str, int) for k in path):
-        raise UnsupportedObjectError(key, "a DTensor's keys must be str or int (its DCP name)")
-
 
 # ------------------------------------------------------------------ the caller's part
 

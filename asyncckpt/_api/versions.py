@@ -19,15 +19,15 @@ import torch.distributed as dist
 from asyncckpt._api import jobs
 from asyncckpt._api.collective import check_load_step
 from asyncckpt._api.preemption import Preemption
-from asyncckpt._api.sharded_load import LazyShardedVersion, ShardedRoot
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine.decode_lazy import LazyCheckpoint
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import COMMITTED, SHARDED, StepEntry
-from asyncckpt._versions.reading import RootReader
+from asyncckpt._versions.reading import LoadRequest, RootReader
 from asyncckpt._versions.retention import BEST_MODES, RetentionPolicy, ranked
 from asyncckpt._versions.rewind import rewind
+from asyncckpt._versions.sharded_reading import LazyShardedVersion
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import AsyncCkptError, CheckpointNotFoundError
 
@@ -175,12 +175,12 @@ class VersionsMixin:
         self._wait_committed(target, None, poll=False)
         commit = self._reader.commit_of(target)
         if commit is not None and commit.kind == SHARDED:
-            return LazyShardedVersion(self._sharded_root(), commit, placement, self._settings)
+            return LazyShardedVersion(self._reader, commit, self._load_request(placement))
         return LazyCheckpoint(self._reader.open(target), placement, self._settings)
 
-    def _sharded_root(self) -> ShardedRoot:
-        """What a sharded load of this root needs (the root, this rank, its group)."""
-        return ShardedRoot(self._reader, self._group, self.rank)
+    def _load_request(self, placement: Placement, **how: Any) -> LoadRequest:
+        """A load of this root by this process (its rank, its group, its settings)."""
+        return LoadRequest(placement, self._settings, group=self._group, rank=self.rank, **how)
 
     def info(self, step: int | None = None) -> VersionInfo:
         """A committed version's metadata (step, time, size, metrics, kind), read from its

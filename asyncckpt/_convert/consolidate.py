@@ -53,8 +53,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from asyncckpt._api.sharded_load import substituted
-from asyncckpt._api.sharded_save import Path
 from asyncckpt._convert.safetensors import flat_bytes, safetensors_dtype, safetensors_header
 from asyncckpt._device import Placement
 from asyncckpt._engine.decode import (
@@ -78,12 +76,13 @@ from asyncckpt._format.container import (
 )
 from asyncckpt._format.index import ItemLocation, tied_names
 from asyncckpt._format.names import rank_of_data_file
-from asyncckpt._format.tree import dtype_name, empty_of, flatten, torch_dtype
+from asyncckpt._format.tree import Path, dtype_name, empty_of, flatten, torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._version import __version__
 from asyncckpt._versions.dcp_reader import Reader
 from asyncckpt._versions.protocol import SHARDED, CommitRecord
+from asyncckpt._versions.sharded_reading import substituted
 from asyncckpt.errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 
 __all__ = [

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from typing import Any, Final, Protocol
-
-from torch.distributed.checkpoint.api import CheckpointException
+from dataclasses import dataclass
+from typing import Any
 
 from asyncckpt._device import Placement
 from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file, read_file
@@ -36,22 +35,40 @@ from asyncckpt.errors import (
 
 log = logging.getLogger(__name__)
 
-#: How many versions a load of the newest version tries, when retention deletes each one
-#: while it is read, before it gives up (a trainer whose ``keep_last`` versions are all
-#: written faster than this process reads one).
-FOLLOW_ATTEMPTS: Final = 5
 
+@dataclass(frozen=True)
+class LoadRequest:
+    """One load, planned once by the entry point that takes it and carried down unchanged:
+    where its tensors go, what it loads into, which keys, its memory budget, its settings,
+    and this process's place in a collective load.
 
-class KindReader(Protocol):
-    """What a load needs besides the root: how to read a sharded version (rank files, the
-    index, DTensors: :mod:`asyncckpt._api.sharded_load`), and what a plain one must refuse.
+    Attributes:
+        placement: where each tensor goes (``map_location`` resolved).
+        settings: the tunables, resolved at the entry point.
+        into: an existing state to load into in place (DTensors too), or None.
+        keys: the top-level keys to load (None: all).
+        max_bytes: the budget of host memory for decoded data (None: none).
+        follow_latest: the caller asked for the newest version, so a load whose version
+            retention deletes meanwhile moves on to the newest one.
+        collective: every rank of ``group`` takes part (DTensors load in place).
+        group: the process group of a collective load (None: the default group).
+        rank: this process's rank (which rank file of a sharded version holds its plain
+            values).
+
+    Example:
+        >>> LoadRequest(Placement(None), Settings()).follow_latest
+        False
     """
 
-    def sharded(self, commit: CommitRecord, budget: Budget) -> Any:
-        """Load the sharded version ``commit`` describes, charging ``budget``."""
-
-    def check_plain(self, step: int) -> None:
-        """Raise if the load cannot take plain version ``step`` (e.g. DTensors in ``into``)."""
+    placement: Placement
+    settings: Settings
+    into: Any = None
+    keys: Collection[Any] | None = None
+    max_bytes: int | None = None
+    follow_latest: bool = False
+    collective: bool = False
+    group: Any = None
+    rank: int = 0
 
 
 class RootReader:
@@ -93,92 +110,28 @@ class RootReader:
         holder's), or a lease not renewed for ``expiry_s`` (the caller's settings')."""
         wait_for_step(self.storage, self.root, step, timeout, writer=writer, expiry_s=expiry_s)
 
-    def load(
-        self,
-        step: int,
-        commit: CommitRecord | None,
-        placement: Placement,
-        into: Any,
-        kinds: KindReader,
-        *,
-        follow_latest: bool = False,
-        max_bytes: int | None = None,
-        settings: Settings | None = None,
-        keys: Collection[Any] | None = None,
-    ) -> Any:
-        """Load committed version ``step``, plain or sharded, as its ``COMMIT`` records.
-
-        If retention deletes the version while it is read (its ``COMMIT`` is gone: an
-        evaluator loading the newest version while the trainer saves with ``keep_last``), a
-        load that asked for the newest version moves on to the newest one, at most
-        :data:`FOLLOW_ATTEMPTS` times in all; a load of a given step raises.
-
-        ``commit`` is ``step``'s marker, or None if it was retired since it was chosen;
-        ``kinds`` reads a sharded version and says what a plain one must refuse;
-        ``follow_latest``: the caller asked for the newest version (no step, not
-        collective); ``max_bytes`` is each attempt's budget; ``keys`` selects top-level keys
-        of a plain version (``kinds`` selects a sharded version's itself). Returns the saved
-        state (after a move, the newer version's).
-
-        Raises:
-            MissingKeyError: a key of ``keys`` is not in the version.
-            IncompleteCheckpointError: the version was deleted while it was read and
-                ``follow_latest`` is false (or nothing newer is committed, or the newest was
-                deleted too, :data:`FOLLOW_ATTEMPTS` times); or a file its ``COMMIT`` names
-                is missing.
-            ChecksumError, FormatError: a damaged or truncated file.
-            MemoryBudgetError: the version needs more than ``max_bytes`` (nothing allocated).
-        """
-        settings = settings or Settings.resolve()
-        for _ in range(FOLLOW_ATTEMPTS):
-            try:
-                if commit is None:  # deleted again before it could be read
-                    raise CheckpointNotFoundError(
-                        f"step {step} under {self.where} is not committed"
-                    )
-                budget = Budget(max_bytes)
-                if commit.kind == SHARDED:
-                    return kinds.sharded(commit, budget)
-                kinds.check_plain(step)
-                return self._read_plain(step, placement, into, budget, settings, keys)
-            except (AsyncCkptError, CheckpointException) as exc:
-                step = self._after_deletion(step, follow_latest, exc)
-            commit = self.commit_of(step)
-        raise IncompleteCheckpointError(
-            f"{self.where}: retention deleted {FOLLOW_ATTEMPTS} versions in a row while this "
-            f"process loaded them (the last was step {step}); keep more versions (keep_last) "
-            "or give load() a step that is kept"
-        )
-
-    def _after_deletion(self, step: int, follow_latest: bool, exc: BaseException) -> int:
-        """The step to load after ``exc`` interrupted the load of ``step``; else raise.
-
-        Retention removes a version's ``COMMIT`` before its files, so a version whose files
-        went missing under a reader but whose ``COMMIT`` is still there was damaged, not
-        retired: its error is raised as it is.
-        """
+    def interrupted(self, step: int, exc: BaseException) -> BaseException:
+        """What to raise when ``exc`` interrupted a load of ``step``: the error itself if
+        ``step`` is still committed (retention removes a version's ``COMMIT`` before its
+        files, so a file gone under a committed version is damage, not retirement), else
+        that the version was deleted while it was read."""
         if self.commit_of(step) is not None:
-            raise exc
-        newest = self.latest()
-        if not follow_latest or newest is None or newest == step:
-            raise deleted_while_loading(step, self.where) from exc
-        log.info("step %d was deleted while loading; moving to step %d", step, newest)
-        return newest
+            return exc
+        return deleted_while_loading(step, self.where)
 
-    def _read_plain(
-        self,
-        step: int,
-        placement: Placement,
-        into: Any,
-        budget: Budget,
-        settings: Settings,
-        keys: Collection[Any] | None,
-    ) -> Any:
+    def read_plain(self, step: int, request: LoadRequest, budget: Budget) -> Any:
         """Load committed plain version ``step`` (one data file) within ``budget``."""
+        settings = request.settings
 
         def work(opened: OpenedFile) -> Any:
             return materialize(
-                opened, placement, settings.threads, into, budget, settings=settings, keys=keys
+                opened,
+                request.placement,
+                settings.threads,
+                request.into,
+                budget,
+                settings=settings,
+                keys=request.keys,
             )
 
         try:

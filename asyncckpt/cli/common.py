@@ -367,6 +367,7 @@ def pending_note(storage: Storage, path: str) -> str | None:
     """A line about a drop-in save of file ``path`` in flight (its marker), if there is one.
 
     Example:
+        >>> from asyncckpt._storage import LocalStorage
         >>> pending_note(LocalStorage(), "/nonexistent/model.ackpt") is None
         True
     """
@@ -562,6 +563,7 @@ def is_dcp_directory(storage: Storage, path: str) -> bool:
     at the top, no versions (a Checkpointer root keeps them in step directories).
 
     Example:
+        >>> from asyncckpt._storage import LocalStorage
         >>> is_dcp_directory(LocalStorage(), "/nonexistent")
         False
     """

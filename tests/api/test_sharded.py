@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncckpt import Checkpointer
-from asyncckpt._api.sharded_save import holds_dtensor
 from asyncckpt._format.container import HEADER_SIZE
+from asyncckpt._format.tree import holds_dtensor
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import (
     SHARDED,
@@ -270,9 +270,9 @@ def test_a_consolidated_load_puts_whole_and_plain_tensors_on_one_device(
     # fake CUDA, no GPU). One process loads the whole state: everything on its own device.
     import dataclasses
 
-    from asyncckpt._api import sharded_load
+    from asyncckpt._versions import sharded_reading
 
-    real = sharded_load.rank_file
+    real = sharded_reading.rank_file
 
     def saved_on_cuda(*args: Any) -> Any:
         opened, skip = real(*args)
@@ -280,7 +280,7 @@ def test_a_consolidated_load_puts_whole_and_plain_tensors_on_one_device(
         manifest = dataclasses.replace(opened.manifest, storages=tuple(storages))
         return dataclasses.replace(opened, manifest=manifest), skip
 
-    monkeypatch.setattr(sharded_load, "rank_file", saved_on_cuda)
+    monkeypatch.setattr(sharded_reading, "rank_file", saved_on_cuda)
     monkeypatch.setenv("LOCAL_RANK", "1")
     fake_cuda.devices = 2
     loaded = Checkpointer(four / "ckpt").load()
@@ -325,7 +325,7 @@ def test_one_process_loads_only_the_keys_asked_for(four: Path, read: list[int]) 
 def test_open_of_a_sharded_version_lists_whole_shapes_and_loads_one_key_at_a_time(
     four: Path, read: list[int]
 ) -> None:
-    from asyncckpt._api.sharded_load import key_path
+    from asyncckpt._versions.sharded_reading import key_path
     from asyncckpt.errors import MissingKeyError
 
     want = torch.load(four / "full.pt", weights_only=True)
@@ -543,20 +543,29 @@ _RETIRE_AT = ["step_dir", "_dcp_load", "open_file"]
 def _root_at_step_1(four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str) -> Path:
     """A copy of the 4-rank root whose step 2 is not there yet, and a hook in the sharded
     load at ``at`` that commits step 2 and retires step 1 when it is first reached."""
-    import asyncckpt._api.sharded_load
+    import asyncckpt._versions.sharded_reading
 
     root, stash = tmp_path / "ckpt", tmp_path / "stash"
     shutil.copytree(four / "ckpt", root)
     (root / "2").rename(stash)  # VERSION names 2, not committed: latest() falls back to 1
     assert Checkpointer(root).latest() == 1
-    real = getattr(asyncckpt._api.sharded_load, at)
-    monkeypatch.setattr(asyncckpt._api.sharded_load, at, _retire_on_first_call(root, stash, real))
+    real = getattr(asyncckpt._versions.sharded_reading, at)
+    monkeypatch.setattr(
+        asyncckpt._versions.sharded_reading, at, _retire_on_first_call(root, stash, real)
+    )
     return root
 
 
-def _view(ckpt: Checkpointer) -> Any:
-    """What ``Checkpointer.load`` hands the sharded load of ``ckpt``."""
-    return ckpt._sharded_root()
+def _load(ckpt: Checkpointer, step: int, *, follow_latest: bool) -> Any:
+    """The load ``Checkpointer.load`` plans for ``step`` of ``ckpt`` (not collective),
+    executed with the version's ``COMMIT`` read first, as it does."""
+    from asyncckpt._device import Placement
+    from asyncckpt._versions import loading
+
+    commit = ckpt._reader.commit_of(step)
+    assert commit is not None
+    request = ckpt._load_request(Placement(None), follow_latest=follow_latest)
+    return loading.load(ckpt._reader, step, commit, request)
 
 
 @pytest.mark.timeout(300)
@@ -564,16 +573,9 @@ def _view(ckpt: Checkpointer) -> Any:
 def test_a_newest_sharded_load_follows_when_retention_deletes_its_version(
     four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str
 ) -> None:
-    from asyncckpt._api import sharded_load
-    from asyncckpt._device import Placement
-
     root = _root_at_step_1(four, tmp_path, monkeypatch, at)
     ckpt = Checkpointer(root)
-    commit = read_commit(*_root(tmp_path), 1)
-    assert commit is not None
-    loaded = sharded_load.load(
-        _view(ckpt), 1, commit, Placement(None), None, False, follow_latest=True
-    )
+    loaded = _load(ckpt, 1, follow_latest=True)
     assert ckpt.versions() == [2]  # step 1 really was deleted under the loader
     state_checks.assert_same(loaded, torch.load(four / "full.pt", weights_only=True))
 
@@ -618,16 +620,11 @@ def test_an_explicit_sharded_step_deleted_while_loading_is_an_error(
 
 @pytest.mark.timeout(300)
 def test_a_damaged_version_is_not_mistaken_for_a_retired_one(four: Path, tmp_path: Path) -> None:
-    from asyncckpt._api import sharded_load
-    from asyncckpt._device import Placement
-
     shutil.copytree(four / "ckpt", tmp_path / "ckpt")
     _rank_files(tmp_path / "ckpt" / "1")[2].unlink()  # COMMIT stays: not retention's work
     ckpt = Checkpointer(tmp_path / "ckpt")
-    commit = read_commit(*_root(tmp_path), 1)
-    assert commit is not None
     with pytest.raises(IncompleteCheckpointError, match="missing"):
-        sharded_load.load(_view(ckpt), 1, commit, Placement(None), None, False, follow_latest=True)
+        _load(ckpt, 1, follow_latest=True)
 
 
 # --------------------------------------------------------------------------- a rank never starts

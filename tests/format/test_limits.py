@@ -23,7 +23,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncckpt
 from asyncckpt import Checkpointer, cli
-from asyncckpt._api import sharded_load
 from asyncckpt._convert import consolidate
 from asyncckpt._convert.consolidate import ShardedSource
 from asyncckpt._engine import decode as reader_module
@@ -44,7 +43,7 @@ from asyncckpt._format.container import (
 from asyncckpt._format.index import METADATA_NAME, decode_metadata
 from asyncckpt._format.names import rank_of_data_file
 from asyncckpt._storage import resolve
-from asyncckpt._versions import dcp_reader
+from asyncckpt._versions import dcp_reader, sharded_reading
 from asyncckpt.dcp import Reader, Writer
 from asyncckpt.errors import FormatError, MemoryBudgetError
 from tests import ranks
@@ -247,7 +246,7 @@ def allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             sizes.append(out.numel() * out.element_size())
         return out
 
-    for module in (reader_module, dcp_reader, sharded_load, consolidate):
+    for module in (reader_module, dcp_reader, sharded_reading, consolidate):
         monkeypatch.setattr(module.torch, "empty", empty)
     return sizes
 

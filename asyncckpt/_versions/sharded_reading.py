@@ -1,6 +1,6 @@
-"""Loading a sharded version (written by :mod:`asyncckpt._api.sharded_save`).
+"""Reading a sharded version (written by :mod:`asyncckpt._api.sharded_save`) of a root.
 
-Two ways, chosen by ``Checkpointer.load``:
+Two ways, chosen by what the load's ``into`` holds:
 
 * **into DTensors** (``into`` holds DTensors, e.g. from ``get_state_dict`` of the current
   model, any sharding or world size): ``torch.distributed.checkpoint.load`` with
@@ -18,18 +18,17 @@ unwrapped, so a damaged file raises :class:`~asyncckpt.errors.ChecksumError`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Collection
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from asyncckpt._api.sharded_save import Path, dtensor_leaves, fqn_of, holds_dtensor
 from asyncckpt._device import Placement, cuda
 from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file
 from asyncckpt._engine.decode_lazy import LazyEntries
@@ -37,10 +36,19 @@ from asyncckpt._engine.decode_select import top_level
 from asyncckpt._format.container import MAX_DEPTH
 from asyncckpt._format.index import tied_names, value_bytes
 from asyncckpt._format.names import rank_of_data_file
-from asyncckpt._format.tree import ROOT_NAME, child_path, tensor_paths, torch_dtype
+from asyncckpt._format.tree import (
+    ROOT_NAME,
+    Path,
+    child_path,
+    dtensor_leaves,
+    fqn_of,
+    tensor_paths,
+    torch_dtype,
+)
 from asyncckpt._settings import Settings
 from asyncckpt._versions.dcp_reader import Reader
 from asyncckpt._versions.protocol import CommitRecord, step_dir
+from asyncckpt._versions.reading import LoadRequest, RootReader
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -49,154 +57,75 @@ from asyncckpt.errors import (
     TruncatedFileError,
 )
 
-if TYPE_CHECKING:
-    from asyncckpt._versions.reading import RootReader
 
-
-@dataclass(frozen=True)
-class ShardedRoot:
-    """What a load needs of its ``Checkpointer``: the root and this process's place in it.
-
-    Attributes:
-        reader: the root's reading side (it dispatches on the ``COMMIT``; its storage and
-            path are the root's).
-        group: the process group of a collective load (None: the default group).
-        rank: this process's rank (which rank file holds its plain values).
-    """
-
-    reader: RootReader
-    group: Any
-    rank: int
-
-
-def load(
-    ckpt: ShardedRoot,
-    step: int,
-    commit: CommitRecord | None,
-    placement: Placement,
-    into: Any,
-    use_group: bool,
-    *,
-    follow_latest: bool = False,
-    max_bytes: int | None = None,
-    settings: Settings | None = None,
-    keys: Collection[Any] | None = None,
+def read_sharded(
+    reader: RootReader, commit: CommitRecord, request: LoadRequest, budget: Budget
 ) -> Any:
-    """Load version ``step`` on this rank, of either kind, through the root's reading side
-    (:meth:`RootReader.load <asyncckpt._versions.reading.RootReader.load>`, which owns the
-    follow-the-newest loop), with this module reading it if it is sharded.
+    """Load the sharded version ``commit`` describes on this rank, charging ``budget``.
 
-    ``commit`` is None if the version was retired since it was chosen. DTensors in ``into``
-    are loaded in place (collectively: ``use_group``), its other tensors at matching key
-    paths receive this rank's plain values in place. Of a sharded version, only the tensors
-    under ``keys`` are read (so only the rank files and chunks that hold them).
+    DTensors in ``request.into`` are loaded in place (collectively), its other tensors at
+    matching key paths receive this rank's plain values in place. Only the tensors under
+    ``request.keys`` are read (so only the rank files and chunks that hold them).
 
     Returns:
         The state as saved by the rank whose plain values are used, each DTensor replaced
         by the one in ``into`` (loaded) or by the full tensor (consolidated). A DTensor
         that was saved but is not in ``into`` (when ``into`` holds DTensors) is not
-        loaded: it is None there. After a move, the newer version, as
-        ``Checkpointer.load`` returns it (sharded or not).
+        loaded: it is None there.
 
     Raises:
-        ValueError: ``into`` holds DTensors but the load is not collective, or the version
-            is not sharded.
-        IncompleteCheckpointError: the version was deleted while it was read (see
-            :meth:`RootReader.load <asyncckpt._versions.reading.RootReader.load>`), or a
-            file its ``COMMIT`` names is missing.
+        ValueError: ``into`` holds DTensors but the load is not collective.
+        IncompleteCheckpointError: a file the ``COMMIT`` names is missing, or the version
+            was deleted while it was read.
         ChecksumError, FormatError: a damaged or truncated file.
-        MemoryBudgetError: the version needs more than ``max_bytes`` (nothing allocated).
-
-    Example:
-        >>> import tempfile
-        >>> from asyncckpt import Checkpointer
-        >>> ckpt = Checkpointer(tempfile.mkdtemp())
-        >>> ckpt.latest() is None  # a sharded root is loaded through ckpt.load()
-        True
+        MemoryBudgetError: the version needs more than the budget (nothing allocated).
     """
-    settings = settings or Settings.resolve()
-    kinds = ShardedLoad(ckpt, placement, into, use_group, settings, keys)
-    return ckpt.reader.load(
-        step,
-        commit,
-        placement,
-        into,
-        kinds,
-        follow_latest=follow_latest,
-        max_bytes=max_bytes,
-        settings=settings,
-        keys=keys,
-    )
-
-
-@dataclass(frozen=True)
-class ShardedLoad:
-    """How one load reads a sharded version, and what it refuses of a plain one (the
-    :class:`~asyncckpt._versions.reading.KindReader` of ``Checkpointer.load``)."""
-
-    ckpt: ShardedRoot
-    placement: Placement
-    into: Any
-    use_group: bool
-    settings: Settings
-    keys: Collection[Any] | None
-
-    def sharded(self, commit: CommitRecord, budget: Budget) -> Any:
-        """Load the sharded version ``commit`` on this rank."""
-        keys, settings = self.keys, self.settings
-        directory, reader, metadata = _version(self.ckpt, commit, budget, settings)
-        dtensors = {path: dt for path, _key, dt in dtensor_leaves(self.into) if _kept(path, keys)}
-        if dtensors and not self.use_group:
-            raise ValueError(
-                "loading into DTensors is collective: call load() on every rank of the group "
-                "(not with collective=False)"
+    keys, settings, into = request.keys, request.settings, request.into
+    directory, dcp_reader, metadata = _version(reader, commit, budget, settings)
+    dtensors = {path: dt for path, _key, dt in dtensor_leaves(into) if _kept(path, keys)}
+    if dtensors and not request.collective:
+        raise ValueError(
+            "loading into DTensors is collective: call load() on every rank of the group "
+            "(not with collective=False)"
+        )
+    opened, skip = rank_file(reader, request.rank, commit, directory, metadata)
+    with opened:
+        if dtensors:
+            flat = {fqn_of(path): dt for path, dt in dtensors.items()}
+            _dcp_load(flat, dcp_reader, request.group, no_dist=False)
+            loaded: dict[Path, Any] = dict(dtensors)
+        else:
+            # Whole tensors go where this rank's shards were saved from, as placed (its
+            # own device by default), like the plain values beside them: never the CPU
+            # for some and a GPU for the others.
+            saved = shards_device(opened, skip)
+            loaded = _consolidated(
+                metadata, dcp_reader, request.placement, into, budget, keys, saved
             )
-        opened, skip = rank_file(self.ckpt, commit, directory, metadata)
-        with opened:
-            if dtensors:
-                flat = {fqn_of(path): dt for path, dt in dtensors.items()}
-                _dcp_load(flat, reader, self.ckpt.group, no_dist=False)
-                loaded: dict[Path, Any] = dict(dtensors)
-            else:
-                # Whole tensors go where this rank's shards were saved from, as placed (its
-                # own device by default), like the plain values beside them: never the CPU
-                # for some and a GPU for the others.
-                saved = shards_device(opened, skip)
-                loaded = _consolidated(
-                    metadata, reader, self.placement, self.into, budget, keys, saved
-                )
-            replaced = {key_path(path) for path in loaded}
-            plain = materialize(
-                opened,
-                self.placement,
-                settings.threads,
-                self.into,
-                budget,
-                settings=settings,
-                skip=skip,
-                replaced=replaced,
-                keys=keys,
-            )
-        return substituted(plain, loaded, opened.name)
-
-    def check_plain(self, step: int) -> None:
-        """A plain version cannot load into DTensors."""
-        if holds_dtensor(self.into):
-            raise ValueError(
-                f"step {step} under {self.ckpt.reader.where} was not saved from DTensors; load it "
-                "without DTensors in `into`"
-            )
+        replaced = {key_path(path) for path in loaded}
+        plain = materialize(
+            opened,
+            request.placement,
+            settings.threads,
+            into,
+            budget,
+            settings=settings,
+            skip=skip,
+            replaced=replaced,
+            keys=keys,
+        )
+    return substituted(plain, loaded, opened.name)
 
 
 def _version(
-    root: ShardedRoot, commit: CommitRecord, budget: Budget | None, settings: Settings
+    reader: RootReader, commit: CommitRecord, budget: Budget | None, settings: Settings
 ) -> tuple[str, Reader, Metadata]:
     """The step directory of ``commit``, a reader of it, and the metadata it names."""
-    storage = root.reader.storage
-    directory = step_dir(storage, root.reader.root, commit.step)
-    reader = Reader.at(storage, directory, commit.metadata_file, budget, settings)
+    storage = reader.storage
+    directory = step_dir(storage, reader.root, commit.step)
+    dcp_reader = Reader.at(storage, directory, commit.metadata_file, budget, settings)
     try:
-        return directory, reader, reader.read_metadata()
+        return directory, dcp_reader, dcp_reader.read_metadata()
     except CheckpointNotFoundError as exc:  # deleted meanwhile (load() tells how)
         raise IncompleteCheckpointError(f"{exc}; the version was deleted") from exc
 
@@ -286,21 +215,20 @@ def key_path(path: Path) -> str:
 
 
 def rank_file(
-    ckpt: ShardedRoot, commit: CommitRecord, directory: str, metadata: Metadata
+    reader: RootReader, rank: int, commit: CommitRecord, directory: str, metadata: Metadata
 ) -> tuple[OpenedFile, set[int]]:
     """This rank's file of the version, or rank 0's if the version has no file of this rank
     (it was saved by fewer ranks); opened (the caller closes it) and checked against its
     committed size; with the entries of its tensor table that are shards of DTensors."""
     by_rank = {}
     for name, size in zip(commit.files, commit.sizes or [None] * len(commit.files)):
-        rank = rank_of_data_file(name)
-        if rank is not None:
-            by_rank[rank] = (name, size)
+        saved_by = rank_of_data_file(name)
+        if saved_by is not None:
+            by_rank[saved_by] = (name, size)
     if not by_rank:
-        raise FormatError(f"{ckpt.reader.where}: step {commit.step} names no rank file")
-    rank = ckpt.rank if ckpt.rank in by_rank else min(by_rank)
-    name, size = by_rank[rank]
-    storage = ckpt.reader.storage
+        raise FormatError(f"{reader.where}: step {commit.step} names no rank file")
+    name, size = by_rank[rank if rank in by_rank else min(by_rank)]
+    storage = reader.storage
     path = storage.join(directory, name)
     try:
         opened = open_file(storage, path)
@@ -361,18 +289,15 @@ class LazyShardedVersion(LazyEntries):
     ``IncompleteCheckpointError``.
     """
 
-    def __init__(
-        self, root: ShardedRoot, commit: CommitRecord, placement: Placement, settings: Settings
-    ) -> None:
-        self._root, self._commit = root, commit
-        self._placement, self._settings = placement, settings
-        directory, _reader, metadata = _version(root, commit, None, settings)
-        opened, shards = rank_file(root, commit, directory, metadata)
+    def __init__(self, reader: RootReader, commit: CommitRecord, request: LoadRequest) -> None:
+        self._reader, self._commit, self._request = reader, commit, request
+        directory, _dcp_reader, metadata = _version(reader, commit, None, request.settings)
+        opened, shards = rank_file(reader, request.rank, commit, directory, metadata)
         with opened:
             pairs = top_level(opened.manifest.root, opened.name)
             plain = [e for i, e in enumerate(opened.manifest.tensors) if i not in shards]
             storages = opened.manifest.storages
-            self._name = f"{root.reader.where} step {commit.step}"
+            self._name = f"{reader.where} step {commit.step}"
         if pairs is None:
             raise AsyncCkptError(f"{self.name}: open() reads a saved dict; load it instead")
         self._keys = [key for key, _node in pairs]
@@ -391,16 +316,11 @@ class LazyShardedVersion(LazyEntries):
             MissingKeyError: the version has no top-level ``key``.
             IncompleteCheckpointError: the version was deleted meanwhile.
         """
-        got = load(
-            self._root,
-            self._commit.step,
-            self._commit,
-            self._placement,
-            None,
-            False,
-            settings=self._settings,
-            keys=[key],
-        )
+        request = dataclasses.replace(self._request, keys=[key])
+        try:
+            got = read_sharded(self._reader, self._commit, request, Budget(None))
+        except (AsyncCkptError, CheckpointException) as exc:
+            raise self._reader.interrupted(self._commit.step, exc) from exc
         return got[key]
 
     def tensors(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
