@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -42,7 +42,12 @@ from asyncckpt._versions.protocol import data_file_name, read_commit, step_dir
 from asyncckpt._versions.publish import PlainPart, RankPart, write_and_commit
 from asyncckpt._versions.ranks import RankJob
 from asyncckpt._versions.reading import RootReader
-from asyncckpt._versions.retention import RetentionPolicy
+from asyncckpt._versions.retention import (
+    RetentionRule,
+    check_ranked,
+    metric_names,
+    policy_from,
+)
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import AsyncCkptError, CheckpointNotFoundError, ConflictError
 
@@ -69,6 +74,12 @@ class Checkpointer(VersionsMixin):
         best_mode: ``"min"`` (default: lower is better) or ``"max"``.
         keep_every: keep every version whose step is a multiple of M, for ever.
         keep_for: keep every version younger than this (seconds or a ``timedelta``).
+        keep_total: keep at most N versions in all, the newest and the best by
+            ``best_metric`` among them (as the ``transformers`` Trainer counts
+            ``save_total_limit``).
+        rules: more retention rules (objects with a ``keeps`` method, see
+            :class:`~asyncckpt._versions.retention.RetentionRule`), combined with those of the
+            keywords: a version stays if any rule keeps it.
         compression: ``"auto"`` (default), ``"zstd"`` or ``"none"``, as for
             :func:`asyncckpt.save`.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
@@ -82,7 +93,7 @@ class Checkpointer(VersionsMixin):
         read_only: a reader: :meth:`save` raises at once.
 
     Raises:
-        ValueError: a bad retention argument or ``compression``.
+        ValueError: a bad retention argument (the message names it) or ``compression``.
         StorageError: the root's URL cannot be resolved.
 
     Example:
@@ -105,6 +116,8 @@ class Checkpointer(VersionsMixin):
         best_mode: str = "min",
         keep_every: int | None = None,
         keep_for: float | datetime.timedelta | None = None,
+        keep_total: int | None = None,
+        rules: Sequence[RetentionRule] = (),
         compression: str = "auto",
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
@@ -112,9 +125,16 @@ class Checkpointer(VersionsMixin):
         overlap: bool = False,
         read_only: bool = False,
     ) -> None:
-        self.retention = RetentionPolicy(
-            keep_last, keep_best, best_metric, best_mode, keep_every, keep_for
-        )
+        retention = {
+            "keep_last": keep_last,
+            "keep_best": keep_best,
+            "best_metric": best_metric,
+            "best_mode": best_mode,
+            "keep_every": keep_every,
+            "keep_for": keep_for,
+            "keep_total": keep_total,
+        }
+        self.retention = policy_from(retention, rules)
         self.compression = check_compression(compression)
         self.keep_last = keep_last
         self._settings = Settings.resolve()
@@ -134,6 +154,7 @@ class Checkpointer(VersionsMixin):
         # CUDA, page-locked) after a later save replaced it.
         self._last_copies: DeviceCopies | None = None
         self._agreed_step: int | None = None
+        self._metrics_seen: set[str] = set()  # in this Checkpointer's saves
 
     # -- writing ------------------------------------------------------------------------
 
@@ -173,6 +194,8 @@ class Checkpointer(VersionsMixin):
             ValueError: ``step`` is negative, not an int, or not greater than the last one
                 (see :meth:`rewind`).
             InvalidMetricsError: ``metrics`` break a rule (the message names the key).
+            UnknownMetricError: ``metrics`` lack the metric retention ranks by
+                (``best_metric``), and no committed version has it: a typo, most likely.
             UnsupportedObjectError: ``state`` holds something that cannot be stored.
             AsyncCkptError: the Checkpointer is read-only or closed, or WORLD_SIZE says this
                 is one of several ranks but no process group is initialized.
@@ -187,6 +210,7 @@ class Checkpointer(VersionsMixin):
             if metrics is not None
             else {}
         )
+        self._check_ranked_metrics(step, checked)
         self._check_world()
         is_sharded = sharded.holds_dtensor(state)
         if is_sharded and not self._distributed:
@@ -212,6 +236,24 @@ class Checkpointer(VersionsMixin):
             self._last_copies = snap.copies
             self._last_step = step
         return handle
+
+    def _check_ranked_metrics(self, step: int, metrics: Metrics) -> None:
+        """Refuse ``metrics`` that lack a metric retention ranks by when no committed version
+        has it either (a typo in ``best_metric`` would rank nothing, and retention would
+        delete the real best version). On every rank, before any collective.
+
+        Reads the committed versions' records only when ``metrics`` lack the metric and no
+        earlier save of this Checkpointer had it.
+
+        Raises:
+            UnknownMetricError: names the metric and the metrics there are.
+        """
+        for metric in self.retention.ranked_metrics():
+            if not metrics or metric in metrics or metric in self._metrics_seen:
+                continue
+            names = {*metric_names(self._committed()), *metrics}
+            check_ranked(metric, names, f"{self.root} step {step}")
+        self._metrics_seen.update(metrics)
 
     def _part(self, step: int, attempt: str, plan: sharded.RankState | None) -> RankPart:
         """This rank's part of version ``step``: the one file, or its shards' file."""

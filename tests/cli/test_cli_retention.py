@@ -99,3 +99,14 @@ def test_rewind_needs_yes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         ckpt.save(2, {"w": torch.zeros(2)})
     code, _, err = run(capsys, "rewind", root, "7", "--yes")
     assert code == 1 and "step 7" in err and "not committed" in err
+
+
+def test_gc_refuses_a_best_metric_no_version_has(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _root(tmp_path, {1: 0.1, 2: 0.5, 3: 0.4})
+    code, _, err = run(
+        capsys, "gc", root, "--keep-last", "1", "--keep-best", "1", "--best-metric", "eval_los"
+    )
+    assert code == 2 and "'eval_los'" in err and "the metrics there are: 'eval_loss'" in err
+    assert asyncckpt.Checkpointer(root, read_only=True).versions() == [1, 2, 3]  # 1 is the best
