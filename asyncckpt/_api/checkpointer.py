@@ -23,6 +23,7 @@ from asyncckpt._api import jobs, sharded_load
 from asyncckpt._api import sharded_save as sharded
 from asyncckpt._api.collective import (
     agree_on_step,
+    announce_loaded,
     check_load_step,
     collective_device,
     group_timeout,
@@ -153,7 +154,9 @@ class Checkpointer(VersionsMixin):
         # Only the last save's copy events: the snapshot would keep its arena alive (on
         # CUDA, page-locked) after a later save replaced it.
         self._last_copies: DeviceCopies | None = None
-        self._agreed_step: int | None = None
+        # The step of the last collective load, and the work that completes once every rank
+        # has finished reading it (None: not yet announced): retention spares it until then.
+        self._agreed: tuple[int | None, Any] = (None, None)
         self._metrics_seen: set[str] = set()  # in this Checkpointer's saves
 
     # -- writing ------------------------------------------------------------------------
@@ -294,8 +297,7 @@ class Checkpointer(VersionsMixin):
         def job(snap: Snapshot) -> int:
             if not self.is_writer:
                 return part.write(snap)
-            spare = lambda: self._agreed_step  # noqa: E731
-            return write_and_commit(self._writer, part, snap, self.retention, spare, metrics)
+            return write_and_commit(self._writer, part, snap, self.retention, self._spared, metrics)
 
         # A rank's part of a sharded version cannot be cancelled: the writer waits for it.
         on_cancel = None if rank_job is not None else (lambda: None)
@@ -500,7 +502,7 @@ class Checkpointer(VersionsMixin):
             if target is not None:
                 # Every rank finished the previous collective load before entering this one, so
                 # only the step agreed now can still be in use by a slow rank: retention spares it.
-                self._agreed_step = target
+                self._agreed = (target, None)
             if timeout is None:
                 timeout = group_timeout(self._group)
         else:
@@ -508,21 +510,34 @@ class Checkpointer(VersionsMixin):
         if target is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         follow_latest = step is None and not use_group
-        self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
-        commit = self._reader.commit_of(target)
-        # Either kind, and a version retired since it was chosen: the reading side follows.
-        return sharded_load.load(
-            self._sharded_root(),
-            target,
-            commit,
-            placement,
-            into,
-            use_group,
-            follow_latest=follow_latest,
-            max_bytes=max_bytes,
-            settings=self._settings,
-            keys=keys,
-        )
+        try:
+            self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
+            commit = self._reader.commit_of(target)
+            # Either kind, and a version retired since it was chosen: the reading side follows.
+            return sharded_load.load(
+                self._sharded_root(),
+                target,
+                commit,
+                placement,
+                into,
+                use_group,
+                follow_latest=follow_latest,
+                max_bytes=max_bytes,
+                settings=self._settings,
+                keys=keys,
+            )
+        finally:
+            if use_group:  # so that the spare ends once every rank has read it
+                self._agreed = (target, announce_loaded(self._group))
+
+    def _spared(self) -> int | None:
+        """The step a collective load may still be reading (retention spares it): the one
+        the ranks last agreed on, until every rank has announced it has finished reading it
+        (a resumed version is not kept for the rest of the job)."""
+        step, done = self._agreed
+        if step is None or (done is not None and done.is_completed()):
+            return None
+        return step
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -539,7 +554,7 @@ class Checkpointer(VersionsMixin):
             self.wait()
             writer = self._writer
             if writer.epoch is not None and writer.published is not None:
-                writer.apply_retention(self.retention, writer.published, self._agreed_step)
+                writer.apply_retention(self.retention, writer.published, self._spared())
         finally:
             self._writer.release()
 
