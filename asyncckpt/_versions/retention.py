@@ -424,6 +424,7 @@ def policy_from(
 
     Raises:
         ValueError: a bad value (the message names the keyword), or an unknown keyword.
+        TypeError: an object of ``rules`` has no ``keeps`` method.
 
     Example:
         >>> policy_from({"keep_last": 2, "keep_every": 100}).rules
@@ -440,6 +441,9 @@ def policy_from(
         raise ValueError(f"{spell('best_mode')} must be 'min' or 'max', got {mode!r}")
     given = metric is not None or mode is not None
     ranking = Ranking(metric, mode or "min") if given else None
+    for rule in rules:
+        if not callable(getattr(rule, "keeps", None)):
+            raise TypeError(f"a retention rule needs a keeps(committed, now) method: {rule!r}")
     built = [
         cls.build(keywords[cls.keyword], ranking, spell)
         for cls in RULES

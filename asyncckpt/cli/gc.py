@@ -1,8 +1,10 @@
 """``asyncckpt gc ROOT --keep-last N ...``: retention, as the Checkpointer applies it.
 
-The flags are the Checkpointer's retention arguments (``--keep-last``, ``--keep-best K
---best-metric NAME --best-mode min|max``, ``--keep-every M``, ``--keep-for DURATION``),
-combined as there: a version stays if any rule keeps it.
+The flags are the Checkpointer's retention arguments, one per rule of
+:data:`asyncckpt._versions.retention.RULES` (``--keep-last``, ``--keep-best K
+--best-metric NAME --best-mode min|max``, ``--keep-every M``, ``--keep-for DURATION``,
+``--keep-total N``), built by :func:`~asyncckpt._versions.retention.policy_from` as the
+Checkpointer's keywords are, and combined as there: a version stays if any rule keeps it.
 
 What goes is decided by :func:`asyncckpt._versions.retention.deletion_plan`, the rule the writer's
 retention and recovery use, from the same listing (:func:`asyncckpt._versions.protocol.list_steps`).

@@ -11,7 +11,8 @@ import torch
 
 import asyncckpt
 from asyncckpt import cli
-from asyncckpt.cli.gc import parse_duration
+from asyncckpt._versions.retention import RULES
+from asyncckpt.cli.gc import flag, parse_duration
 from asyncckpt.errors import UsageError
 
 
@@ -110,3 +111,12 @@ def test_gc_refuses_a_best_metric_no_version_has(
     )
     assert code == 2 and "'eval_los'" in err and "the metrics there are: 'eval_loss'" in err
     assert asyncckpt.Checkpointer(root, read_only=True).versions() == [1, 2, 3]  # 1 is the best
+
+
+def test_gc_has_a_flag_for_every_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "gc", "--help")
+    assert code == 0
+    for rule in RULES:
+        assert flag(rule.keyword) in out and flag(rule.keyword) == "--" + rule.keyword.replace(
+            "_", "-"
+        )

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -27,7 +29,7 @@ from asyncckpt._versions.protocol import (
     commit_from,
     step_dir,
 )
-from asyncckpt._versions.retention import RetentionPolicy, deletion_plan, policy_from
+from asyncckpt._versions.retention import RULES, RetentionPolicy, deletion_plan, policy_from
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     FencedError,
@@ -188,6 +190,44 @@ def test_keep_best_never_deletes_the_newest(any_root: str) -> None:
         ckpt.save(3, make_state(3))
         ckpt.wait()
         assert ckpt.versions() == [1, 3]
+
+
+def test_keep_total_counts_the_newest_and_the_best_within_the_limit() -> None:
+    losses = {1: 0.1, 2: 0.5, 3: 0.4, 4: 0.3}  # 1 is the best
+    entries = [_entry(s, {"eval_loss": v}) for s, v in losses.items()]
+    total = {"best_metric": "eval_loss"}
+    assert _plan(entries, policy_from({"keep_total": 1, **total})) == [2, 3]  # 2 kept: 1, 4
+    assert _plan(entries, policy_from({"keep_total": 2, **total})) == [2, 3]
+    assert _plan(entries, policy_from({"keep_total": 3, **total})) == [2]
+    assert _plan(entries, policy_from({"keep_total": 2})) == [1, 2]  # no metric: the newest
+    # keep_last and keep_best are two rules, so the best comes on top of the last N:
+    assert _plan(entries, policy_from({"keep_last": 2, "keep_best": 1, **total})) == [2]
+
+
+class _KeepOdd:
+    """A rule of the user's own: the odd steps."""
+
+    def keeps(self, committed: Sequence[StepEntry], now: float) -> set[int]:
+        return {e.step for e in committed if e.step % 2}
+
+
+def test_a_rule_is_one_object_with_keeps(any_root: str) -> None:
+    with Checkpointer(any_root, keep_last=1, rules=[_KeepOdd()]) as ckpt:
+        for step in range(1, 7):
+            ckpt.save(step, make_state(step))
+        ckpt.wait()
+        assert ckpt.versions() == [1, 3, 5, 6]  # any rule keeps it
+
+
+def test_every_rule_is_a_checkpointer_keyword() -> None:
+    """A rule added to RULES is built by name everywhere: the Checkpointer's keyword (which
+    must be in its signature) and gc's flag (``tests/cli``) go through policy_from."""
+    parameters = inspect.signature(Checkpointer).parameters
+    for rule in RULES:
+        assert rule.keyword in parameters, rule
+        assert policy_from({rule.keyword: rule.parse("2"), "best_metric": "m"}).rules
+    with pytest.raises(ValueError, match="unknown retention keyword"):
+        policy_from({"keep_lsat": 2})
 
 
 # -- rewind ----------------------------------------------------------------------------------
