@@ -256,6 +256,7 @@ class Checkpointer(VersionsMixin):
                 continue
             names = {*metric_names(self._committed()), *metrics}
             check_ranked(metric, names, f"{self.root} step {step}")
+            self._metrics_seen.update(names)  # it is there: later saves read nothing for it
         self._metrics_seen.update(metrics)
 
     def _part(self, step: int, attempt: str, plan: sharded.RankState | None) -> RankPart:

@@ -319,3 +319,20 @@ def test_retention_deletes_nothing_when_no_version_has_its_metric(any_root: str)
     with pytest.raises(UnknownMetricError, match="the metrics there are: 'eval_loss'"):
         _plan(entries, policy)
     assert _plan(entries[2:], policy) == []  # no version has any metric: nothing to rank
+
+
+def test_saves_without_the_ranked_metric_once_a_version_has_it(any_root: str) -> None:
+    """Evaluation metrics at some saves only: refused until a version has the metric (it
+    would rank nothing), then accepted without reading every COMMIT again."""
+    with Checkpointer(any_root) as first:
+        first.save(1, make_state(1), metrics={"eval_loss": 0.1})
+    with Checkpointer(any_root, keep_last=1, keep_best=1, best_metric="eval_loss") as ckpt:
+        ckpt.save(2, make_state(2), metrics={"train_loss": 2.0})  # step 1 has eval_loss
+        ckpt.wait()
+        reads = []
+        real = ckpt._reader.commit_of
+        ckpt._reader.commit_of = lambda step: reads.append(step) or real(step)  # type: ignore[method-assign]
+        ckpt.save(3, make_state(3), metrics={"train_loss": 1.5})
+        ckpt.wait()
+        assert reads == []  # no COMMIT read again for the check
+        assert ckpt.versions() == [1, 3]  # the best (1) stays
