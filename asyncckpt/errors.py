@@ -158,6 +158,27 @@ class InvalidMetricsError(AsyncCkptError, ValueError):
     strings under short names); the message names the key."""
 
 
+class UnknownMetricError(AsyncCkptError, ValueError):
+    """Retention ranks by a metric (``best_metric``, ``gc --best-metric``) that no version
+    has, while versions have others: a typo would otherwise rank nothing and delete the real
+    best version. The message names the metric and the metrics there are.
+
+    Example:
+        >>> error = UnknownMetricError("eval_los", ["eval_loss"], "/ckpt")
+        >>> error.metric, error.known
+        ('eval_los', ['eval_loss'])
+    """
+
+    def __init__(self, metric: str, known: list[str], where: str = "") -> None:
+        self.metric, self.known, self.where = metric, list(known), where
+        names = ", ".join(repr(n) for n in self.known)
+        prefix = f"{where}: " if where else ""
+        super().__init__(
+            f"{prefix}no version has the metric {metric!r} that retention ranks by "
+            f"(best_metric); the metrics there are: {names}"
+        )
+
+
 class CheckpointTimeoutError(AsyncCkptError, TimeoutError):
     """Waiting for a save to become durable, or for a step to be committed, timed out."""
 

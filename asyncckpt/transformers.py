@@ -24,13 +24,18 @@ resumes from version N of the run that folder belongs to (this run's root, or
 ``<that run>/asyncckpt`` for another run's folder) if it is committed there, else from the
 stock files in that folder.
 Rotation is the Checkpointer's retention (run by the writer after each commit, fenced by its
-lease, with the root's storage options): ``save_total_limit`` is ``keep_last``, and
-``metric_for_best_model`` / ``greater_is_better`` are ``keep_best=1`` with that metric
-(``eval_<name>``, as the Trainer logs it) and ``best_mode``; each version is saved with the
-numbers of its step's evaluation as ``metrics``. So rotation never deletes the best version,
-the newest committed one, nor one being written. A ``checkpoint-N`` folder of ours (it holds
-only ``trainer_state.json``) is removed once version N is gone; stock Trainer folders are
-never touched. A ``checkpointer=`` passed in is used as it is, with its own retention.
+lease, with the root's storage options): ``save_total_limit`` is ``keep_total``, counted as
+the stock Trainer counts it (``transformers.trainer_utils.rotate_checkpoints``: at most that
+many versions, the newest and the best among them, so a limit of 1 keeps two when the best is
+not the newest), ranked by ``metric_for_best_model`` (``eval_<name>``, as the Trainer logs
+it) and ``greater_is_better``; each version is saved with the numbers of its step's
+evaluation as ``metrics``. So rotation never deletes the best version, the newest committed
+one, nor one being written; without ``save_total_limit`` it deletes nothing, as the stock
+Trainer. Unlike it, the newest version stays at the end of training too (the stock Trainer
+then deletes it when ``save_total_limit=1`` and it is not the best). A ``checkpoint-N``
+folder of ours (it holds only ``trainer_state.json``) is removed once version N is gone;
+stock Trainer folders are never touched. A ``checkpointer=`` passed in is used as it is,
+with its own retention.
 
 Overridden ``Trainer`` methods (:data:`OVERRIDDEN`;
 ``tests/integrations/test_transformers.py`` fails if a ``transformers`` release renames one
@@ -131,10 +136,10 @@ class AsyncCkptTrainerMixin:
             metric = args.metric_for_best_model
             if metric is not None and not metric.startswith("eval_"):
                 metric = f"eval_{metric}"  # the name the Trainer logs it under
+            limit = args.save_total_limit  # None or <= 0: the stock Trainer deletes nothing
             self._ackpt = Checkpointer(
                 os.path.join(args.output_dir, ROOT_NAME),
-                keep_last=args.save_total_limit,
-                keep_best=None if metric is None else 1,
+                keep_total=limit if limit is not None and limit > 0 else None,
                 best_metric=metric,
                 best_mode="max" if args.greater_is_better else "min",
             )

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from asyncckpt._api import jobs
 from asyncckpt._api import sharded_save as sharded
 from asyncckpt._api.collective import (
     agree_on_step,
+    announce_loaded,
     check_load_step,
     collective_device,
     group_timeout,
@@ -44,7 +45,12 @@ from asyncckpt._versions.protocol import data_file_name, read_commit, step_dir
 from asyncckpt._versions.publish import PlainPart, RankPart, write_and_commit
 from asyncckpt._versions.ranks import RankJob
 from asyncckpt._versions.reading import RootReader
-from asyncckpt._versions.retention import RetentionPolicy
+from asyncckpt._versions.retention import (
+    RetentionRule,
+    check_ranked,
+    metric_names,
+    policy_from,
+)
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import AsyncCkptError, CheckpointNotFoundError, ConflictError
 
@@ -71,6 +77,12 @@ class Checkpointer(VersionsMixin):
         best_mode: ``"min"`` (default: lower is better) or ``"max"``.
         keep_every: keep every version whose step is a multiple of M, for ever.
         keep_for: keep every version younger than this (seconds or a ``timedelta``).
+        keep_total: keep at most N versions in all, the newest and the best by
+            ``best_metric`` among them (as the ``transformers`` Trainer counts
+            ``save_total_limit``).
+        rules: more retention rules (objects with a ``keeps`` method, see
+            :class:`~asyncckpt._versions.retention.RetentionRule`), combined with those of the
+            keywords: a version stays if any rule keeps it.
         compression: ``"auto"`` (default), ``"zstd"`` or ``"none"``, as for
             :func:`asyncckpt.save`.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
@@ -84,7 +96,7 @@ class Checkpointer(VersionsMixin):
         read_only: a reader: :meth:`save` raises at once.
 
     Raises:
-        ValueError: a bad retention argument or ``compression``.
+        ValueError: a bad retention argument (the message names it) or ``compression``.
         StorageError: the root's URL cannot be resolved.
 
     Example:
@@ -107,6 +119,8 @@ class Checkpointer(VersionsMixin):
         best_mode: str = "min",
         keep_every: int | None = None,
         keep_for: float | datetime.timedelta | None = None,
+        keep_total: int | None = None,
+        rules: Sequence[RetentionRule] = (),
         compression: str = "auto",
         storage_options: dict[str, Any] | None = None,
         process_group: Any = None,
@@ -114,9 +128,16 @@ class Checkpointer(VersionsMixin):
         overlap: bool = False,
         read_only: bool = False,
     ) -> None:
-        self.retention = RetentionPolicy(
-            keep_last, keep_best, best_metric, best_mode, keep_every, keep_for
-        )
+        retention = {
+            "keep_last": keep_last,
+            "keep_best": keep_best,
+            "best_metric": best_metric,
+            "best_mode": best_mode,
+            "keep_every": keep_every,
+            "keep_for": keep_for,
+            "keep_total": keep_total,
+        }
+        self.retention = policy_from(retention, rules)
         self.compression = check_compression(compression)
         self.keep_last = keep_last
         self._settings = Settings.resolve()
@@ -135,7 +156,10 @@ class Checkpointer(VersionsMixin):
         # Only the last save's copy events: the snapshot would keep its arena alive (on
         # CUDA, page-locked) after a later save replaced it.
         self._last_copies: DeviceCopies | None = None
-        self._agreed_step: int | None = None
+        # The step of the last collective load, and the work that completes once every rank
+        # has finished reading it (None: not yet announced): retention spares it until then.
+        self._agreed: tuple[int | None, Any] = (None, None)
+        self._metrics_seen: set[str] = set()  # in this Checkpointer's saves
 
     # -- writing ------------------------------------------------------------------------
 
@@ -175,6 +199,8 @@ class Checkpointer(VersionsMixin):
             ValueError: ``step`` is negative, not an int, or not greater than the last one
                 (see :meth:`rewind`).
             InvalidMetricsError: ``metrics`` break a rule (the message names the key).
+            UnknownMetricError: ``metrics`` lack the metric retention ranks by
+                (``best_metric``), and no committed version has it: a typo, most likely.
             UnsupportedObjectError: ``state`` holds something that cannot be stored.
             AsyncCkptError: the Checkpointer is read-only or closed, or WORLD_SIZE says this
                 is one of several ranks but no process group is initialized.
@@ -189,6 +215,7 @@ class Checkpointer(VersionsMixin):
             if metrics is not None
             else {}
         )
+        self._check_ranked_metrics(step, checked)
         self._check_world()
         is_sharded = holds_dtensor(state)
         if is_sharded and not self._distributed:
@@ -214,6 +241,25 @@ class Checkpointer(VersionsMixin):
             self._last_copies = snap.copies
             self._last_step = step
         return handle
+
+    def _check_ranked_metrics(self, step: int, metrics: Metrics) -> None:
+        """Refuse ``metrics`` that lack a metric retention ranks by when no committed version
+        has it either (a typo in ``best_metric`` would rank nothing, and retention would
+        delete the real best version). On every rank, before any collective.
+
+        Reads the committed versions' records only when ``metrics`` lack the metric and no
+        earlier save of this Checkpointer had it.
+
+        Raises:
+            UnknownMetricError: names the metric and the metrics there are.
+        """
+        for metric in self.retention.ranked_metrics():
+            if not metrics or metric in metrics or metric in self._metrics_seen:
+                continue
+            names = {*metric_names(self._committed()), *metrics}
+            check_ranked(metric, names, f"{self.root} step {step}")
+            self._metrics_seen.update(names)  # it is there: later saves read nothing for it
+        self._metrics_seen.update(metrics)
 
     def _part(self, step: int, attempt: str, plan: sharded.RankState | None) -> RankPart:
         """This rank's part of version ``step``: the one file, or its shards' file."""
@@ -254,8 +300,7 @@ class Checkpointer(VersionsMixin):
         def job(snap: Snapshot) -> int:
             if not self.is_writer:
                 return part.write(snap)
-            spare = lambda: self._agreed_step  # noqa: E731
-            return write_and_commit(self._writer, part, snap, self.retention, spare, metrics)
+            return write_and_commit(self._writer, part, snap, self.retention, self._spared, metrics)
 
         # A rank's part of a sharded version cannot be cancelled: the writer waits for it.
         on_cancel = None if rank_job is not None else (lambda: None)
@@ -460,7 +505,7 @@ class Checkpointer(VersionsMixin):
             if target is not None:
                 # Every rank finished the previous collective load before entering this one, so
                 # only the step agreed now can still be in use by a slow rank: retention spares it.
-                self._agreed_step = target
+                self._agreed = (target, None)
             if timeout is None:
                 timeout = group_timeout(self._group)
         else:
@@ -468,18 +513,31 @@ class Checkpointer(VersionsMixin):
         if target is None:
             raise CheckpointNotFoundError(f"no committed checkpoint under {self.root}")
         follow_latest = step is None and not use_group
-        self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
-        commit = self._reader.commit_of(target)
-        request = self._load_request(
-            placement,
-            into=into,
-            keys=keys,
-            max_bytes=max_bytes,
-            follow_latest=follow_latest,
-            collective=use_group,
-        )
-        # Either kind, and a version retired since it was chosen: the reading side follows.
-        return loading.load(self._reader, target, commit, request)
+        try:
+            self._wait_committed(target, timeout, poll=not follow_latest, writer=writer)
+            commit = self._reader.commit_of(target)
+            request = self._load_request(
+                placement,
+                into=into,
+                keys=keys,
+                max_bytes=max_bytes,
+                follow_latest=follow_latest,
+                collective=use_group,
+            )
+            # Either kind, and a version retired since it was chosen: the reading side follows.
+            return loading.load(self._reader, target, commit, request)
+        finally:
+            if use_group:  # so that the spare ends once every rank has read it
+                self._agreed = (target, announce_loaded(self._group))
+
+    def _spared(self) -> int | None:
+        """The step a collective load may still be reading (retention spares it): the one
+        the ranks last agreed on, until every rank has announced it has finished reading it
+        (a resumed version is not kept for the rest of the job)."""
+        step, done = self._agreed
+        if step is None or (done is not None and done.is_completed()):
+            return None
+        return step
 
     # -- lifetime -----------------------------------------------------------------------
 
@@ -496,7 +554,7 @@ class Checkpointer(VersionsMixin):
             self.wait()
             writer = self._writer
             if writer.epoch is not None and writer.published is not None:
-                writer.apply_retention(self.retention, writer.published, self._agreed_step)
+                writer.apply_retention(self.retention, writer.published, self._spared())
         finally:
             self._writer.release()
 

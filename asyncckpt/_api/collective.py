@@ -6,6 +6,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -23,6 +24,8 @@ from asyncckpt.errors import (
     IncompleteCheckpointError,
     StorageError,
 )
+
+log = logging.getLogger(__name__)
 
 #: Errors a collective load can report from the writer rank to the others, by index.
 COLLECTIVE_ERRORS: tuple[type[AsyncCkptError], ...] = (
@@ -103,6 +106,23 @@ def collective_device(group: Any) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", cuda().own_device())
     return torch.device("cpu")
+
+
+def announce_loaded(group: Any) -> Any:
+    """Every rank's announcement, once its part of a collective load is over, that it reads
+    the agreed step no more: a non-blocking ``all_reduce`` (no rank waits in it), whose work
+    the writer asks ``is_completed()`` when retention runs: then every rank has finished.
+
+    Every rank of a collective load calls it once, even when its read failed, so the group's
+    collectives stay in step. Returns the work, or None if the backend refused (the step is
+    then spared until the next collective load, as a slower rank may still read it).
+    """
+    try:
+        flag = torch.zeros(1, device=collective_device(group))
+        return dist.all_reduce(flag, group=group, async_op=True)
+    except RuntimeError as exc:
+        log.warning("could not announce the end of a collective load: %s", exc)
+        return None
 
 
 def error_index(exc: AsyncCkptError) -> int:

@@ -219,6 +219,11 @@ class VersionsMixin:
             commit.writer,
         )
 
+    def _committed(self) -> list[StepEntry]:
+        """The committed versions with their commit records, ascending."""
+        reader = self._reader
+        return [StepEntry(s, COMMITTED, commit=reader.commit_of(s)) for s in reader.versions()]
+
     def best(self, metric: str | None = None, mode: str | None = None) -> int | None:
         """The committed step with the best value of a metric. Changes nothing.
 
@@ -236,18 +241,17 @@ class VersionsMixin:
             ValueError: no metric is given and the Checkpointer has no ``best_metric``, or
                 a bad ``mode``.
         """
-        name = metric if metric is not None else self.retention.best_metric
+        ranking = self.retention.ranking
+        name = metric if metric is not None or ranking is None else ranking.metric
         if name is None:
             raise ValueError(
                 f"best() needs a metric: pass best(metric=...) or build the Checkpointer for "
                 f"{self.root} with best_metric=..."
             )
-        how = mode if mode is not None else self.retention.best_mode
+        how = mode if mode is not None else ranking.mode if ranking else "min"
         if how not in BEST_MODES:
             raise ValueError(f"mode must be 'min' or 'max', got {how!r}")
-        reader = self._reader
-        entries = [StepEntry(s, COMMITTED, commit=reader.commit_of(s)) for s in reader.versions()]
-        order = ranked(entries, name, how)
+        order = ranked(self._committed(), name, how)
         return order[0] if order else None
 
     def rewind(self, step: int) -> list[int]:

@@ -1,8 +1,10 @@
 """``asyncckpt gc ROOT --keep-last N ...``: retention, as the Checkpointer applies it.
 
-The flags are the Checkpointer's retention arguments (``--keep-last``, ``--keep-best K
---best-metric NAME --best-mode min|max``, ``--keep-every M``, ``--keep-for DURATION``),
-combined as there: a version stays if any rule keeps it.
+The flags are the Checkpointer's retention arguments, one per rule of
+:data:`asyncckpt._versions.retention.RULES` (``--keep-last``, ``--keep-best K
+--best-metric NAME --best-mode min|max``, ``--keep-every M``, ``--keep-for DURATION``,
+``--keep-total N``), built by :func:`~asyncckpt._versions.retention.policy_from` as the
+Checkpointer's keywords are, and combined as there: a version stays if any rule keeps it.
 
 What goes is decided by :func:`asyncckpt._versions.retention.deletion_plan`, the rule the writer's
 retention and recovery use, from the same listing (:func:`asyncckpt._versions.protocol.list_steps`).
@@ -11,10 +13,10 @@ retention and recovery use, from the same listing (:func:`asyncckpt._versions.pr
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
 from asyncckpt._storage import Storage, is_temp_name
+from asyncckpt._versions import retention
 from asyncckpt._versions.protocol import (
     UNREADABLE,
     StepEntry,
@@ -23,7 +25,14 @@ from asyncckpt._versions.protocol import (
     newest_good,
     read_version_file,
 )
-from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
+from asyncckpt._versions.retention import (
+    BEST_MODES,
+    RULES,
+    KeepFor,
+    RetentionPolicy,
+    deletion_plan,
+    policy_from,
+)
 from asyncckpt.cli.common import (
     EXIT_OK,
     Subparsers,
@@ -36,6 +45,7 @@ from asyncckpt.cli.common import (
 )
 from asyncckpt.cli.listing import need_versions
 from asyncckpt.cli.progress import format_bytes
+from asyncckpt.errors import UnknownMetricError
 
 
 def add_parser(sub: Subparsers) -> None:
@@ -58,34 +68,15 @@ def add_parser(sub: Subparsers) -> None:
         cmd_gc,
     )
     p.add_argument("root", metavar="ROOT")
-    p.add_argument(
-        "--keep-last",
-        dest="keep_last",
-        type=int,
-        metavar="N",
-        help="committed versions to keep, newest first (the Checkpointer's keep_last)",
-    )
-    p.add_argument("--keep", dest="keep_last", type=int, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--keep-best", type=int, metavar="K", help="keep the K best versions by --best-metric"
-    )
+    for rule in RULES:  # one flag per rule, as the Checkpointer's keyword is named
+        p.add_argument(flag(rule.keyword), dest=rule.keyword, metavar=rule.metavar, help=rule.help)
+    p.add_argument("--keep", dest="keep_last", help=argparse.SUPPRESS)
     p.add_argument("--best-metric", metavar="NAME", help="the metric --keep-best ranks by")
     p.add_argument(
         "--best-mode",
-        choices=("min", "max"),
+        choices=BEST_MODES,
         default="min",
         help="min: lower is better (default); max: higher is better",
-    )
-    p.add_argument(
-        "--keep-every",
-        type=int,
-        metavar="M",
-        help="keep every version whose step is a multiple of M",
-    )
-    p.add_argument(
-        "--keep-for",
-        metavar="DURATION",
-        help="keep versions younger than DURATION: seconds, or a number with s, m, h or d (7d)",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would go; delete nothing")
     p.add_argument(
@@ -127,8 +118,14 @@ def _delete_temps(
     return temps
 
 
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-_DURATION = re.compile(r"([0-9]+(?:\.[0-9]*)?)\s*([smhd]?)")
+def flag(keyword: str) -> str:
+    """The ``gc`` flag of a retention keyword.
+
+    Example:
+        >>> flag("keep_last")
+        '--keep-last'
+    """
+    return "--" + keyword.replace("_", "-")
 
 
 def parse_duration(text: str) -> float:
@@ -141,38 +138,59 @@ def parse_duration(text: str) -> float:
         >>> parse_duration("7d"), parse_duration("90")
         (604800.0, 90.0)
     """
-    match = _DURATION.fullmatch(text.strip().lower())
-    if match is None or float(match.group(1)) <= 0:
-        raise UsageError(
-            f"asyncckpt gc: --keep-for takes a positive duration such as 3600, 90m, 12h or 7d; "
-            f"got {text!r}"
-        )
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    try:
+        return retention.parse_duration(text)
+    except ValueError as exc:
+        raise UsageError(f"asyncckpt gc: --keep-for {exc}") from None
 
 
 def policy_of(args: argparse.Namespace) -> RetentionPolicy:
-    """The :class:`RetentionPolicy` the flags describe.
+    """The :class:`RetentionPolicy` the flags describe, built as the Checkpointer's keywords
+    are (:func:`~asyncckpt._versions.retention.policy_from`).
 
     Raises:
-        UsageError: no rule is given, or a rule's value is invalid.
+        UsageError: no rule is given, or a rule's value is invalid (naming its flag).
     """
-    rules = (args.keep_last, args.keep_best, args.keep_every, args.keep_for)
-    if all(r is None for r in rules):  # not required=True: the hidden --keep may give it
+    texts = {rule: getattr(args, rule.keyword) for rule in RULES}
+    if all(text is None for text in texts.values()):  # not required: the hidden --keep may
         raise UsageError(
             "asyncckpt gc: the following arguments are required: --keep-last N (or another "
-            "rule: --keep-best K --best-metric NAME, --keep-every M, --keep-for DURATION)"
+            "rule: " + ", ".join(f"{flag(r.keyword)} {r.metavar}" for r in RULES[1:]) + ")"
         )
-    for flag, value in (("--keep-last", args.keep_last), ("--keep-best", args.keep_best)):
-        if value is not None and value < 1:
-            raise UsageError(f"asyncckpt gc: {flag} must be at least 1, got {value}")
-    if args.keep_every is not None and args.keep_every < 1:
-        raise UsageError(f"asyncckpt gc: --keep-every must be at least 1, got {args.keep_every}")
-    if args.keep_best is not None and not args.best_metric:
-        raise UsageError("asyncckpt gc: --keep-best needs --best-metric NAME")
-    keep_for = None if args.keep_for is None else parse_duration(args.keep_for)
-    return RetentionPolicy(
-        args.keep_last, args.keep_best, args.best_metric, args.best_mode, args.keep_every, keep_for
-    )
+    keywords: dict[str, Any] = {"best_metric": args.best_metric, "best_mode": args.best_mode}
+    for rule, text in texts.items():
+        try:
+            keywords[rule.keyword] = None if text is None else rule.parse(text)
+        except ValueError as exc:
+            raise UsageError(f"asyncckpt gc: {flag(rule.keyword)} {_reason(exc, text)}") from None
+    try:
+        return policy_from(keywords, spell=flag)
+    except ValueError as exc:
+        raise UsageError(f"asyncckpt gc: {exc}") from None
+
+
+def _reason(exc: ValueError, text: str) -> str:
+    """Why a flag's text is not a value: the parser's words, or "takes an integer"."""
+    words = str(exc)
+    return words if words.startswith("takes") else f"takes an integer, got {text!r}"
+
+
+def _plan(
+    ref_name: str,
+    policy: RetentionPolicy,
+    entries: list[StepEntry],
+    pinned: int | None,
+    good: int | None,
+) -> list[StepEntry]:
+    """:func:`deletion_plan`, with a metric no version has as a usage error."""
+    try:
+        return deletion_plan(entries, policy, pinned, good=good)
+    except UnknownMetricError as exc:
+        names = ", ".join(repr(n) for n in exc.known)
+        raise UsageError(
+            f"asyncckpt gc: --best-metric {exc.metric!r}: no version under {ref_name} has it; "
+            f"the metrics there are: {names}"
+        ) from None
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -189,7 +207,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     record = read_version_file(storage, root)
     entries = list_steps(storage, root)
     pinned = record.step if record is not None else None
-    plan = deletion_plan(entries, policy, pinned, good=newest_good(storage, root, entries))
+    plan = _plan(ref.name, policy, entries, pinned, newest_good(storage, root, entries))
     lines = []
     if pinned is None:
         lines.append(
@@ -210,13 +228,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     )
     doc = {
         "root": ref.name,
-        "keep_last": args.keep_last,
-        "keep": args.keep_last,  # the old name of the same field, for existing scripts
-        "keep_best": args.keep_best,
-        "best_metric": args.best_metric,
-        "best_mode": args.best_mode,
-        "keep_every": args.keep_every,
-        "keep_for_s": policy.keep_for_s,
+        **{rule.keyword: policy.keyword(rule.keyword) for rule in RULES if rule is not KeepFor},
+        "keep": policy.keyword("keep_last"),  # the old name of keep_last, for existing scripts
+        "best_metric": policy.keyword("best_metric"),
+        "best_mode": policy.keyword("best_mode"),
+        "keep_for_s": policy.keyword("keep_for"),
         "dry_run": args.dry_run,
         "version_file_step": pinned,
         "delete": goes,

@@ -396,6 +396,31 @@ def test_ddp_pattern_keep_last_one_without_other_sync(tmp_path: Path) -> None:
     run_ranks("_save_load_loop_keep_one", 2, tmp_path)
 
 
+def _resume_then_train(rank: int, world: int, store: Any, workdir: Path) -> None:
+    """A DDP job resumes from step 2 (a collective load), trains (the ranks sync), saves."""
+    root = workdir / "ckpt"
+    if rank == 0:
+        with Checkpointer(root) as first_job:
+            for step in (1, 2):
+                first_job.save(step, _rank_state(0, step))
+    dist.barrier()
+    ckpt = Checkpointer(root, keep_last=1)
+    assert ckpt.load()["step"] == 2  # the resume: every rank reads step 2
+    dist.barrier()  # a training step's all-reduce: every rank has finished reading it
+    if rank == 0:
+        for step in (3, 4, 5):
+            ckpt.save(step, _rank_state(0, step)).result(timeout=60)
+        # No rank can still be reading step 2: retention deletes it like any other.
+        assert ckpt.versions() == [5], ckpt.versions()
+    ckpt.close()
+    dist.barrier()
+
+
+@pytest.mark.timeout(180)
+def test_a_resumed_version_is_not_pinned_once_every_rank_has_read_it(tmp_path: Path) -> None:
+    run_ranks("_resume_then_train", 2, tmp_path)
+
+
 # --------------------------------------------------------------------------- (d) non-writer saves
 
 

@@ -11,8 +11,9 @@ import torch
 
 import asyncckpt
 from asyncckpt import cli
+from asyncckpt._versions.retention import RULES
 from asyncckpt.cli.common import UsageError
-from asyncckpt.cli.gc import parse_duration
+from asyncckpt.cli.gc import flag, parse_duration
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:
@@ -99,3 +100,23 @@ def test_rewind_needs_yes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         ckpt.save(2, {"w": torch.zeros(2)})
     code, _, err = run(capsys, "rewind", root, "7", "--yes")
     assert code == 1 and "step 7" in err and "not committed" in err
+
+
+def test_gc_refuses_a_best_metric_no_version_has(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = _root(tmp_path, {1: 0.1, 2: 0.5, 3: 0.4})
+    code, _, err = run(
+        capsys, "gc", root, "--keep-last", "1", "--keep-best", "1", "--best-metric", "eval_los"
+    )
+    assert code == 2 and "'eval_los'" in err and "the metrics there are: 'eval_loss'" in err
+    assert asyncckpt.Checkpointer(root, read_only=True).versions() == [1, 2, 3]  # 1 is the best
+
+
+def test_gc_has_a_flag_for_every_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "gc", "--help")
+    assert code == 0
+    for rule in RULES:
+        assert flag(rule.keyword) in out and flag(rule.keyword) == "--" + rule.keyword.replace(
+            "_", "-"
+        )

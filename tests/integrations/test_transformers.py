@@ -13,10 +13,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
+from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints  # noqa: E402
 
 import asyncckpt  # noqa: E402
-from asyncckpt._versions.retention import RetentionPolicy  # noqa: E402
+from asyncckpt._versions.protocol import COMMITTED, CommitRecord, StepEntry  # noqa: E402
+from asyncckpt._versions.retention import deletion_plan, policy_from  # noqa: E402
 from asyncckpt.transformers import OVERRIDDEN, ROOT_NAME, AsyncCkptTrainer  # noqa: E402
 
 
@@ -161,8 +162,8 @@ def test_rotation_keeps_the_best_and_the_newest(tmp_path: Path) -> None:
     versions = trainer.checkpointer.versions()
     assert versions == sorted({best, 8}), (versions, best)
     # Rotation is the Checkpointer's own retention, ranking by the metric in each COMMIT.
-    assert trainer.checkpointer.retention == RetentionPolicy(
-        keep_last=1, keep_best=1, best_metric="eval_loss", best_mode="min"
+    assert trainer.checkpointer.retention == policy_from(
+        {"keep_total": 1, "best_metric": "eval_loss", "best_mode": "min"}
     )
     assert trainer.checkpointer.best() == best
     assert "eval_loss" in trainer.checkpointer.info(best).metrics
@@ -174,6 +175,73 @@ def test_rotation_keeps_the_best_and_the_newest(tmp_path: Path) -> None:
     saved = trainer.checkpointer.load(best)["model"]
     for name, value in trainer.model.state_dict().items():
         assert torch.equal(saved[name], value), name
+
+
+def _stock_rotation(tmp_path: Path, steps: list[int], limit: int, best: int) -> list[int]:
+    """The steps whose folders the stock Trainer's rotation leaves (``rotate_checkpoints``)."""
+    run = tmp_path / f"stock-{len(steps)}-{limit}-{best}"
+    for step in steps:
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+    best_folder = str(run / f"checkpoint-{best}")
+    rotate_checkpoints(str(run), limit, best_model_checkpoint=best_folder)
+    return sorted(int(p.name.split("-")[1]) for p in run.glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("limit", [None, 1, 2, 3])
+def test_save_total_limit_counts_as_the_stock_trainer_counts(
+    tmp_path: Path, limit: int | None
+) -> None:
+    """save_total_limit with a best model: the best counts within the limit (stock keeps
+    ``max(limit, 2)`` when the best is not the newest; once, ours kept ``limit + 1``), and
+    no limit deletes nothing (once, ours kept only the best and the newest)."""
+    trainer = _trainer(
+        AsyncCkptTrainer,
+        tmp_path / "ours",
+        save_total_limit=limit,
+        eval_strategy="steps",
+        eval_steps=3,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+    )
+    policy = trainer.checkpointer.retention
+    for count in range(1, 7):
+        steps = [3 * i for i in range(1, count + 1)]
+        for best in steps:
+            entries = [
+                StepEntry(s, COMMITTED, commit=CommitRecord(s, ("a",), "w", metrics=m))
+                for s in steps
+                for m in [{"eval_loss": 0.1 if s == best else 1.0 + s}]
+            ]
+            pinned = steps[-1]
+            deleted = {e.step for e in deletion_plan(entries, policy, pinned, good=pinned)}
+            ours = [s for s in steps if s not in deleted]
+            assert ours == _stock_rotation(tmp_path, steps, limit, best), (steps, best)
+
+
+@pytest.mark.timeout(300)
+def test_rotation_keeps_what_the_stock_trainer_keeps(tmp_path: Path) -> None:
+    """save_total_limit=2 with load_best_model_at_end and a best that is not among the two
+    newest: the stock Trainer keeps two (the best and the newest), and so do we (once, 3)."""
+    args: dict[str, Any] = {
+        "save_total_limit": 2,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "save_steps": 2,
+        "max_steps": 10,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "loss",
+        "greater_is_better": True,  # the worst loss "best": an early step, deterministically
+        "learning_rate": 1.0,
+    }
+    stock = _trainer(transformers.Trainer, tmp_path / "stock", **args)
+    stock.train()
+    kept = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "stock").glob("checkpoint-*"))
+    best = stock.state.best_global_step
+    assert best < 8 and kept == [best, 10], (best, kept)  # the case this test is about
+    ours = _trainer(AsyncCkptTrainer, tmp_path / "ours", **args)
+    ours.train()
+    assert ours.state.best_global_step == best
+    assert ours.checkpointer.versions() == kept
 
 
 @pytest.mark.parametrize("name", OVERRIDDEN)

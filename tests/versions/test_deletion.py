@@ -42,7 +42,7 @@ from asyncckpt._versions.protocol import (
     newest_good,
     read_failure,
 )
-from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
+from asyncckpt._versions.retention import RetentionPolicy, deletion_plan, policy_from
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import (
     CheckpointNotFoundError,
@@ -223,12 +223,12 @@ def test_the_deletion_rule() -> None:
     def plan(policy: RetentionPolicy, pinned: int | None, spare: tuple[int, ...] = ()) -> Any:
         return [e.step for e in deletion_plan(listing, policy, pinned, spare, good=pinned)]
 
-    assert plan(RetentionPolicy(keep_last=1), 5) == [1, 3, 4]
-    assert plan(RetentionPolicy(keep_last=1), 5, spare=(4,)) == [1, 3]
-    assert plan(RetentionPolicy(keep_last=1), None) == []  # newest unknown: nothing goes
-    assert plan(RetentionPolicy(), 5) == [3]  # keep every committed version: leftovers only
-    assert plan(RetentionPolicy(keep_last=1), 4) == [1, 3]  # nothing newer than the pinned
-    assert plan(RetentionPolicy(keep_last=10), 6) == [3]  # never the unreadable step 2
+    assert plan(policy_from({"keep_last": 1}), 5) == [1, 3, 4]
+    assert plan(policy_from({"keep_last": 1}), 5, spare=(4,)) == [1, 3]
+    assert plan(policy_from({"keep_last": 1}), None) == []  # newest unknown: nothing goes
+    assert plan(policy_from({}), 5) == [3]  # keep every committed version: leftovers only
+    assert plan(policy_from({"keep_last": 1}), 4) == [1, 3]  # nothing newer than the pinned
+    assert plan(policy_from({"keep_last": 10}), 6) == [3]  # never the unreadable step 2
 
 
 def test_list_steps_tells_committed_uncommitted_unreadable_and_links(tmp_path: Path) -> None:
@@ -325,7 +325,7 @@ def test_the_deletion_rule_never_deletes_the_newest_good_version(tmp_path: Path,
     good = newest_good(*resolve(str(root), None), entries)
     assert good == 30
     # whatever step a caller pins (the version file's 40), the newest good one stays
-    plan = deletion_plan(entries, RetentionPolicy(keep_every=1000), 40, good=good)
+    plan = deletion_plan(entries, policy_from({"keep_every": 1000}), 40, good=good)
     assert 30 not in [e.step for e in plan]
 
 

@@ -10,8 +10,10 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -27,11 +29,12 @@ from asyncckpt._versions.protocol import (
     commit_from,
     step_dir,
 )
-from asyncckpt._versions.retention import RetentionPolicy, deletion_plan
+from asyncckpt._versions.retention import RULES, RetentionPolicy, deletion_plan, policy_from
 from asyncckpt.errors import (
     CheckpointNotFoundError,
     FencedError,
     InvalidMetricsError,
+    UnknownMetricError,
     UnreadableRecordError,
 )
 from tests.api.test_checkpointer import (
@@ -128,24 +131,24 @@ def test_malformed_metrics_in_a_commit_make_it_unreadable() -> None:
 def test_keep_best_by_metric_min_and_max() -> None:
     losses = {1: 0.5, 2: 0.1, 3: 0.4, 4: 0.2, 5: 0.9, 6: 0.8}
     entries = [_entry(0)] + [_entry(s, {"eval_loss": v}) for s, v in losses.items()]
-    policy = RetentionPolicy(keep_best=2, best_metric="eval_loss")
+    policy = policy_from({"keep_best": 2, "best_metric": "eval_loss"})
     assert _plan(entries, policy) == [0, 1, 3, 5]  # 2 and 4 best; 6 newest; 0 has no metric
-    policy = RetentionPolicy(keep_best=1, best_metric="eval_loss", best_mode="max")
+    policy = policy_from({"keep_best": 1, "best_metric": "eval_loss", "best_mode": "max"})
     assert _plan(entries, policy) == [0, 1, 2, 3, 4]
 
 
 def test_keep_every_and_keep_for_and_their_union() -> None:
     entries = [_entry(s, at=100.0 * s) for s in range(1, 11)]
-    assert _plan(entries, RetentionPolicy(keep_every=4)) == [1, 2, 3, 5, 6, 7, 9]
+    assert _plan(entries, policy_from({"keep_every": 4})) == [1, 2, 3, 5, 6, 7, 9]
     # now = 1000: younger than 250 s are steps 8, 9, 10 (700 is older).
-    assert _plan(entries, RetentionPolicy(keep_for=250), now=1000) == [1, 2, 3, 4, 5, 6, 7]
-    by_delta = RetentionPolicy(keep_for=datetime.timedelta(seconds=250))
-    assert by_delta.keep_for_s == 250.0
+    assert _plan(entries, policy_from({"keep_for": 250}), now=1000) == [1, 2, 3, 4, 5, 6, 7]
+    by_delta = policy_from({"keep_for": datetime.timedelta(seconds=250)})
+    assert by_delta.keyword("keep_for") == 250.0
     assert _plan(entries, by_delta, now=1000) == [1, 2, 3, 4, 5, 6, 7]
-    union = RetentionPolicy(keep_last=1, keep_every=5, keep_for=150)
+    union = policy_from({"keep_last": 1, "keep_every": 5, "keep_for": 150})
     assert _plan(entries, union, now=1000) == [1, 2, 3, 4, 6, 7, 8]
     unknown_age = [_entry(1), _entry(2, at=0.0), _entry(3, at=1000.0)]
-    assert _plan(unknown_age, RetentionPolicy(keep_for=10), now=1000) == [2]
+    assert _plan(unknown_age, policy_from({"keep_for": 10}), now=1000) == [2]
 
 
 @pytest.mark.parametrize(
@@ -187,6 +190,44 @@ def test_keep_best_never_deletes_the_newest(any_root: str) -> None:
         ckpt.save(3, make_state(3))
         ckpt.wait()
         assert ckpt.versions() == [1, 3]
+
+
+def test_keep_total_counts_the_newest_and_the_best_within_the_limit() -> None:
+    losses = {1: 0.1, 2: 0.5, 3: 0.4, 4: 0.3}  # 1 is the best
+    entries = [_entry(s, {"eval_loss": v}) for s, v in losses.items()]
+    total = {"best_metric": "eval_loss"}
+    assert _plan(entries, policy_from({"keep_total": 1, **total})) == [2, 3]  # 2 kept: 1, 4
+    assert _plan(entries, policy_from({"keep_total": 2, **total})) == [2, 3]
+    assert _plan(entries, policy_from({"keep_total": 3, **total})) == [2]
+    assert _plan(entries, policy_from({"keep_total": 2})) == [1, 2]  # no metric: the newest
+    # keep_last and keep_best are two rules, so the best comes on top of the last N:
+    assert _plan(entries, policy_from({"keep_last": 2, "keep_best": 1, **total})) == [2]
+
+
+class _KeepOdd:
+    """A rule of the user's own: the odd steps."""
+
+    def keeps(self, committed: Sequence[StepEntry], now: float) -> set[int]:
+        return {e.step for e in committed if e.step % 2}
+
+
+def test_a_rule_is_one_object_with_keeps(any_root: str) -> None:
+    with Checkpointer(any_root, keep_last=1, rules=[_KeepOdd()]) as ckpt:
+        for step in range(1, 7):
+            ckpt.save(step, make_state(step))
+        ckpt.wait()
+        assert ckpt.versions() == [1, 3, 5, 6]  # any rule keeps it
+
+
+def test_every_rule_is_a_checkpointer_keyword() -> None:
+    """A rule added to RULES is built by name everywhere: the Checkpointer's keyword (which
+    must be in its signature) and gc's flag (``tests/cli``) go through policy_from."""
+    parameters = inspect.signature(Checkpointer).parameters
+    for rule in RULES:
+        assert rule.keyword in parameters, rule
+        assert policy_from({rule.keyword: rule.parse("2"), "best_metric": "m"}).rules
+    with pytest.raises(ValueError, match="unknown retention keyword"):
+        policy_from({"keep_lsat": 2})
 
 
 # -- rewind ----------------------------------------------------------------------------------
@@ -247,3 +288,51 @@ def test_small_tensor_state_still_round_trips(any_root: str) -> None:
         ckpt.wait()
         assert ckpt.load(1)["w"].tolist() == [1.0, 1.0, 1.0]
         assert ckpt.info(1).metrics == {"loss": 1}
+
+
+# -- a metric no version has (issue 31) ------------------------------------------------------
+
+
+def test_a_save_whose_metric_retention_ranks_by_no_version_has_is_refused(any_root: str) -> None:
+    with Checkpointer(any_root, keep_last=1, keep_best=1, best_metric="eval_los") as ckpt:
+        with pytest.raises(UnknownMetricError, match=r"'eval_los'.*'eval_loss'") as caught:
+            ckpt.save(1, make_state(1), metrics={"eval_loss": 0.1})
+        assert caught.value.known == ["eval_loss"] and any_root in str(caught.value)
+        assert ckpt.versions() == []  # refused before anything was written
+        ckpt.save(1, make_state(1))  # without metrics: nothing to rank yet
+        ckpt.save(2, make_state(2), metrics={"eval_los": 0.5})  # the name it ranks by
+        ckpt.wait()
+        assert ckpt.versions() == [2]
+
+
+def test_retention_deletes_nothing_when_no_version_has_its_metric(any_root: str) -> None:
+    with Checkpointer(any_root) as first:
+        first.save(1, make_state(1), metrics={"eval_loss": 0.1})  # the real best
+        first.save(2, make_state(2), metrics={"eval_loss": 0.5})
+    # A later job with a typo in the metric's name, saving without metrics.
+    with Checkpointer(any_root, keep_last=1, keep_best=1, best_metric="eval_los") as ckpt:
+        ckpt.save(3, make_state(3))
+        ckpt.wait()
+        assert ckpt.versions() == [1, 2, 3]  # not: [3], the real best gone
+    entries = [_entry(1, {"eval_loss": 0.1}), _entry(2, {"eval_loss": 0.5}), _entry(3)]
+    policy = policy_from({"keep_best": 1, "best_metric": "eval_los"})
+    with pytest.raises(UnknownMetricError, match="the metrics there are: 'eval_loss'"):
+        _plan(entries, policy)
+    assert _plan(entries[2:], policy) == []  # no version has any metric: nothing to rank
+
+
+def test_saves_without_the_ranked_metric_once_a_version_has_it(any_root: str) -> None:
+    """Evaluation metrics at some saves only: refused until a version has the metric (it
+    would rank nothing), then accepted without reading every COMMIT again."""
+    with Checkpointer(any_root) as first:
+        first.save(1, make_state(1), metrics={"eval_loss": 0.1})
+    with Checkpointer(any_root, keep_last=1, keep_best=1, best_metric="eval_loss") as ckpt:
+        ckpt.save(2, make_state(2), metrics={"train_loss": 2.0})  # step 1 has eval_loss
+        ckpt.wait()
+        reads = []
+        real = ckpt._reader.commit_of
+        ckpt._reader.commit_of = lambda step: reads.append(step) or real(step)  # type: ignore[method-assign]
+        ckpt.save(3, make_state(3), metrics={"train_loss": 1.5})
+        ckpt.wait()
+        assert reads == []  # no COMMIT read again for the check
+        assert ckpt.versions() == [1, 3]  # the best (1) stays
