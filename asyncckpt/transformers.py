@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -68,7 +69,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from asyncckpt._api.checkpointer import Checkpointer
 from asyncckpt._api.jobs import SaveHandle
 from asyncckpt.accelerate import gathered_rng_states, set_rng_states
-from asyncckpt.errors import AsyncCkptError, FormatError
+from asyncckpt.errors import AsyncCkptError, ConflictError, FormatError
 
 __all__ = ["OVERRIDDEN", "ROOT_NAME", "AsyncCkptTrainer", "AsyncCkptTrainerMixin"]
 
@@ -88,6 +89,8 @@ _FORMAT_KEY = "asyncckpt_transformers"
 _FORMAT = 1
 _STATE_FILE = "trainer_state.json"
 _FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+log = logging.getLogger(__name__)
 
 
 class AsyncCkptTrainerMixin:
@@ -158,6 +161,7 @@ class AsyncCkptTrainerMixin:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = self._resume_folder(trial) or True
         try:
+            self._clear_newer_versions(resume_from_checkpoint, trial)
             output = super().train(  # type: ignore[misc]
                 resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs
             )
@@ -188,6 +192,37 @@ class AsyncCkptTrainerMixin:
         if state is not None and not os.path.isfile(os.path.join(folder, _STATE_FILE)):
             _write_state_file(folder, state["trainer_state"])  # the job died before writing it
         return folder
+
+    def _clear_newer_versions(self, resume: str | bool | None, trial: Any) -> None:
+        """Make room for the steps training will save: steps only increase, so versions
+        newer than the step it resumes from would fail its first save after them.
+
+        Resuming from one of this run's versions rewinds the newer ones (fenced, by
+        :meth:`~asyncckpt.Checkpointer.rewind`), as the stock Trainer overwrites their
+        folders; any other start over newer versions is refused before the first step.
+        """
+        ckpt = self.checkpointer
+        newest = ckpt.latest()
+        folder = resume if isinstance(resume, str) else None
+        start = _start_step(folder)
+        if newest is None or newest <= start:
+            return
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        ours = folder is not None and self._is_run_dir(os.path.dirname(os.path.normpath(folder)))
+        if ours and start in ckpt.versions():
+            if ckpt.is_writer:
+                removed = ckpt.rewind(start)
+                log.warning(
+                    "resuming from %s: rewound %s to step %d, deleting the newer step(s) %s "
+                    "(the stock Trainer would overwrite them as training reaches them)",
+                    folder,
+                    ckpt.root,
+                    start,
+                    ", ".join(map(str, removed)),
+                )
+                self._rotate(run_dir)
+            return
+        raise ConflictError(_newer_versions_message(ckpt, start, newest, run_dir))
 
     # -- saving -----------------------------------------------------------------------
 
@@ -391,6 +426,42 @@ class AsyncCkptTrainer(AsyncCkptTrainerMixin, transformers.Trainer):
 
     Takes what ``Trainer`` takes, plus ``checkpointer=`` (see :class:`AsyncCkptTrainerMixin`).
     """
+
+
+def _start_step(folder: str | None) -> int:
+    """The step training resumes from with ``folder``: its ``trainer_state.json``'s
+    ``global_step`` (as ``Trainer.train`` reads it), else the ``checkpoint-N`` name's N,
+    else 0 (training starts from scratch)."""
+    if folder is None:
+        return 0
+    try:
+        with open(os.path.join(folder, _STATE_FILE)) as f:
+            return int(json.load(f)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        match = _FOLDER.match(os.path.basename(os.path.normpath(folder)))
+        return int(match.group(1)) if match else 0
+
+
+def _newer_versions_message(ckpt: Checkpointer, start: int, newest: int, run_dir: str) -> str:
+    """Why training from ``start`` over versions up to ``newest`` is refused, and the ways on."""
+    older = [s for s in ckpt.versions() if s <= start]
+    where = f"training from step {start} would save steps that {ckpt.root} already holds "
+    if older:
+        undo = (
+            f"run `asyncckpt rewind {ckpt.root} {older[-1]} --yes` to delete the versions "
+            f"newer than {older[-1]}"
+        )
+    else:
+        undo = f"choose a new output_dir (or delete {ckpt.root})"
+    steps = ", ".join(map(str, ckpt.versions()))
+    folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-N")
+    return (
+        f"{where}(up to step {newest}), and steps only increase: pass "
+        f"resume_from_checkpoint=True to continue from step {newest}, or "
+        f"resume_from_checkpoint={folder!r} for a committed N ({steps}) to go back to "
+        f"version N (the newer ones are rewound, as the stock Trainer overwrites them), or "
+        f"{undo}. Nothing was changed"
+    )
 
 
 def _write_state_file(folder: str, text: str) -> None:

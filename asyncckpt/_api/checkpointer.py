@@ -366,12 +366,17 @@ class Checkpointer(VersionsMixin):
             self._last_step = self._reader.latest()
         # After reading the newest: a step committed meanwhile is a conflict, not a step
         # that went backwards.
+        # Both name rewind: going back to an earlier step after a loss spike is routine.
         if read_commit(self._storage, self._root, step) is not None:
-            raise ConflictError(f"step {step} is already committed under {self.root}")
+            raise ConflictError(
+                f"step {step} is already committed under {self.root}: steps only increase; "
+                f"to save step {step} again, go back first with {_rewind_hint(self.root, step)}"
+            )
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
                 f"steps must increase: {step} is not greater than {self._last_step}, the last "
-                f"step saved under {self.root}"
+                f"step saved under {self.root}; to go back, wait for the pending saves and "
+                f"rewind first: {_rewind_hint(self.root, step)}"
             )
 
     # -- reading ------------------------------------------------------------------------
@@ -515,3 +520,11 @@ class Checkpointer(VersionsMixin):
     def __repr__(self) -> str:
         role = "read-only" if self.read_only else f"writer_rank={self.writer_rank}"
         return f"Checkpointer({self.root!r}, {role})"
+
+
+def _rewind_hint(root: str, step: int) -> str:
+    """How to discard the versions from ``step`` on: rewind to a committed step before it."""
+    return (
+        f"Checkpointer.rewind(K) or `asyncckpt rewind {root} K --yes`, K a committed step "
+        f"below {step} (`asyncckpt ls {root}` lists them)"
+    )

@@ -1247,3 +1247,12 @@ def test_reserve_of_a_dtensor_state_on_a_rank_that_writes_no_plain_state(
         assert staging_api.arena_pool()._free[0].numel() >= 4 << 20  # this rank's shard
     finally:
         dist.destroy_process_group()
+
+
+def test_a_step_that_is_not_newer_names_rewind(tmp_path: Any) -> None:
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, {"w": torch.zeros(1)}).result()
+        with pytest.raises(ConflictError, match="rewind"):
+            ckpt.save(2, {"w": torch.zeros(1)})
+        with pytest.raises(ValueError, match="rewind"):
+            ckpt.save(1, {"w": torch.zeros(1)})

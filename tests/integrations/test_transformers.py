@@ -17,6 +17,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 import asyncckpt  # noqa: E402
 from asyncckpt._versions.retention import RetentionPolicy  # noqa: E402
+from asyncckpt.errors import ConflictError  # noqa: E402
 from asyncckpt.transformers import OVERRIDDEN, ROOT_NAME, AsyncCkptTrainer  # noqa: E402
 
 
@@ -190,3 +191,38 @@ def test_every_overridden_method_still_exists_in_transformers(name: str) -> None
         if p.kind is not inspect.Parameter.VAR_KEYWORD
     ]
     assert our_params == stock_params, f"Trainer.{name}{inspect.signature(stock)} changed"
+
+
+@pytest.mark.timeout(300)
+def test_resuming_from_an_older_checkpoint_rewinds_as_the_stock_trainer_overwrites(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rolling back after a loss spike: the stock Trainer trains 4..8 again and overwrites
+    checkpoint-6 and -8; ours rewinds the newer versions at the start and says so."""
+    results = []
+    for cls, name in ((transformers.Trainer, "stock"), (AsyncCkptTrainer, "ours")):
+        _trainer(cls, tmp_path / name).train()
+        again = _trainer(cls, tmp_path / name)
+        with caplog.at_level("WARNING", logger="asyncckpt"):
+            again.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-3"))
+        results.append(again)
+    stock, ours = results
+    _assert_same_training_state(ours, stock)
+    assert ours.checkpointer.versions() == [3, 6, 8]
+    assert get_last_checkpoint(str(tmp_path / "ours")) == str(tmp_path / "ours" / "checkpoint-8")
+    rewound = [r.getMessage() for r in caplog.records if "rewound" in r.getMessage()]
+    assert len(rewound) == 1 and "8, 6" in rewound[0], rewound
+
+
+@pytest.mark.timeout(300)
+def test_training_over_newer_versions_it_cannot_rewind_is_refused_at_the_start(
+    tmp_path: Path,
+) -> None:
+    _trainer(AsyncCkptTrainer, tmp_path).train()
+    fresh = _trainer(AsyncCkptTrainer, tmp_path)
+    with pytest.raises(ConflictError, match="resume_from_checkpoint=True") as info:
+        fresh.train()  # from scratch: step 3 would collide with the committed one
+    assert "checkpoint-N" in str(info.value) and "(3, 6, 8)" in str(info.value)
+    assert fresh.state.global_step == 0  # refused before the first step
+    with asyncckpt.Checkpointer(tmp_path / ROOT_NAME, read_only=True) as ckpt:
+        assert ckpt.versions() == [3, 6, 8]  # nothing deleted
