@@ -391,6 +391,7 @@ class Checkpointer(VersionsMixin):
         into: Any = None,
         max_bytes: int | None = None,
         keys: Collection[Any] | None = None,
+        weights_only: bool | None = None,
     ) -> Any:
         """Load a committed version; with a process group, every rank gets the same one.
 
@@ -427,6 +428,8 @@ class Checkpointer(VersionsMixin):
             keys: top-level keys of the saved state to load (e.g. ``["model"]`` for an
                 evaluation job), as in :func:`asyncckpt.load`: only their chunks are read
                 (of a sharded version, only the rank files and chunks holding them).
+            weights_only: accepted and ignored, as by :func:`asyncckpt.load`: nothing is
+                unpickled, so every load is as safe as ``torch.load(weights_only=True)``.
 
         Returns:
             The saved state (with ``keys``, the dict of those keys).
@@ -448,6 +451,7 @@ class Checkpointer(VersionsMixin):
             TypeError: ``step`` is neither None nor an int (e.g. ``"latest"``).
             DeviceUnavailableError: ``map_location`` names a device this machine lacks.
         """
+        del weights_only  # torch.load's keyword, so that code written for it runs as is
         self._check_open()
         check_load_step(step)
         Budget(max_bytes)  # a bad value fails here, before any wait

@@ -49,6 +49,18 @@ class LocalStorage(Storage):
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = Settings.resolve() if settings is None else settings
 
+    def check_writable(self, path: str) -> None:
+        """Refuse a directory at once, as ``torch.save`` does (a file cannot replace it).
+
+        Raises:
+            StorageError: ``path`` is a directory.
+        """
+        if os.path.isdir(path):
+            raise StorageError(
+                f"{path} is a directory: save writes one file; name a file in it, e.g. "
+                f"{os.path.join(path, 'model.ackpt')}",
+            )
+
     def open_atomic(self, path: str) -> AtomicWriter:
         return _LocalWriter(self, path)
 
