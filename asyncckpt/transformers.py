@@ -22,7 +22,12 @@ Layout under ``output_dir``:
 back to the stock Trainer's folders when the root has none); a path ``.../checkpoint-N``
 resumes from version N of the run that folder belongs to (this run's root, or
 ``<that run>/asyncckpt`` for another run's folder) if it is committed there, else from the
-stock files in that folder.
+stock files in that folder. Resuming from one of this run's versions while newer ones exist
+(going back after a loss spike) rewinds them at the start of ``train``
+(:meth:`~asyncckpt.Checkpointer.rewind`, fenced, logged as a warning), where the stock
+Trainer overwrites their folders as it reaches them; training from a step with newer
+versions it cannot rewind (from scratch, or from another run's folder) is refused before
+the first step, naming the ways on.
 Rotation is the Checkpointer's retention (run by the writer after each commit, fenced by its
 lease, with the root's storage options): ``save_total_limit`` is ``keep_last``, and
 ``metric_for_best_model`` / ``greater_is_better`` are ``keep_best=1`` with that metric
