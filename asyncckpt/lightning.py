@@ -57,7 +57,7 @@ from asyncckpt._convert.lightning_plain import (
 )
 from asyncckpt._device import MapLocation
 from asyncckpt._format.tree import ROOT_NAME
-from asyncckpt._settings import Settings
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import resolve
 from asyncckpt.errors import AsyncCkptWarning, UnsupportedObjectError
 
@@ -119,7 +119,7 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
     end of ``fit``/``validate``/``test``); ``teardown`` also waits for every pending save.
 
     Args:
-        compression: ``"zstd"`` (default), ``"none"`` or ``"auto"``, as for
+        compression: ``"auto"`` (default), ``"zstd"`` or ``"none"``, as for
             :func:`asyncckpt.save`.
         storage_options: fsspec options for URL paths (e.g. ``{"endpoint_url": ...}``).
         classes: classes to rebuild on load besides the built-in trusted ones (see
@@ -127,6 +127,9 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         map_location: where ``load_checkpoint`` puts tensors when Lightning passes none
             (it never does): as for :func:`asyncckpt.load`; None puts CPU tensors on the
             CPU and accelerator tensors on this process's current device.
+        settings: the tunables of every save and load of the plugin, fixed when it is
+            built: an :class:`asyncckpt.Settings`, or a dict such as ``{"threads": 4}``
+            over the ``ASYNCCKPT_*`` environment variables.
 
     Example:
         >>> import tempfile, os, torch
@@ -145,14 +148,15 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
     def __init__(
         self,
         *,
-        compression: str = "zstd",
+        compression: str = "auto",
         storage_options: dict[str, Any] | None = None,
         classes: Iterable[type] = (),
         map_location: MapLocation = None,
+        settings: SettingsArg = None,
     ) -> None:
         super().__init__()
         #: Resolved once, when the plugin is built (argument > ``ASYNCCKPT_*`` > default).
-        self.settings = Settings.resolve()
+        self.settings = Settings.of(settings)
         api.write_options(compression, self.settings)  # a bad value fails here, not later
         self.compression = compression
         self.storage_options = dict(storage_options or {})
@@ -189,7 +193,13 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         options = self._options(storage_options)
         plain = to_plain(checkpoint)
         try:
-            handle = api.save(plain, path, compression=self.compression, storage_options=options)
+            handle = api.save(
+                plain,
+                path,
+                compression=self.compression,
+                storage_options=options,
+                settings=self.settings,
+            )
         except UnsupportedObjectError as exc:
             # asyncckpt.save names the root "state"; the user knows it as the checkpoint.
             reason = str(exc).removeprefix(f"cannot save {exc.key_path}: ")
@@ -257,7 +267,9 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         # A save of this file left unfinished by a dead process (the crash this load is
         # resuming from, typically) leaves its marker: resume from the file as it is.
         options = self._options(None)
-        loaded = api.load(path, map_location, storage_options=options, dead_writer="load")
+        loaded = api.load(
+            path, map_location, storage_options=options, dead_writer="load", settings=self.settings
+        )
         return from_plain(loaded, self.classes, name=os.fspath(path))
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -401,7 +413,11 @@ def load_from_checkpoint(
     options = plugin._options(None)
     # One handle for every key read: all of them come from the same version of the file.
     with api.open_checkpoint(
-        checkpoint_path, map_location, storage_options=options, dead_writer="load"
+        checkpoint_path,
+        map_location,
+        storage_options=options,
+        dead_writer="load",
+        settings=plugin.settings,
     ) as ckpt:
         plain = {key: ckpt[key] for key in ckpt if key not in skip}
     checkpoint = from_plain(plain, plugin.classes, name=name)

@@ -73,6 +73,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from asyncckpt._api.checkpointer import Checkpointer
 from asyncckpt._api.jobs import SaveHandle
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt.accelerate import gathered_rng_states, set_rng_states
 from asyncckpt.errors import AsyncCkptError, ConflictError, FormatError
 
@@ -104,6 +105,9 @@ class AsyncCkptTrainerMixin:
     Args:
         checkpointer: where versions go; default ``Checkpointer(output_dir/asyncckpt)``,
             built on first use.
+        settings: the tunables of the Checkpointer built here (an
+            :class:`asyncckpt.Settings`, or a dict such as ``{"threads": 4}`` over the
+            ``ASYNCCKPT_*`` environment variables); one passed in keeps its own.
         *args, **kwargs: those of ``Trainer``.
 
     Example:
@@ -122,9 +126,16 @@ class AsyncCkptTrainerMixin:
     callback_handler: Any
     hp_search_backend: Any
 
-    def __init__(self, *args: Any, checkpointer: Checkpointer | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        checkpointer: Checkpointer | None = None,
+        settings: SettingsArg = None,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         self._ackpt = checkpointer
+        self._ackpt_settings = Settings.of(settings)  # an entry point: resolved once, here
         self._ackpt_built = False  # ours to close (one passed in is the caller's)
         # The version last loaded, by (root, step): the load methods each ask for it.
         self._ackpt_loaded: tuple[tuple[str, int], dict[str, Any]] | None = None
@@ -145,6 +156,7 @@ class AsyncCkptTrainerMixin:
                 keep_best=None if metric is None else 1,
                 best_metric=metric,
                 best_mode="max" if args.greater_is_better else "min",
+                settings=self._ackpt_settings,
             )
             self._ackpt_built = True
         return self._ackpt
@@ -429,7 +441,8 @@ class AsyncCkptTrainerMixin:
 class AsyncCkptTrainer(AsyncCkptTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` whose checkpoints are written in the background.
 
-    Takes what ``Trainer`` takes, plus ``checkpointer=`` (see :class:`AsyncCkptTrainerMixin`).
+    Takes what ``Trainer`` takes, plus ``checkpointer=`` and ``settings=`` (see
+    :class:`AsyncCkptTrainerMixin`).
     """
 
 

@@ -35,7 +35,7 @@ from asyncckpt._engine import overlap
 from asyncckpt._engine.decode import Budget
 from asyncckpt._engine.snapshot import DeviceCopies, Snapshot
 from asyncckpt._format.codec import check_compression
-from asyncckpt._settings import Settings
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import resolve
 from asyncckpt._versions.metrics import Metrics, check_metrics
 from asyncckpt._versions.protocol import data_file_name, read_commit, step_dir
@@ -80,9 +80,12 @@ class Checkpointer(VersionsMixin):
             the model so their next ``step()``/forward waits for the copies. Without CUDA
             this changes nothing.
         read_only: a reader: :meth:`save` raises at once.
+        settings: the tunables of this Checkpointer, fixed when it is built (see the user
+            guide's "Tunables"): an :class:`asyncckpt.Settings`, or a dict such as
+            ``{"threads": 4}`` over the ``ASYNCCKPT_*`` environment variables.
 
     Raises:
-        ValueError: a bad retention argument or ``compression``.
+        ValueError: a bad retention argument or ``compression``, or a tunable out of range.
         StorageError: the root's URL cannot be resolved.
 
     Example:
@@ -111,14 +114,15 @@ class Checkpointer(VersionsMixin):
         writer_rank: int = 0,
         overlap: bool = False,
         read_only: bool = False,
+        settings: SettingsArg = None,
     ) -> None:
         self.retention = RetentionPolicy(
             keep_last, keep_best, best_metric, best_mode, keep_every, keep_for
         )
         self.compression = check_compression(compression)
         self.keep_last = keep_last
-        self._settings = Settings.resolve()
-        self._storage, self._root = resolve(root, storage_options)
+        self._settings = Settings.of(settings)
+        self._storage, self._root = resolve(root, storage_options, self._settings)
         self._group = process_group
         self.writer_rank = writer_rank
         self.read_only = read_only

@@ -40,7 +40,12 @@ def _data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _trainer(
-    cls: type, out: Path, stop_at: int | None = None, checkpointer: Any = None, **args: Any
+    cls: type,
+    out: Path,
+    stop_at: int | None = None,
+    checkpointer: Any = None,
+    settings: Any = None,
+    **args: Any,
 ) -> Any:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
@@ -60,7 +65,9 @@ def _trainer(
     }
     training_args = transformers.TrainingArguments(output_dir=str(out), **{**defaults, **args})
     callbacks = [] if stop_at is None else [_StopAt(stop_at)]
-    extra = {} if checkpointer is None else {"checkpointer": checkpointer}
+    extra: dict[str, Any] = {} if checkpointer is None else {"checkpointer": checkpointer}
+    if settings is not None:
+        extra["settings"] = settings
     return cls(
         **extra,
         model=model,
@@ -226,3 +233,10 @@ def test_training_over_newer_versions_it_cannot_rewind_is_refused_at_the_start(
     assert fresh.state.global_step == 0  # refused before the first step
     with asyncckpt.Checkpointer(tmp_path / ROOT_NAME, read_only=True) as ckpt:
         assert ckpt.versions() == [3, 6, 8]  # nothing deleted
+
+
+def test_settings_reach_the_checkpointer_the_trainer_builds(tmp_path: Path) -> None:
+    trainer = _trainer(AsyncCkptTrainer, tmp_path, settings={"chunk_bytes": 4096})
+    assert trainer.checkpointer._settings.chunk_bytes == 4096
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        _trainer(AsyncCkptTrainer, tmp_path, settings={"chunk_bytes": 0})
