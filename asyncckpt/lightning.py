@@ -134,7 +134,7 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
     Example:
         >>> import tempfile, os, torch
         >>> io = AsyncCkptIO()
-        >>> path = os.path.join(tempfile.mkdtemp(), "epoch=0.ckpt")
+        >>> path = os.path.join(tempfile.mkdtemp(), "epoch=0.ackpt")
         >>> io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, path)
         >>> io.load_checkpoint(path)["state_dict"]["w"]
         tensor([1., 1.])
