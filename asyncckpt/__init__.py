@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from asyncckpt._api.dropin import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
     from asyncckpt._api.dropin import open_checkpoint as open
     from asyncckpt._api.preemption import Preemption
+    from asyncckpt._settings import Settings
 
 #: Public names imported on first use: ``import asyncckpt.cli`` (``asyncckpt --help``) and
 #: ``asyncckpt.errors`` then run without importing torch (seconds).
@@ -32,6 +33,7 @@ _LAZY = {
     "Checkpointer": ("asyncckpt._api.checkpointer", "Checkpointer"),
     "open": ("asyncckpt._api.dropin", "open_checkpoint"),
     "Preemption": ("asyncckpt._api.preemption", "Preemption"),
+    "Settings": ("asyncckpt._settings", "Settings"),
     **{
         name: ("asyncckpt._api.dropin", name)
         for name in ("SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "wait")
@@ -59,6 +61,7 @@ __all__ = [
     "SaveHandle",
     "SaveInfo",
     "SaveStats",
+    "Settings",
     "__version__",
     "load",
     "open",

@@ -71,13 +71,19 @@ def known_device(saved: str) -> bool:
     return kind in device_types() and (not index or (index.isdigit() and index.isascii()))
 
 
-def _explicit_targets(map_location: MapLocation) -> list[str | torch.device]:
-    """The devices ``map_location`` names as destinations (a callable names none)."""
+def _check_targets(map_location: MapLocation) -> None:
+    """Refuse at once a destination that is no device, or a single one that is not here.
+
+    A dict's destinations are checked for availability only when a storage maps there
+    (:meth:`Placement.device_for`): ``torch.load`` ignores entries no tensor uses, and a
+    job's ``{"cuda:1": "cuda:0"}`` must still load CPU tensors on a machine without CUDA.
+    """
     if isinstance(map_location, (str, torch.device)):
-        return [map_location]
-    if isinstance(map_location, Mapping):
-        return [v for v in map_location.values() if isinstance(v, (str, torch.device))]
-    return []
+        check_available(map_location)
+    elif isinstance(map_location, Mapping):
+        for where in map_location.values():
+            if isinstance(where, (str, torch.device)):
+                _parse_device(where)
 
 
 def check_available(where: str | torch.device) -> None:
@@ -95,10 +101,7 @@ def check_available(where: str | torch.device) -> None:
         ...
         ValueError: map_location='gpu' is not a device: ...
     """
-    try:
-        device = torch.device(where)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ValueError(f"map_location={where!r} is not a device: {exc}") from None
+    device = _parse_device(where)
     kind = device.type
     if kind in ("cpu", "meta") or kind not in DEVICE_TYPES:
         return  # always there, or a backend (PrivateUse1, XLA) that torch itself checks
@@ -121,6 +124,14 @@ def check_available(where: str | torch.device) -> None:
             f"map_location={where!r}: this machine has {count()} {label} device(s), "
             f"{kind}:0 to {kind}:{count() - 1}; pick one of them, or {fix}"
         )
+
+
+def _parse_device(where: str | torch.device) -> torch.device:
+    """``torch.device(where)``, or a ValueError naming ``map_location``."""
+    try:
+        return torch.device(where)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(f"map_location={where!r} is not a device: {exc}") from None
 
 
 # ------------------------------------------------------------------ the CUDA seam
@@ -412,17 +423,20 @@ class Placement:
                 "map_location must be None, a str, a torch.device, a dict of locations or a "
                 f"callable, not {type(map_location).__qualname__}"
             )
-        for where in _explicit_targets(map_location):
-            check_available(where)
+        _check_targets(map_location)
         self.map_location = map_location
         self._warned = False
         self._cuda_devices: set[torch.device] = set()
+        self._checked: set[str | torch.device] = set()  # dict destinations found here
 
     def device_for(self, saved: str) -> torch.device:
         """The device a storage saved on ``saved`` goes to (callables aside)."""
         loc = self.map_location
         if isinstance(loc, Mapping):
             loc = loc.get(saved)
+            if isinstance(loc, (str, torch.device)) and loc not in self._checked:
+                check_available(loc)  # only now: torch ignores the entries nothing uses
+                self._checked.add(loc)
         if isinstance(loc, (str, torch.device)):
             return torch.device(loc)
         return self._default(saved)

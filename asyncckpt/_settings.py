@@ -1,7 +1,8 @@
 """Tunables, resolved once into a frozen :class:`Settings` at each entry point.
 
-Each value is resolved as: explicit argument > ``ASYNCCKPT_<NAME>`` environment variable >
-the default below. The entry points (``asyncckpt.save``/``load``/``reserve``,
+Each value is resolved as: explicit argument (an entry point's ``settings=``: a
+:class:`Settings`, or a dict of tunables) > ``ASYNCCKPT_<NAME>`` environment variable > the
+default below. The entry points (``asyncckpt.save``/``load``/``reserve``,
 ``Checkpointer``, ``asyncckpt.dcp``'s writer and reader, the Lightning plugin, the command
 line) resolve a :class:`Settings` when they start and hand it down; nothing below them reads
 the environment, and a writer process receives the object, not the caller's environment.
@@ -217,6 +218,34 @@ class Settings:
                 values[f.name] = _check(f, _parse(var, raw), f"environment variable {var}")
         return cls(**values, given=frozenset(values))
 
+    @classmethod
+    def of(cls, settings: SettingsArg = None) -> Settings:
+        """What an entry point's ``settings=`` argument stands for.
+
+        A :class:`Settings` is used as it is (resolved once, shared by many calls); a dict
+        of tunables is the explicit arguments, over the environment; None: the environment
+        and the defaults.
+
+        Raises:
+            TypeError: a dict key names no tunable, or ``settings`` is of another type.
+            ValueError: a value is out of range (named in the message).
+
+        Example:
+            >>> Settings.of({"threads": 3}).threads, Settings.of(Settings(threads=5)).threads
+            (3, 5)
+        """
+        if isinstance(settings, Settings):
+            return settings
+        if settings is None:
+            return cls.resolve()
+        if isinstance(settings, Mapping):
+            explicit: dict[str, Any] = dict(settings)  # checked by name and range there
+            return cls.resolve(None, **explicit)
+        raise TypeError(
+            "settings must be an asyncckpt.Settings, a dict of tunables (e.g. "
+            f'{{"threads": 4}}) or None, not {type(settings).__name__}'
+        )
+
     def replace(self, **changes: int | None) -> Settings:
         """A copy with the given tunables changed (None keeps the current value).
 
@@ -232,6 +261,10 @@ class Settings:
     def help() -> dict[str, tuple[int, str]]:
         """name -> (default, what it does), for the command line and the docs."""
         return {f.name: (f.default, f.metadata["help"]) for f in _fields()}  # type: ignore[misc]
+
+
+#: What an entry point's ``settings=`` takes (see :meth:`Settings.of`).
+SettingsArg = Settings | Mapping[str, int] | None
 
 
 def _fields() -> tuple[dataclasses.Field[Any], ...]:

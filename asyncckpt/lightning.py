@@ -18,6 +18,12 @@ ever imported by a name read from a file. ``docs/lightning.md`` lists what round
 (which Lightning's own method cannot read: it calls ``torch.load``), reading only the
 weights and hyperparameters, not the optimizer states.
 
+Names: Lightning's ``ModelCheckpoint`` names files ``.ckpt``, which every tool takes for a
+``torch.save`` file (``torch.load`` then fails with advice that cannot work).
+:class:`ModelCheckpoint` here is Lightning's with the extension ``.ackpt``
+(``ckpt_path="last"`` finds ``last.ackpt``); :class:`AsyncCkptIO` warns once when it writes
+asyncckpt bytes under a ``.ckpt`` name, saying how to read them.
+
 This module imports Lightning (the ``lightning`` package, ``pip install
 'asyncckpt[lightning]'``); ``import asyncckpt`` does not import this module.
 """
@@ -31,6 +37,7 @@ from typing import Any, TypeVar, cast
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch import callbacks as pl_callbacks
     from lightning.pytorch.core import saving as pl_saving
     from lightning.pytorch.plugins.io import CheckpointIO
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -50,14 +57,16 @@ from asyncckpt._convert.lightning_plain import (
 )
 from asyncckpt._device import MapLocation
 from asyncckpt._format.tree import ROOT_NAME
-from asyncckpt._settings import Settings
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import resolve
 from asyncckpt.errors import AsyncCkptWarning, UnsupportedObjectError
 
 __all__ = [
+    "EXTENSION",
     "PROJECTION_KEY",
     "PROJECTION_VERSION",
     "AsyncCkptIO",
+    "ModelCheckpoint",
     "from_plain",
     "load_from_checkpoint",
     "to_plain",
@@ -67,12 +76,38 @@ __all__ = [
 #: :func:`load_from_checkpoint` (for Adam, the optimizer states are twice the weights).
 TRAINING_STATE_KEYS = frozenset({"optimizer_states", "lr_schedulers", "loops", "callbacks"})
 
+#: The extension of the files :class:`ModelCheckpoint` names.
+EXTENSION = ".ackpt"
+#: Lightning's name for its checkpoints, which tools take for a ``torch.save`` file.
+_TORCH_EXTENSION = ".ckpt"
+
 _Loadable = TypeVar("_Loadable", bound="pl.LightningModule | pl.LightningDataModule")
 
 
 def _target_key(path: str | os.PathLike[str]) -> str:
     text = os.fspath(path)
     return text if "://" in text else os.path.abspath(text)
+
+
+class ModelCheckpoint(pl_callbacks.ModelCheckpoint):  # type: ignore[misc]
+    """Lightning's ``ModelCheckpoint``, naming its files ``.ackpt`` instead of ``.ckpt``.
+
+    Use it with :class:`AsyncCkptIO`, so that the files' names say what they are:
+    ``torch.load``, ``LightningModule.load_from_checkpoint`` and colleagues' scripts would
+    take a ``.ckpt`` for a ``torch.save`` file and fail with torch's advice to retry with
+    ``weights_only=False`` (which cannot work). Every argument is Lightning's; Lightning
+    finds ``last.ackpt`` for ``ckpt_path="last"`` (it looks for the callback's extension).
+
+    Example:
+        >>> from asyncckpt.lightning import AsyncCkptIO, ModelCheckpoint
+        >>> callback = ModelCheckpoint(dirpath="ckpts", monitor="val_loss", save_last=True)
+        >>> callback.FILE_EXTENSION
+        '.ackpt'
+
+        With a Trainer: ``Trainer(plugins=[AsyncCkptIO()], callbacks=[callback])``.
+    """
+
+    FILE_EXTENSION = EXTENSION
 
 
 class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
@@ -84,7 +119,7 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
     end of ``fit``/``validate``/``test``); ``teardown`` also waits for every pending save.
 
     Args:
-        compression: ``"zstd"`` (default), ``"none"`` or ``"auto"``, as for
+        compression: ``"auto"`` (default), ``"zstd"`` or ``"none"``, as for
             :func:`asyncckpt.save`.
         storage_options: fsspec options for URL paths (e.g. ``{"endpoint_url": ...}``).
         classes: classes to rebuild on load besides the built-in trusted ones (see
@@ -92,11 +127,14 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         map_location: where ``load_checkpoint`` puts tensors when Lightning passes none
             (it never does): as for :func:`asyncckpt.load`; None puts CPU tensors on the
             CPU and accelerator tensors on this process's current device.
+        settings: the tunables of every save and load of the plugin, fixed when it is
+            built: an :class:`asyncckpt.Settings`, or a dict such as ``{"threads": 4}``
+            over the ``ASYNCCKPT_*`` environment variables.
 
     Example:
         >>> import tempfile, os, torch
         >>> io = AsyncCkptIO()
-        >>> path = os.path.join(tempfile.mkdtemp(), "epoch=0.ckpt")
+        >>> path = os.path.join(tempfile.mkdtemp(), "epoch=0.ackpt")
         >>> io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, path)
         >>> io.load_checkpoint(path)["state_dict"]["w"]
         tensor([1., 1.])
@@ -110,14 +148,15 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
     def __init__(
         self,
         *,
-        compression: str = "zstd",
+        compression: str = "auto",
         storage_options: dict[str, Any] | None = None,
         classes: Iterable[type] = (),
         map_location: MapLocation = None,
+        settings: SettingsArg = None,
     ) -> None:
         super().__init__()
         #: Resolved once, when the plugin is built (argument > ``ASYNCCKPT_*`` > default).
-        self.settings = Settings.resolve()
+        self.settings = Settings.of(settings)
         api.write_options(compression, self.settings)  # a bad value fails here, not later
         self.compression = compression
         self.storage_options = dict(storage_options or {})
@@ -125,6 +164,7 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         self.map_location = map_location
         self._pending: dict[str, list[api.SaveHandle]] = {}
         self._failures: list[BaseException] = []
+        self._warned_name = False
 
     def save_checkpoint(
         self,
@@ -153,14 +193,43 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         options = self._options(storage_options)
         plain = to_plain(checkpoint)
         try:
-            handle = api.save(plain, path, compression=self.compression, storage_options=options)
+            handle = api.save(
+                plain,
+                path,
+                compression=self.compression,
+                storage_options=options,
+                settings=self.settings,
+            )
         except UnsupportedObjectError as exc:
             # asyncckpt.save names the root "state"; the user knows it as the checkpoint.
             reason = str(exc).removeprefix(f"cannot save {exc.key_path}: ")
             key_path = CHECKPOINT_ROOT + exc.key_path.removeprefix(ROOT_NAME)
             raise UnsupportedObjectError(key_path, reason) from None
         self._pending.setdefault(_target_key(path), []).append(handle)
+        self._warn_torch_name(path)
         self._raise_failure()
+
+    def _warn_torch_name(self, path: str | os.PathLike[str]) -> None:
+        """Once per plugin: asyncckpt bytes under a ``.ckpt`` name, and how to read them.
+
+        Lightning's own temporary files (``.temp.ckpt``, ``.lr_find_*.ckpt``: hidden names
+        it writes and deletes itself) are nobody else's to read.
+        """
+        name = os.path.basename(os.fspath(path).rstrip("/"))
+        if self._warned_name or not name.endswith(_TORCH_EXTENSION) or name.startswith("."):
+            return
+        self._warned_name = True
+        warnings.warn(
+            f"{os.fspath(path)} holds asyncckpt bytes under Lightning's torch name: "
+            "torch.load and LightningModule.load_from_checkpoint cannot read it (torch's "
+            "advice to retry with weights_only=False cannot work). Read it with "
+            "asyncckpt.lightning.load_from_checkpoint(MyModule, path) or asyncckpt.load, or "
+            f"export it with `asyncckpt convert {name} {name[: -len(_TORCH_EXTENSION)]}.pt`; "
+            "to name the files .ackpt, use asyncckpt.lightning.ModelCheckpoint instead of "
+            "Lightning's (the same arguments)",
+            AsyncCkptWarning,
+            stacklevel=2,
+        )
 
     def load_checkpoint(
         self,
@@ -198,7 +267,9 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         # A save of this file left unfinished by a dead process (the crash this load is
         # resuming from, typically) leaves its marker: resume from the file as it is.
         options = self._options(None)
-        loaded = api.load(path, map_location, storage_options=options, dead_writer="load")
+        loaded = api.load(
+            path, map_location, storage_options=options, dead_writer="load", settings=self.settings
+        )
         return from_plain(loaded, self.classes, name=os.fspath(path))
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -342,7 +413,11 @@ def load_from_checkpoint(
     options = plugin._options(None)
     # One handle for every key read: all of them come from the same version of the file.
     with api.open_checkpoint(
-        checkpoint_path, map_location, storage_options=options, dead_writer="load"
+        checkpoint_path,
+        map_location,
+        storage_options=options,
+        dead_writer="load",
+        settings=plugin.settings,
     ) as ckpt:
         plain = {key: ckpt[key] for key in ckpt if key not in skip}
     checkpoint = from_plain(plain, plugin.classes, name=name)

@@ -22,7 +22,12 @@ Layout under ``output_dir``:
 back to the stock Trainer's folders when the root has none); a path ``.../checkpoint-N``
 resumes from version N of the run that folder belongs to (this run's root, or
 ``<that run>/asyncckpt`` for another run's folder) if it is committed there, else from the
-stock files in that folder.
+stock files in that folder. Resuming from one of this run's versions while newer ones exist
+(going back after a loss spike) rewinds them at the start of ``train``
+(:meth:`~asyncckpt.Checkpointer.rewind`, fenced, logged as a warning), where the stock
+Trainer overwrites their folders as it reaches them; training from a step with newer
+versions it cannot rewind (from scratch, or from another run's folder) is refused before
+the first step, naming the ways on.
 Rotation is the Checkpointer's retention (run by the writer after each commit, fenced by its
 lease, with the root's storage options): ``save_total_limit`` is ``keep_total``, counted as
 the stock Trainer counts it (``transformers.trainer_utils.rotate_checkpoints``: at most that
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import re
@@ -72,8 +78,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from asyncckpt._api.checkpointer import Checkpointer
 from asyncckpt._api.jobs import SaveHandle
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt.accelerate import gathered_rng_states, set_rng_states
-from asyncckpt.errors import AsyncCkptError, FormatError
+from asyncckpt.errors import AsyncCkptError, ConflictError, FormatError
 
 __all__ = ["OVERRIDDEN", "ROOT_NAME", "AsyncCkptTrainer", "AsyncCkptTrainerMixin"]
 
@@ -94,6 +101,8 @@ _FORMAT = 1
 _STATE_FILE = "trainer_state.json"
 _FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
+log = logging.getLogger(__name__)
+
 
 class AsyncCkptTrainerMixin:
     """Mix into a ``transformers.Trainer`` subclass (before it) to checkpoint asynchronously.
@@ -101,6 +110,9 @@ class AsyncCkptTrainerMixin:
     Args:
         checkpointer: where versions go; default ``Checkpointer(output_dir/asyncckpt)``,
             built on first use.
+        settings: the tunables of the Checkpointer built here (an
+            :class:`asyncckpt.Settings`, or a dict such as ``{"threads": 4}`` over the
+            ``ASYNCCKPT_*`` environment variables); one passed in keeps its own.
         *args, **kwargs: those of ``Trainer``.
 
     Example:
@@ -119,9 +131,16 @@ class AsyncCkptTrainerMixin:
     callback_handler: Any
     hp_search_backend: Any
 
-    def __init__(self, *args: Any, checkpointer: Checkpointer | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        checkpointer: Checkpointer | None = None,
+        settings: SettingsArg = None,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         self._ackpt = checkpointer
+        self._ackpt_settings = Settings.of(settings)  # an entry point: resolved once, here
         self._ackpt_built = False  # ours to close (one passed in is the caller's)
         # The version last loaded, by (root, step): the load methods each ask for it.
         self._ackpt_loaded: tuple[tuple[str, int], dict[str, Any]] | None = None
@@ -142,6 +161,7 @@ class AsyncCkptTrainerMixin:
                 keep_total=limit if limit is not None and limit > 0 else None,
                 best_metric=metric,
                 best_mode="max" if args.greater_is_better else "min",
+                settings=self._ackpt_settings,
             )
             self._ackpt_built = True
         return self._ackpt
@@ -163,6 +183,7 @@ class AsyncCkptTrainerMixin:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = self._resume_folder(trial) or True
         try:
+            self._clear_newer_versions(resume_from_checkpoint, trial)
             output = super().train(  # type: ignore[misc]
                 resume_from_checkpoint, trial, ignore_keys_for_eval, **kwargs
             )
@@ -193,6 +214,37 @@ class AsyncCkptTrainerMixin:
         if state is not None and not os.path.isfile(os.path.join(folder, _STATE_FILE)):
             _write_state_file(folder, state["trainer_state"])  # the job died before writing it
         return folder
+
+    def _clear_newer_versions(self, resume: str | bool | None, trial: Any) -> None:
+        """Make room for the steps training will save: steps only increase, so versions
+        newer than the step it resumes from would fail its first save after them.
+
+        Resuming from one of this run's versions rewinds the newer ones (fenced, by
+        :meth:`~asyncckpt.Checkpointer.rewind`), as the stock Trainer overwrites their
+        folders; any other start over newer versions is refused before the first step.
+        """
+        ckpt = self.checkpointer
+        newest = ckpt.latest()
+        folder = resume if isinstance(resume, str) else None
+        start = _start_step(folder)
+        if newest is None or newest <= start:
+            return
+        run_dir = self._get_output_dir(trial=trial)  # type: ignore[attr-defined]
+        ours = folder is not None and self._is_run_dir(os.path.dirname(os.path.normpath(folder)))
+        if ours and start in ckpt.versions():
+            if ckpt.is_writer:
+                removed = ckpt.rewind(start)
+                log.warning(
+                    "resuming from %s: rewound %s to step %d, deleting the newer step(s) %s "
+                    "(the stock Trainer would overwrite them as training reaches them)",
+                    folder,
+                    ckpt.root,
+                    start,
+                    ", ".join(map(str, removed)),
+                )
+                self._rotate(run_dir)
+            return
+        raise ConflictError(_newer_versions_message(ckpt, start, newest, run_dir))
 
     # -- saving -----------------------------------------------------------------------
 
@@ -394,8 +446,45 @@ class AsyncCkptTrainerMixin:
 class AsyncCkptTrainer(AsyncCkptTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` whose checkpoints are written in the background.
 
-    Takes what ``Trainer`` takes, plus ``checkpointer=`` (see :class:`AsyncCkptTrainerMixin`).
+    Takes what ``Trainer`` takes, plus ``checkpointer=`` and ``settings=`` (see
+    :class:`AsyncCkptTrainerMixin`).
     """
+
+
+def _start_step(folder: str | None) -> int:
+    """The step training resumes from with ``folder``: its ``trainer_state.json``'s
+    ``global_step`` (as ``Trainer.train`` reads it), else the ``checkpoint-N`` name's N,
+    else 0 (training starts from scratch)."""
+    if folder is None:
+        return 0
+    try:
+        with open(os.path.join(folder, _STATE_FILE)) as f:
+            return int(json.load(f)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        match = _FOLDER.match(os.path.basename(os.path.normpath(folder)))
+        return int(match.group(1)) if match else 0
+
+
+def _newer_versions_message(ckpt: Checkpointer, start: int, newest: int, run_dir: str) -> str:
+    """Why training from ``start`` over versions up to ``newest`` is refused, and the ways on."""
+    older = [s for s in ckpt.versions() if s <= start]
+    where = f"training from step {start} would save steps that {ckpt.root} already holds "
+    if older:
+        undo = (
+            f"run `asyncckpt rewind {ckpt.root} {older[-1]} --yes` to delete the versions "
+            f"newer than {older[-1]}"
+        )
+    else:
+        undo = f"choose a new output_dir (or delete {ckpt.root})"
+    steps = ", ".join(map(str, ckpt.versions()))
+    folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-N")
+    return (
+        f"{where}(up to step {newest}), and steps only increase: pass "
+        f"resume_from_checkpoint=True to continue from step {newest}, or "
+        f"resume_from_checkpoint={folder!r} for a committed N ({steps}) to go back to "
+        f"version N (the newer ones are rewound, as the stock Trainer overwrites them), or "
+        f"{undo}. Nothing was changed"
+    )
 
 
 def _write_state_file(folder: str, text: str) -> None:

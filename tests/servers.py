@@ -199,12 +199,23 @@ sys.stdin.read()  # returns when the parent closes stdin, or dies
 """
 
 
+# The child imports ``moto`` and ``werkzeug`` from the installed packages only: a caller's
+# script named ``moto.py`` (in its folder or on PYTHONPATH) would shadow the package and,
+# if it starts a MotoServer itself, make the servers start each other without end. ``-E``
+# ignores PYTHONPATH and the other PYTHON* variables; ``-P`` (3.11+) keeps the current
+# folder off sys.path, which on 3.10 the child's empty working folder does instead. User
+# site-packages stay (unlike ``-I``), where ``pip install --user moto`` puts it.
+_ISOLATED = ("-E", "-P") if sys.version_info >= (3, 11) else ("-E",)
+
+
 class MotoServer(LocalS3Server):
     """A moto S3 server in a child process, listening on ``127.0.0.1`` on a free port.
 
     The child exits when :meth:`stop` is called or when this process dies (it watches its
-    stdin). moto checks ``If-None-Match``/``If-Match`` and then writes without a lock; the
-    server serialises conditional requests so that it has S3's atomic semantics.
+    stdin). It runs isolated from the caller's folder and PYTHONPATH, in an empty temporary
+    folder, so that a script named ``moto.py`` cannot shadow the package. moto checks
+    ``If-None-Match``/``If-Match`` and then writes without a lock; the server serialises
+    conditional requests so that it has S3's atomic semantics.
 
     Args:
         min_part_bytes: the smallest multipart part the server accepts (S3: 5 MiB); tests
@@ -231,6 +242,7 @@ class MotoServer(LocalS3Server):
         self.startup_timeout = startup_timeout
         self._proc: subprocess.Popen[str] | None = None
         self._log: Any = None
+        self._workdir: str | None = None
 
     def start(self) -> MotoServer:
         """Start the child process and wait until it listens; returns ``self``."""
@@ -238,16 +250,16 @@ class MotoServer(LocalS3Server):
         env["MOTO_S3_DEFAULT_KEY_BUFFER_SIZE"] = str(64 << 20)
         if self.min_part_bytes is not None:
             env["S3_UPLOAD_PART_MIN_SIZE"] = str(self.min_part_bytes)
-        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 (closed in stop)
-            prefix="asyncckpt-moto-", suffix=".log", delete=False
-        )
+        self._workdir = tempfile.mkdtemp(prefix="asyncckpt-moto-")
+        self._log = open(os.path.join(self._workdir, "server.log"), "w")  # noqa: SIM115
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", _MOTO_CODE],
+            [sys.executable, *_ISOLATED, "-c", _MOTO_CODE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             env=env,
             text=True,
+            cwd=self._workdir,  # an empty folder: nothing of the caller's is importable
         )
         line: list[str] = []
         proc = self._proc
@@ -281,8 +293,10 @@ class MotoServer(LocalS3Server):
         if self._log is not None:
             with contextlib.suppress(OSError):
                 self._log.close()
-                os.unlink(self._log.name)
             self._log = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
 
     def __enter__(self) -> MotoServer:
         return self.start()

@@ -37,7 +37,7 @@ from asyncckpt._engine.decode import Budget
 from asyncckpt._engine.snapshot import DeviceCopies, Snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._format.tree import holds_dtensor
-from asyncckpt._settings import Settings
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import resolve
 from asyncckpt._versions import loading
 from asyncckpt._versions.metrics import Metrics, check_metrics
@@ -94,9 +94,13 @@ class Checkpointer(VersionsMixin):
             the model so their next ``step()``/forward waits for the copies. Without CUDA
             this changes nothing.
         read_only: a reader: :meth:`save` raises at once.
+        settings: the tunables of this Checkpointer, fixed when it is built (see the user
+            guide's "Tunables"): an :class:`asyncckpt.Settings`, or a dict such as
+            ``{"threads": 4}`` over the ``ASYNCCKPT_*`` environment variables.
 
     Raises:
-        ValueError: a bad retention argument (the message names it) or ``compression``.
+        ValueError: a bad retention argument (the message names it) or ``compression``,
+            or a tunable out of range.
         StorageError: the root's URL cannot be resolved.
 
     Example:
@@ -127,6 +131,7 @@ class Checkpointer(VersionsMixin):
         writer_rank: int = 0,
         overlap: bool = False,
         read_only: bool = False,
+        settings: SettingsArg = None,
     ) -> None:
         retention = {
             "keep_last": keep_last,
@@ -140,8 +145,8 @@ class Checkpointer(VersionsMixin):
         self.retention = policy_from(retention, rules)
         self.compression = check_compression(compression)
         self.keep_last = keep_last
-        self._settings = Settings.resolve()
-        self._storage, self._root = resolve(root, storage_options)
+        self._settings = Settings.of(settings)
+        self._storage, self._root = resolve(root, storage_options, self._settings)
         self._group = process_group
         self.writer_rank = writer_rank
         self.read_only = read_only
@@ -413,12 +418,17 @@ class Checkpointer(VersionsMixin):
             self._last_step = self._reader.latest()
         # After reading the newest: a step committed meanwhile is a conflict, not a step
         # that went backwards.
+        # Both name rewind: going back to an earlier step after a loss spike is routine.
         if read_commit(self._storage, self._root, step) is not None:
-            raise ConflictError(f"step {step} is already committed under {self.root}")
+            raise ConflictError(
+                f"step {step} is already committed under {self.root}: steps only increase; "
+                f"to save step {step} again, go back first with {_rewind_hint(self.root, step)}"
+            )
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(
                 f"steps must increase: {step} is not greater than {self._last_step}, the last "
-                f"step saved under {self.root}"
+                f"step saved under {self.root}; to go back, wait for the pending saves and "
+                f"rewind first: {_rewind_hint(self.root, step)}"
             )
 
     # -- reading ------------------------------------------------------------------------
@@ -433,6 +443,7 @@ class Checkpointer(VersionsMixin):
         into: Any = None,
         max_bytes: int | None = None,
         keys: Collection[Any] | None = None,
+        weights_only: bool | None = None,
     ) -> Any:
         """Load a committed version; with a process group, every rank gets the same one.
 
@@ -469,6 +480,8 @@ class Checkpointer(VersionsMixin):
             keys: top-level keys of the saved state to load (e.g. ``["model"]`` for an
                 evaluation job), as in :func:`asyncckpt.load`: only their chunks are read
                 (of a sharded version, only the rank files and chunks holding them).
+            weights_only: accepted and ignored, as by :func:`asyncckpt.load`: nothing is
+                unpickled, so every load is as safe as ``torch.load(weights_only=True)``.
 
         Returns:
             The saved state (with ``keys``, the dict of those keys).
@@ -490,6 +503,7 @@ class Checkpointer(VersionsMixin):
             TypeError: ``step`` is neither None nor an int (e.g. ``"latest"``).
             DeviceUnavailableError: ``map_location`` names a device this machine lacks.
         """
+        del weights_only  # torch.load's keyword, so that code written for it runs as is
         self._check_open()
         check_load_step(step)
         Budget(max_bytes)  # a bad value fails here, before any wait
@@ -572,3 +586,11 @@ class Checkpointer(VersionsMixin):
     def __repr__(self) -> str:
         role = "read-only" if self.read_only else f"writer_rank={self.writer_rank}"
         return f"Checkpointer({self.root!r}, {role})"
+
+
+def _rewind_hint(root: str, step: int) -> str:
+    """How to discard the versions from ``step`` on: rewind to a committed step before it."""
+    return (
+        f"Checkpointer.rewind(K) or `asyncckpt rewind {root} K --yes`, K a committed step "
+        f"below {step} (`asyncckpt ls {root}` lists them)"
+    )

@@ -26,7 +26,7 @@ from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file,
 from asyncckpt._engine.decode_lazy import LazyCheckpoint
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
 from asyncckpt._engine.snapshot import Snapshot
-from asyncckpt._settings import Settings
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._storage.stream import StreamStorage, is_file_object, stream_label
 from asyncckpt._versions import pending
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 PathOrUrl = str | os.PathLike[str]
 
 
-def reserve(state_or_nbytes: Any) -> threading.Thread | None:
+def reserve(state_or_nbytes: Any, *, settings: SettingsArg = None) -> threading.Thread | None:
     """Prepare the host arena for saves of a state this big, in a background thread.
 
     The first save of a process otherwise pays for allocating and faulting in its arena
@@ -55,6 +55,9 @@ def reserve(state_or_nbytes: Any) -> threading.Thread | None:
     Args:
         state_or_nbytes: the state to be saved (its exact arena size is computed; nothing
             is copied), or a size in bytes of tensor data (a little is added for alignment).
+        settings: tunables for this call (see the user guide's "Tunables"): an
+            :class:`asyncckpt.Settings`, or a dict such as ``{"threads": 4}`` over the
+            ``ASYNCCKPT_*`` environment variables; None: the environment.
 
     Returns:
         The background thread (``join`` it to wait), or None if nothing had to be done.
@@ -68,7 +71,7 @@ def reserve(state_or_nbytes: Any) -> threading.Thread | None:
         >>> thread is None or thread.join() is None
         True
     """
-    return reserve_arena(state_or_nbytes, Settings.resolve())
+    return reserve_arena(state_or_nbytes, Settings.of(settings))
 
 
 def save(
@@ -81,6 +84,7 @@ def save(
     *,
     compression: str = "auto",
     storage_options: dict[str, Any] | None = None,
+    settings: SettingsArg = None,
 ) -> SaveHandle:
     """Save ``obj`` to ``f`` in the background; return once ``obj`` is snapshotted.
 
@@ -111,6 +115,9 @@ def save(
             floats, every plane that shrinks; the smallest file, the same bytes for the
             same state) or ``"none"``.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
+        settings: tunables for this call (see the user guide's "Tunables"): an
+            :class:`asyncckpt.Settings`, or a dict such as ``{"threads": 4}`` over the
+            ``ASYNCCKPT_*`` environment variables; None: the environment.
 
     Returns:
         A :class:`SaveHandle`; ``handle.result()`` waits until the file is durable (at once
@@ -138,12 +145,12 @@ def save(
     del pickle_module, pickle_protocol, _use_new_zipfile_serialization
     del _disable_byteorder_record
     started = time.perf_counter()
-    settings = Settings.resolve()
+    resolved = Settings.of(settings)
     jobs.raise_unobserved_failure()
-    options = write_options(compression, settings)
+    options = write_options(compression, resolved)
     if not isinstance(f, (str, os.PathLike)):
         return _save_to_file_object(obj, f, options, started)
-    storage, path = resolve(f, storage_options, settings)
+    storage, path = resolve(f, storage_options, resolved)
     storage.check_writable(path)  # a read-only store fails here, as torch.save would
     marker = _MarkerStart(storage, path, options.settings)
     _, handle = stage_and_submit(
@@ -266,6 +273,7 @@ def load(
     weights_only: bool | None = None,
     mmap: bool | None = None,
     max_bytes: int | None = None,
+    settings: SettingsArg = None,
     **pickle_load_args: Any,
 ) -> Any:
     """Load an object saved by :func:`save`, verifying every checksum. Never unpickles.
@@ -308,6 +316,9 @@ def load(
             allocated. None (the default): no limit besides the one every file has, its
             size times ``MAX_EXPANSION`` (the best a chunk can compress). For files from
             elsewhere.
+        settings: tunables for this call (see the user guide's "Tunables"): an
+            :class:`asyncckpt.Settings`, or a dict such as ``{"threads": 4}`` over the
+            ``ASYNCCKPT_*`` environment variables; None: the environment.
         **pickle_load_args: the keyword arguments ``torch.load`` passes on to the unpickler
             (``encoding``, ``errors``, ``fix_imports``, ``buffers``; see
             :data:`IGNORED_PICKLE_LOAD_ARGS`): accepted and ignored. Any other keyword is a
@@ -349,12 +360,12 @@ def load(
     del pickle_module, weights_only, mmap, pickle_load_args
     budget = Budget(max_bytes)
     placement = Placement(map_location)
-    settings = Settings.resolve()  # an entry point: once, here (argument > environment)
-    storage, path = _load_source(f, storage_options, dead_writer, settings)
+    resolved = Settings.of(settings)  # an entry point: once, here (argument > environment)
+    storage, path = _load_source(f, storage_options, dead_writer, resolved)
 
     def work(opened: OpenedFile) -> Any:
         return materialize(
-            opened, placement, settings.threads, into, budget, settings=settings, keys=keys
+            opened, placement, resolved.threads, into, budget, settings=resolved, keys=keys
         )
 
     return read_file(storage, path, work, budget)
@@ -366,6 +377,7 @@ def open_checkpoint(
     *,
     storage_options: dict[str, Any] | None = None,
     dead_writer: str = "raise",
+    settings: SettingsArg = None,
 ) -> LazyCheckpoint:
     """Open a saved dict for reading one top-level key at a time (``asyncckpt.open``).
 
@@ -379,6 +391,7 @@ def open_checkpoint(
         map_location: as for :func:`load`.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
         dead_writer: as for :func:`load`.
+        settings: as for :func:`load`.
 
     Returns:
         A read-only :class:`~collections.abc.Mapping` of the file's top-level keys.
@@ -398,9 +411,9 @@ def open_checkpoint(
         ['model', 'step'] {"state['model']['w']": (torch.Size([2]), torch.float32)} tensor([1., 1.])
     """
     placement = Placement(map_location)
-    settings = Settings.resolve()  # an entry point: once, here
-    storage, path = _load_source(f, storage_options, dead_writer, settings)
-    return LazyCheckpoint(open_file(storage, path), placement, settings)
+    resolved = Settings.of(settings)  # an entry point: once, here
+    storage, path = _load_source(f, storage_options, dead_writer, resolved)
+    return LazyCheckpoint(open_file(storage, path), placement, resolved)
 
 
 _mmap_warned = threading.Event()

@@ -166,7 +166,8 @@ class Storage(ABC):
 
     def check_writable(self, path: str) -> None:
         """Raise :class:`StorageError` if ``path`` can never be written: a read-only store
-        (``http(s)://``), whose writes, commits and deletes all raise it. A save asks
+        (``http(s)://``), whose writes, commits and deletes all raise it, or a local
+        directory. A save asks
         before it starts, so it fails at once rather than at ``result()``."""
         del path
 

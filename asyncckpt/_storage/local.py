@@ -67,6 +67,18 @@ class LocalStorage(Storage):
         kind = filesystem_type(path)
         return kind not in _NETWORK_FILESYSTEMS and not kind.startswith("fuse")
 
+    def check_writable(self, path: str) -> None:
+        """Refuse a directory at once, as ``torch.save`` does (a file cannot replace it).
+
+        Raises:
+            StorageError: ``path`` is a directory.
+        """
+        if os.path.isdir(path):
+            raise StorageError(
+                f"{path} is a directory: save writes one file; name a file in it, e.g. "
+                f"{os.path.join(path, 'model.ackpt')}",
+            )
+
     def open_atomic(self, path: str) -> AtomicWriter:
         return _LocalWriter(self, path)
 

@@ -38,7 +38,7 @@ from asyncckpt._format.index import (
     item_key,
 )
 from asyncckpt._format.tree import empty_of, torch_dtype
-from asyncckpt._settings import Settings
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import Storage, is_temp_name
 from asyncckpt._versions.dcp_location import CheckpointLocation
 from asyncckpt.errors import (
@@ -66,11 +66,15 @@ class Reader(CheckpointLocation, StorageReader):
             stored tensor decoded straight into its target needs none); a load that would
             need more raises :class:`~asyncckpt.errors.MemoryBudgetError` before
             allocating. None: no limit besides what the files' sizes bound.
-        threads: reader threads (None: the ``threads`` tunable, ``ASYNCCKPT_THREADS``).
+        threads: reader threads (None: the ``threads`` tunable); over ``settings``.
+        settings: the tunables, fixed when the reader is built: an
+            :class:`asyncckpt.Settings`, or a dict such as ``{"threads": 4}`` over the
+            ``ASYNCCKPT_*`` environment variables.
 
     Raises:
         TypeError: ``url`` is not a path or URL.
-        ValueError: ``max_bytes`` is negative, ``threads`` not positive.
+        ValueError: ``max_bytes`` is negative, ``threads`` not positive, or a tunable out
+            of range.
 
     Example:
         >>> import os, tempfile, torch, warnings
@@ -92,10 +96,12 @@ class Reader(CheckpointLocation, StorageReader):
         storage_options: Mapping[str, Any] | None = None,
         max_bytes: int | None = None,
         threads: int | None = None,
+        settings: SettingsArg = None,
     ) -> None:
         StorageReader.__init__(self)
         # An entry point: the tunables are resolved once, here (argument > environment).
-        CheckpointLocation.__init__(self, url, storage_options, Settings.resolve(threads=threads))
+        resolved = Settings.of(settings).replace(threads=threads)
+        CheckpointLocation.__init__(self, url, storage_options, resolved)
         self._load_id = uuid.uuid4().hex
         self._locations: dict[MetadataIndex, ItemLocation] = {}
         self._max_bytes = max_bytes

@@ -30,7 +30,8 @@ Metrics = dict[str, "float | int | str"]
 def check_metrics(metrics: Any, where: str = "metrics") -> Metrics:
     """Validate a version's metrics and return them as a new plain dict.
 
-    Values are finite ints or floats (not bools) or strings of at most :data:`MAX_STRING`
+    Values are finite ints or floats (not bools; 0-d tensors and numpy scalars are taken
+    with ``.item()``) or strings of at most :data:`MAX_STRING`
     characters; names are non-empty strings of at most :data:`MAX_NAME` characters; at
     most :data:`MAX_METRICS` entries and :data:`MAX_METRICS_BYTES` of JSON in all. An
     error names ``where`` (the checkpoint and step, or ``metrics``).
@@ -69,6 +70,7 @@ def _check_name(key: Any, where: str) -> None:
 
 
 def _check_value(key: str, value: Any, where: str) -> float | int | str:
+    value = _as_number(key, value, where)
     if isinstance(value, str):
         if len(value) > MAX_STRING:
             raise InvalidMetricsError(
@@ -90,3 +92,21 @@ def _check_value(key: str, value: Any, where: str) -> float | int | str:
     if not finite:
         raise InvalidMetricsError(f"{where}: {key!r} is {value!r}; a metric must be finite")
     return int(value) if isinstance(value, int) else float(value)  # numpy/torch subclasses
+
+
+def _as_number(key: str, value: Any, where: str) -> Any:
+    """A 0-d tensor or numpy scalar (``loss.detach()``, ``np.float32``) as its Python
+    number, by ``.item()``, as training loops log them; anything else as it is.
+
+    Duck-typed (``shape == ()`` and ``item``), so that this module imports no torch.
+    """
+    item = getattr(value, "item", None)
+    shape = getattr(value, "shape", None)
+    if isinstance(value, (str, int, float)) or not callable(item) or shape is None:
+        return value
+    if tuple(shape) != ():
+        raise InvalidMetricsError(
+            f"{where}: {key!r} has shape {tuple(shape)}; a metric is one number (a 0-d "
+            "tensor is taken with .item())"
+        )
+    return item()

@@ -416,7 +416,7 @@ class RootWriter:
             self._discard(step, own)
             raise ConflictError(
                 f"step {step} is not newer than step {record.step}, already committed under "
-                f"{self.where}"
+                f"{self.where} (rewind first to go back: Checkpointer.rewind)"
             )
         try:
             self._create_commit(step, version, dict(metrics or {}))

@@ -1,6 +1,7 @@
 """What ``asyncckpt ls`` shows of a folder or bucket that is not itself a checkpoint root:
 the checkpoints below it (``Checkpointer`` roots, ``asyncckpt.dcp`` directories, single
-``.ackpt`` files), each with its newest step, size and age, as ``aws s3 ls`` lists prefixes.
+``.ackpt`` files, and asyncckpt files under a torch name such as Lightning's ``.ckpt``),
+each with its newest step, size and age, as ``aws s3 ls`` lists prefixes.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import datetime
 from collections import deque
 from typing import Any
 
+from asyncckpt._format.container import MAGIC
 from asyncckpt._storage import Storage
 from asyncckpt._versions.protocol import VERSION_FILE, committed_steps, latest_step, parse_step
 from asyncckpt.cli.common import (
@@ -23,6 +25,29 @@ from asyncckpt.errors import AsyncCkptError
 
 #: How many folders below the one given are searched, and how many are listed at most.
 MAX_DEPTH, MAX_FOLDERS = 4, 2000
+#: Names under which asyncckpt files are found besides ``.ackpt``: Lightning's ``.ckpt``
+#: (``AsyncCkptIO`` keeps the names Lightning gives) and torch's; their first bytes tell.
+TORCH_NAMES = (".ckpt", ".pt", ".pth")
+#: What ``ls`` and ``verify`` of a folder with no checkpoint below say.
+NOTHING_HERE = (
+    f"nothing asyncckpt wrote is here (no Checkpointer root, asyncckpt.dcp directory or "
+    f"asyncckpt file, .ackpt or under a torch name {'/'.join(TORCH_NAMES)}, within "
+    f"{MAX_DEPTH} levels)"
+)
+
+
+def is_checkpoint_file(storage: Storage, path: str) -> bool:
+    """Whether ``path`` is an asyncckpt file: named ``.ackpt``, or named like a torch file
+    (:data:`TORCH_NAMES`) and starting with asyncckpt's magic bytes (a folder is not)."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    if name.endswith(".ackpt"):
+        return True
+    if not name.endswith(TORCH_NAMES):
+        return False
+    try:
+        return storage.read_range(path, 0, len(MAGIC)) == MAGIC
+    except (AsyncCkptError, OSError):  # a folder, or gone meanwhile
+        return False
 
 
 def is_root(storage: Storage, path: str, names: list[str] | None = None) -> bool:
@@ -54,9 +79,15 @@ def need_versions(ref: RootRef, command: str) -> None:
 
 
 def find_checkpoints(storage: Storage, top: str) -> list[dict[str, Any]]:
+    """The checkpoints below ``top``, each as :func:`describe` shows it."""
+    return [describe(storage, path, layout) for path, layout in checkpoints_below(storage, top)]
+
+
+def checkpoints_below(storage: Storage, top: str) -> list[tuple[str, str]]:
     """The checkpoints below ``top`` (breadth first, at most :data:`MAX_DEPTH` levels; a
-    checkpoint's own folders are not searched), each as :func:`describe` shows it."""
-    found: list[dict[str, Any]] = []
+    checkpoint's own folders are not searched), each as its path and layout: ``"file"``,
+    ``"root"`` or ``"dcp"``."""
+    found: list[tuple[str, str]] = []
     queue: deque[tuple[str, int]] = deque([(top, 0)])
     visited = 0
     while queue and visited < MAX_FOLDERS:
@@ -64,8 +95,8 @@ def find_checkpoints(storage: Storage, top: str) -> list[dict[str, Any]]:
         visited += 1
         for name in sorted(storage.list_dir(folder)):
             path = storage.join(folder, name)
-            if name.endswith(".ackpt"):
-                found.append(describe(storage, path, "file"))
+            if is_checkpoint_file(storage, path):
+                found.append((path, "file"))
                 continue
             try:
                 names = storage.list_dir(path)
@@ -74,9 +105,9 @@ def find_checkpoints(storage: Storage, top: str) -> list[dict[str, Any]]:
             if not names:
                 continue  # a file, or an empty folder
             if is_root(storage, path, names):
-                found.append(describe(storage, path, "root"))
+                found.append((path, "root"))
             elif is_dcp_directory(storage, path):
-                found.append(describe(storage, path, "dcp"))
+                found.append((path, "dcp"))
             elif depth + 1 < MAX_DEPTH:
                 queue.append((path, depth + 1))
     return found

@@ -20,7 +20,7 @@ from asyncckpt.cli.common import (
     short_time,
     version_info,
 )
-from asyncckpt.cli.listing import MAX_DEPTH, describe, find_checkpoints, is_root
+from asyncckpt.cli.listing import NOTHING_HERE, describe, find_checkpoints, is_root
 from asyncckpt.cli.progress import format_bytes
 from asyncckpt.cli.terminal import table
 
@@ -128,9 +128,8 @@ def _ls_below(args: argparse.Namespace, ref: RootRef) -> int:
         found = find_checkpoints(ref.storage, ref.path)
     if not found:
         raise CommandFailed(
-            f"ls: {ref.name}: nothing asyncckpt wrote is here (no Checkpointer root, "
-            f"asyncckpt.dcp directory or .ackpt file within {MAX_DEPTH} levels); give a "
-            "checkpoint root or a folder or bucket above roots"
+            f"ls: {ref.name}: {NOTHING_HERE}; give a checkpoint root or a folder or bucket "
+            "above roots"
         )
     rows = [
         [

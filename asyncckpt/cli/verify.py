@@ -34,6 +34,7 @@ from asyncckpt.cli.common import (
 )
 from asyncckpt.cli.common import threads as _default_threads
 from asyncckpt.cli.formats import reject_other_format
+from asyncckpt.cli.listing import NOTHING_HERE, checkpoints_below, is_root
 from asyncckpt.cli.progress import format_bytes
 from asyncckpt.cli.terminal import paint
 from asyncckpt.errors import (
@@ -241,6 +242,8 @@ def _root_files(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]
         if every:
             raise UsageError(f"asyncckpt: {ref.name} is an asyncckpt.dcp directory; no --all")
         return dcp_files(ref)
+    if ref.step is None and not is_root(storage, root) and storage.list_dir(root):
+        return _files_below(ref, every, warnings)
     committed = committed_steps(storage, root)
     if every and not committed:
         raise CheckpointNotFoundError(f"no committed checkpoint under {ref.name}")
@@ -263,6 +266,25 @@ def _root_files(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]
             "not committed (in progress, failed or interrupted; readers never see them): "
             f"step {', '.join(map(str, pending))}"
         )
+    return files
+
+
+def _files_below(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]:
+    """A folder that is no checkpoint: the files of every checkpoint below it, as ``ls``
+    lists them (asyncckpt files under Lightning's ``.ckpt`` names included).
+
+    Raises:
+        CommandFailed: there is none.
+    """
+    found = checkpoints_below(ref.storage, ref.path)
+    if not found:
+        raise CommandFailed(f"verify: {ref.name}: {NOTHING_HERE}")
+    files: list[FileRef] = []
+    for path, layout in found:
+        if layout == "file":
+            files.append(FileRef(ref.storage, path))
+        else:
+            files += _root_files(RootRef(ref.storage, path), every, warnings)
     return files
 
 

@@ -46,7 +46,7 @@ from asyncckpt._format.index import (
     item_key,
 )
 from asyncckpt._format.tree import dtype_name
-from asyncckpt._settings import Settings
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._threads import pool
 from asyncckpt._versions.dcp_location import CheckpointLocation
 from asyncckpt.errors import AsyncCkptError, ConflictError, IncompleteCheckpointError
@@ -72,10 +72,14 @@ class Writer(CheckpointLocation, StorageWriter):
         url: the checkpoint directory: a local path or any fsspec URL (``s3://b/ckpt/7``).
             ``dcp.save(..., checkpoint_id=...)`` replaces it.
         storage_options: keyword arguments for the fsspec filesystem (endpoint, ...).
-        compression: ``"zstd"`` (default) or ``"none"``.
+        compression: ``"auto"`` (default), ``"zstd"`` or ``"none"``, as for
+            :func:`asyncckpt.save`.
+        settings: the tunables, fixed when the writer is built: an
+            :class:`asyncckpt.Settings`, or a dict such as ``{"chunk_bytes": 1 << 24}``
+            over the ``ASYNCCKPT_*`` environment variables.
 
     Raises:
-        ValueError: an unknown ``compression``.
+        ValueError: an unknown ``compression``, or a tunable out of range.
         TypeError: ``url`` is not a path or URL.
 
     Example:
@@ -97,12 +101,13 @@ class Writer(CheckpointLocation, StorageWriter):
         url: str | os.PathLike[str],
         *,
         storage_options: Mapping[str, Any] | None = None,
-        compression: str = "zstd",
+        compression: str = "auto",
+        settings: SettingsArg = None,
     ) -> None:
         StorageWriter.__init__(self)
-        settings = Settings.resolve()  # once: the entry point (argument > environment)
-        self._options = write_options(compression, settings)  # validates `compression` now
-        CheckpointLocation.__init__(self, url, storage_options, settings)
+        resolved = Settings.of(settings)  # once: the entry point (argument > environment)
+        self._options = write_options(compression, resolved)  # validates `compression` now
+        CheckpointLocation.__init__(self, url, storage_options, resolved)
         self._save_id = uuid.uuid4().hex
         self._attempt = uuid.uuid4().hex
         self._coordinator = True

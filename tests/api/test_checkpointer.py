@@ -47,6 +47,7 @@ from asyncckpt.errors import (
     CheckpointTimeoutError,
     ConflictError,
     IncompleteCheckpointError,
+    InvalidMetricsError,
     UnsupportedObjectError,
 )
 
@@ -1247,3 +1248,25 @@ def test_reserve_of_a_dtensor_state_on_a_rank_that_writes_no_plain_state(
         assert staging_api.arena_pool()._free[0].numel() >= 4 << 20  # this rank's shard
     finally:
         dist.destroy_process_group()
+
+
+def test_a_step_that_is_not_newer_names_rewind(tmp_path: Any) -> None:
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, {"w": torch.zeros(1)}).result()
+        with pytest.raises(ConflictError, match="rewind"):
+            ckpt.save(2, {"w": torch.zeros(1)})
+        with pytest.raises(ValueError, match="rewind"):
+            ckpt.save(1, {"w": torch.zeros(1)})
+
+
+def test_zero_dim_tensor_metrics_are_kept_as_numbers(tmp_path: Any) -> None:
+    """Lightning and hand-written loops log 0-d tensors (``loss.detach()``)."""
+    import numpy as np
+
+    metrics = {"loss": torch.tensor(0.25), "step": torch.tensor(3), "acc": np.float32(0.5)}
+    with Checkpointer(tmp_path, keep_best=1, best_metric="loss") as ckpt:
+        ckpt.save(1, {"w": torch.zeros(1)}, metrics=metrics).result()
+        assert ckpt.info(1).metrics == {"loss": 0.25, "step": 3, "acc": 0.5}
+        assert type(ckpt.info(1).metrics["step"]) is int
+        with pytest.raises(InvalidMetricsError, match=r"'v'.*one number"):
+            ckpt.save(2, {"w": torch.zeros(1)}, metrics={"v": torch.ones(2)})

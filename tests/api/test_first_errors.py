@@ -77,6 +77,19 @@ def test_a_map_location_that_is_no_device_is_a_value_error(saved: Path) -> None:
         asyncckpt.load(saved, map_location="gpu:0")
 
 
+@needs_no_cuda
+def test_a_dict_entry_no_tensor_uses_is_ignored_as_by_torch(saved: Path, tmp_path: Path) -> None:
+    """A job's map_location written for GPU ranks, {"cuda:1": "cuda:0"}, loads a file of CPU
+    tensors on a machine without CUDA: torch.load ignores the unused entry, and so do we."""
+    where = {"cuda:1": "cuda:0", "cuda:2": "cuda:0"}
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "t.pt")
+    assert torch.load(tmp_path / "t.pt", map_location=where)["w"].sum() == 3  # the reference
+    assert asyncckpt.load(saved, map_location=where)["w"].sum() == 3
+    with Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.save(1, {"w": torch.ones(2)}).result()
+        assert ckpt.load(map_location=where)["w"].sum() == 2
+
+
 def test_available_devices_still_load(saved: Path) -> None:
     for where in ("cpu", torch.device("cpu"), {"cuda:0": "cpu"}, None):
         assert asyncckpt.load(saved, map_location=where)["w"].sum() == 3

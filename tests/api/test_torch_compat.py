@@ -147,3 +147,24 @@ def test_torch_save_into_bytesio_then_convert() -> None:
     asyncckpt.save(torch.load(old, weights_only=True), new)
     new.seek(0)
     _same(asyncckpt.load(new), _state())
+
+
+def test_checkpointer_load_accepts_weights_only_as_load_does(tmp_path: Path) -> None:
+    with asyncckpt.Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, _state()).result()
+        _same(ckpt.load(weights_only=True), _state())
+        _same(ckpt.load(1, weights_only=False), _state())
+
+
+@pytest.mark.parametrize("where", [".", ""], ids=["dot", "cwd-relative-dir"])
+def test_saving_to_a_directory_fails_at_once_as_torch_save_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    target = where or str(tmp_path)
+    with pytest.raises(RuntimeError):  # the reference: torch.save refuses at the call
+        torch.save(_state(), target)
+    with pytest.raises(StorageError, match="is a directory") as caught:
+        asyncckpt.save(_state(), target)  # not only at result()
+    assert "model.ackpt" in str(caught.value)  # what to pass instead
+    asyncckpt.wait()  # nothing was left pending

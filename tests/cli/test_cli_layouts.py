@@ -323,3 +323,48 @@ def test_gc_of_an_empty_root_deletes_nothing_and_succeeds(
     (tmp_path / "fresh").mkdir()  # a root nothing was saved to yet
     code, out, err = run(capsys, "gc", tmp_path / "fresh", "--keep-last", "1")
     assert code == 0 and "freed 0 B" in out, err
+
+
+@pytest.fixture
+def lightning_dir(tmp_path: Path) -> Path:
+    """A Lightning run's checkpoint folder: AsyncCkptIO files under Lightning's ``.ckpt``
+    names (asyncckpt bytes), a ``torch.save`` one beside them, and a notes file."""
+    run_dir = tmp_path / "checkpoints"
+    run_dir.mkdir()
+    for name, epoch in (("epoch=0-step=4.ckpt", 0), ("last.ckpt", 1)):
+        asyncckpt.save({"state_dict": {"w": torch.ones(3)}, "epoch": epoch}, run_dir / name)
+    asyncckpt.wait()
+    torch.save({"state_dict": {"w": torch.ones(3)}}, run_dir / "stock.ckpt")
+    (run_dir / "notes.txt").write_text("hello")
+    return run_dir
+
+
+def test_ls_of_a_folder_lists_checkpoint_files_under_torch_names(
+    lightning_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = run_json(capsys, "ls", lightning_dir)
+    rows = {Path(r["path"]).name: r for r in doc["roots"]}
+    assert sorted(rows) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # not the torch.save file
+    assert all(r["layout"] == "file" and r["stored_bytes"] for r in rows.values())
+
+
+def test_verify_of_a_folder_verifies_the_checkpoint_files_in_it(
+    lightning_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = run_json(capsys, "verify", lightning_dir)
+    names = sorted(Path(f["file"]).name for f in doc["files"])
+    assert doc["ok"] and names == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    last = lightning_dir / "last.ckpt"
+    raw = bytearray(last.read_bytes())
+    raw[len(raw) // 4] ^= 0xFF  # inside the chunk data, which precedes the manifest
+    last.write_bytes(bytes(raw))
+    code, out, err = run(capsys, "verify", lightning_dir)
+    assert code == 1 and "last.ckpt" in out and "damaged" in err
+
+
+def test_verify_of_a_folder_without_checkpoints_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "notes.txt").write_text("hello")
+    code, _, err = run(capsys, "verify", tmp_path)
+    assert code == 1 and "nothing asyncckpt wrote" in err

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 from typing import Any, NamedTuple
 
 import pytest
@@ -31,11 +32,12 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 import asyncckpt
 from asyncckpt._storage import is_temp_name
 from asyncckpt._versions.pending_record import PENDING_SUFFIX
-from asyncckpt.errors import FormatError, UnsupportedObjectError
+from asyncckpt.errors import AsyncCkptWarning, FormatError, UnsupportedObjectError
 from asyncckpt.lightning import (
     PROJECTION_KEY,
     AsyncCkptIO,
     from_plain,
+    load_from_checkpoint,
     to_plain,
 )
 
@@ -828,3 +830,56 @@ def test_load_from_checkpoint_refuses_a_torch_file(trained: dict[str, pathlib.Pa
 
     with pytest.raises(FormatError):
         load_from_checkpoint(HookedModule, trained["stock"])
+
+
+# ---------------------------------------------------------------------------------------
+# Names: files that are not torch files do not look like torch files.
+
+
+def test_asyncckpt_model_checkpoint_names_files_ackpt_and_resumes_from_last(
+    tmp_path: pathlib.Path,
+) -> None:
+    from asyncckpt.lightning import ModelCheckpoint as AckptModelCheckpoint
+
+    ckpt_dir = tmp_path / "ckpt"
+    train, val = loaders()
+
+    def callback() -> ModelCheckpoint:
+        return AckptModelCheckpoint(
+            dirpath=ckpt_dir, monitor="val_loss", save_top_k=2, save_last=True
+        )
+
+    first_mc = callback()
+    assert isinstance(first_mc, ModelCheckpoint)  # Lightning's, every option kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AsyncCkptWarning)  # no '.ckpt' warning
+        trainer(tmp_path, AsyncCkptIO(classes=[Mode]), 3, [first_mc]).fit(TinyModule(), train, val)
+    names = sorted(os.listdir(ckpt_dir))
+    assert len(names) == 3 and all(n.endswith(".ackpt") for n in names), names
+    assert os.path.basename(first_mc.last_model_path) == "last.ackpt"
+    assert first_mc.best_model_path.endswith(".ackpt")
+    # ckpt_path="last" finds last.ackpt (Lightning looks for the callback's extension).
+    second = trainer(tmp_path, AsyncCkptIO(classes=[Mode]), 4, [callback()])
+    second.fit(TinyModule(), train, val, ckpt_path="last")
+    assert second.global_step == 16
+    model = load_from_checkpoint(TinyModule, first_mc.best_model_path)
+    assert model.hparams.width == 8
+
+
+def test_a_torch_name_for_asyncckpt_bytes_warns_once_with_how_to_read_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    io = AsyncCkptIO()
+    state = {"state_dict": {"w": torch.ones(2)}, "epoch": 0}
+    with pytest.warns(AsyncCkptWarning) as caught:
+        io.save_checkpoint(state, tmp_path / "epoch=0.ckpt")
+    text = str(caught[0].message)
+    for hint in ("torch.load", "asyncckpt.lightning.ModelCheckpoint", "load_from_checkpoint"):
+        assert hint in text, text
+    assert "asyncckpt convert" in text
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AsyncCkptWarning)
+        io.save_checkpoint(state, tmp_path / "epoch=1.ckpt")  # once per plugin
+        AsyncCkptIO().save_checkpoint(state, tmp_path / ".temp.ckpt")  # Lightning's own temp
+        AsyncCkptIO().save_checkpoint(state, tmp_path / "x.ackpt")
+    io.teardown()

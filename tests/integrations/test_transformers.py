@@ -17,7 +17,11 @@ from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints  
 
 import asyncckpt  # noqa: E402
 from asyncckpt._versions.protocol import COMMITTED, CommitRecord, StepEntry  # noqa: E402
-from asyncckpt._versions.retention import deletion_plan, policy_from  # noqa: E402
+from asyncckpt._versions.retention import (  # noqa: E402
+    deletion_plan,
+    policy_from,
+)
+from asyncckpt.errors import ConflictError  # noqa: E402
 from asyncckpt.transformers import OVERRIDDEN, ROOT_NAME, AsyncCkptTrainer  # noqa: E402
 
 
@@ -40,7 +44,12 @@ def _data(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 
 
 def _trainer(
-    cls: type, out: Path, stop_at: int | None = None, checkpointer: Any = None, **args: Any
+    cls: type,
+    out: Path,
+    stop_at: int | None = None,
+    checkpointer: Any = None,
+    settings: Any = None,
+    **args: Any,
 ) -> Any:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
@@ -60,7 +69,9 @@ def _trainer(
     }
     training_args = transformers.TrainingArguments(output_dir=str(out), **{**defaults, **args})
     callbacks = [] if stop_at is None else [_StopAt(stop_at)]
-    extra = {} if checkpointer is None else {"checkpointer": checkpointer}
+    extra: dict[str, Any] = {} if checkpointer is None else {"checkpointer": checkpointer}
+    if settings is not None:
+        extra["settings"] = settings
     return cls(
         **extra,
         model=model,
@@ -258,3 +269,45 @@ def test_every_overridden_method_still_exists_in_transformers(name: str) -> None
         if p.kind is not inspect.Parameter.VAR_KEYWORD
     ]
     assert our_params == stock_params, f"Trainer.{name}{inspect.signature(stock)} changed"
+
+
+@pytest.mark.timeout(300)
+def test_resuming_from_an_older_checkpoint_rewinds_as_the_stock_trainer_overwrites(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Rolling back after a loss spike: the stock Trainer trains 4..8 again and overwrites
+    checkpoint-6 and -8; ours rewinds the newer versions at the start and says so."""
+    results = []
+    for cls, name in ((transformers.Trainer, "stock"), (AsyncCkptTrainer, "ours")):
+        _trainer(cls, tmp_path / name).train()
+        again = _trainer(cls, tmp_path / name)
+        with caplog.at_level("WARNING", logger="asyncckpt"):
+            again.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-3"))
+        results.append(again)
+    stock, ours = results
+    _assert_same_training_state(ours, stock)
+    assert ours.checkpointer.versions() == [3, 6, 8]
+    assert get_last_checkpoint(str(tmp_path / "ours")) == str(tmp_path / "ours" / "checkpoint-8")
+    rewound = [r.getMessage() for r in caplog.records if "rewound" in r.getMessage()]
+    assert len(rewound) == 1 and "8, 6" in rewound[0], rewound
+
+
+@pytest.mark.timeout(300)
+def test_training_over_newer_versions_it_cannot_rewind_is_refused_at_the_start(
+    tmp_path: Path,
+) -> None:
+    _trainer(AsyncCkptTrainer, tmp_path).train()
+    fresh = _trainer(AsyncCkptTrainer, tmp_path)
+    with pytest.raises(ConflictError, match="resume_from_checkpoint=True") as info:
+        fresh.train()  # from scratch: step 3 would collide with the committed one
+    assert "checkpoint-N" in str(info.value) and "(3, 6, 8)" in str(info.value)
+    assert fresh.state.global_step == 0  # refused before the first step
+    with asyncckpt.Checkpointer(tmp_path / ROOT_NAME, read_only=True) as ckpt:
+        assert ckpt.versions() == [3, 6, 8]  # nothing deleted
+
+
+def test_settings_reach_the_checkpointer_the_trainer_builds(tmp_path: Path) -> None:
+    trainer = _trainer(AsyncCkptTrainer, tmp_path, settings={"chunk_bytes": 4096})
+    assert trainer.checkpointer._settings.chunk_bytes == 4096
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        _trainer(AsyncCkptTrainer, tmp_path, settings={"chunk_bytes": 0})

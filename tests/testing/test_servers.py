@@ -9,9 +9,11 @@ after the store performed the request.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +23,7 @@ from botocore.session import get_session
 
 from tests.conftest import S3_BUCKET
 from tests.proxy import FaultProxy
-from tests.servers import FAKE_ACCESS_KEY, FAKE_SECRET_KEY, LocalS3Server, SeaweedServer
+from tests.servers import FAKE_ACCESS_KEY, FAKE_SECRET_KEY, LocalS3Server, MotoServer, SeaweedServer
 
 RACERS = 16
 
@@ -102,6 +104,24 @@ def test_seaweed_server_reports_a_missing_binary() -> None:
         server.start()
     server.stop()  # idempotent, and nothing is left running
     assert server.port is None and server.workdir is None
+
+
+@pytest.mark.timeout(120)
+def test_moto_server_is_not_shadowed_by_a_moto_py_in_the_callers_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's script named moto.py (which would start a MotoServer itself: servers
+    starting each other without end) is never imported by the server's child."""
+    marker = tmp_path / "imported"
+    (tmp_path / "moto.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with MotoServer() as server:
+        server.create_bucket("shadow-check")
+        assert server.filesystem().ls("shadow-check") == []
+    assert not marker.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["moto.py"]  # the child left nothing
 
 
 # -- the fault proxy --------------------------------------------------------------------------
