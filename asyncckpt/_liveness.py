@@ -390,8 +390,8 @@ class Staleness:
         if seen is None or seen[0] != content:  # new, or rewritten: its writer is alive
             self._seen[key] = (content, now)
             return None
-        waited = now - seen[1]
-        return waited if waited >= self.expiry_s else None
+        # The same sum as next_stale(): a poll woken at that moment finds the record stale.
+        return now - seen[1] if now >= seen[1] + self.expiry_s else None
 
     def seen(self, key: Hashable) -> object:
         """What record ``key`` held when last seen (None: not seen)."""
