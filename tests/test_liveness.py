@@ -23,6 +23,7 @@ import pytest
 
 from asyncckpt import _liveness as liveness
 from asyncckpt.errors import CheckpointTimeoutError
+from tests.fake_clock import fake_clock
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +39,7 @@ def _until(condition: Any) -> None:
 
 
 def test_a_record_is_stale_once_unchanged_for_the_expiry_on_the_readers_clock() -> None:
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         watch = liveness.Staleness(10.0)
         # The record names a time of its writer's clock: it plays no part.
         record = {"beat": 1, "written_at": 1e12}
@@ -55,7 +56,7 @@ def test_a_record_is_stale_once_unchanged_for_the_expiry_on_the_readers_clock() 
 
 
 def test_no_record_is_nothing_to_judge_and_records_are_judged_apart() -> None:
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         watch = liveness.Staleness(1.0)
         assert watch.stale_for("a", b"x") is None
         assert watch.stale_for("b", b"x") is None
@@ -74,7 +75,7 @@ def test_no_record_is_nothing_to_judge_and_records_are_judged_apart() -> None:
 
 
 def test_the_backoff_doubles_with_jitter_up_to_its_cap_and_stops_at_the_deadline() -> None:
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         start, calls = clock.now(), []
 
         def never() -> None:
@@ -100,7 +101,7 @@ def test_the_backoff_doubles_with_jitter_up_to_its_cap_and_stops_at_the_deadline
 
 
 def test_the_poll_wakes_when_a_watched_record_turns_stale() -> None:
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         watch = liveness.Staleness(3.0)
         start = clock.now()
 
@@ -115,7 +116,7 @@ def test_the_poll_wakes_when_a_watched_record_turns_stale() -> None:
 
 
 def test_the_poll_returns_the_first_result() -> None:
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         start = clock.now()
         assert liveness.poll(lambda: "done" if clock.now() >= start + 2 else None, timeout=60) == (
             "done"
@@ -127,7 +128,7 @@ def test_the_poll_returns_the_first_result() -> None:
 
 
 def test_beats_are_renewed_every_period_on_the_fake_clock() -> None:
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         start, seen = clock.now(), []
         fast = liveness.heartbeat().add("fast", 1.0, lambda: seen.append(("fast", clock.now())))
         slow = liveness.heartbeat().add(
@@ -151,7 +152,7 @@ def test_beats_are_renewed_every_period_on_the_fake_clock() -> None:
 
 
 def test_a_renew_that_returns_false_ends_its_beat() -> None:
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         answers = iter([None, True, False, True])
         beat = liveness.heartbeat().add("lost", 1.0, lambda: next(answers))
         clock.sleep(10)

@@ -78,6 +78,7 @@ _MARKER_READERS: Final = 16
 #: The DCP metadata version recorded (the one DCP's FileSystemWriter writes).
 _DCP_VERSION: Final = "1.0.0"
 _MAX_POLL_S: Final = 0.25  # one listing per poll: cheap, and it bounds the commit's delay
+_SILENT: Final = b""  # what a rank's progress record holds before its first marker
 Path = tuple[str | int, ...]
 
 
@@ -407,7 +408,7 @@ class _ProgressWatch:
                 done.append(rank)
             elif marker_name(rank, job.attempt, BEAT) in names:
                 writing.append(rank)
-            elif self.beats.seen(rank) is None:
+            elif self.beats.seen(rank) in (None, _SILENT):
                 silent.append(rank)
         self._check_silent(silent)
         readers = pool("markers", _MARKER_READERS)
@@ -425,7 +426,8 @@ class _ProgressWatch:
         return [r for r in range(job.world) if r not in self.found]
 
     def _check_silent(self, silent: list[int]) -> None:
-        """Give up on ranks that wrote no marker at all within ``lease_expiry_ms``.
+        """Give up on ranks that wrote no marker at all: their record is "none yet" since
+        the writer's job for this save started, stale after ``lease_expiry_ms`` as any.
 
         Every rank starts its progress marker in ``save``, before its copy, so a rank
         that has called ``save`` shows one within a request's latency; the ranks call
@@ -433,14 +435,15 @@ class _ProgressWatch:
         starts only when the writer's job for this save starts (after its own copy, and
         after its previous save's commit, for which every rank's previous write ended).
         """
-        waited = liveness.clock().now() - self.started
-        if not silent or waited < self.expiry_s:
+        since = self.started
+        dead = [r for r in silent if self.beats.stale_for(r, _SILENT, since) is not None]
+        if not dead:
             return
-        job = self.job
-        shown = ", ".join(str(r) for r in silent[:10]) + (", ..." if len(silent) > 10 else "")
+        job, waited = self.job, liveness.clock().now() - self.started
+        shown = ", ".join(str(r) for r in dead[:10]) + (", ..." if len(dead) > 10 else "")
         raise CheckpointTimeoutError(
             f"step {job.step} under {job.storage.describe(job.root)}: "
-            f"{'rank' if len(silent) == 1 else 'ranks'} {shown} recorded no progress "
+            f"{'rank' if len(dead) == 1 else 'ranks'} {shown} recorded no progress "
             f"{waited:.1f} s after the writer rank started the save (lease_expiry_ms is "
             f"{self.expiry_s * 1000:.0f}): dead before saving, or never called save(); "
             "not committing the step"

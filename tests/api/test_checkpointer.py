@@ -26,7 +26,6 @@ import asyncckpt
 import asyncckpt._api.checkpointer
 import asyncckpt._versions.reading
 from asyncckpt import Checkpointer
-from asyncckpt import _liveness as liveness
 from asyncckpt._api import jobs
 from asyncckpt._api import staging as staging_api
 from asyncckpt._api.jobs import raise_unobserved_failure
@@ -50,6 +49,7 @@ from asyncckpt.errors import (
     IncompleteCheckpointError,
     UnsupportedObjectError,
 )
+from tests.fake_clock import fake_clock
 
 # --------------------------------------------------------------------------- helpers
 
@@ -664,7 +664,7 @@ def test_a_wait_gives_up_on_a_frozen_writer_after_the_expiry_its_checkpointer_re
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "300")
     other = reader(root)
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "3600000")
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         start = clock.now()
         with pytest.raises(CheckpointTimeoutError, match="has not renewed its lease"):
             other.load(step=2, timeout=60)

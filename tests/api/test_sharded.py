@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncckpt import Checkpointer
-from asyncckpt import _liveness as liveness
 from asyncckpt._api.sharded_save import holds_dtensor
 from asyncckpt._format.container import HEADER_SIZE
 from asyncckpt._storage import resolve
@@ -58,6 +57,7 @@ from asyncckpt.errors import (
     UnreadableRecordError,
 )
 from tests import ranks, state_checks
+from tests.fake_clock import fake_clock
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -708,7 +708,7 @@ def test_the_writer_gives_up_on_a_rank_that_never_writes_a_marker(
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "500")
     job = _writer_job(tmp_path, 2)
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         start = clock.now()
         with pytest.raises(CheckpointTimeoutError, match=r"step 5 .*: rank 1 ") as info:
             await_markers(job, timeout=120)
@@ -724,7 +724,7 @@ def test_a_rank_slow_to_start_is_not_declared_dead(
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "1500")
     job = _writer_job(tmp_path, 2)
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         start = clock.now()
         rank1 = RankJob(job.storage, job.root, 5, _ATTEMPT, 1, 2, None, [], None)  # type: ignore[arg-type]
 

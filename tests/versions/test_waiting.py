@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from asyncckpt import _liveness as liveness
 from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt._versions.waiting import wait_for_step
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import CheckpointTimeoutError
+from tests.fake_clock import fake_clock
 
 
 @pytest.mark.timeout(120)
@@ -23,7 +23,7 @@ def test_a_waiter_gives_up_one_expiry_after_the_writers_last_beat_and_never_befo
 ) -> None:
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "1000")
     storage, root = resolve(str(tmp_path / "ckpt"), None)
-    with liveness.fake_clock() as clock:
+    with fake_clock() as clock:
         writer = RootWriter(storage, root, "a1", Settings.resolve())
         writer.acquire()  # its lease is renewed every second of the fake clock
         start = clock.now()
