@@ -4,28 +4,11 @@
 that begins after that ``save`` returned, in *any* process, gets that save's state or a later
 one, a small marker ``<path>.ackpending`` (a
 :class:`~asyncckpt._versions.pending_record.PendingRecord`) sits beside the file exactly
-while a drop-in save of it is in flight:
-
-* :func:`begin` (``save``, before it returns) writes the marker: one direct write on local
-  disk (no temp file, no fsync), one PUT on an object store. A second save of the same
-  file by this process while the first is in flight shares the marker.
-* The process's heartbeat (:mod:`asyncckpt._liveness`) rewrites the marker's ``beat``
-  every ``lease_renew_ms`` (resolved when the marker is created) while a save is pending.
-* :class:`MarkerCheck`, entered by the writer right around the publishing step (the rename;
-  the final PUT or CompleteMultipartUpload), refuses to publish if the marker no longer
-  carries this save's token: a later save of the file by another process replaced it, and
-  the later-starting save wins (this one fails with :class:`~asyncckpt.errors.ConflictError`).
-* :func:`finish` (the end of the background job, success or failure) deletes the marker
-  if it is still this save's.
-* :func:`wait_for_saves` (``load``) polls while a marker exists, and gives up with
-  :class:`~asyncckpt.errors.CheckpointTimeoutError` if its writer is dead: at once when the
-  writer ran on this machine and its process is gone, else once the marker is stale
-  (unchanged for ``lease_expiry_ms``: the liveness kernel's rule).
-
-On local disk every write, check and delete of a marker holds an ``flock`` on the parent
-directory (:meth:`Storage.marker_lock`), so a marker written by a later save is never
-deleted by an earlier one. Object stores have no such lock; docs/PROTOCOL.md ("Drop-in save
-and load across processes") states the window that leaves, and what NFS needs.
+while a drop-in save of it is in flight: :func:`begin` writes it (kept alive by the
+process's heartbeat, :mod:`asyncckpt._liveness`), :class:`MarkerCheck` refuses to publish
+once a later save replaced it, :func:`finish` deletes it, :func:`wait_for_saves` waits
+while it exists and its writer is alive. docs/PROTOCOL.md §8 says how, and what each
+store's locking leaves open.
 """
 
 from __future__ import annotations

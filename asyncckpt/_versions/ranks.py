@@ -370,7 +370,9 @@ def await_markers(
             f"wrote no completion marker within {timeout:.0f} s; not committing it"
         )
 
-    return liveness.poll(attempt, timeout=timeout, expired=expired, cap=_MAX_POLL_S)
+    return liveness.poll(
+        attempt, timeout=timeout, expired=expired, cap=_MAX_POLL_S, watch=watch.beats
+    )
 
 
 class _ProgressWatch:
@@ -421,20 +423,20 @@ class _ProgressWatch:
         beats = [readers.submit(self._read_beat, rank) for rank in writing]
         for rank, marker in zip(done, markers):
             self.found[rank] = marker.result()
-        for future in beats:
-            self._check_beat(*future.result())
+        for rank, beat in (future.result() for future in beats):
+            stale = None if beat is None else self.beats.stale_for(rank, beat)
+            if stale is not None:  # None: removed since the listing (the rank finished)
+                raise CheckpointTimeoutError(
+                    f"step {job.step} under {job.storage.describe(job.root)}: rank {rank} has "
+                    f"not recorded progress for {stale:.1f} s, so it died or froze while "
+                    "writing its part; not committing the step"
+                )
         return [r for r in range(job.world) if r not in self.found]
 
     def _check_silent(self, silent: list[int]) -> None:
         """Give up on ranks that wrote no marker at all: their record is "none yet" since
-        the writer's job for this save started, stale after ``lease_expiry_ms`` as any.
-
-        Every rank starts its progress marker in ``save``, before its copy, so a rank
-        that has called ``save`` shows one within a request's latency; the ranks call
-        ``save`` at about the same time (training keeps them in step), and the clock
-        starts only when the writer's job for this save starts (after its own copy, and
-        after its previous save's commit, for which every rank's previous write ended).
-        """
+        the writer's job for this save started, stale after ``lease_expiry_ms`` as any
+        (why that start: docs/PROTOCOL.md §6b, "When a rank counts as dead")."""
         since = self.started
         dead = [r for r in silent if self.beats.stale_for(r, _SILENT, since) is not None]
         if not dead:
@@ -460,17 +462,6 @@ class _ProgressWatch:
             return rank, self.job.storage.read_bytes(self.job.path(BEAT, rank), MAX_METADATA_BYTES)
         except CheckpointNotFoundError:
             return rank, None
-
-    def _check_beat(self, rank: int, beat: bytes | None) -> None:
-        if beat is None:  # removed since the listing: the rank finished
-            return
-        stale = self.beats.stale_for(rank, beat)
-        if stale is not None:
-            raise CheckpointTimeoutError(
-                f"step {self.job.step} under {self.job.storage.describe(self.job.root)}: "
-                f"rank {rank} has not recorded progress for {stale:.1f} s, so it died "
-                "or froze while writing its part; not committing the step"
-            )
 
     def _error(self, rank: int) -> str:
         with contextlib.suppress(AsyncCkptError, ValueError):
