@@ -159,8 +159,6 @@ class _Slot:
     """This process's saves in flight of one file, and the marker they share."""
 
     io: threading.Lock = field(default_factory=threading.Lock)  # every marker I/O of the file
-    storage: Storage | None = None
-    path: str = ""
     token: str | None = None  # None: no save of the file in flight here
     count: int = 0
     record: PendingRecord | None = None
@@ -287,10 +285,11 @@ def begin(storage: Storage, path: str, *, settings: Settings) -> MarkerCheck | N
         with _lock:
             if slot.token is not None:
                 _live_tokens.discard(slot.token)  # superseded by another process
-        slot.storage, slot.path, slot.token, slot.count = storage, path, token, 1
+        slot.token, slot.count = token, 1
         slot.record, slot.tag = record, tag
-        name, period = f"the save marker {storage.describe(marker)}", settings.lease_renew_ms / 1000
-        slot.beat = liveness.heartbeat().add(name, period, functools.partial(_renew, slot, token))
+        renew = functools.partial(_renew, slot, storage, marker, token)
+        name = f"the save marker {storage.describe(marker)}"
+        slot.beat = liveness.heartbeat().add(name, settings.lease_renew_ms / 1000, renew)
     if superseded is not None:  # outside the slot's lock, which a renewal takes
         superseded.stop()
     return MarkerCheck(storage, path, token)
@@ -362,14 +361,12 @@ def _remove_if_ours(storage: Storage, marker: str, token: str) -> None:
 # -- the heartbeat --------------------------------------------------------------------------
 
 
-def _renew(slot: _Slot, token: str) -> bool:
+def _renew(slot: _Slot, storage: Storage, marker: str, token: str) -> bool:
     """One beat of the marker of save ``token``; False once it ended or was replaced."""
     with slot.io:
-        storage, record = slot.storage, slot.record
-        if slot.token != token or storage is None or record is None:
+        if slot.token != token or slot.record is None:
             return False
-        marker = marker_of(slot.path)
-        record = replace(record, beat=record.beat + 1)
+        record = replace(slot.record, beat=slot.record.beat + 1)
         try:
             with storage.marker_lock(marker):
                 tag = storage.write_marker(marker, encode_pending(record), replacing=slot.tag)
