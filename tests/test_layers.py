@@ -2,8 +2,8 @@
 
 Layers, from the bottom (a module may import from its own layer and those below):
 
-0. ``errors``, ``_settings``, ``_threads``, ``_device``, ``_cpu``, ``_version``: nothing of
-   the package above them.
+0. ``errors``, ``_settings``, ``_threads``, ``_liveness``, ``_device``, ``_cpu``,
+   ``_version``: nothing of the package above them.
 1. ``_format``: the container, codecs, the object tree, the sharded index.
 2. ``_storage``: backends over a filesystem.
 3. ``_engine``: snapshot, encode, decode, the writer process, compression choice, overlap.
@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "_device": 0,
     "_cpu": 0,
     "_threads": 0,
+    "_liveness": 0,
     "_version": 0,
     "_format": 1,
     "_storage": 2,

@@ -16,12 +16,12 @@ import os
 import shutil
 import stat
 import sys
-import time
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any, BinaryIO
 
+from asyncckpt import _liveness as liveness
 from asyncckpt import _threads as workers
 from asyncckpt._settings import Settings
 from asyncckpt._storage.base import (
@@ -313,30 +313,29 @@ def _flocked(storage: LocalStorage, lock_path: str) -> Iterator[None]:
 
 def _flock(fd: int, what: str, timeout_ms: int) -> None:
     """Take an exclusive ``flock`` on ``fd``, waiting at most ``timeout_ms``
-    (``lock_timeout_ms``).
+    (``lock_timeout_ms``; 1 ms doubling to 50 ms between tries: :func:`liveness.poll`).
 
     Raises:
         StorageError: still locked by another holder after the timeout, or flock failed.
     """
     import fcntl
 
-    deadline = time.monotonic() + timeout_ms / 1000
-    delay = 0.001
-    while True:
+    def locked() -> bool | None:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
                 raise StorageError(f"{what}: flock failed: {exc}") from exc
-            if time.monotonic() >= deadline:
-                raise StorageError(
-                    f"{what}: still locked by another process after "
-                    f"{timeout_ms} ms (a writer frozen while "
-                    "committing?)"
-                ) from None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            return None
+
+    def expired(waited: float) -> StorageError:
+        return StorageError(
+            f"{what}: still locked by another process after {timeout_ms} ms (a writer frozen "
+            "while committing?)"
+        )
+
+    liveness.poll(locked, timeout=timeout_ms / 1000, expired=expired, first=0.001, cap=0.05)
 
 
 #: flock errors that mean "not supported here" (NFS emulates flock with POSIX locks, which

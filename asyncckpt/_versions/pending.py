@@ -4,29 +4,11 @@
 that begins after that ``save`` returned, in *any* process, gets that save's state or a later
 one, a small marker ``<path>.ackpending`` (a
 :class:`~asyncckpt._versions.pending_record.PendingRecord`) sits beside the file exactly
-while a drop-in save of it is in flight:
-
-* :func:`begin` (``save``, before it returns) writes the marker: one direct write on local
-  disk (no temp file, no fsync), one PUT on an object store. A second save of the same
-  file by this process while the first is in flight shares the marker.
-* A heartbeat thread (one per process) has the marker's ``beat`` rewritten every
-  ``lease_renew_ms`` (resolved when the marker is created) while a save is pending, on a
-  small pool, so that a store that hangs delays the beats of its own files only.
-* :class:`MarkerCheck`, entered by the writer right around the publishing step (the rename;
-  the final PUT or CompleteMultipartUpload), refuses to publish if the marker no longer
-  carries this save's token: a later save of the file by another process replaced it, and
-  the later-starting save wins (this one fails with :class:`~asyncckpt.errors.ConflictError`).
-* :func:`finish` (the end of the background job, success or failure) deletes the marker
-  if it is still this save's.
-* :func:`wait_for_saves` (``load``) polls while a marker exists, and gives up with
-  :class:`~asyncckpt.errors.CheckpointTimeoutError` if its writer is dead: at once when the
-  writer ran on this machine and its process is gone, else once the marker has not changed
-  for ``lease_expiry_ms``.
-
-On local disk every write, check and delete of a marker holds an ``flock`` on the parent
-directory (:meth:`Storage.marker_lock`), so a marker written by a later save is never
-deleted by an earlier one. Object stores have no such lock; docs/PROTOCOL.md ("Drop-in save
-and load across processes") states the window that leaves, and what NFS needs.
+while a drop-in save of it is in flight: :func:`begin` writes it (kept alive by the
+process's heartbeat, :mod:`asyncckpt._liveness`), :class:`MarkerCheck` refuses to publish
+once a later save replaced it, :func:`finish` deletes it, :func:`wait_for_saves` waits
+while it exists and its writer is alive. docs/PROTOCOL.md §8 says how, and what each
+store's locking leaves open.
 """
 
 from __future__ import annotations
@@ -36,14 +18,13 @@ import datetime
 import functools
 import logging
 import os
-import random
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from asyncckpt import _liveness as liveness
 from asyncckpt import _threads as workers
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
@@ -58,9 +39,6 @@ from asyncckpt.errors import AsyncCkptError, CheckpointTimeoutError, ConflictErr
 
 log = logging.getLogger(__name__)
 
-_POLL_FIRST_S = 0.02
-_POLL_MAX_S = 1.0
-_LOG_EVERY_S = 60.0
 _REMOVE_ATTEMPTS = 3
 
 #: Off only for benchmarks and tests (:func:`disabled`): saves then write no marker.
@@ -181,26 +159,16 @@ class _Slot:
     """This process's saves in flight of one file, and the marker they share."""
 
     io: threading.Lock = field(default_factory=threading.Lock)  # every marker I/O of the file
-    storage: Storage | None = None
-    path: str = ""
     token: str | None = None  # None: no save of the file in flight here
     count: int = 0
     record: PendingRecord | None = None
     tag: str | None = None  # what write_marker returned for the marker's current bytes
-    beating: bool = False
-    renew_s: float = 0.0  # lease_renew_ms, resolved when the marker was created
-    due: float = 0.0  # time.monotonic() of the next beat
-    busy: bool = False  # a beat of it is queued or running on the beat pool
+    beat: liveness.Beat | None = None  # its renewal by the process's heartbeat
 
 
 _lock = threading.Lock()
 _slots: dict[tuple[str, str], _Slot] = {}
 _live_tokens: set[str] = set()
-_heartbeat: threading.Thread | None = None
-_wake = threading.Event()  # a marker was created or beaten: the heartbeat recomputes its wait
-#: Threads that rewrite markers: a store that hangs (retrying for up to retry_deadline_s)
-#: holds up the beats of its own files only, not those of every file.
-_BEAT_THREADS = 4
 
 
 def _slot(storage: Storage, path: str) -> _Slot:
@@ -299,6 +267,7 @@ def begin(storage: Storage, path: str, *, settings: Settings) -> MarkerCheck | N
         if slot.token is not None and _carries(storage, marker, slot.token):
             slot.count += 1
             return MarkerCheck(storage, path, slot.token)
+        superseded = slot.beat
         token = uuid.uuid4().hex
         record = _new_record(token)
         with _lock:
@@ -312,11 +281,13 @@ def begin(storage: Storage, path: str, *, settings: Settings) -> MarkerCheck | N
         with _lock:
             if slot.token is not None:
                 _live_tokens.discard(slot.token)  # superseded by another process
-        slot.storage, slot.path, slot.token, slot.count = storage, path, token, 1
-        slot.record, slot.tag, slot.beating = record, tag, True
-        slot.renew_s = settings.lease_renew_ms / 1000
-        slot.due = time.monotonic() + slot.renew_s
-    _start_heartbeat()
+        slot.token, slot.count = token, 1
+        slot.record, slot.tag = record, tag
+        renew = functools.partial(_renew, slot, storage, marker, token)
+        name = f"the save marker {storage.describe(marker)}"
+        slot.beat = liveness.heartbeat().add(name, settings.lease_renew_ms / 1000, renew)
+    if superseded is not None:  # outside the slot's lock, which a renewal takes
+        superseded.stop()
     return MarkerCheck(storage, path, token)
 
 
@@ -338,29 +309,36 @@ def finish(check: MarkerCheck, failure: BaseException | None = None) -> None:
             file would wait for it, then fail).
     """
     storage, marker = check.storage, marker_of(check.path)
-    with _held_slot(storage, check.path) as slot:
-        if slot.token != check.token:
-            return  # superseded: the marker belongs to a later save
-        slot.count -= 1
-        if slot.count > 0:
-            return
-        slot.token, slot.record, slot.tag, slot.beating = None, None, None, False
-        try:
-            _remove_if_ours(storage, marker, check.token)
-        except AsyncCkptError as exc:
-            if failure is None:
-                raise StorageError(
-                    f"{storage.describe(check.path)} was saved, but its save marker could not "
-                    f"be deleted ({exc}); loads of it wait for the marker and then fail: "
-                    f"delete {storage.describe(marker)}"
-                ) from exc
-            log.warning("could not delete the save marker %s: %s", storage.describe(marker), exc)
-            if hasattr(failure, "add_note"):
-                failure.add_note(f"its save marker {storage.describe(marker)} is left: {exc}")
-        finally:
-            with _lock:
-                _live_tokens.discard(check.token)
-            _wake.set()  # the heartbeat ends if this was the last save in flight
+    beat: liveness.Beat | None = None
+    try:
+        with _held_slot(storage, check.path) as slot:
+            if slot.token != check.token:
+                return  # superseded: the marker belongs to a later save
+            slot.count -= 1
+            if slot.count > 0:
+                return
+            beat, slot.beat = slot.beat, None
+            slot.token, slot.record, slot.tag = None, None, None
+            try:
+                _remove_if_ours(storage, marker, check.token)
+            except AsyncCkptError as exc:
+                if failure is None:
+                    raise StorageError(
+                        f"{storage.describe(check.path)} was saved, but its save marker could not "
+                        f"be deleted ({exc}); loads of it wait for the marker and then fail: "
+                        f"delete {storage.describe(marker)}"
+                    ) from exc
+                log.warning(
+                    "could not delete the save marker %s: %s", storage.describe(marker), exc
+                )
+                if hasattr(failure, "add_note"):
+                    failure.add_note(f"its save marker {storage.describe(marker)} is left: {exc}")
+            finally:
+                with _lock:
+                    _live_tokens.discard(check.token)
+    finally:
+        if beat is not None:  # outside the slot's lock, which a renewal takes
+            beat.stop()
 
 
 def _remove_if_ours(storage: Storage, marker: str, token: str) -> None:
@@ -379,94 +357,28 @@ def _remove_if_ours(storage: Storage, marker: str, token: str) -> None:
 # -- the heartbeat --------------------------------------------------------------------------
 
 
-def _start_heartbeat() -> None:
-    """Start the process's heartbeat thread if it is not running; wake it up."""
-    global _heartbeat
-    with _lock:
-        if _heartbeat is None or not _heartbeat.is_alive():
-            _heartbeat = threading.Thread(
-                target=_beat_forever, name="asyncckpt-marker", daemon=True
-            )
-            _heartbeat.start()
-    _wake.set()
-
-
-def _beat_forever() -> None:
-    """Hand each marker that is due to the beat pool; sleep until the next one is due.
-    Ends once no save is in flight here (the next :func:`begin` starts another): decided
-    under the lock that :func:`_start_heartbeat` checks, after ``begin`` set its token."""
-    global _heartbeat
-    while True:
-        now = time.monotonic()
-        with _lock:
-            if not any(s.token is not None for s in _slots.values()):
-                if _heartbeat is threading.current_thread():
-                    _heartbeat = None
-                return
-            slots = [s for s in _slots.values() if s.token is not None and s.beating]
-        for slot in slots:
-            if slot.due <= now and not slot.busy:
-                slot.busy = True
-                workers.pool("marker-beats", _BEAT_THREADS).submit(_beat_when_due, slot)
-        waiting = [s.due for s in slots if not s.busy]
-        _wake.wait(None if not waiting else max(0.001, min(waiting) - now))
-        _wake.clear()
-
-
-def _beat_when_due(slot: _Slot) -> None:
-    try:
-        with slot.io:
-            if slot.token is not None and slot.beating:
-                _beat(slot)
-                slot.due = time.monotonic() + slot.renew_s
-    finally:
-        slot.busy = False
-        _wake.set()
-
-
-def beat_all() -> int:
-    """Rewrite the marker of every save in flight here with its next beat, now, in the
-    calling thread (the heartbeat thread beats each one every ``lease_renew_ms``, on a
-    small pool); returns how many were rewritten.
-
-    A marker found replaced by another process is not beaten again: its saves fail at
-    their check. A failed rewrite is logged; the next beat tries again.
-    """
-    with _lock:
-        slots = list(_slots.values())
-    done = 0
-    for slot in slots:
-        with slot.io:
-            if slot.token is not None and slot.beating:
-                done += _beat(slot)
-    return done
-
-
-def _beat(slot: _Slot) -> int:
-    storage, record = slot.storage, slot.record
-    assert storage is not None and record is not None
-    marker = marker_of(slot.path)
-    record = replace(record, beat=record.beat + 1)
-    try:
-        with storage.marker_lock(marker):
-            tag = storage.write_marker(marker, encode_pending(record), replacing=slot.tag)
-    except ConflictError:
-        slot.beating = False
-        log.info("%s was replaced by another save; not renewing it", storage.describe(marker))
-        return 0
-    except Exception as exc:  # a missed beat only lets loaders give up sooner
-        log.warning("could not renew the save marker %s: %s", storage.describe(marker), exc)
-        return 0
-    slot.record, slot.tag = record, tag
-    return 1
+def _renew(slot: _Slot, storage: Storage, marker: str, token: str) -> bool:
+    """One beat of the marker of save ``token``; False once it ended or was replaced."""
+    with slot.io:
+        if slot.token != token or slot.record is None:
+            return False
+        record = replace(slot.record, beat=slot.record.beat + 1)
+        try:
+            with storage.marker_lock(marker):
+                tag = storage.write_marker(marker, encode_pending(record), replacing=slot.tag)
+        except ConflictError:
+            log.info("%s was replaced by another save; not renewing it", storage.describe(marker))
+            return False
+        slot.record, slot.tag = record, tag
+        return True
 
 
 def _forget_after_fork() -> None:
-    """In a forked child: the saves in flight, their markers and the heartbeat are the
-    parent's (a child must never delete or renew them)."""
-    global _lock, _slots, _live_tokens, _heartbeat, _wake
+    """In a forked child: the saves in flight and their markers are the parent's (a child
+    must never delete them; the heartbeat forgets their beats)."""
+    global _lock, _slots, _live_tokens
     _lock = threading.Lock()
-    _slots, _live_tokens, _heartbeat, _wake = {}, set(), None, threading.Event()
+    _slots, _live_tokens = {}, set()
 
 
 workers.after_fork_in_child(_forget_after_fork)
@@ -485,7 +397,7 @@ def wait_for_saves(
     """Return once no drop-in save of ``path`` is in flight in any process.
 
     One read of the marker when there is none (the common case). While there is one, it
-    is read again with backoff (20 ms doubling to 1 s, with jitter).
+    is read again with the liveness kernel's backoff (20 ms doubling to 1 s, jittered).
 
     ``dead_writer``: ``"raise"``: a save whose writer is dead raises; ``"load"``: it is
     logged (a warning) and this returns, so that the file is loaded as it is (the previous
@@ -504,37 +416,34 @@ def wait_for_saves(
     if storage.process_local:
         return
     marker = marker_of(path)
-    raw = storage.read_marker(marker, MAX_PENDING_BYTES)
-    if raw is None:
+    first = [storage.read_marker(marker, MAX_PENDING_BYTES)]
+    if first[0] is None:
         return
-    started = changed = next_log = time.monotonic()
-    next_log += _LOG_EVERY_S
-    expiry = settings.lease_expiry_ms / 1000
-    delay, seen = _POLL_FIRST_S, raw
-    while raw is not None:
+    watch = liveness.Staleness(settings.lease_expiry_ms / 1000)
+    started = liveness.clock().now()
+
+    def ended() -> bool | None:
+        raw = first.pop() if first else storage.read_marker(marker, MAX_PENDING_BYTES)
+        if raw is None:
+            return True
         record = decode_pending(raw)
-        now = time.monotonic()
-        if raw != seen:  # rewritten (a beat, or another save): the writer is alive
-            seen, changed = raw, now
+        stale = watch.stale_for(marker, raw)  # a beat, or another save: alive
         gone = None if record is None else writer_gone(record)
-        if gone is None and now - changed >= expiry:
+        if gone is None and stale is not None:
             gone = (
-                f"its marker has not changed for {now - changed:.1f} s (lease_expiry_ms="
+                f"its marker has not changed for {stale:.1f} s (lease_expiry_ms="
                 f"{settings.lease_expiry_ms}), so it died, froze or lost its storage"
             )
-        if gone is not None:
-            message = _gave_up(storage, path, record, gone, now - started)
-            if dead_writer == "raise":
-                raise CheckpointTimeoutError(message)
-            log.warning("loading %s as it is: %s", storage.describe(path), message)
-            return
-        if now >= next_log:
-            log.info("still waiting for a save of %s to finish", storage.describe(path))
-            next_log = now + _LOG_EVERY_S
-        pause = delay * (0.5 + random.random())
-        time.sleep(max(0.0, min(pause, changed + expiry - now)))
-        delay = min(delay * 2, _POLL_MAX_S)
-        raw = storage.read_marker(marker, MAX_PENDING_BYTES)
+        if gone is None:
+            return None
+        message = _gave_up(storage, path, record, gone, liveness.clock().now() - started)
+        if dead_writer == "raise":
+            raise CheckpointTimeoutError(message)
+        log.warning("loading %s as it is: %s", storage.describe(path), message)
+        return True
+
+    what = f"a save of {storage.describe(path)} to finish"
+    liveness.poll(ended, timeout=None, cap=1.0, watch=watch, what=what)
 
 
 def _gave_up(

@@ -13,11 +13,11 @@ fencing and retention.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from asyncckpt import _liveness as liveness
 from asyncckpt._engine import writer_process
 from asyncckpt._engine.encode import WriteOptions
 from asyncckpt._engine.snapshot import Snapshot
@@ -44,7 +44,7 @@ class RankPart(Protocol):
     def gather(self, writer: RootWriter, size: int, started: float) -> Gathered:
         """On the writer rank: wait for every rank's file; what to commit.
 
-        ``started``: ``time.monotonic()`` when the writer rank's job started.
+        ``started``: ``liveness.clock().now()`` when the writer rank's job started.
         """
 
     def refused(self) -> None:
@@ -101,7 +101,7 @@ def write_and_commit(
         Exception: the write or commit failed (``step`` is then marked ``FAILED``); or the
             copy failed (then the step's directory is removed if empty).
     """
-    started = time.monotonic()  # the other ranks' markers are awaited from here
+    started = liveness.clock().now()  # the other ranks' markers are awaited from here
     step = part.step
     try:
         # First save only; before writing, since it cleans up. If it fails, this is not the

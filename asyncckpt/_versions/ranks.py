@@ -21,11 +21,8 @@ removes nothing else. ``docs/sharded.md`` describes the whole protocol.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
-import random
-import threading
-import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -39,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from asyncckpt import _liveness as liveness
 from asyncckpt._engine import writer_process
 from asyncckpt._engine.encode import WriteOptions
 from asyncckpt._engine.snapshot import Snapshot
@@ -80,6 +78,7 @@ _MARKER_READERS: Final = 16
 #: The DCP metadata version recorded (the one DCP's FileSystemWriter writes).
 _DCP_VERSION: Final = "1.0.0"
 _MAX_POLL_S: Final = 0.25  # one listing per poll: cheap, and it bounds the commit's delay
+_SILENT: Final = b""  # what a rank's progress record holds before its first marker
 Path = tuple[str | int, ...]
 
 
@@ -229,18 +228,27 @@ class RankJob:
     snap: Snapshot | None
     pieces: list[Piece]
     options: WriteOptions
-    #: The rank's progress marker, started by ``save`` before the copy (or by :meth:`write`).
-    beat: _Heartbeat | None = None
+    #: The rank's progress marker, renewed by ``save`` from before the copy (or by
+    #: :meth:`write`) until its file is written, so the writer rank can tell a slow rank
+    #: from a dead one.
+    beat: liveness.Beat | None = None
     #: Seconds the writer rank waits for every completion marker (the group's timeout).
     timeout: float = 1800.0
     settings: Settings = field(default_factory=Settings.resolve)
 
     def start_beat(self) -> None:
         """Start this rank's progress marker: from here it is alive to the writer rank,
-        whatever delays its write (a long copy, an arena held by its previous save)."""
-        interval = self.settings.lease_renew_ms / 1000
-        self.beat = _Heartbeat(self.storage, self.path(BEAT), self.rank, interval)
-        self.beat.start()
+        whatever delays its write (a long copy, an arena held by its previous save). The
+        process's heartbeat writes it at once, then every ``lease_renew_ms``."""
+        storage, path, rank, count = self.storage, self.path(BEAT), self.rank, itertools.count()
+
+        def renew() -> None:
+            beat = {"kind": "rank-beat", "rank": rank, "beat": next(count)}
+            storage.write_bytes(path, encode_record(beat))
+
+        name = f"rank {rank}'s progress marker {storage.describe(path)}"
+        period = self.settings.lease_renew_ms / 1000
+        self.beat = liveness.heartbeat().add(name, period, renew, at_once=True)
 
     def copy_failed(self, exc: BaseException) -> None:
         """The copy failed: tell the writer rank at once (a ``.failed`` marker)."""
@@ -249,9 +257,11 @@ class RankJob:
         self._mark_failed(exc)
 
     def refused(self) -> None:
-        """The writer lease was refused: remove the progress marker."""
+        """The writer lease was refused: remove the progress marker (best effort)."""
         if self.beat is not None:
-            self.beat.remove()
+            self.beat.stop()
+            with contextlib.suppress(AsyncCkptError):
+                self.storage.delete(self.path(BEAT))
 
     def gather(self, writer: RootWriter, size: int, started: float) -> Gathered:
         """Every rank's completion marker, then the version's metadata (fenced first)."""
@@ -324,73 +334,6 @@ class RankJob:
             log.warning("could not record rank %d's failure: %s", self.rank, again)
 
 
-class _Heartbeat:
-    """Rewrites a rank's ``.beat`` marker every ``lease_renew_ms`` from its ``save`` call
-    until its file is written, so the writer rank can tell a slow rank from a dead one."""
-
-    def __init__(
-        self, storage: Storage, path: str, rank: int, interval_s: float | None = None
-    ) -> None:
-        self.storage, self.path, self.rank = storage, path, rank
-        if interval_s is None:  # for tools and tests; package code passes its settings'
-            interval_s = Settings.resolve().lease_renew_ms / 1000
-        self.interval_s = interval_s
-        self._stop = threading.Event()
-        self._first = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._launched: Future[None] | None = None
-
-    def _write(self, beat: int) -> None:
-        try:
-            record = encode_record({"kind": "rank-beat", "rank": self.rank, "beat": beat})
-            self.storage.write_bytes(self.path, record)
-        except Exception as exc:  # a missed beat only makes the writer give up sooner
-            log.warning("rank %d could not record its progress: %s", self.rank, exc)
-
-    def start(self) -> None:
-        """Write the first beat and renew it, on a thread of its own.
-
-        The thread is started by the ``beats`` pool: ``Thread.start`` waits until the new
-        thread runs, milliseconds on a loaded machine, which ``save`` would pay.
-        """
-        interval = self.interval_s
-
-        def run() -> None:
-            beat = 0
-            try:
-                if self._stop.is_set():  # stopped before it ran: no beat after the stop
-                    return
-                self._write(beat)
-            finally:
-                self._first.set()
-            while not self._stop.wait(interval):
-                beat += 1
-                self._write(beat)
-
-        self._thread = threading.Thread(target=run, name="asyncckpt-beat", daemon=True)
-        self._launched = pool("beats", 1).submit(self._thread.start)
-
-    def wait_first(self) -> None:
-        """Block until the first beat was written (or failed to be)."""
-        if self._launched is not None:
-            self._launched.result()  # a thread that could not start: the write fails
-            self._first.wait()
-
-    def stop(self) -> None:
-        """Stop renewing (after the beat being written, if any); idempotent."""
-        self._stop.set()
-        launched, thread = self._launched, self._thread
-        # The pool only starts threads, so waiting for it is short.
-        if launched is not None and thread is not None and launched.exception() is None:
-            thread.join()
-
-    def remove(self) -> None:
-        """Stop, and delete the marker (best effort)."""
-        self.stop()
-        with contextlib.suppress(AsyncCkptError):
-            self.storage.delete(self.path)
-
-
 # ------------------------------------------------------------------ the writer's commit
 
 
@@ -401,9 +344,9 @@ def await_markers(
     ``{rank: marker}`` for every rank of the group.
 
     ``job`` is the writer rank's job of the save; ``timeout`` the seconds to wait at most
-    for every completion marker (the group's timeout); ``started`` the
-    ``time.monotonic()`` when the writer started this save's job (default: now): a rank
-    without any marker ``lease_expiry_ms`` after it is given up.
+    for every completion marker (the group's timeout); ``started`` the time
+    (``liveness.clock().now()``) when the writer started this save's job (default: now): a
+    rank without any marker ``lease_expiry_ms`` after it is given up.
 
     Raises:
         IncompleteCheckpointError: a rank recorded that its write failed.
@@ -413,23 +356,23 @@ def await_markers(
             or some rank wrote no completion marker within ``timeout`` seconds.
         FormatError: a marker cannot be understood.
     """
-    watch = _ProgressWatch(job, time.monotonic() if started is None else started)
-    deadline = time.monotonic() + timeout
-    delay = 0.02
-    while True:
-        names = set(job.storage.list_dir(job.directory))
-        missing = watch.check(names)
-        if not missing:
-            return watch.found
-        now = time.monotonic()
-        if now >= deadline:
-            shown = ", ".join(str(r) for r in missing[:10])
-            raise CheckpointTimeoutError(
-                f"step {job.step} under {job.storage.describe(job.root)}: rank(s) {shown} "
-                f"wrote no completion marker within {timeout:.0f} s; not committing it"
-            )
-        time.sleep(min(delay * (0.5 + random.random()), max(0.0, deadline - now)))
-        delay = min(delay * 2, _MAX_POLL_S)
+    watch = _ProgressWatch(job, liveness.clock().now() if started is None else started)
+    missing: list[int] = []
+
+    def attempt() -> dict[int, RankMarker] | None:
+        missing[:] = watch.check(set(job.storage.list_dir(job.directory)))
+        return None if missing else watch.found
+
+    def expired(waited: float) -> CheckpointTimeoutError:
+        shown = ", ".join(str(r) for r in missing[:10])
+        return CheckpointTimeoutError(
+            f"step {job.step} under {job.storage.describe(job.root)}: rank(s) {shown} "
+            f"wrote no completion marker within {timeout:.0f} s; not committing it"
+        )
+
+    return liveness.poll(
+        attempt, timeout=timeout, expired=expired, cap=_MAX_POLL_S, watch=watch.beats
+    )
 
 
 class _ProgressWatch:
@@ -440,7 +383,7 @@ class _ProgressWatch:
         self.started = started
         self.expiry_s = job.settings.lease_expiry_ms / 1000
         self.found: dict[int, RankMarker] = {}
-        self.beats: dict[int, tuple[bytes, float]] = {}
+        self.beats = liveness.Staleness(self.expiry_s)
         # Progress files change every lease_renew_ms; reading all of them on every poll
         # would cost world requests per poll, so they are read once per renewal period.
         self.beat_every_s = job.settings.lease_renew_ms / 1000
@@ -467,12 +410,12 @@ class _ProgressWatch:
                 done.append(rank)
             elif marker_name(rank, job.attempt, BEAT) in names:
                 writing.append(rank)
-            elif rank not in self.beats:
+            elif self.beats.seen(rank) in (None, _SILENT):
                 silent.append(rank)
         self._check_silent(silent)
         readers = pool("markers", _MARKER_READERS)
         markers = [readers.submit(self._read_done, rank) for rank in done]
-        now = time.monotonic()
+        now = liveness.clock().now()
         if now - self.beats_read_at < self.beat_every_s:
             writing = []
         else:
@@ -480,27 +423,29 @@ class _ProgressWatch:
         beats = [readers.submit(self._read_beat, rank) for rank in writing]
         for rank, marker in zip(done, markers):
             self.found[rank] = marker.result()
-        for future in beats:
-            self._check_beat(*future.result())
+        for rank, beat in (future.result() for future in beats):
+            stale = None if beat is None else self.beats.stale_for(rank, beat)
+            if stale is not None:  # None: removed since the listing (the rank finished)
+                raise CheckpointTimeoutError(
+                    f"step {job.step} under {job.storage.describe(job.root)}: rank {rank} has "
+                    f"not recorded progress for {stale:.1f} s, so it died or froze while "
+                    "writing its part; not committing the step"
+                )
         return [r for r in range(job.world) if r not in self.found]
 
     def _check_silent(self, silent: list[int]) -> None:
-        """Give up on ranks that wrote no marker at all within ``lease_expiry_ms``.
-
-        Every rank starts its progress marker in ``save``, before its copy, so a rank
-        that has called ``save`` shows one within a request's latency; the ranks call
-        ``save`` at about the same time (training keeps them in step), and the clock
-        starts only when the writer's job for this save starts (after its own copy, and
-        after its previous save's commit, for which every rank's previous write ended).
-        """
-        waited = time.monotonic() - self.started
-        if not silent or waited < self.expiry_s:
+        """Give up on ranks that wrote no marker at all: their record is "none yet" since
+        the writer's job for this save started, stale after ``lease_expiry_ms`` as any
+        (why that start: docs/PROTOCOL.md §6b, "When a rank counts as dead")."""
+        since = self.started
+        dead = [r for r in silent if self.beats.stale_for(r, _SILENT, since) is not None]
+        if not dead:
             return
-        job = self.job
-        shown = ", ".join(str(r) for r in silent[:10]) + (", ..." if len(silent) > 10 else "")
+        job, waited = self.job, liveness.clock().now() - self.started
+        shown = ", ".join(str(r) for r in dead[:10]) + (", ..." if len(dead) > 10 else "")
         raise CheckpointTimeoutError(
             f"step {job.step} under {job.storage.describe(job.root)}: "
-            f"{'rank' if len(silent) == 1 else 'ranks'} {shown} recorded no progress "
+            f"{'rank' if len(dead) == 1 else 'ranks'} {shown} recorded no progress "
             f"{waited:.1f} s after the writer rank started the save (lease_expiry_ms is "
             f"{self.expiry_s * 1000:.0f}): dead before saving, or never called save(); "
             "not committing the step"
@@ -517,20 +462,6 @@ class _ProgressWatch:
             return rank, self.job.storage.read_bytes(self.job.path(BEAT, rank), MAX_METADATA_BYTES)
         except CheckpointNotFoundError:
             return rank, None
-
-    def _check_beat(self, rank: int, beat: bytes | None) -> None:
-        if beat is None:
-            return
-        now = time.monotonic()
-        seen = self.beats.get(rank)
-        if seen is None or seen[0] != beat:
-            self.beats[rank] = (beat, now)
-        elif now - seen[1] >= self.expiry_s:
-            raise CheckpointTimeoutError(
-                f"step {self.job.step} under {self.job.storage.describe(self.job.root)}: "
-                f"rank {rank} has not recorded progress for {now - seen[1]:.1f} s, so it died "
-                "or froze while writing its part; not committing the step"
-            )
 
     def _error(self, rank: int) -> str:
         with contextlib.suppress(AsyncCkptError, ValueError):

@@ -17,12 +17,14 @@ save attempt, which are named by that attempt so no other writer can have writte
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from asyncckpt import _liveness as liveness
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.lease import create_lease, lease_epoch_of, renew_lease
@@ -99,8 +101,7 @@ class RootWriter:
         self.epoch: int | None = None
         self.published: int | None = None
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._heartbeat: threading.Thread | None = None
+        self._heartbeat: liveness.Beat | None = None
 
     @property
     def where(self) -> str:
@@ -202,44 +203,37 @@ class RootWriter:
             )
 
     def _start_heartbeat(self) -> None:
-        """Rewrite this writer's lease record every ``lease_renew_ms`` until :meth:`release`,
-        until the writer is fenced (another took the root: its recovery pruned the record,
-        which a beat must not bring back), or until the writer is garbage (a Checkpointer
-        never closed): the thread holds the writer only weakly."""
-        interval = self.settings.lease_renew_ms / 1000
+        """Rewrite this writer's lease record every ``lease_renew_ms`` (a beat of the
+        process's heartbeat) until :meth:`release`, until the writer is fenced (another took
+        the root: its recovery pruned the record, which a beat must not bring back), or
+        until the writer is garbage (a Checkpointer never closed): the beat holds the
+        writer only weakly."""
         assert self.epoch is not None
-        epoch, token, stop = self.epoch, self.token, self._stop
-        storage, root, where = self.storage, self.root, self.where
-        owner = weakref.ref(self)
-        weakref.finalize(self, stop.set)  # a writer collected wakes its thread at once
+        epoch, token, storage, root = self.epoch, self.token, self.storage, self.root
+        owner, count, name = (
+            weakref.ref(self),
+            itertools.count(1),
+            f"the writer lease on {self.where}",
+        )
 
-        def beat() -> None:
-            count = 0
-            while not stop.wait(interval):
-                writer = owner()
-                if writer is None or writer._lease_held() is False:
-                    log.info(
-                        "the writer lease on %s (epoch %d) ended: stopped renewing", where, epoch
-                    )
-                    return
-                del writer  # only weakly held between beats
-                count += 1
-                try:
-                    renew_lease(storage, root, LeaseRecord(epoch, token, count))
-                except Exception as exc:  # a missed beat only makes readers wait less
-                    log.warning("could not renew the writer lease on %s: %s", where, exc)
+        def renew() -> bool:
+            writer = owner()
+            if writer is None or writer._lease_held() is False:
+                log.info("%s (epoch %d) ended: stopped renewing", name, epoch)
+                return False
+            del writer  # only weakly held between beats
+            renew_lease(storage, root, LeaseRecord(epoch, token, next(count)))
+            return True
 
-        self._heartbeat = threading.Thread(target=beat, name="asyncckpt-lease", daemon=True)
-        self._heartbeat.start()
+        period = self.settings.lease_renew_ms / 1000
+        self._heartbeat = liveness.heartbeat().add(name, period, renew)
 
     def release(self) -> None:
-        """Stop renewing the lease (the lease record stays: readers see the writer stop),
-        and wait for the heartbeat thread to end: none outlives its writer's close. A beat
-        in progress finishes first (one small write)."""
-        self._stop.set()
-        beating = self._heartbeat
-        if beating is not None and beating is not threading.current_thread():
-            beating.join()
+        """Stop renewing the lease (the lease record stays: readers see the writer stop);
+        a renewal in progress finishes first (one small write): none outlives its writer's
+        close."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
 
     # -- the lease, before every deletion ---------------------------------------------
 

@@ -50,6 +50,7 @@ from asyncckpt.errors import (
     InvalidMetricsError,
     UnsupportedObjectError,
 )
+from tests.fake_clock import fake_clock
 
 # --------------------------------------------------------------------------- helpers
 
@@ -664,8 +665,11 @@ def test_a_wait_gives_up_on_a_frozen_writer_after_the_expiry_its_checkpointer_re
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "300")
     other = reader(root)
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "3600000")
-    with pytest.raises(CheckpointTimeoutError, match="has not renewed its lease"):
-        other.load(step=2, timeout=60)
+    with fake_clock() as clock:
+        start = clock.now()
+        with pytest.raises(CheckpointTimeoutError, match="has not renewed its lease"):
+            other.load(step=2, timeout=60)
+        assert clock.now() - start == pytest.approx(0.3), clock.slept  # on the expiry
 
 
 def test_saves_and_loads_resolve_the_settings_once_at_their_entry_point(

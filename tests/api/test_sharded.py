@@ -57,6 +57,7 @@ from asyncckpt.errors import (
     UnreadableRecordError,
 )
 from tests import ranks, state_checks
+from tests.fake_clock import fake_clock
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
@@ -648,7 +649,7 @@ def _rank_dies_before_its_first_beat(rank: int, world: int, workdir: Path, how: 
         def die(*args: Any, **kwargs: Any) -> None:
             os.kill(os.getpid(), signal.SIGKILL)  # in save(), before any marker
 
-        asyncckpt._versions.ranks._Heartbeat.start = die  # type: ignore[method-assign]
+        asyncckpt._versions.ranks.RankJob.start_beat = die  # type: ignore[method-assign]
     handle = ckpt.save(2, state)
     if rank == 0:
         # Well before the group's timeout (120 s): lease_expiry_ms after the writer started.
@@ -704,37 +705,36 @@ def test_the_writer_gives_up_on_a_rank_that_never_writes_a_marker(
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "500")
     job = _writer_job(tmp_path, 2)
-    with pytest.raises(CheckpointTimeoutError, match=r"step 5 .*: rank 1 ") as info:
-        await_markers(job, timeout=120)
-    assert "group" not in str(info.value)  # not the process group's timeout
+    with fake_clock() as clock:
+        start = clock.now()
+        with pytest.raises(CheckpointTimeoutError, match=r"step 5 .*: rank 1 ") as info:
+            await_markers(job, timeout=120)
+        assert clock.now() - start == pytest.approx(0.5)  # lease_expiry_ms, not the timeout
+    assert "group" not in str(info.value)
 
 
 def test_a_rank_slow_to_start_is_not_declared_dead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import threading
-    import time
-
-    from asyncckpt._versions.ranks import _Heartbeat, await_markers
+    from asyncckpt._versions.ranks import RankJob, await_markers
 
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "1500")
     job = _writer_job(tmp_path, 2)
+    with fake_clock() as clock:
+        start = clock.now()
+        rank1 = RankJob(job.storage, job.root, 5, _ATTEMPT, 1, 2, None, [], None)  # type: ignore[arg-type]
 
-    def rank1() -> None:  # starts late, then writes for longer than lease_expiry_ms
-        time.sleep(0.3)
-        beat = _Heartbeat(job.storage, job.path(".beat", 1), 1)
-        beat.start()
-        time.sleep(3.5)
-        beat.stop()
-        _write_done(job, 1)
+        def rank1_done() -> None:
+            assert rank1.beat is not None
+            rank1.beat.stop()
+            _write_done(job, 1)
 
-    thread = threading.Thread(target=rank1)
-    thread.start()
-    try:
+        # Starts late, then writes for longer than lease_expiry_ms.
+        clock.at(start + 0.3, rank1.start_beat)
+        clock.at(start + 3.8, rank1_done)
         assert sorted(await_markers(job, timeout=120)) == [0, 1]
-    finally:
-        thread.join()
+        assert clock.now() >= start + 3.8
 
 
 # --------------------------------------------------------------------------- S3

@@ -19,6 +19,7 @@ import asyncckpt._storage.local as local
 from asyncckpt._settings import Settings
 from asyncckpt._storage import LocalStorage, is_temp_name
 from asyncckpt.errors import StorageError
+from tests.fake_clock import fake_clock
 
 MIB = 1 << 20
 
@@ -218,3 +219,23 @@ def test_a_forked_child_does_not_keep_the_parents_file_locks(tmp_path: Path) -> 
     _held_across_a_fork(
         lambda: local._flocked(storage, version), lambda: local._flocked(storage, version)
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_lock_held_elsewhere_fails_after_lock_timeout_ms_on_the_liveness_clock(
+    tmp_path: Path,
+) -> None:
+    import fcntl
+
+    lock = str(tmp_path / "VERSION.lock")
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT)  # another open file: flock excludes it
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    storage = LocalStorage(Settings.resolve(lock_timeout_ms=60_000))
+    try:
+        with fake_clock() as clock:
+            start = clock.now()
+            with pytest.raises(StorageError, match="still locked"), local._flocked(storage, lock):
+                pass
+            assert clock.now() - start == pytest.approx(60.0)  # the timeout, not a try later
+    finally:
+        os.close(holder)

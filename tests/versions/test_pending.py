@@ -7,6 +7,7 @@ drive the pieces in one process, writing "other writers'" markers by hand.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import asyncckpt
+from asyncckpt import _liveness as liveness
 from asyncckpt import cli
 from asyncckpt._settings import Settings
 from asyncckpt._storage import LocalStorage, Storage, resolve
@@ -34,6 +36,7 @@ from asyncckpt._versions.pending_record import (
 )
 from asyncckpt._versions.protocol import encode_record
 from asyncckpt.errors import CheckpointTimeoutError, ConflictError, StorageError
+from tests.fake_clock import fake_clock
 
 MARKER = ".ackpending"
 
@@ -339,6 +342,11 @@ def test_the_check_runs_in_the_writer_process(
 # --------------------------------------------------------------------------- the heartbeat
 
 
+def _beat_all() -> int:
+    """Renew every save marker of this process now, here; how many were rewritten."""
+    return sum(b.renew() for b in liveness.heartbeat().beats() if MARKER in b.name)
+
+
 def test_a_beat_rewrites_the_marker_and_stops_once_it_is_replaced(
     local_file: tuple[Storage, str],
 ) -> None:
@@ -348,12 +356,12 @@ def test_a_beat_rewrites_the_marker_and_stops_once_it_is_replaced(
     marker = path + MARKER
     before = decode_pending(storage.read_marker(marker, 1000) or b"")
     assert before is not None and before.beat == 0
-    assert pending.beat_all() >= 1
+    assert _beat_all() >= 1
     after = decode_pending(storage.read_marker(marker, 1000) or b"")
     assert after is not None and after.beat == 1 and after.token == before.token
     foreign = encode_pending(_record(pid=5))
     storage.write_marker(marker, foreign)
-    pending.beat_all()
+    _beat_all()
     assert storage.read_marker(marker, 1000) == foreign  # not overwritten
     pending.finish(check)
     assert storage.read_marker(marker, 1000) == foreign  # nor deleted
@@ -372,23 +380,25 @@ def test_the_heartbeat_thread_beats_while_a_save_is_in_flight(
     pending.finish(check)
     # A full beat pass, now: it takes each marker's lock, so a beat of the heartbeat thread
     # in flight at finish() has ended by then; it must find nothing left to beat.
-    assert pending.beat_all() == 0
+    assert _beat_all() == 0
     assert not os.path.exists(path + MARKER)  # no beat brings it back
 
 
 def test_nothing_of_a_files_marker_outlives_its_saves(tmp_path: Path) -> None:
-    """The bookkeeping of a file's marker (its slot) goes with its last save, and the
-    heartbeat thread with the last marker: a process saving many distinct files (a new
-    name per epoch) holds nothing for the files it saved before."""
+    """The bookkeeping of a file's marker (its slot) goes with its last save, and its beat
+    with it (the heartbeat thread ends with the last beat: tests/test_liveness.py): a
+    process saving many distinct files (a new name per epoch) holds nothing for the files
+    it saved before."""
     beating = []
     for i in range(20):
         handle = asyncckpt.save({"v": torch.full((4,), float(i))}, tmp_path / f"e{i}.ackpt")
-        beating += [t for t in threading.enumerate() if t.name == "asyncckpt-marker"]
+        beating += [b for b in liveness.heartbeat().beats() if MARKER in b.name]
         handle.result()
-    assert beating  # markers were beaten by a thread while the saves ran
-    for thread in beating:
-        thread.join(timeout=60)
-        assert not thread.is_alive()
+    assert beating  # markers were beaten while the saves ran
+    for beat in beating:
+        beat.join(timeout=60)
+        assert not beat.is_alive()
+    assert not any(MARKER in b.name for b in liveness.heartbeat().beats())
     assert pending._slots == {}
     assert asyncckpt.load(tmp_path / "e19.ackpt")["v"].tolist() == [19.0] * 4
 
@@ -541,8 +551,11 @@ def test_load_gives_up_once_a_marker_stops_changing(
     path = tmp_path / "model.ackpt"  # never written: the save in flight was its first
     raw = encode_pending(_record(host="far.invalid"))
     LocalStorage().write_marker(f"{path}{MARKER}", raw if marker == "record" else raw[:20])
-    with pytest.raises(CheckpointTimeoutError, match="has not changed") as caught:
-        asyncckpt.load(path)
+    with fake_clock() as clock:
+        start = clock.now()
+        with pytest.raises(CheckpointTimeoutError, match="has not changed") as caught:
+            asyncckpt.load(path)
+        assert clock.now() - start == pytest.approx(0.3)  # on the expiry
     assert "nothing yet" in str(caught.value)
     if marker == "record":
         assert "far.invalid" in str(caught.value)
@@ -555,27 +568,28 @@ def test_load_waits_while_the_marker_changes_and_returns_once_it_is_gone(
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "500")
     path = tmp_path / "model.ackpt"
     asyncckpt.save({"v": torch.zeros(2)}, path).result()
+    asyncckpt.save({"v": torch.full((2,), 7.0)}, str(path) + ".new").result()
     marker = f"{path}{MARKER}"
     storage = LocalStorage()
     storage.write_marker(marker, encode_pending(_record(host="far.invalid")))
-    done = threading.Event()
+    done = []
 
-    def other_writer() -> None:  # beats every 50 ms for ~1.5 s, then publishes
-        for beat in range(30):
-            storage.write_marker(marker, encode_pending(_record(host="far.invalid", beat=beat)))
-            time.sleep(0.05)
-        asyncckpt.save({"v": torch.full((2,), 7.0)}, str(path) + ".new").result()
+    def beat(n: int) -> None:
+        storage.write_marker(marker, encode_pending(_record(host="far.invalid", beat=n)))
+
+    def publish() -> None:
         os.replace(str(path) + ".new", path)
         storage.delete(marker)
-        done.set()
+        done.append(clock.now() - start)
 
-    thread = threading.Thread(target=other_writer)
-    thread.start()
-    try:
+    with fake_clock() as clock:
+        start = clock.now()
+        # Another writer beats every 50 ms for 1.5 s (3 x the expiry), then publishes.
+        for n in range(30):
+            clock.at(start + 0.05 * n, functools.partial(beat, n))
+        clock.at(start + 1.5, publish)
         loaded = asyncckpt.load(path)
-    finally:
-        thread.join(60)
-    assert done.is_set() and loaded["v"].tolist() == [7.0, 7.0]
+    assert done == [pytest.approx(1.5)] and loaded["v"].tolist() == [7.0, 7.0]
 
 
 def test_a_marker_an_object_store_denies_reading_is_taken_as_none(

@@ -21,6 +21,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer
+from asyncckpt import _liveness as liveness
 from asyncckpt import _threads as workers
 from asyncckpt._storage import TEMP_MARK, resolve
 from asyncckpt._versions.protocol import parse_step, read_version_file
@@ -466,7 +467,7 @@ def test_a_new_writer_removes_temp_files_of_older_lease_writes(tmp_path: Path) -
 # --------------------------------------------------------------------------- lease heartbeats
 
 
-def _heartbeat(ckpt: Checkpointer) -> threading.Thread:
+def _heartbeat(ckpt: Checkpointer) -> liveness.Beat:
     thread = ckpt._writer._heartbeat
     assert thread is not None and thread.is_alive()
     return thread
