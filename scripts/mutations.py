@@ -61,9 +61,8 @@ MUTATIONS = (
         "no-fsync-before-rename",
         "data durable before COMMIT (§3 step 2)",
         "asyncckpt/_storage/local.py",
-        "                os.fsync(self.file.fileno())\n                self.file.close()\n"
+        "                os.fsync(self.file.fileno())\n                with self.publishing():",
         "                with self.publishing():",
-        "                self.file.close()\n                with self.publishing():",
         (
             "tests/versions/test_commit_order.py::"
             "test_data_is_durable_before_commit_and_commit_before_version",
@@ -73,9 +72,8 @@ MUTATIONS = (
         "no-directory-fsync-after-rename",
         "data durable before COMMIT (§3 step 2: fsync the directory)",
         "asyncckpt/_storage/local.py",
-        "                    os.replace(self.temp, self.target)\n"
-        '                fsync_dir(os.path.dirname(self.target) or ".")',
-        "                    os.replace(self.temp, self.target)",
+        'alive until renamed\n                fsync_dir(os.path.dirname(self.target) or ".")',
+        "alive until renamed\n",
         (
             "tests/versions/test_commit_order.py::"
             "test_data_is_durable_before_commit_and_commit_before_version",
@@ -153,8 +151,10 @@ MUTATIONS = (
         "retention never deletes the version file's step (§5)",
         "asyncckpt/_versions/retention.py",
         "    keep = policy.keeps(committed, now) | {pinned} | set(spare)\n"
+        "    if good is not None:\n        keep.add(good)\n"
         "    return [e for e in entries if e.step < pinned and",
         "    keep = policy.keeps(committed, now) | set(spare)\n"
+        "    if good is not None:\n        keep.add(good)\n"
         "    return [e for e in entries if e.step <= pinned and",
         ("tests/versions/test_deletion.py::test_the_deletion_rule",),
     ),
