@@ -229,6 +229,10 @@ def test_the_deletion_rule() -> None:
     assert plan(policy_from({}), 5) == [3]  # keep every committed version: leftovers only
     assert plan(policy_from({"keep_last": 1}), 4) == [1, 3]  # nothing newer than the pinned
     assert plan(policy_from({"keep_last": 10}), 6) == [3]  # never the unreadable step 2
+    # The version file lags a newer commit (a crash between COMMIT 5 and VERSION 5): the
+    # step it names stays, though the rules keep only 5, the newest that verifies.
+    lagging = deletion_plan(listing, policy_from({"keep_last": 1}), 4, good=5)
+    assert [e.step for e in lagging] == [1, 3]
 
 
 def test_list_steps_tells_committed_uncommitted_unreadable_and_links(tmp_path: Path) -> None:
