@@ -234,3 +234,43 @@ def test_only_the_storage_layer_asks_a_backend_its_type() -> None:
         if match
     ]
     assert not found, found
+
+
+def _assigned_attributes(cls: ast.ClassDef) -> set[str]:
+    return {
+        node.attr
+        for node in ast.walk(cls)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    }
+
+
+def test_no_base_class_redeclares_the_attributes_of_a_class_built_on_it() -> None:
+    """A base (a mixin) that declares the attributes a class of the package sets on it (so
+    that a type checker accepts ``self.x`` in the base) is one class split in two files:
+    its attributes live twice. (A mixin for a class outside the package, such as the
+    Hugging Face trainer's, declares what it uses of that class and is not counted.)"""
+    classes = {
+        node.name: node
+        for path in MODULES.values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
+    found = []
+    for cls in classes.values():
+        for base in cls.bases:
+            parent = classes.get(getattr(base, "id", ""))
+            if parent is None:
+                continue
+            declared = {
+                item.target.id
+                for item in parent.body
+                if isinstance(item, ast.AnnAssign)
+                and isinstance(item.target, ast.Name)
+                and item.value is None
+            }
+            if twice := sorted(declared & _assigned_attributes(cls)):
+                found.append(f"{parent.name} declares what {cls.name} sets: {twice}")
+    assert not found, found

@@ -26,11 +26,12 @@ class LazyEntries(Mapping[Any, Any]):
     """What every lazily opened checkpoint is: a read-only mapping over the saved dict's
     top-level keys (listed when opened), each entry loaded, and verified, when asked for.
 
-    Subclasses set ``_name`` and ``_keys`` and load an entry in ``__getitem__``.
+    Subclasses name the checkpoint and its keys (``__init__``) and load an entry in
+    ``__getitem__``.
     """
 
-    _name: str
-    _keys: list[Any]
+    def __init__(self, name: str, keys: list[Any]) -> None:
+        self._name, self._keys = name, keys
 
     @property
     def name(self) -> str:
@@ -91,8 +92,7 @@ class LazyCheckpoint(LazyEntries):
             )
         check_devices(opened)
         self._opened, self._placement, self._settings = opened, placement, settings
-        self._name = opened.name
-        self._keys = [key for key, _node in pairs]
+        super().__init__(opened.name, [key for key, _node in pairs])
         self._lock = threading.Lock()  # one read at a time through the one handle
         self._closed = False
 

@@ -297,10 +297,10 @@ class LazyShardedVersion(LazyEntries):
             pairs = top_level(opened.manifest.root, opened.name)
             plain = [e for i, e in enumerate(opened.manifest.tensors) if i not in shards]
             storages = opened.manifest.storages
-            self._name = f"{reader.where} step {commit.step}"
+        name = f"{reader.where} step {commit.step}"
         if pairs is None:
-            raise AsyncCkptError(f"{self.name}: open() reads a saved dict; load it instead")
-        self._keys = [key for key, _node in pairs]
+            raise AsyncCkptError(f"{name}: open() reads a saved dict; load it instead")
+        super().__init__(name, [key for key, _node in pairs])
         self._tensors = {e.key: (torch.Size(e.shape), torch_dtype(e.dtype)) for e in plain}
         self._nbytes = sum(storages[i].nbytes for i in {e.storage for e in plain})
         for fqn, md in metadata.state_dict_metadata.items():
