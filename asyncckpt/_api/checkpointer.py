@@ -570,8 +570,19 @@ class Checkpointer:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         timeout = group_timeout(group) if rank == self.writer_rank else 0.0
         pieces = sharded.pieces_of(plan)
-        job = RankJob(self._storage, self._root, step, attempt, rank, world, None, pieces, options)
-        job.timeout, job.settings = timeout, self._settings
+        job = RankJob(
+            self._storage,
+            self._root,
+            step,
+            attempt,
+            rank,
+            world,
+            None,
+            pieces,
+            options,
+            self._settings,
+            timeout=timeout,
+        )
         job.start_beat()  # before the copy: see _versions.ranks._ProgressWatch
         return job
 

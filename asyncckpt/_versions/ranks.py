@@ -228,13 +228,14 @@ class RankJob:
     snap: Snapshot | None
     pieces: list[Piece]
     options: WriteOptions
+    #: The tunables of the save (its ``Checkpointer``'s): the marker's renewal and expiry.
+    settings: Settings
     #: The rank's progress marker, renewed by ``save`` from before the copy (or by
     #: :meth:`write`) until its file is written, so the writer rank can tell a slow rank
     #: from a dead one.
     beat: liveness.Beat | None = None
     #: Seconds the writer rank waits for every completion marker (the group's timeout).
     timeout: float = 1800.0
-    settings: Settings = field(default_factory=Settings.resolve)
 
     def start_beat(self) -> None:
         """Start this rank's progress marker: from here it is alive to the writer rank,

@@ -4,7 +4,6 @@ changing end the wait (docs/PROTOCOL.md; the liveness kernel's poll and stale ru
 from __future__ import annotations
 
 from asyncckpt import _liveness as liveness
-from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.lease import current_lease
 from asyncckpt._versions.protocol import (
@@ -28,7 +27,7 @@ def wait_for_step(
     timeout: float | None,
     writer: str | None = None,
     *,
-    expiry_s: float | None = None,
+    expiry_s: float,
 ) -> None:
     """Poll (:func:`~asyncckpt._liveness.poll`) until ``step`` is committed, for at most
     ``timeout`` seconds (None: for ever, or until the lease goes stale).
@@ -37,8 +36,7 @@ def wait_for_step(
     load knows it): only that writer's ``FAILED`` marker ends the wait. None: only a
     marker of the current lease's epoch does, so a marker an earlier job left never stops
     a wait for the current writer's save of the same step. A lease record unchanged for
-    ``expiry_s`` seconds is stale (the ``lease_expiry_ms`` of the caller's settings;
-    None: resolved now).
+    ``expiry_s`` seconds is stale (the ``lease_expiry_ms`` of the caller's settings).
 
     Raises:
         IncompleteCheckpointError: the awaited attempt recorded that the save of ``step``
@@ -47,8 +45,6 @@ def wait_for_step(
             stopped renewing its lease (it died or froze) while ``step`` was not committed.
     """
     where = storage.describe(root)
-    if expiry_s is None:  # for tools and tests; the package passes its settings'
-        expiry_s = Settings.resolve().lease_expiry_ms / 1000
     watch = liveness.Staleness(expiry_s)
     started = liveness.clock().now()
 

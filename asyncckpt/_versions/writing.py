@@ -91,13 +91,11 @@ class RootWriter:
     passes its entry point's).
     """
 
-    def __init__(
-        self, storage: Storage, root: str, token: str, settings: Settings | None = None
-    ) -> None:
+    def __init__(self, storage: Storage, root: str, token: str, settings: Settings) -> None:
         self.storage = storage
         self.root = root
         self.token = token
-        self.settings = settings or Settings.resolve()
+        self.settings = settings
         self.epoch: int | None = None
         self.published: int | None = None
         self._lock = threading.Lock()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import uuid
 
-from asyncckpt._settings import Settings
 from asyncckpt._versions.protocol import read_commit, step_dirs
 from asyncckpt._versions.rewind import rewind
 from asyncckpt._versions.writing import RootWriter
@@ -69,7 +68,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
         lines = [f"would delete step(s) {would}; nothing deleted: pass --yes to rewind"]
         emit(args, doc, lines)
         return EXIT_FAILURE
-    writer = RootWriter(storage, root, uuid.uuid4().hex[:12], Settings.resolve())
+    writer = RootWriter(storage, root, uuid.uuid4().hex[:12], args.settings)
     try:
         doc["delete"] = rewind(writer, args.step)
     finally:

@@ -40,6 +40,7 @@ from torch import nn
 from asyncckpt import Checkpointer
 from asyncckpt._format.container import HEADER_SIZE
 from asyncckpt._format.tree import holds_dtensor
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import (
     SHARDED,
@@ -683,7 +684,7 @@ def _writer_job(tmp_path: Path, world: int) -> Any:
     from asyncckpt._versions.ranks import DONE, RankJob
 
     storage, root = resolve(str(tmp_path), None)
-    job = RankJob(storage, root, 5, _ATTEMPT, 0, world, None, [], None)  # type: ignore[arg-type]
+    job = RankJob(storage, root, 5, _ATTEMPT, 0, world, None, [], None, Settings.resolve())  # type: ignore[arg-type]
     _write_done(job, 0)
     assert job.path(DONE).endswith("r00000-" + _ATTEMPT + DONE)
     return job
@@ -723,7 +724,9 @@ def test_a_rank_slow_to_start_is_not_declared_dead(
     job = _writer_job(tmp_path, 2)
     with fake_clock() as clock:
         start = clock.now()
-        rank1 = RankJob(job.storage, job.root, 5, _ATTEMPT, 1, 2, None, [], None)  # type: ignore[arg-type]
+        rank1 = RankJob(
+            job.storage, job.root, 5, _ATTEMPT, 1, 2, None, [], None, Settings.resolve()
+        )  # type: ignore[arg-type]
 
         def rank1_done() -> None:
             assert rank1.beat is not None

@@ -30,6 +30,7 @@ import asyncckpt._versions.protocol
 import asyncckpt._versions.waiting
 import asyncckpt._versions.writing
 from asyncckpt import Checkpointer
+from asyncckpt._settings import Settings
 from asyncckpt._storage import AtomicWriter, resolve
 from asyncckpt._versions.protocol import (
     COMMITTED,
@@ -91,7 +92,7 @@ def test_a_writer_fenced_before_its_recovery_deletes_nothing(tmp_path: Path) -> 
     root = str(tmp_path / "run")
     committed_root(root, [1, 5])
     storage, base = resolve(root, None)
-    old = RootWriter(storage, base, "0123456789ab")
+    old = RootWriter(storage, base, "0123456789ab", Settings())
     real_recover = old._recover
     seen: dict[str, dict[str, bytes]] = {}
 
@@ -522,7 +523,7 @@ def test_a_new_writer_removes_failed_markers_of_earlier_epochs(any_root: str) ->
     put(any_root, "2/FAILED", record(step=2, error="old", writer="0ldj0b", epoch=1))
     put(any_root, "3/FAILED", record(step=3, error="written before markers named attempts"))
     put(any_root, "4/FAILED", b"{damaged")
-    new = RootWriter(storage, base, "0123456789ab")
+    new = RootWriter(storage, base, "0123456789ab", Settings())
     new.acquire()
     new.release()
     assert not {"2/FAILED", "3/FAILED", "4/FAILED"} & files(any_root)
