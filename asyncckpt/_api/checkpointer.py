@@ -303,9 +303,15 @@ class Checkpointer(VersionsMixin):
                 raise
 
         def job(snap: Snapshot) -> int:
+            running = jobs.running_job()  # reports its progress to in_flight()
+            if running is not None and isinstance(part, PlainPart):
+                part.progress = running._note_written
             if not self.is_writer:
                 return part.write(snap)
-            return write_and_commit(self._writer, part, snap, self.retention, self._spared, metrics)
+            on_written = None if running is None else running._note_committing
+            return write_and_commit(
+                self._writer, part, snap, self.retention, self._spared, metrics, on_written
+            )
 
         # A rank's part of a sharded version cannot be cancelled: the writer waits for it.
         on_cancel = None if rank_job is not None else (lambda: None)

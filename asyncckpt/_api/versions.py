@@ -111,6 +111,21 @@ class VersionsMixin:
         """
         jobs.wait(self, timeout)
 
+    def in_flight(self) -> list[jobs.InFlight]:
+        """This process's saves of this Checkpointer that have not ended, oldest first:
+        step, phase (``"copying"``, ``"queued"``, ``"writing"``, ``"committing"``), raw
+        bytes written so far. A save leaves the list once its version is committed (or it
+        failed); ``handle.add_done_callback(fn)`` calls ``fn`` then.
+
+        Example:
+            >>> import torch, asyncckpt, tempfile
+            >>> with asyncckpt.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     handle = ckpt.save(1, {"w": torch.ones(2)})
+            ...     [(r.step, r.raw_bytes) for r in ckpt.in_flight()] in ([(1, 8)], [])
+            True
+        """
+        return jobs.in_flight(self)
+
     def latest(self) -> int | None:
         """The newest committed step, or None if there is none. Changes nothing."""
         return self._reader.latest()
