@@ -12,11 +12,16 @@ Layout under ``output_dir``:
 - ``asyncckpt/``: the Checkpointer root (:data:`ROOT_NAME`), one version per saved
   ``global_step``: model, optimizer, scheduler, scaler, every process's RNG states and the
   ``TrainerState`` JSON;
-- ``checkpoint-N/trainer_state.json``: written once version N is *committed* (at the next
-  save or when ``train`` returns), removed when rotation deletes the version. So
+- ``checkpoint-N/``: written once version N is *committed* (at the next save or when
+  ``train`` returns), removed when rotation deletes the version. So
   ``transformers.trainer_utils.get_last_checkpoint`` and scripts that read
-  ``trainer_state.json`` see committed checkpoints only. The folders hold no weights: export
-  them with ``asyncckpt convert output_dir/asyncckpt@N out.safetensors --key model``.
+  ``trainer_state.json`` see committed checkpoints only. It holds the stock Trainer's small
+  files, rendered at the save (``config.json``, ``generation_config.json``, the processing
+  class's files, ``training_args.bin``, ``trainer_state.json`` last) and our marker
+  :data:`MARKER_FILE`; not the weights: ``asyncckpt convert output_dir/asyncckpt@N
+  output_dir/checkpoint-N/model.safetensors --key model`` makes it a folder
+  ``from_pretrained`` reads. Callbacks defining ``on_checkpoint_committed`` are told.
+  ``push_to_hub`` pushes nothing during training (warned once at ``train``).
 
 ``train(resume_from_checkpoint=True)`` resumes from the newest committed version (falling
 back to the stock Trainer's folders when the root has none); a path ``.../checkpoint-N``
@@ -38,7 +43,7 @@ evaluation as ``metrics``. So rotation never deletes the best version, the newes
 one, nor one being written; without ``save_total_limit`` it deletes nothing, as the stock
 Trainer. Unlike it, the newest version stays at the end of training too (the stock Trainer
 then deletes it when ``save_total_limit=1`` and it is not the best). A ``checkpoint-N``
-folder of ours (it holds only ``trainer_state.json``) is removed once version N is gone;
+folder of ours (it holds :data:`MARKER_FILE`) is removed once version N is gone;
 stock Trainer folders are never touched. A ``checkpointer=`` passed in is used as it is,
 with its own retention.
 
