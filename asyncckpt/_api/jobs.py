@@ -92,8 +92,8 @@ class InFlight:
             write may already follow the copy), ``"queued"`` (copied, waiting behind an
             earlier save), ``"writing"``, or ``"committing"`` (the data is durable; the
             version file and retention are being written).
-        bytes_written: raw bytes of tensor data written so far (a sharded version's part
-            counts only once it is written).
+        bytes_written: raw bytes of tensor data written so far (0 throughout for a rank's
+            part of a sharded version: its writes do not report progress yet).
         raw_bytes: raw bytes of tensor data in the state.
         started: when ``save`` was called, as ``time.time()``.
 

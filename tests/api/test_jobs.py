@@ -274,3 +274,30 @@ def test_a_done_callback_of_a_version_runs_once_it_is_committed(tmp_path: Path) 
         ckpt.save(5, {"w": torch.ones(2)}).add_done_callback(on_commit)
         assert called.wait(60)  # from the save thread, after the waiters of result()
     assert seen == [(5, True)]
+
+
+@pytest.mark.timeout(120)
+def test_a_save_is_copying_until_save_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job starts once the arena is leased, while the caller still copies: that save
+    is "copying" (not "writing") until the copy has ended."""
+    import asyncckpt._api.checkpointer as checkpointer_module
+
+    seen: list[list[str]] = []
+    real = checkpointer_module.stage
+
+    def stage(obj: Any, overlap: bool, on_layout: Any, options: Any) -> Any:
+        def layout(snap: Any) -> None:
+            on_layout(snap)  # the job is submitted here; the copy starts after
+            seen.append([r.phase for r in asyncckpt.in_flight()])
+
+        return real(obj, overlap, layout, options)
+
+    monkeypatch.setattr(checkpointer_module, "stage", stage)
+    with Checkpointer(tmp_path) as ckpt:
+        handle = ckpt.save(1, {"w": torch.ones(1024)})
+        assert seen == [["copying"]]
+        after = [r.phase for r in ckpt.in_flight()]
+        assert after in ([], ["queued"], ["writing"], ["committing"])  # no longer copying
+        handle.result(60)
