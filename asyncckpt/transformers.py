@@ -287,26 +287,25 @@ class AsyncCkptTrainerMixin:
         our marker naming the version, and ``trainer_state.json`` (last: its presence
         means the folder is complete). Everything but the weights and optimizer states."""
         with tempfile.TemporaryDirectory(prefix="asyncckpt-hf-") as tmp:
-            model = self.accelerator.unwrap_model(self.model)
-            if isinstance(model, transformers.PreTrainedModel):
-                # As save_pretrained: the class name is what AutoModel dispatches on.
-                model.config.architectures = [type(model).__name__]
-                model.config.save_pretrained(tmp)
-                if model.can_generate() and model.generation_config is not None:
-                    model.generation_config.save_pretrained(tmp)
-            processor = getattr(self, "processing_class", None)
-            if processor is not None:
-                processor.save_pretrained(tmp)
-            torch.save(self.args, os.path.join(tmp, TRAINING_ARGS_NAME))
-            files = {}
-            for base, _, names in os.walk(tmp):
-                for name in names:
-                    path = os.path.join(base, name)
-                    with open(path, "rb") as f:
-                        files[os.path.relpath(path, tmp)] = f.read()
+            self._save_small_files(tmp)
+            files = _read_tree(tmp)
         files[MARKER_FILE] = _marker(step)
         files[_STATE_FILE] = self._state_json().encode()
         return files
+
+    def _save_small_files(self, directory: str) -> None:
+        """What ``Trainer.save_model`` writes besides the weights, into ``directory``."""
+        model = self.accelerator.unwrap_model(self.model)
+        if isinstance(model, transformers.PreTrainedModel):
+            # As save_pretrained: the class name is what AutoModel dispatches on.
+            model.config.architectures = [type(model).__name__]
+            model.config.save_pretrained(directory)
+            if model.can_generate() and model.generation_config is not None:
+                model.generation_config.save_pretrained(directory)
+        processor = getattr(self, "processing_class", None)
+        if processor is not None:
+            processor.save_pretrained(directory)
+        torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
 
     def _warn_hub_strategy(self) -> None:
         """``push_to_hub`` with a ``hub_strategy`` that pushes at each save: the stock
@@ -566,6 +565,17 @@ def _write_file(folder: str, name: str, data: bytes) -> None:
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def _read_tree(directory: str) -> dict[str, bytes]:
+    """Every file under ``directory``, by its path relative to it."""
+    files = {}
+    for base, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(base, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, directory)] = f.read()
+    return files
 
 
 def _marker(step: int) -> bytes:
