@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from asyncckpt._api.checkpointer import Checkpointer
     from asyncckpt._api.dropin import SaveHandle, SaveInfo, SaveStats, load, reserve, save, wait
     from asyncckpt._api.dropin import open_checkpoint as open
+    from asyncckpt._api.jobs import InFlight, in_flight
     from asyncckpt._api.preemption import Preemption
     from asyncckpt._settings import Settings
 
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
 #: ``asyncckpt.errors`` then run without importing torch (seconds).
 _LAZY = {
     "Checkpointer": ("asyncckpt._api.checkpointer", "Checkpointer"),
+    "InFlight": ("asyncckpt._api.jobs", "InFlight"),
+    "in_flight": ("asyncckpt._api.jobs", "in_flight"),
     "open": ("asyncckpt._api.dropin", "open_checkpoint"),
     "Preemption": ("asyncckpt._api.preemption", "Preemption"),
     "Settings": ("asyncckpt._settings", "Settings"),
@@ -57,12 +60,14 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncCkptError",
     "Checkpointer",
+    "InFlight",
     "Preemption",
     "SaveHandle",
     "SaveInfo",
     "SaveStats",
     "Settings",
     "__version__",
+    "in_flight",
     "load",
     "open",
     "reserve",

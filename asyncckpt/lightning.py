@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, cast
 
 try:
@@ -130,6 +130,11 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         settings: the tunables of every save and load of the plugin, fixed when it is
             built: an :class:`asyncckpt.Settings`, or a dict such as ``{"threads": 4}``
             over the ``ASYNCCKPT_*`` environment variables.
+        on_durable: called with each file's path once its save is durable (on the
+            training thread, at the plugin's next call: a save, remove, load or the
+            ``teardown`` that ends ``fit``), so that a logger records durable checkpoints
+            only; Lightning's ``after_save_checkpoint`` fires at the snapshot. Not called
+            for a failed save.
 
     Example:
         >>> import tempfile, os, torch
@@ -153,8 +158,10 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         classes: Iterable[type] = (),
         map_location: MapLocation = None,
         settings: SettingsArg = None,
+        on_durable: Callable[[str], object] | None = None,
     ) -> None:
         super().__init__()
+        self.on_durable = on_durable
         #: Resolved once, when the plugin is built (argument > ``ASYNCCKPT_*`` > default).
         self.settings = Settings.of(settings)
         api.write_options(compression, self.settings)  # a bad value fails here, not later
@@ -318,6 +325,8 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
         failure = handle.exception(timeout)
         if failure is not None and not seen:
             self._failures.append(failure)
+        elif failure is None and self.on_durable is not None:
+            self.on_durable(handle.path)
 
     def _collect(self) -> None:
         """Take the outcome of every finished save; forget the successes.

@@ -12,11 +12,16 @@ Layout under ``output_dir``:
 - ``asyncckpt/``: the Checkpointer root (:data:`ROOT_NAME`), one version per saved
   ``global_step``: model, optimizer, scheduler, scaler, every process's RNG states and the
   ``TrainerState`` JSON;
-- ``checkpoint-N/trainer_state.json``: written once version N is *committed* (at the next
-  save or when ``train`` returns), removed when rotation deletes the version. So
+- ``checkpoint-N/``: written once version N is *committed* (at the next save or when
+  ``train`` returns), removed when rotation deletes the version. So
   ``transformers.trainer_utils.get_last_checkpoint`` and scripts that read
-  ``trainer_state.json`` see committed checkpoints only. The folders hold no weights: export
-  them with ``asyncckpt convert output_dir/asyncckpt@N out.safetensors --key model``.
+  ``trainer_state.json`` see committed checkpoints only. It holds the stock Trainer's small
+  files, rendered at the save (``config.json``, ``generation_config.json``, the processing
+  class's files, ``training_args.bin``, ``trainer_state.json`` last) and our marker
+  :data:`MARKER_FILE`; not the weights: ``asyncckpt convert output_dir/asyncckpt@N
+  output_dir/checkpoint-N/model.safetensors --key model`` makes it a folder
+  ``from_pretrained`` reads. Callbacks defining ``on_checkpoint_committed`` are told.
+  ``push_to_hub`` pushes nothing during training (warned once at ``train``).
 
 ``train(resume_from_checkpoint=True)`` resumes from the newest committed version (falling
 back to the stock Trainer's folders when the root has none); a path ``.../checkpoint-N``
@@ -38,7 +43,7 @@ evaluation as ``metrics``. So rotation never deletes the best version, the newes
 one, nor one being written; without ``save_total_limit`` it deletes nothing, as the stock
 Trainer. Unlike it, the newest version stays at the end of training too (the stock Trainer
 then deletes it when ``save_total_limit=1`` and it is not the best). A ``checkpoint-N``
-folder of ours (it holds only ``trainer_state.json``) is removed once version N is gone;
+folder of ours (it holds :data:`MARKER_FILE`) is removed once version N is gone;
 stock Trainer folders are never touched. A ``checkpointer=`` passed in is used as it is,
 with its own retention.
 
@@ -67,8 +72,11 @@ import shutil
 import tempfile
 from typing import Any
 
+import torch
+
 try:
     import transformers
+    from transformers.trainer import TRAINING_ARGS_NAME
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -82,7 +90,7 @@ from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt.accelerate import gathered_rng_states, set_rng_states
 from asyncckpt.errors import AsyncCkptError, ConflictError, FormatError
 
-__all__ = ["OVERRIDDEN", "ROOT_NAME", "AsyncCkptTrainer", "AsyncCkptTrainerMixin"]
+__all__ = ["MARKER_FILE", "OVERRIDDEN", "ROOT_NAME", "AsyncCkptTrainer", "AsyncCkptTrainerMixin"]
 
 #: The Checkpointer root's folder name under ``args.output_dir``.
 ROOT_NAME = "asyncckpt"
@@ -99,6 +107,8 @@ OVERRIDDEN = (
 _FORMAT_KEY = "asyncckpt_transformers"
 _FORMAT = 1
 _STATE_FILE = "trainer_state.json"
+#: Marks a ``checkpoint-N`` folder as ours (the version it stands for, the export command).
+MARKER_FILE = "asyncckpt.json"
 _FOLDER = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 log = logging.getLogger(__name__)
@@ -145,7 +155,7 @@ class AsyncCkptTrainerMixin:
         # The version last loaded, by (root, step): the load methods each ask for it.
         self._ackpt_loaded: tuple[tuple[str, int], dict[str, Any]] | None = None
         # Saves whose checkpoint-N folder is written once they are committed.
-        self._ackpt_pending: dict[int, tuple[SaveHandle, str, str]] = {}
+        self._ackpt_pending: dict[int, tuple[SaveHandle, str, dict[str, bytes]]] = {}
 
     @property
     def checkpointer(self) -> Checkpointer:
@@ -180,6 +190,7 @@ class AsyncCkptTrainerMixin:
         Returns once the last checkpoint is committed (its folder written, rotation applied).
         """
         self._check_supported()
+        self._warn_hub_strategy()
         if resume_from_checkpoint is True:
             resume_from_checkpoint = self._resume_folder(trial) or True
         try:
@@ -212,7 +223,9 @@ class AsyncCkptTrainerMixin:
         folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
         state = self._version(folder)
         if state is not None and not os.path.isfile(os.path.join(folder, _STATE_FILE)):
-            _write_state_file(folder, state["trainer_state"])  # the job died before writing it
+            # The job died before writing it (the small model files are then missing).
+            _write_file(folder, MARKER_FILE, _marker(step))
+            _write_file(folder, _STATE_FILE, state["trainer_state"].encode())
         return folder
 
     def _clear_newer_versions(self, resume: str | bool | None, trial: Any) -> None:
@@ -264,8 +277,50 @@ class AsyncCkptTrainerMixin:
         handle = self.checkpointer.save(step, self._state(), metrics=self._eval_metrics())
         if self.checkpointer.is_writer:
             folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
-            self._ackpt_pending[step] = (handle, folder, self._state_json())
+            self._ackpt_pending[step] = (handle, folder, self._folder_files(step))
         self._rotate(run_dir)
+
+    def _folder_files(self, step: int) -> dict[str, bytes]:
+        """What ``checkpoint-N`` gets once version N is committed, rendered now (as the
+        stock Trainer writes them at the save): the model's ``config.json`` and
+        ``generation_config.json``, the processing class's files, ``training_args.bin``,
+        our marker naming the version, and ``trainer_state.json`` (last: its presence
+        means the folder is complete). Everything but the weights and optimizer states."""
+        with tempfile.TemporaryDirectory(prefix="asyncckpt-hf-") as tmp:
+            self._save_small_files(tmp)
+            files = _read_tree(tmp)
+        files[MARKER_FILE] = _marker(step)
+        files[_STATE_FILE] = self._state_json().encode()
+        return files
+
+    def _save_small_files(self, directory: str) -> None:
+        """What ``Trainer.save_model`` writes besides the weights, into ``directory``."""
+        model = self.accelerator.unwrap_model(self.model)
+        if isinstance(model, transformers.PreTrainedModel):
+            # As save_pretrained: the class name is what AutoModel dispatches on.
+            model.config.architectures = [type(model).__name__]
+            model.config.save_pretrained(directory)
+            if model.can_generate() and model.generation_config is not None:
+                model.generation_config.save_pretrained(directory)
+        processor = getattr(self, "processing_class", None)
+        if processor is not None:
+            processor.save_pretrained(directory)
+        torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
+
+    def _warn_hub_strategy(self) -> None:
+        """``push_to_hub`` with a ``hub_strategy`` that pushes at each save: the stock
+        Trainer uploads the model from each ``checkpoint-N``; ours hold no weights, so
+        nothing is pushed during training. Said once, at the start of ``train``."""
+        args = self.args
+        if not args.push_to_hub or str(args.hub_strategy.value) == "end":
+            return
+        log.warning(
+            "push_to_hub with hub_strategy=%r: AsyncCkptTrainer pushes nothing while training "
+            "(its checkpoint-N folders hold no weights; the stock Trainer uploads each "
+            "save's model). Call trainer.push_to_hub() after train() to save and upload the "
+            "final model",
+            args.hub_strategy.value,
+        )
 
     def _state(self) -> dict[str, Any]:
         only_model = self.args.save_only_model
@@ -311,21 +366,35 @@ class AsyncCkptTrainerMixin:
         return None
 
     def _finish_saves(self, wait: bool) -> None:
-        """Write the folders of committed saves (all of them, after waiting, if ``wait``)."""
+        """Write the folders of committed saves (all of them, after waiting, if ``wait``),
+        and tell the callbacks that have ``on_checkpoint_committed``."""
         if wait:
             self.checkpointer.wait()
-        for step, (handle, folder, text) in list(self._ackpt_pending.items()):
+        for step, (handle, folder, files) in list(self._ackpt_pending.items()):
             if not handle.done():
                 continue
             del self._ackpt_pending[step]
-            if not handle.failed():
-                _write_state_file(folder, text)
+            if handle.failed() or handle.cancelled():
+                continue
+            for name, data in files.items():  # trainer_state.json last
+                _write_file(folder, name, data)
+            log.info("%s committed (step %d)", folder, step)
+            self._committed_event(folder, step)
+
+    def _committed_event(self, folder: str, step: int) -> None:
+        """``on_checkpoint_committed(args, state, control, checkpoint=folder, step=step)``
+        on each callback that defines it (``on_save`` fires at the snapshot, before the
+        version is durable), on the training thread."""
+        for callback in self.callback_handler.callbacks:
+            event = getattr(callback, "on_checkpoint_committed", None)
+            if callable(event):
+                event(self.args, self.state, self.control, checkpoint=folder, step=step)
 
     def _rotate(self, run_dir: str) -> None:
         """Remove our ``checkpoint-N`` folders whose version retention deleted.
 
-        Only folders that hold nothing but ``trainer_state.json`` (ours): a stock Trainer
-        folder with weights stays.
+        Only folders with our marker (or, from earlier releases, holding nothing but
+        ``trainer_state.json``): a stock Trainer folder stays.
         """
         if not self.checkpointer.is_writer or not os.path.isdir(run_dir):
             return
@@ -335,7 +404,8 @@ class AsyncCkptTrainerMixin:
             folder = os.path.join(run_dir, name)
             if match is None or int(match.group(1)) in kept or not os.path.isdir(folder):
                 continue
-            if set(os.listdir(folder)) <= {_STATE_FILE}:
+            names = set(os.listdir(folder))
+            if MARKER_FILE in names or names <= {_STATE_FILE}:
                 shutil.rmtree(folder, ignore_errors=True)
 
     # -- loading ----------------------------------------------------------------------
@@ -487,10 +557,33 @@ def _newer_versions_message(ckpt: Checkpointer, start: int, newest: int, run_dir
     )
 
 
-def _write_state_file(folder: str, text: str) -> None:
-    """Write ``folder/trainer_state.json`` atomically (a reader never sees half a file)."""
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".trainer_state.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(folder, _STATE_FILE))
+def _write_file(folder: str, name: str, data: bytes) -> None:
+    """Write ``folder/name`` atomically (a reader never sees half a file)."""
+    path = os.path.join(folder, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".asyncckpt.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _read_tree(directory: str) -> dict[str, bytes]:
+    """Every file under ``directory``, by its path relative to it."""
+    files = {}
+    for base, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(base, name)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, directory)] = f.read()
+    return files
+
+
+def _marker(step: int) -> bytes:
+    """Our marker file: which version the folder stands for, and how to export its weights
+    into it (``asyncckpt convert``), so that ``from_pretrained`` reads the folder."""
+    export = (
+        f"asyncckpt convert {ROOT_NAME}@{step} {PREFIX_CHECKPOINT_DIR}-{step}/model.safetensors "
+        "--key model"
+    )
+    record = {"root": f"../{ROOT_NAME}", "step": step, "export_weights_from_output_dir": export}
+    return (json.dumps(record, indent=2) + "\n").encode()

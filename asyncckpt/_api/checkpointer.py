@@ -248,6 +248,21 @@ class Checkpointer:
         """
         jobs.wait(self, timeout)
 
+    def in_flight(self) -> list[jobs.InFlight]:
+        """This process's saves of this Checkpointer that have not ended, oldest first:
+        step, phase (``"copying"``, ``"queued"``, ``"writing"``, ``"committing"``), raw
+        bytes written so far. A save leaves the list once its version is committed (or it
+        failed); ``handle.add_done_callback(fn)`` calls ``fn`` then.
+
+        Example:
+            >>> import torch, asyncckpt, tempfile
+            >>> with asyncckpt.Checkpointer(tempfile.mkdtemp()) as ckpt:
+            ...     handle = ckpt.save(1, {"w": torch.ones(2)})
+            ...     [(r.step, r.raw_bytes) for r in ckpt.in_flight()] in ([(1, 8)], [])
+            True
+        """
+        return jobs.in_flight(self)
+
     def latest(self) -> int | None:
         """The newest committed step, or None if there is none. Changes nothing."""
         return self._reader.latest()
@@ -607,9 +622,15 @@ class Checkpointer:
                 raise
 
         def job(snap: Snapshot) -> int:
+            running = jobs.running_job()  # reports its progress to in_flight()
+            if running is not None and isinstance(part, PlainPart):
+                part.progress = running._note_written
             if not self.is_writer:
                 return part.write(snap)
-            return write_and_commit(self._writer, part, snap, self.retention, self._spared, metrics)
+            on_written = None if running is None else running._note_committing
+            return write_and_commit(
+                self._writer, part, snap, self.retention, self._spared, metrics, on_written
+            )
 
         # A rank's part of a sharded version cannot be cancelled: the writer waits for it.
         on_cancel = None if rank_job is not None else (lambda: None)

@@ -205,7 +205,11 @@ class _MarkerStart:
         if self.failure is not None:
             raise self.failure
         try:
-            size = writer_process.write(snap, self.storage, self.path, options, guard=self.check)
+            job = jobs.running_job()
+            progress = None if job is None else job._note_written
+            size = writer_process.write(
+                snap, self.storage, self.path, options, progress, self.check
+            )
         except BaseException as exc:
             self.finish(exc)
             raise

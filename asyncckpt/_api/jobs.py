@@ -77,6 +77,39 @@ class SaveInfo:
     stats: SaveStats
 
 
+#: The phases of a save in flight, in order (see :class:`InFlight`).
+PHASES: Final = ("copying", "queued", "writing", "committing")
+
+
+@dataclass(frozen=True)
+class InFlight:
+    """One save that has not ended, as :func:`in_flight` sees it at that moment.
+
+    Attributes:
+        target: what it writes: the file, or a Checkpointer version's data file.
+        step: the Checkpointer step, or None for ``asyncckpt.save``.
+        phase: ``"copying"`` (``save`` is still copying the state into host memory; the
+            write may already follow the copy), ``"queued"`` (copied, waiting behind an
+            earlier save), ``"writing"``, or ``"committing"`` (the data is durable; the
+            version file and retention are being written).
+        bytes_written: raw bytes of tensor data written so far (0 throughout for a rank's
+            part of a sharded version: its writes do not report progress yet).
+        raw_bytes: raw bytes of tensor data in the state.
+        started: when ``save`` was called, as ``time.time()``.
+
+    Example:
+        >>> InFlight("ckpt/step-1/data", 1, "writing", 4096, 8192, 0.0).bytes_written
+        4096
+    """
+
+    target: str
+    step: int | None
+    phase: str
+    bytes_written: int
+    raw_bytes: int
+    started: float
+
+
 class SaveHandle(Future[SaveInfo]):
     """A save running in the background: a ``concurrent.futures.Future`` (as the one
     ``torch.distributed.checkpoint.async_save`` returns), so ``concurrent.futures.wait``,
@@ -121,6 +154,11 @@ class SaveHandle(Future[SaveInfo]):
         # callback that a successful ``cancel`` runs may itself call ``cancel``.
         self._gate = threading.RLock()
         self._on_cancel: Callable[[], None] | None = None
+        # What in_flight() reports: the wall-clock start, and the job's progress.
+        self._started_wall = time.time() - stats.blocking_s
+        self._copying = False
+        self._committing = False
+        self._written = 0
 
     @property
     def stats(self) -> SaveStats:
@@ -208,6 +246,29 @@ class SaveHandle(Future[SaveInfo]):
         with self._gate:
             self._stats = replace(self._stats, **fields)
 
+    def _note_written(self, nbytes: int) -> None:
+        """Count ``nbytes`` more raw bytes written (a ``progress`` callback of the write)."""
+        with self._gate:
+            self._written += nbytes
+
+    def _note_committing(self) -> None:
+        """The data is durable; the commit starts."""
+        self._committing = True
+
+    def _in_flight(self) -> InFlight:
+        """This save now, for :func:`in_flight`."""
+        with self._gate:
+            if self._copying:
+                phase = "copying"
+            elif not self.running():
+                phase = "queued"
+            else:
+                phase = "committing" if self._committing else "writing"
+            step = self.target if self.owner is not None else None
+            return InFlight(
+                self.path, step, phase, self._written, self._stats.raw_bytes, self._started_wall
+            )
+
     def _start(self) -> bool:
         """Called by the job as it starts: False if it was cancelled (it must not run)."""
         with self._gate:
@@ -287,6 +348,8 @@ class _Tracker:
 
 
 _tracker = _Tracker()
+# The handle of the job running on this thread (the save thread), for its progress.
+_running = threading.local()
 
 
 def _owned(handle: SaveHandle, owner: Any) -> bool:
@@ -306,9 +369,41 @@ def _forget_parent_jobs() -> None:
     _tracker = _Tracker()
 
 
+# The handle of the job running on this thread (the save thread), for its progress.
+_running = threading.local()
+
+
 def pending(owner: Any = ANY) -> list[SaveHandle]:
     """The jobs of ``owner`` (default: every owner) that have not ended, oldest first."""
     return [h for h in _tracker.of(owner) if not h.done()]
+
+
+def in_flight(owner: Any = ANY) -> list[InFlight]:
+    """The saves of ``owner`` (default: every owner's) that have not ended, oldest first:
+    what each writes, its phase and how many bytes it has written so far.
+
+    Public as ``asyncckpt.in_flight()`` (every save of this process) and
+    ``Checkpointer.in_flight()`` (that Checkpointer's). A save leaves the list once it has
+    ended; ``handle.add_done_callback`` tells when (for a Checkpointer: once its version is
+    committed).
+
+    Example:
+        >>> import torch, asyncckpt, tempfile, os
+        >>> handle = asyncckpt.save({"w": torch.ones(2)}, os.path.join(tempfile.mkdtemp(), "w"))
+        >>> all(r.phase in PHASES for r in asyncckpt.in_flight())
+        True
+        >>> _ = handle.result()
+        >>> [r for r in asyncckpt.in_flight() if r.target == handle.path]
+        []
+    """
+    return [h._in_flight() for h in pending(owner)]
+
+
+def running_job() -> SaveHandle | None:
+    """The handle of the save whose job runs on this thread; None elsewhere. The job
+    reports its progress on it (``_note_written``, ``_committing``)."""
+    handle: SaveHandle | None = getattr(_running, "handle", None)
+    return handle
 
 
 def tracked(owner: Any) -> list[SaveHandle]:
@@ -361,6 +456,7 @@ def submit(
     nice: int,
     owner: Any = None,
     on_cancel: Callable[[], None] | None = None,
+    copying: bool = False,
 ) -> SaveHandle:
     """Run ``job`` (which returns the bytes written) on the save thread; return its handle.
 
@@ -369,22 +465,27 @@ def submit(
     (``writer_nice``), fixed when the process's first save creates it; ``owner`` whose save
     it is (None: the module-level API); ``on_cancel`` undoes what the caller prepared for
     ``job`` (frees its arena) if the handle is cancelled before ``job`` starts (None: it
-    cannot be cancelled).
+    cannot be cancelled); ``copying``: the caller is still copying the state (it clears
+    ``handle._copying`` once done).
     """
     stats = SaveStats(time.perf_counter() - started, raw_bytes)
     handle = SaveHandle(label, stats, owner, target)
     handle._on_cancel = on_cancel
+    handle._copying = copying
 
     def run() -> None:
         # The handle is the save's future: this sets its outcome (the pool's own future,
         # which would only ever hold None, is dropped).
         if not handle._start():
             return  # cancelled: ``cancel`` undid what was prepared and notified waiters
+        _running.handle = handle
         try:
             stored = job()
         except BaseException as exc:  # as an executor does: the handle reports it
             handle.set_exception(exc)
             return
+        finally:
+            _running.handle = None
         # Before the future completes: its waiters wake before its done callbacks run, so
         # stats completed in a callback could still be missing when ``result()`` returns.
         total = time.perf_counter() - started
@@ -481,7 +582,15 @@ def stage_and_submit(
         work = lambda: run(snap)  # noqa: E731
         handles.append(
             submit(
-                work, label, snap.raw_bytes, started, target, nice=nice, owner=owner, on_cancel=undo
+                work,
+                label,
+                snap.raw_bytes,
+                started,
+                target,
+                nice=nice,
+                owner=owner,
+                on_cancel=undo,
+                copying=True,  # until the copy below ends
             )
         )
 
@@ -495,6 +604,7 @@ def stage_and_submit(
         raise
     handle = handles[0]
     handle._record(blocking_s=time.perf_counter() - started, raw_bytes=snap.raw_bytes)
+    handle._copying = False
     copied.set()
     return snap, handle
 

@@ -59,6 +59,8 @@ class PlainPart:
     path: str
     step: int
     options: WriteOptions
+    #: Called with the raw bytes of each chunk once written (the save's in-flight figure).
+    progress: Callable[[int], None] | None = None
 
     @property
     def data_path(self) -> str:
@@ -67,7 +69,7 @@ class PlainPart:
 
     def write(self, snap: Snapshot) -> int:
         """Write the file (every byte read: the next save may copy during the commit)."""
-        size = writer_process.write(snap, self.storage, self.path, self.options)
+        size = writer_process.write(snap, self.storage, self.path, self.options, self.progress)
         snap.lease.release()
         return size
 
@@ -86,6 +88,7 @@ def write_and_commit(
     policy: RetentionPolicy | None,
     spare: Callable[[], int | None],
     metrics: Mapping[str, float | int | str] | None = None,
+    on_written: Callable[[], None] | None = None,
 ) -> int:
     """The writer rank's job of a save: lease (first save only), write, gather, commit,
     retention.
@@ -93,7 +96,8 @@ def write_and_commit(
     Runs while ``snap`` is still being copied; the caller frees the arena if this fails.
     ``policy`` None keeps every version; ``spare`` is asked, when retention runs, for the
     step a collective load may still read (retention spares it); ``metrics`` (checked) are
-    recorded in the ``COMMIT``. Returns the size of this rank's file.
+    recorded in the ``COMMIT``; ``on_written`` is called once every file is durable, as
+    the commit starts. Returns the size of this rank's file.
 
     Raises:
         FencedError: another writer took the root over (no marker is left in it).
@@ -112,7 +116,10 @@ def write_and_commit(
         raise
     try:
         size = part.write(snap)
-        writer.commit(step, part.gather(writer, size, started), metrics)
+        gathered = part.gather(writer, size, started)
+        if on_written is not None:
+            on_written()
+        writer.commit(step, gathered, metrics)
     except FencedError:
         raise  # the root is another writer's now: leave no marker in it
     except BaseException as exc:

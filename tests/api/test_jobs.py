@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from pathlib import Path
@@ -177,3 +178,126 @@ def test_asyncio_awaits_a_handle_and_observes_its_failure(
         asyncio.run(await_failure())
     assert failing.observed
     asyncckpt.wait(60)  # raised once, by the await: not again here
+
+
+@pytest.fixture
+def held_save(
+    monkeypatch: pytest.MonkeyPatch, arena_allocations: list[int]
+) -> Iterator[dict[str, threading.Event]]:
+    """Hold a Checkpointer's first save after its first written chunk (``first_chunk``
+    until ``go_write``) and at its commit (``at_commit`` until ``go_commit``)."""
+    from asyncckpt._versions.writing import RootWriter
+
+    monkeypatch.setenv("ASYNCCKPT_MAX_INFLIGHT", "2")
+    events = {name: threading.Event() for name in ("first_chunk", "go_write", "at_commit")}
+    events["go_commit"] = threading.Event()
+    real_write = asyncckpt._engine.writer_process.write
+    real_commit = RootWriter.commit
+
+    def write(
+        snap: Any, storage: Any, path: str, options: Any, progress: Any = None, *a: Any
+    ) -> int:
+        def held(nbytes: int) -> None:
+            progress(nbytes)
+            if not events["first_chunk"].is_set():
+                events["first_chunk"].set()
+                assert events["go_write"].wait(60), "test never let the write go on"
+
+        return real_write(snap, storage, path, options, held if progress else None, *a)
+
+    def commit(self: Any, *args: Any, **kwargs: Any) -> None:
+        events["at_commit"].set()
+        assert events["go_commit"].wait(60), "test never let the commit go on"
+        real_commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(asyncckpt._engine.writer_process, "write", write)
+    monkeypatch.setattr(RootWriter, "commit", commit)
+    yield events
+    for event in events.values():
+        event.set()
+    asyncckpt.wait()
+
+
+@pytest.mark.timeout(120)
+def test_in_flight_lists_each_save_with_its_phase_and_bytes(
+    tmp_path: Path, held_save: dict[str, threading.Event]
+) -> None:
+    state = {"w": torch.arange(16384, dtype=torch.float32)}  # 64 KiB, 16 chunks
+    with Checkpointer(tmp_path, compression="none", settings={"chunk_bytes": 4096}) as ckpt:
+        before = time.time()
+        handle = ckpt.save(1, state)
+        assert held_save["first_chunk"].wait(60)
+        [now] = ckpt.in_flight()
+        assert (now.step, now.phase, now.raw_bytes) == (1, "writing", 65536)
+        assert 0 < now.bytes_written < now.raw_bytes
+        assert now.target == handle.path and before - 1 <= now.started <= time.time()
+        second = ckpt.save(2, state)  # copied into the second arena; waits behind the first
+        assert [(r.step, r.phase, r.bytes_written) for r in ckpt.in_flight()] == [
+            (1, "writing", now.bytes_written),
+            (2, "queued", 0),
+        ]
+        held_save["go_write"].set()
+        assert held_save["at_commit"].wait(60)
+        # The data is durable: the version file is being written.
+        first = ckpt.in_flight()[0]
+        assert (first.step, first.phase, first.bytes_written) == (1, "committing", 65536)
+        assert [r.step for r in asyncckpt.in_flight()] == [1, 2]  # every owner's, here one
+        held_save["go_commit"].set()
+        second.result(60)
+        assert ckpt.in_flight() == [] and asyncckpt.in_flight() == []
+        assert ckpt.versions() == [1, 2]
+
+
+@pytest.mark.timeout(120)
+def test_a_drop_in_save_in_flight_has_no_step(tmp_path: Path, gate: threading.Event) -> None:
+    handle = asyncckpt.save({"w": torch.ones(4)}, tmp_path / "a.ackpt")
+    while not handle.running():  # the save thread picks the job up (the gate holds it)
+        time.sleep(0.01)
+    [now] = asyncckpt.in_flight()
+    assert (now.target, now.step, now.phase, now.raw_bytes) == (handle.path, None, "writing", 16)
+    gate.set()
+    handle.result(60)
+    assert asyncckpt.in_flight() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_done_callback_of_a_version_runs_once_it_is_committed(tmp_path: Path) -> None:
+    """The commit callback loggers use: ``handle.add_done_callback`` on a Checkpointer save."""
+    seen: list[tuple[int, bool]] = []
+    called = threading.Event()
+
+    def on_commit(handle: asyncckpt.SaveHandle) -> None:
+        seen.append((5, 5 in ckpt.versions()))
+        called.set()
+
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(5, {"w": torch.ones(2)}).add_done_callback(on_commit)
+        assert called.wait(60)  # from the save thread, after the waiters of result()
+    assert seen == [(5, True)]
+
+
+@pytest.mark.timeout(120)
+def test_a_save_is_copying_until_save_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job starts once the arena is leased, while the caller still copies: that save
+    is "copying" (not "writing") until the copy has ended."""
+    import asyncckpt._api.checkpointer as checkpointer_module
+
+    seen: list[list[str]] = []
+    real = checkpointer_module.stage
+
+    def stage(obj: Any, overlap: bool, on_layout: Any, options: Any) -> Any:
+        def layout(snap: Any) -> None:
+            on_layout(snap)  # the job is submitted here; the copy starts after
+            seen.append([r.phase for r in asyncckpt.in_flight()])
+
+        return real(obj, overlap, layout, options)
+
+    monkeypatch.setattr(checkpointer_module, "stage", stage)
+    with Checkpointer(tmp_path) as ckpt:
+        handle = ckpt.save(1, {"w": torch.ones(1024)})
+        assert seen == [["copying"]]
+        after = [r.phase for r in ckpt.in_flight()]
+        assert after in ([], ["queued"], ["writing"], ["committing"])  # no longer copying
+        handle.result(60)

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from typing import Any, NamedTuple
@@ -40,6 +41,7 @@ from asyncckpt.lightning import (
     load_from_checkpoint,
     to_plain,
 )
+from asyncckpt.lightning import ModelCheckpoint as AckptModelCheckpoint
 
 
 class Mode(enum.Enum):
@@ -883,3 +885,21 @@ def test_a_torch_name_for_asyncckpt_bytes_warns_once_with_how_to_read_it(
         AsyncCkptIO().save_checkpoint(state, tmp_path / ".temp.ckpt")  # Lightning's own temp
         AsyncCkptIO().save_checkpoint(state, tmp_path / "x.ackpt")
     io.teardown()
+
+
+def test_on_durable_names_each_file_once_it_is_durable(tmp_path: pathlib.Path) -> None:
+    """The commit hook loggers use: ModelCheckpoint's ``after_save_checkpoint`` fires at the
+    snapshot; ``on_durable(path)`` once the file is complete, on the training thread."""
+    durable: list[tuple[str, bool, bool]] = []
+
+    def on_durable(path: str) -> None:
+        whole = AsyncCkptIO().load_checkpoint(path)["epoch"] is not None  # checksums verified
+        main = threading.current_thread() is threading.main_thread()
+        durable.append((path, whole, main))
+
+    train, val = loaders()
+    mc = AckptModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1)
+    trainer(tmp_path, AsyncCkptIO(on_durable=on_durable), 3, [mc]).fit(TinyModule(), train, val)
+    files = sorted(str(p) for p in (tmp_path / "ckpt").iterdir())
+    assert len(files) == 3
+    assert sorted(durable) == [(f, True, True) for f in files]

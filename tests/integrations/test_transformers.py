@@ -311,3 +311,109 @@ def test_settings_reach_the_checkpointer_the_trainer_builds(tmp_path: Path) -> N
     assert trainer.checkpointer._settings.chunk_bytes == 4096
     with pytest.raises(ValueError, match="chunk_bytes"):
         _trainer(AsyncCkptTrainer, tmp_path, settings={"chunk_bytes": 0})
+
+
+def _tokenizer() -> Any:
+    """A tiny word-level tokenizer built here (no download)."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"w{i}": i for i in range(63)} | {"[UNK]": 63}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+#: What the stock Trainer writes in checkpoint-N that a version holds instead.
+_HEAVY = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt"}
+
+
+@pytest.mark.timeout(300)
+def test_a_committed_folder_is_a_pretrained_model_after_one_command(tmp_path: Path) -> None:
+    """Issue 31 item 2: checkpoint-N holds the stock Trainer's small files (config,
+    generation config, tokenizer, training args), so that after the documented export of
+    the weights ``from_pretrained(get_last_checkpoint(out))`` loads the model."""
+    from asyncckpt import cli
+
+    folders = {}
+    for cls, name in ((transformers.Trainer, "stock"), (AsyncCkptTrainer, "ours")):
+        trainer = _trainer(cls, tmp_path / name)
+        trainer.processing_class = _tokenizer()
+        trainer.train()
+        folders[name] = {p.name for p in (tmp_path / name / "checkpoint-8").iterdir()}
+    small = folders["stock"] - _HEAVY
+    assert "config.json" in small and "tokenizer.json" in small  # the case this is about
+    assert small <= folders["ours"], small - folders["ours"]
+    out = tmp_path / "ours"
+    last = get_last_checkpoint(str(out))
+    assert last == str(out / "checkpoint-8")
+    # The one command (also in the folder's marker file), run from output_dir.
+    marker = json.loads((out / "checkpoint-8" / "asyncckpt.json").read_text())
+    command = marker["export_weights_from_output_dir"].split()[1:]
+    assert command[0] == "convert"
+    argv = [str(out / a) if "@" in a or "/" in a else a for a in command]
+    assert cli.main(argv) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(last)
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert transformers.AutoTokenizer.from_pretrained(last).get_vocab() == _tokenizer().get_vocab()
+    # Rotation deletes our folder with its version, exported weights included.
+    with asyncckpt.Checkpointer(out / ROOT_NAME) as ckpt:
+        ckpt.rewind(3)
+    _trainer(AsyncCkptTrainer, out)._rotate(str(out))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+
+
+class _Committed(transformers.TrainerCallback):
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+        self.committed: list[tuple[int, str, bool]] = []
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.saved.append(state.global_step)
+
+    def on_checkpoint_committed(
+        self, args: Any, state: Any, control: Any, checkpoint: str, step: int, **kwargs: Any
+    ) -> None:
+        # Durable: the version is committed and its folder complete.
+        with asyncckpt.Checkpointer(Path(checkpoint).parent / ROOT_NAME, read_only=True) as c:
+            durable = step in c.versions()
+        self.committed.append((step, checkpoint, durable and Path(checkpoint).is_dir()))
+
+
+@pytest.mark.timeout(300)
+def test_callbacks_hear_when_a_checkpoint_is_committed(tmp_path: Path) -> None:
+    """on_save fires at the snapshot; on_checkpoint_committed once the version is durable."""
+    callback = _Committed()
+    trainer = _trainer(AsyncCkptTrainer, tmp_path)
+    trainer.add_callback(callback)
+    trainer.train()
+    assert callback.saved == [3, 6, 8]
+    expected = [(s, str(tmp_path / f"checkpoint-{s}"), True) for s in (3, 6, 8)]
+    assert callback.committed == expected
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["every_save", "checkpoint"])
+def test_push_to_hub_during_training_is_said_not_done(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    strategy: str,
+) -> None:
+    """The stock Trainer uploads at each save with these hub strategies; ours holds no
+    weights in checkpoint-N, so it uploads nothing and says so once (hub calls mocked)."""
+    from unittest import mock
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    uploads: dict[str, list[Any]] = {}
+    for name, cls in (("stock", transformers.Trainer), ("ours", AsyncCkptTrainer)):
+        api = mock.MagicMock()
+        api.create_repo.return_value.repo_id = "user/model"
+        monkeypatch.setattr("transformers.trainer.hf_api", lambda api=api: api)
+        trainer = _trainer(cls, tmp_path / name, push_to_hub=True, hub_strategy=strategy)
+        with caplog.at_level("WARNING", logger="asyncckpt"):
+            trainer.train()
+        uploads[name] = api.upload_folder.call_args_list
+    assert uploads["stock"], "the stock Trainer pushes at each save"
+    assert uploads["ours"] == []
+    said = [r.getMessage() for r in caplog.records if "push_to_hub" in r.getMessage()]
+    assert len(said) == 1 and "trainer.push_to_hub()" in said[0], said
