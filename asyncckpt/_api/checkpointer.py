@@ -28,7 +28,7 @@ from asyncckpt._api.collective import (
     group_timeout,
 )
 from asyncckpt._api.jobs import SaveHandle, completed_handle, stage_and_submit
-from asyncckpt._api.staging import reserve_arena, stage, write_options
+from asyncckpt._api.staging import reserve_arena, stage, start_writer, write_options
 from asyncckpt._api.versions import VersionsMixin
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import overlap
@@ -134,6 +134,8 @@ class Checkpointer(VersionsMixin):
         # CUDA, page-locked) after a later save replaced it.
         self._last_copies: DeviceCopies | None = None
         self._agreed_step: int | None = None
+        if self.is_writer and not read_only:
+            start_writer(self._storage, self._settings)  # off the first save's stall
 
     # -- writing ------------------------------------------------------------------------
 

@@ -1247,3 +1247,33 @@ def test_reserve_of_a_dtensor_state_on_a_rank_that_writes_no_plain_state(
         assert staging_api.arena_pool()._free[0].numel() >= 4 << 20  # this rank's shard
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the first save
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "root, read_only, started",
+    [("file", False, True), ("file", True, False), ("memory", False, False)],
+)
+def test_the_writer_process_starts_at_construction_not_at_the_first_save(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, root: str, read_only: bool, started: bool
+) -> None:
+    # Its start-up (an interpreter and its imports) must not sit in the first save's stall;
+    # a Checkpointer that will never write through it (read-only, in-memory) starts none.
+    from asyncckpt._engine import arena, writer_process
+
+    if not arena.shared_memory_supported():
+        pytest.skip("no memfd: no writer process")
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "1")
+    monkeypatch.setattr(writer_process, "_current", None)
+    path = str(tmp_path / "root") if root == "file" else f"memory://first-{read_only}"
+    if read_only:
+        Checkpointer(path).close()  # a root to read
+    monkeypatch.setattr(writer_process, "_current", None)
+    ckpt = Checkpointer(path, read_only=read_only)
+    try:
+        assert (writer_process._current is not None) is started
+    finally:
+        ckpt.close()
