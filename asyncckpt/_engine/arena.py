@@ -517,10 +517,11 @@ def fill(
     A first save into fresh memory otherwise pays twice: the kernel zeroes each page as it
     is faulted in, then the copy writes it again. Written through the file, each page is
     allocated and filled in one pass (about 1.5x faster here, and none of the mapping's
-    page-table work). Pieces are written in order, ``FILL_STEP`` bytes at a time, calling
-    ``progress(end)`` after each when given (a writer follows the copy); without it, on
-    every usable CPU (``pwrite`` releases the GIL). Afterwards the arena is an ordinary
-    one: this process's mapping is faulted in on a background thread, for the next save.
+    page-table work). Pieces are written ``FILL_STEP`` bytes at a time on every usable CPU
+    (``pwrite`` releases the GIL), then ``progress(end)`` is called once with the end of
+    the last byte, when given (a writer following the copy: the first save is not worth
+    serializing for it). Afterwards the arena is an ordinary one: this process's mapping is
+    faulted in on a background thread, for the next save.
 
     Example:
         >>> if shared_memory_supported():
@@ -539,13 +540,13 @@ def fill(
         for at, data in pieces
         for start in range(0, data.numel(), FILL_STEP)
     ]
-    if progress is not None or len(steps) < 2:
+    if len(steps) < 2:
         for offset, data in steps:
             _pwrite(region.fd, offset, data)
-            if progress is not None:
-                progress(offset - base + data.numel())
     else:
         _on_threads(region.fd, steps)
+    if progress is not None and steps:  # all of it at once: the threads finish out of order
+        progress(max(offset - base + data.numel() for offset, data in steps))
     with _shared_lock:
         _unfilled.discard(region.ident)
     mapping = _mappings.get(region.address)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -464,8 +465,8 @@ def test_fill_writes_every_piece_at_its_offset(monkeypatch: Any, follow: bool) -
     for at, data in pieces:
         assert torch.equal(arena[at : at + data.numel()], data)
     assert int(arena[10_000:20_000].sum()) == 0 and not arena_mod.unfilled(arena)
-    if follow:  # in order, each step announced once it has landed
-        assert seen == sorted(seen) and seen[-1] == 90_000
+    if follow:  # announced once every step has landed
+        assert seen == [90_000]
 
 
 def test_a_reserved_arena_is_faulted_in_ahead_of_the_save() -> None:
@@ -487,12 +488,16 @@ def test_the_writer_process_starts_after_the_first_copy_not_beside_it(
 ) -> None:
     # A child interpreter starting up during the copy takes CPU from what the caller waits for.
     _needs_memfd()
+    with contextlib.suppress(Exception):  # an earlier test's save would start it meanwhile
+        asyncckpt.wait()
     monkeypatch.setattr(writer_process, "_current", None)
     order: list[str] = []
     real_start, real_snapshot = writer_process.start, staging_api.snapshot
+    caller = threading.current_thread()
 
     def start(settings: Any) -> Any:
-        order.append("start")
+        if threading.current_thread() is caller:  # the save's job starts it after the copy
+            order.append("start")
         return real_start(settings)
 
     def snapshot(*args: Any, **kwargs: Any) -> Any:
