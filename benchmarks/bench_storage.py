@@ -341,7 +341,12 @@ def _one_size(
     up, down = statistics.median(ups), statistics.median(downs)
     save_ratios = [u / s for u, s in zip(ups, saves)]
     load_ratios = [d / t for d, t in zip(downs, loads)]
+    fresh = fresh_loads(server, key, f"{key}.bin", state, args.baseline_repeats)
     entry: dict[str, Any] = {
+        "fresh": fresh,
+        "fresh_load_vs_s3transfer": fresh["load_vs_s3transfer"],
+        "fresh_load_vs_s3transfer_spread": fresh["load_vs_s3transfer_spread"],
+        "load_vs_s3transfer_spread": [min(load_ratios), max(load_ratios)],
         "raw_bytes": raw_bytes(state),
         "s3transfer_upload_s": up,
         "s3transfer_download_s": down,
@@ -360,6 +365,12 @@ def _one_size(
         },
         "peers": {},
     }
+    print(
+        f"  {mib:6g} MiB fresh process: s3transfer {fresh['s3transfer_s']:.3f} s, asyncckpt.load"
+        f" {fresh['load_s']:.3f} s ({fresh['load_vs_s3transfer']:.2f}x, rounds "
+        f"{fresh['load_vs_s3transfer_spread'][0]:.2f}-{fresh['load_vs_s3transfer_spread'][1]:.2f}x)",
+        flush=True,
+    )
     print(
         f"  {mib:6g} MiB s3transfer up {up:.3f} s down {down:.3f} s | asyncckpt save "
         f"{entry['save_s']:.3f} s ({entry['save_vs_s3transfer']:.2f}x) load "
@@ -388,6 +399,77 @@ def _one_size(
                 entry["peers"][peer] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
                 errors.setdefault(f"peer/{peer}", entry["peers"][peer]["error"])
     return entry
+
+
+#: A restart's load, in a fresh interpreter that has imported torch (a training script has):
+#: the seconds of ``import asyncckpt`` + ``asyncckpt.load`` (which imports s3fs, creates its
+#: client, checks the pending-save marker, opens and reads the file), printed as JSON.
+_FRESH_ASYNCCKPT = """
+import json, sys, time
+import torch
+t = time.perf_counter()
+import asyncckpt
+got = asyncckpt.load(sys.argv[1], storage_options=json.loads(sys.argv[2]))
+print(json.dumps({"s": time.perf_counter() - t}))
+"""
+#: The same for boto3: ``import boto3``, a client, ``download_file`` with its defaults.
+_FRESH_S3TRANSFER = """
+import json, sys, time
+import torch
+t = time.perf_counter()
+import boto3
+client = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1")
+client.download_file(sys.argv[2], sys.argv[3], sys.argv[4])
+print(json.dumps({"s": time.perf_counter() - t}))
+"""
+
+
+def fresh_loads(
+    server: Any, key: str, raw_key: str, state: dict[str, torch.Tensor], rounds: int
+) -> dict[str, Any]:
+    """What a restart waits on: ``asyncckpt.load`` of an S3 URL in a fresh process against
+    s3transfer's ``download_file`` of the same raw bytes (``raw_key``, uploaded by the paired
+    rounds) in a fresh process, alternating, ``rounds`` times; each ratio within its round.
+
+    The paired rounds of :func:`_one_size` load in the process that saved, so their client,
+    connections and imports are warm; here nothing is.
+    """
+    import subprocess
+    import tempfile
+
+    url = f"s3://{BUCKET}/{key}-fresh.ackpt"
+    asyncckpt.save(state, url, storage_options=server.storage_options).result()
+    opts = json.dumps(server.storage_options)
+    ours, theirs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        dst = os.path.join(tmp, "back.bin")
+        for _ in range(rounds):
+            cmd = [sys.executable, "-c", _FRESH_S3TRANSFER, server.endpoint_url, BUCKET, raw_key]
+            theirs.append(_child_seconds([*cmd, dst], subprocess))
+            ours.append(
+                _child_seconds([sys.executable, "-c", _FRESH_ASYNCCKPT, url, opts], subprocess)
+            )
+    ratios = [t / o for t, o in zip(theirs, ours)]
+    return {
+        "s3transfer_s": statistics.median(theirs),
+        "load_s": statistics.median(ours),
+        "load_vs_s3transfer": statistics.median(ratios),
+        "load_vs_s3transfer_spread": [min(ratios), max(ratios)],
+        "rounds": {"s3transfer_s": theirs, "load_s": ours, "load_vs_s3transfer": ratios},
+    }
+
+
+def _child_seconds(cmd: list[str], subprocess: Any) -> float:
+    # This checkout's asyncckpt, whatever the environment's editable install points at.
+    here = os.path.dirname(os.path.dirname(os.path.abspath(asyncckpt.__file__)))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{cmd[3:5]} failed: {done.stderr[-2000:]}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["s"])
 
 
 def measure(

@@ -35,7 +35,7 @@ from asyncckpt._api.collective import (
 )
 from asyncckpt._api.jobs import SaveHandle, completed_handle, stage_and_submit
 from asyncckpt._api.preemption import Preemption
-from asyncckpt._api.staging import reserve_arena, stage, write_options
+from asyncckpt._api.staging import reserve_arena, stage, start_writer, write_options
 from asyncckpt._device import MapLocation, Placement
 from asyncckpt._engine import overlap
 from asyncckpt._engine.decode import Budget
@@ -205,6 +205,8 @@ class Checkpointer:
         # has finished reading it (None: not yet announced): retention spares it until then.
         self._agreed: tuple[int | None, Any] = (None, None)
         self._metrics_seen: set[str] = set()  # in this Checkpointer's saves
+        if self.is_writer and not read_only:
+            start_writer(self._storage, self._settings)  # off the first save's stall
 
     # -- where it stands, and its versions as a whole -----------------------------------
 

@@ -20,6 +20,7 @@ from asyncckpt._engine.snapshot import Snapshot, arena_bytes, snapshot, snapshot
 from asyncckpt._format.codec import check_compression
 from asyncckpt._format.tree import flatten
 from asyncckpt._settings import Settings
+from asyncckpt._storage import Storage
 
 _lock = threading.Lock()
 _arenas: ArenaPool | None = None
@@ -63,18 +64,32 @@ def stage(
 
     ``on_layout`` lets a writer start before the copy ends (see ``snapshot``).
     ``options``: those of the background write that follows; if they ask for a writer
-    process, the arena is in shared memory and the process is started (if need be).
+    process, the arena is in shared memory and the process is started (if need be) once
+    the copy is done.
     Without them (a write on this thread), the arena is in shared memory all the same
     when writer processes are on: the saves that follow reuse it instead of replacing it.
     """
     settings = Settings.resolve() if options is None else options.settings
     if options is None:
         shared = writer_process.shares_arenas(settings)
-    elif shared := writer_process.wanted(options):
-        writer_process.start(settings)
-    return snapshot(
+    else:
+        shared = writer_process.wanted(options)
+    snap = snapshot(
         flatten(obj), arena_pool(settings), overlap, on_layout, shared, settings=settings
     )
+    if options is not None and shared:
+        # After the copy: a child starting up beside it (an interpreter, its imports) takes
+        # CPU from the copy the caller waits for. Checkpointer starts it at construction.
+        writer_process.start(settings)
+    return snap
+
+
+def start_writer(storage: Storage, settings: Settings) -> None:
+    """Start the writer process now if saves through ``storage`` will use it, so that its
+    start-up (an interpreter and its imports, on a core of its own) is over before the
+    first save instead of beside its copy. What ``Checkpointer`` does at construction."""
+    if not storage.process_local and writer_process.wanted(write_options("none", settings)):
+        writer_process.start(settings)
 
 
 def reserve_arena(state_or_nbytes: Any, settings: Settings) -> threading.Thread | None:

@@ -59,10 +59,16 @@ class OpenedFile:
         self.close()
 
 
+#: Bytes read from the end of a file to open it: the footer, and the manifest with it if it
+#: fits (a manifest is about 200 bytes per tensor); a longer one is a read of its own.
+TAIL_BYTES = 256 << 10
+
+
 def open_file(storage: Storage, path: str) -> OpenedFile:
     """Open ``path`` (one handle, see :meth:`Storage.open_read`) and read and validate its
-    header, footer and manifest (three small reads through the handle). The caller closes
-    the opened file (``with open_file(...) as opened:``).
+    header, footer and manifest (two small reads through the handle: the header, and the
+    last ``TAIL_BYTES``; a third for a longer manifest). The caller closes the opened file
+    (``with open_file(...) as opened:``).
 
     Raises:
         CheckpointNotFoundError: no file at ``path``.
@@ -75,8 +81,16 @@ def open_file(storage: Storage, path: str) -> OpenedFile:
         if size < HEADER_SIZE + FOOTER_SIZE:
             raise TruncatedFileError(f"{name}: {size} bytes is too short for an asyncckpt file")
         decode_header(handle.read_range(0, HEADER_SIZE), name)
-        footer = decode_footer(handle.read_range(size - FOOTER_SIZE, FOOTER_SIZE), size, name)
-        body = handle.read_range(footer.manifest_offset, footer.manifest_length)
+        # The footer and, in one request with it, the manifest before it when it fits in
+        # TAIL_BYTES (on an object store every read is a round trip a restart waits for).
+        at = max(HEADER_SIZE, size - TAIL_BYTES)
+        tail = handle.read_range(at, size - at)
+        footer = decode_footer(tail[-FOOTER_SIZE:], size, name)
+        if footer.manifest_offset >= at:
+            start = footer.manifest_offset - at
+            body = tail[start : start + footer.manifest_length]
+        else:
+            body = handle.read_range(footer.manifest_offset, footer.manifest_length)
         manifest = decode_manifest(body, footer, name)
         if manifest.byteorder != sys.byteorder:
             raise FormatError(

@@ -36,6 +36,8 @@ from asyncckpt._engine.arena import (
     ALIGN,
     ArenaLease,
     ArenaPool,
+    fill,
+    unfilled,
 )
 from asyncckpt._format.container import ArrayEntry, TensorEntry
 from asyncckpt._format.tree import Flattened, dtype_name
@@ -483,9 +485,18 @@ def _stage(
         if on_layout is not None:
             on_layout(snap)
             handed_out = True
+        # A new shared arena for host data: written through its memfd, which allocates each
+        # page as it fills it, instead of faulting it in (zeroed) and then copying over it.
+        filled = unfilled(lease.buffer) and all(src.device == "cpu" for src in sources)
+        if filled:
+            pieces = [
+                (off + at, data) for src, off in zip(sources, offsets) for at, data in src.pieces
+            ]
+            fill(lease.buffer, pieces, progress.advance if stream and progress else None)
         for src, off in zip(sources, offsets):
-            for at, data in src.pieces:
-                _copy_piece(copies, lease.buffer, off + at, data, progress if stream else None)
+            if not filled:
+                for at, data in src.pieces:
+                    _copy_piece(copies, lease.buffer, off + at, data, progress if stream else None)
             if stream and progress is not None:
                 progress.advance(off + src.nbytes)
         copies.record()

@@ -1274,3 +1274,33 @@ def test_zero_dim_tensor_metrics_are_kept_as_numbers(tmp_path: Any) -> None:
         assert type(ckpt.info(1).metrics["step"]) is int
         with pytest.raises(InvalidMetricsError, match=r"'v'.*one number"):
             ckpt.save(2, {"w": torch.zeros(1)}, metrics={"v": torch.ones(2)})
+
+
+# ------------------------------------------------------------------ the first save
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "root, read_only, started",
+    [("file", False, True), ("file", True, False), ("memory", False, False)],
+)
+def test_the_writer_process_starts_at_construction_not_at_the_first_save(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, root: str, read_only: bool, started: bool
+) -> None:
+    # Its start-up (an interpreter and its imports) must not sit in the first save's stall;
+    # a Checkpointer that will never write through it (read-only, in-memory) starts none.
+    from asyncckpt._engine import arena, writer_process
+
+    if not arena.shared_memory_supported():
+        pytest.skip("no memfd: no writer process")
+    monkeypatch.setenv("ASYNCCKPT_WRITER_PROCESSES", "1")
+    monkeypatch.setattr(writer_process, "_current", None)
+    path = str(tmp_path / "root") if root == "file" else f"memory://first-{read_only}"
+    if read_only:
+        Checkpointer(path).close()  # a root to read
+    monkeypatch.setattr(writer_process, "_current", None)
+    ckpt = Checkpointer(path, read_only=read_only)
+    try:
+        assert (writer_process._current is not None) is started
+    finally:
+        ckpt.close()

@@ -54,7 +54,8 @@ def test_bench_storage_quick(tmp_path: Path) -> None:
     assert "MB/s per request" in res["note"]
     servers = res["baseline"]["servers"]
     for server in servers.values():  # moto, and SeaweedFS when installed
-        for key in ("save_vs_s3transfer", "load_vs_s3transfer", "s3transfer_upload_s"):
+        keys = ("save_vs_s3transfer", "load_vs_s3transfer", "s3transfer_upload_s")
+        for key in (*keys, "fresh_load_vs_s3transfer"):  # fresh: what a restart waits on
             assert positive(server[key])
     assert "moto" in servers and list(servers["moto"]["sizes"]) == ["8"]  # the smallest only
     if "seaweedfs" in servers:

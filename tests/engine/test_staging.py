@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import os
@@ -15,6 +16,7 @@ import torch
 
 import asyncckpt
 from asyncckpt._api import dropin as api
+from asyncckpt._api import staging as staging_api
 from asyncckpt._engine import arena as arena_mod
 from asyncckpt._engine import snapshot as staging
 from asyncckpt._engine import writer_process
@@ -162,6 +164,8 @@ def test_write_starts_before_the_copy_ends_and_save_returns_a_full_snapshot(
         writer_started.set()
         return real_write(*args, **kwargs)
 
+    # A filled arena: a new one is filled through its memfd (fill), not DeviceCopies.copy.
+    asyncckpt.save(state, tmp_path / "warm.ackpt").result(timeout=60)
     monkeypatch.setattr(staging.DeviceCopies, "copy", counting_copy)
     monkeypatch.setattr(writer_process, "write", watching_write)
     handle = asyncckpt.save(state, tmp_path / "x.ackpt")
@@ -404,9 +408,105 @@ def test_a_new_arena_is_faulted_in_on_several_threads(
 
     monkeypatch.setattr(arena_mod, "_fault_range", recording)
     buffer = arena_mod._allocate(6 << 20, shared)
+    arena_mod.populate(buffer)  # a shared arena is faulted in when reserved (else filled)
     ranges.sort()
     assert len(ranges) == 3 and len(threads) == 3
     assert ranges[0][0] == 0 and all(a + n == b for (a, n), (b, _) in itertools.pairwise(ranges))
     assert sum(n for _, n in ranges) == buffer.numel() == 6 << 20
     assert _resident_bytes(buffer) >= buffer.numel()
     assert int(buffer.sum()) == 0
+
+
+# --------------------------------------------------------------------------- first save
+
+
+def _needs_memfd() -> None:
+    if not arena_mod.shared_memory_supported():
+        pytest.skip("no memfd")
+
+
+def test_a_first_save_fills_its_new_arena_without_faulting_it_in_first(
+    tmp_path: Path, arena_allocations: list[int], monkeypatch: Any
+) -> None:
+    # Faulting a new arena in zeroes every page, and the copy then writes each again: the
+    # first save's stall paid for both. Its copy fills the new arena instead.
+    _needs_memfd()
+    faulted: list[int] = []
+    real = arena_mod._fault_in
+    monkeypatch.setattr(arena_mod, "_fault_in", lambda region: faulted.append(len(region)))
+    state = _many_tensors()
+    snap = api.stage(state)
+    try:
+        assert faulted == [] and len(arena_allocations) == 1
+        assert not arena_mod.unfilled(snap.lease.buffer)
+        for entry, (key, value) in zip(snap.tensors, state.items()):
+            staged = snap.storages[entry.storage].data
+            assert torch.equal(staged[: value.nbytes].view(value.dtype), value.reshape(-1)), key
+    finally:
+        snap.lease.release()
+    monkeypatch.setattr(arena_mod, "_fault_in", real)
+    asyncckpt.save(state, tmp_path / "x.ackpt").result(timeout=60)  # the same arena, reused
+    assert len(arena_allocations) == 1
+    loaded = asyncckpt.load(tmp_path / "x.ackpt")
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_fill_writes_every_piece_at_its_offset(monkeypatch: Any, follow: bool) -> None:
+    _needs_memfd()
+    monkeypatch.setattr(arena_mod, "FILL_STEP", 4096)  # several steps per piece
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    arena = arena_mod._allocate(1 << 20, shared=True)
+    assert arena_mod.unfilled(arena)
+    pieces = [(0, torch.arange(10_000) % 251), (20_000, torch.arange(70_000) % 13)]
+    pieces = [(at, p.to(torch.uint8)) for at, p in pieces]
+    seen: list[int] = []
+    arena_mod.fill(arena, pieces, seen.append if follow else None)
+    for at, data in pieces:
+        assert torch.equal(arena[at : at + data.numel()], data)
+    assert int(arena[10_000:20_000].sum()) == 0 and not arena_mod.unfilled(arena)
+    if follow:  # announced once every step has landed
+        assert seen == [90_000]
+
+
+def test_a_reserved_arena_is_faulted_in_ahead_of_the_save() -> None:
+    _needs_memfd()
+    pool = ArenaPool(max_inflight=1)
+    thread = pool.reserve(3 << 20, shared=True)
+    assert thread is not None
+    thread.join(30)
+    lease = pool.acquire(3 << 20, shared=True)
+    try:
+        assert not arena_mod.unfilled(lease.buffer)
+        assert _resident_bytes(lease.buffer) >= 3 << 20
+    finally:
+        lease.release()
+
+
+def test_the_writer_process_starts_after_the_first_copy_not_beside_it(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    # A child interpreter starting up during the copy takes CPU from what the caller waits for.
+    _needs_memfd()
+    with contextlib.suppress(Exception):  # an earlier test's save would start it meanwhile
+        asyncckpt.wait()
+    monkeypatch.setattr(writer_process, "_current", None)
+    order: list[str] = []
+    real_start, real_snapshot = writer_process.start, staging_api.snapshot
+    caller = threading.current_thread()
+
+    def start(settings: Any) -> Any:
+        if threading.current_thread() is caller:  # the save's job starts it after the copy
+            order.append("start")
+        return real_start(settings)
+
+    def snapshot(*args: Any, **kwargs: Any) -> Any:
+        order.append("copy")
+        result = real_snapshot(*args, **kwargs)
+        order.append("copied")
+        return result
+
+    monkeypatch.setattr(writer_process, "start", start)
+    monkeypatch.setattr(staging_api, "snapshot", snapshot)
+    asyncckpt.save({"w": torch.ones(1000)}, tmp_path / "x.ackpt").result(timeout=120)
+    assert order[:3] == ["copy", "copied", "start"]
