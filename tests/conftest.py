@@ -224,7 +224,7 @@ def s3_root(s3_server: Any, s3_part_bytes: int, monkeypatch: pytest.MonkeyPatch)
 #: Tests that fail on SeaweedFS, by node id without parameters, with the cause. They run
 #: there as strict xfails, so a fix (in asyncckpt or in SeaweedFS) shows up as XPASS.
 #: Tests known to fail on SeaweedFS, with the reason (none at present: the last ones were
-#: fixed by deleting directory marker keys in ``ObjectStorage.delete_tree``).
+#: fixed by deleting directory marker keys in ``S3Storage.delete_tree``).
 SEAWEEDFS_XFAIL: dict[str, str] = {}
 
 

@@ -21,7 +21,7 @@ __all__ = ["MemoryS3FileSystem"]
 
 
 class MemoryS3FileSystem(fsspec.AbstractFileSystem):  # type: ignore[misc]
-    """The S3 calls :class:`~asyncckpt._storage.objectstore.ObjectStorage` makes, from memory.
+    """The S3 calls :class:`~asyncckpt._storage.s3.S3Storage` makes, from memory.
 
     For simulations, not for tests of S3 behaviour (use :class:`MotoServer` for those): put
     it behind a :class:`FaultyFileSystem` to model a link's latency and bandwidth without a

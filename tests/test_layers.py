@@ -223,7 +223,7 @@ def test_only_the_storage_layer_asks_a_backend_its_type() -> None:
         for cls in vars(module).values()
         if isinstance(cls, type) and issubclass(cls, storage_layer.Storage)
     } - {"Storage"}
-    assert {"LocalStorage", "FsspecStorage", "ObjectStorage"} <= names
+    assert {"LocalStorage", "FsspecStorage", "S3Storage"} <= names
     backends = re.compile(r"isinstance\([^)]*\b(" + "|".join(sorted(names)) + r")\b")
     found = [
         f"{path}:{number}: {match.group(1)}"

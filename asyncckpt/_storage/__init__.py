@@ -1,13 +1,13 @@
 """Storage: a small interface over a filesystem, with atomic writes and conditional ones.
 
-One module per strategy, importing downward only (``base`` ← ``local``, ``generic``,
-``objectstore`` ← ``resolve``):
+One module per strategy, importing downward only (``base`` ← ``local``, ``fsspec_storage``,
+``s3`` ← ``resolve``):
 
 * :class:`LocalStorage` (:mod:`.local`) — local disk through the OS: write to a temp file
   beside the target, fsync it, rename it over the target, fsync the directory.
-* :class:`FsspecStorage` (:mod:`.generic`) — any other fsspec filesystem (``memory://`` and
+* :class:`FsspecStorage` (:mod:`.fsspec_storage`) — any other fsspec filesystem (``memory://`` and
   friends): the same temp-then-move sequence through fsspec calls.
-* :class:`ObjectStorage` (:mod:`.objectstore`) — object stores (``s3://``): no renames;
+* :class:`S3Storage` (:mod:`.s3`) — object stores (``s3://``): no renames;
   data at its final key through one PUT or a multipart upload, conditional writes.
 
 :func:`resolve` turns a user's path or URL into ``(storage, path)``. Every backend error
@@ -27,10 +27,10 @@ from asyncckpt._storage.base import (
     is_temp_name,
     temp_name,
 )
-from asyncckpt._storage.generic import FsspecStorage
+from asyncckpt._storage.fsspec_storage import FsspecStorage
 from asyncckpt._storage.local import LocalStorage, fsync_dir
-from asyncckpt._storage.objectstore import ObjectStorage
 from asyncckpt._storage.resolve import resolve
+from asyncckpt._storage.s3 import S3Storage
 
 __all__ = [
     "TEMP_MARK",
@@ -38,8 +38,8 @@ __all__ = [
     "AtomicWriter",
     "FsspecStorage",
     "LocalStorage",
-    "ObjectStorage",
     "ReadHandle",
+    "S3Storage",
     "Storage",
     "content_tag",
     "fsync_dir",

@@ -1,8 +1,8 @@
 """The storage interface: what every backend provides, and the helpers they share.
 
 A :class:`Storage` is a small interface over one filesystem, with paths in the backend's own
-form (no scheme). Backends live beside this module (``local``, ``generic``,
-``objectstore``); :func:`asyncckpt._storage.resolve` picks one for a URL.
+form (no scheme). Backends live beside this module (``local``, ``fsspec_storage``,
+``s3``); :func:`asyncckpt._storage.resolve` picks one for a URL.
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def process_lock(storage: Storage, path: str) -> Iterator[None]:
 @after_fork_in_child
 def _free_create_lock() -> None:
     """In a forked child: a thread of the parent may have held the lock at the fork. It is
-    released in place, not replaced: ``storage.generic`` holds the same object."""
+    released in place, not replaced: ``storage.fsspec_storage`` holds the same object."""
     if create_lock.locked():
         create_lock.release()
 

@@ -17,9 +17,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from asyncckpt._settings import Settings
 from asyncckpt._storage.base import UNSAFE_UNCONDITIONAL_WRITES, Storage, is_transport_error
-from asyncckpt._storage.generic import FsspecStorage, HttpStorage, is_http
+from asyncckpt._storage.fsspec_storage import FsspecStorage, HttpStorage, is_http
 from asyncckpt._storage.local import LocalStorage
-from asyncckpt._storage.objectstore import ObjectStorage, is_object_store, prepare_options
+from asyncckpt._storage.s3 import S3Storage, is_object_store, prepare_options
 from asyncckpt._storage.s3client import OBJECT_STORE_PROTOCOLS
 from asyncckpt.errors import StorageError
 
@@ -70,9 +70,9 @@ def resolve(
         # what the server serves: no segment rule applies, and nothing is written there.
         return HttpStorage(fs), path
     _refuse_ambiguous(f, path)
-    if is_object_store(fs):  # s3:// (and wrappers of it): no renames, see objectstore.py
+    if is_object_store(fs):  # s3:// (and wrappers of it): no renames, see s3.py
         label = f[: f.rindex("://") + 3]
-        storage = ObjectStorage(fs, label=label, allow_unconditional=unsafe, settings=settings)
+        storage = S3Storage(fs, label=label, allow_unconditional=unsafe, settings=settings)
         return storage, path
     return FsspecStorage(fs), path
 

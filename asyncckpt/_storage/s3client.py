@@ -1,4 +1,4 @@
-"""Object stores: the s3fs filesystem as :class:`~asyncckpt._storage.ObjectStorage` uses it.
+"""Object stores: the s3fs filesystem as :class:`~asyncckpt._storage.S3Storage` uses it.
 
 Which filesystems are object stores, the storage options asyncckpt fills in for them
 (botocore's retries off, a connection pool sized for parallel parts and reads), and s3fs's
@@ -24,7 +24,7 @@ OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a"})
 class ObjectClient(Protocol):
     """What the store's helpers (listing, multipart upload, ranged reads) call back into.
 
-    :class:`~asyncckpt._storage.objectstore.ObjectStorage` is the one implementation; the
+    :class:`~asyncckpt._storage.s3.S3Storage` is the one implementation; the
     helpers see only this, so they sit below the store instead of in a circle with it.
     """
 
@@ -69,7 +69,7 @@ def single_retry_layer(fs: Any) -> None:
 
     Two layers of retries hide lost responses from the one that decides: a ``PutObject``
     whose response was lost and that s3fs retried returns 412 to us as if another writer
-    had won. With one layer, :meth:`ObjectStorage.request` sees every try.
+    had won. With one layer, :meth:`S3Storage.request` sees every try.
     """
     current, depth = fs, 0
     while current is not None and depth < 4:
@@ -82,7 +82,7 @@ def prepare_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
     """Storage options for ``url`` with asyncckpt's defaults for S3 filled in.
 
     botocore's own retries are switched off (unless the caller configured them) so that
-    :class:`ObjectStorage`'s policy alone decides how often and how long a request is
+    :class:`S3Storage`'s policy alone decides how often and how long a request is
     retried, and the connection pool is sized for parallel parts and reads.
     """
     chain = [p.split("://", 1)[0] for p in url.split("::")]

@@ -13,7 +13,7 @@
 
   Operation names are the wrapped filesystem's method names (``open``, ``write``,
   ``close``, ``cat_file``, ``pipe_file``, ``mv``, ``ls`` ...) and, for S3, the S3 API call
-  names that :class:`~asyncckpt._storage.objectstore.ObjectStorage` issues (``put_object``,
+  names that :class:`~asyncckpt._storage.s3.S3Storage` issues (``put_object``,
   ``create_multipart_upload``, ``upload_part``, ``complete_multipart_upload``,
   ``abort_multipart_upload``, ``head_object``, ``list_objects_v2``, ``delete_objects`` ...;
   ranged reads are ``cat_file``).
@@ -37,7 +37,7 @@ from typing import Any
 import fsspec
 from fsspec.implementations.chained import ChainedFileSystem
 
-from asyncckpt._storage.objectstore import is_object_store, ranged_get
+from asyncckpt._storage.s3 import is_object_store, ranged_get
 
 __all__ = [
     "FAULT_KINDS",
@@ -65,7 +65,7 @@ FAULT_KINDS = (
 #: Kinds a well-behaved client retries.
 TRANSIENT_KINDS = ("slowdown", "server-error", "reset", "timeout", "truncate", "lost-response")
 
-#: The S3 calls :class:`~asyncckpt._storage.objectstore.ObjectStorage` makes, plus ranged reads.
+#: The S3 calls :class:`~asyncckpt._storage.s3.S3Storage` makes, plus ranged reads.
 S3_OPERATIONS = (
     "put_object",
     "create_multipart_upload",
@@ -423,7 +423,7 @@ class FaultyFileSystem(ChainedFileSystem):  # type: ignore[misc]
     def asyncckpt_ranged_get(
         self, bucket: str, key: str, start: int, end: int, if_match: str | None
     ) -> tuple[bytes, str | None]:
-        """A pinned ranged read (``ObjectStorage``'s), counted as a ``cat_file`` call."""
+        """A pinned ranged read (``S3Storage``'s), counted as a ``cat_file`` call."""
         if self.plan.ignore_conditional:
             if_match = None
         return self._do(  # type: ignore[no-any-return]

@@ -28,7 +28,7 @@ import torch
 import asyncckpt
 from asyncckpt import Checkpointer
 from asyncckpt._storage import resolve
-from asyncckpt._storage.objectstore import ObjectStorage
+from asyncckpt._storage.s3 import S3Storage
 from asyncckpt._storage.s3multipart import multipart_etag
 from asyncckpt._storage.s3retry import RetryPolicy, classify, redact
 from asyncckpt.errors import (
@@ -242,7 +242,7 @@ def test_delete_tree_and_recovery_abort_orphaned_uploads(
 ) -> None:
     opts = s3_server.storage_options
     storage, root = resolve(s3_root, opts)
-    assert isinstance(storage, ObjectStorage)
+    assert isinstance(storage, S3Storage)
     writer = storage.open_atomic(storage.join(root, "7", "r00000-dead.ackpt"))
     writer.write(b"x" * (3 * s3_part_bytes))  # two parts sent, never completed
     assert len(uploads_under(s3_server, s3_root)) == 1
@@ -263,7 +263,7 @@ def test_an_upload_another_writer_of_the_key_aborted_fails_with_conflict(
     key (``abort_strays``); the other's save fails with ConflictError, the key holds the
     first's file whole."""
     storage, root = resolve(s3_root, s3_server.storage_options)
-    assert isinstance(storage, ObjectStorage)
+    assert isinstance(storage, S3Storage)
     path = storage.join(root, "m.ackpt")
     writer = storage.open_atomic(path)
     writer.write(b"x" * (3 * s3_part_bytes))  # an upload started, two parts sent
@@ -319,11 +319,11 @@ def test_retries_are_bounded_by_attempts(
 
 def test_retries_are_bounded_by_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """The deadline, driven by a fake clock: no real waiting, no timing in the assertion."""
-    from asyncckpt._storage import objectstore
+    from asyncckpt._storage import s3
 
     now = [0.0]
-    monkeypatch.setattr(objectstore, "_clock", lambda: now[0])
-    monkeypatch.setattr(objectstore, "_sleep", lambda s: now.__setitem__(0, now[0] + s))
+    monkeypatch.setattr(s3, "_clock", lambda: now[0])
+    monkeypatch.setattr(s3, "_sleep", lambda s: now.__setitem__(0, now[0] + s))
 
     class Fs:
         calls = 0
@@ -332,7 +332,7 @@ def test_retries_are_bounded_by_deadline(monkeypatch: pytest.MonkeyPatch) -> Non
             Fs.calls += 1
             raise ConnectionResetError(104, "reset")
 
-    storage = ObjectStorage(Fs(), retry_attempts=1000, retry_deadline_s=30, retry_backoff_ms=1000)
+    storage = S3Storage(Fs(), retry_attempts=1000, retry_deadline_s=30, retry_backoff_ms=1000)
     with pytest.raises(StorageError, match="ConnectionResetError"):
         storage.size("bucket/key")
     assert now[0] <= 30
@@ -392,7 +392,7 @@ def test_classify() -> None:
 
 def test_store_honours_conditional_writes(s3_root: str, s3_server: Any) -> None:
     storage, root = resolve(s3_root, s3_server.storage_options)
-    assert isinstance(storage, ObjectStorage)
+    assert isinstance(storage, S3Storage)
     storage.create_exclusive(storage.join(root, "1", "COMMIT"), b"a")
     assert storage.conditional_writes is True
     with pytest.raises(ConflictError):
@@ -420,7 +420,7 @@ def test_store_without_conditional_writes_is_refused_unless_opted_in(
     plan = FaultPlan(ignore_conditional=True)
     url, opts = faulty(s3_root, s3_server, plan)
     storage, root = resolve(url, opts)
-    assert isinstance(storage, ObjectStorage)
+    assert isinstance(storage, S3Storage)
     with pytest.raises(StorageError, match="unsafe_unconditional_writes"):  # no silent downgrade
         storage.create_exclusive(storage.join(root, "COMMIT"), b"first")
     assert not storage.exists(storage.join(root, "COMMIT"))

@@ -127,17 +127,17 @@ def test_tunables_come_from_the_settings_given_at_construction(
 ) -> None:
     import tests.s3mem  # noqa: F401 (registers s3mem://)
     from asyncckpt._settings import Settings
-    from asyncckpt._storage import ObjectStorage
+    from asyncckpt._storage import S3Storage
 
     storage, _ = resolve("s3mem://settings-bucket/x", None)
-    assert isinstance(storage, ObjectStorage)
+    assert isinstance(storage, S3Storage)
     given = Settings.resolve(part_bytes=6 << 20, retry_attempts=3, retry_backoff_ms=7)
-    ours = ObjectStorage(storage.fs, settings=given, retry_attempts=9)
+    ours = S3Storage(storage.fs, settings=given, retry_attempts=9)
     monkeypatch.setenv("ASYNCCKPT_PART_BYTES", str(7 << 20))  # after construction: ignored
     assert ours.settings.part_bytes == 6 << 20
     assert ours.open_atomic("settings-bucket/x").part_bytes == 6 << 20  # type: ignore[attr-defined]
     policy = ours.policy()
     assert (policy.attempts, policy.backoff_s) == (9, 0.007)  # the argument wins
-    assert ObjectStorage(storage.fs).settings.part_bytes == 7 << 20  # None: the environment
+    assert S3Storage(storage.fs).settings.part_bytes == 7 << 20  # None: the environment
     with pytest.raises(ValueError, match="part_concurrency"):
-        ObjectStorage(storage.fs, part_concurrency=0)
+        S3Storage(storage.fs, part_concurrency=0)

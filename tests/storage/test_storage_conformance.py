@@ -15,7 +15,7 @@ import fsspec
 import pytest
 
 from asyncckpt._storage import FsspecStorage, LocalStorage, Storage, resolve
-from asyncckpt._storage.objectstore import ObjectStorage
+from asyncckpt._storage.s3 import S3Storage
 from asyncckpt.testing import FaultyFileSystem, StorageConformanceSuite
 from tests.conftest import S3_TEST_PART_BYTES
 
@@ -59,7 +59,7 @@ class TestS3(StorageConformanceSuite):
     def storage_root(self, s3_root: str, s3_server: Any, s3_part_bytes: int) -> tuple[Storage, str]:
         self.large_bytes = 5 * s3_part_bytes + 12_345  # six parts, four in flight at most
         storage, root = resolve(s3_root, s3_server.storage_options)
-        assert isinstance(storage, ObjectStorage)
+        assert isinstance(storage, S3Storage)
         return storage, root
 
 
@@ -68,7 +68,7 @@ class TestFaultyS3(StorageConformanceSuite):
     def storage_root(self, s3_root: str, s3_server: Any, s3_part_bytes: int) -> tuple[Storage, str]:
         self.large_bytes = 5 * s3_part_bytes + 12_345
         storage, root = resolve(f"faulty::{s3_root}", {"s3": s3_server.storage_options})
-        assert isinstance(storage, ObjectStorage)
+        assert isinstance(storage, S3Storage)
         assert isinstance(storage.fs, FaultyFileSystem)
         return storage, root
 
@@ -80,7 +80,7 @@ class TestMemoryS3(StorageConformanceSuite):
     def storage_root(self, monkeypatch: pytest.MonkeyPatch) -> tuple[Storage, str]:
         monkeypatch.setenv("ASYNCCKPT_PART_BYTES", str(S3_TEST_PART_BYTES))
         storage, root = resolve(f"s3mem://bucket/{uuid.uuid4().hex[:8]}", None)
-        assert isinstance(storage, ObjectStorage)
+        assert isinstance(storage, S3Storage)
         return storage, root
 
     large_bytes = 5 * S3_TEST_PART_BYTES + 12_345

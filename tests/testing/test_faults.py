@@ -23,7 +23,7 @@ import torch
 import asyncckpt
 from asyncckpt import Checkpointer
 from asyncckpt._storage import FsspecStorage, resolve
-from asyncckpt._storage.objectstore import ObjectStorage
+from asyncckpt._storage.s3 import S3Storage
 from asyncckpt.errors import AsyncCkptError, CheckpointTimeoutError, StorageError
 from asyncckpt.testing import (
     FAULT_KINDS,
@@ -202,7 +202,7 @@ def test_sigkill_during_s3_save_keeps_previous_version(
         storage, root = resolve(s3_root, opts)
         storage.delete(storage.join(root, "m.ackpt.ackpending"))  # as the error says
         assert_state(asyncckpt.load(url, storage_options=opts), 1)
-        assert isinstance(storage, ObjectStorage)
+        assert isinstance(storage, S3Storage)
         assert storage.abort_uploads(root) == 1
     assert uploads_under(s3_server, s3_root) == []
 
@@ -217,7 +217,7 @@ def test_saving_a_key_again_aborts_the_upload_a_killed_save_left(
     of them a longer key that starts with this one, stay."""
     opts = s3_server.storage_options
     storage, root = resolve(s3_root, opts)
-    assert isinstance(storage, ObjectStorage)
+    assert isinstance(storage, S3Storage)
     others = [storage.join(root, name) for name in ("m.ackpt2", "sub/m.ackpt")]
     for path in others:
         storage.call("start upload", path, "create_multipart_upload", Key=None)
@@ -366,7 +366,7 @@ def test_lost_completion_is_recognised_by_its_etag(monkeypatch: pytest.MonkeyPat
     assert plan.counts["complete_multipart_upload"] == 2 and plan.fired(kind="lost-response")
     assert_state(asyncckpt.load(url, storage_options=opts), 9)
     storage, path = resolve(url, opts)
-    assert isinstance(storage, ObjectStorage)
+    assert isinstance(storage, S3Storage)
     other = storage.open_atomic(path)  # a different upload to the same key: not ours
     other.write(b"y" * (200 << 10))
     other.size += 1  # pretend it wrote one byte more than the object will hold

@@ -1,7 +1,7 @@
 """Object storage (S3 and S3-compatible stores, through s3fs): atomic writes without renames.
 
 A "rename" on an object store is a copy and a delete, neither atomic nor cheap, so
-:class:`ObjectStorage` never renames. Every file is written at its final key:
+:class:`S3Storage` never renames. Every file is written at its final key:
 
 * up to one part (``part_bytes``) of data: one ``PutObject``, which S3 applies whole or not
   at all;
@@ -11,7 +11,7 @@ A "rename" on an object store is a copy and a delete, neither atomic nor cheap, 
   :meth:`AtomicWriter.commit` completes the upload; :meth:`AtomicWriter.abort`, or any
   failure, aborts the upload so that no parts are left behind.
 
-:meth:`ObjectStorage.create_exclusive` is a conditional ``PutObject`` (``If-None-Match: *``):
+:meth:`S3Storage.create_exclusive` is a conditional ``PutObject`` (``If-None-Match: *``):
 of two writers creating one key, exactly one succeeds and the other gets
 :class:`~asyncckpt.errors.ConflictError`. Whether the store honours the condition is probed
 once per instance; a store that ignores it is used with a check-then-put that keeps the
@@ -68,7 +68,7 @@ from asyncckpt.errors import (
 )
 
 #: Re-exported for resolve.py and the fault wrapper (asyncckpt.testing.faults).
-__all__ = ["ObjectStorage", "is_object_store", "prepare_options", "ranged_get"]
+__all__ = ["S3Storage", "is_object_store", "prepare_options", "ranged_get"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,7 +99,7 @@ def _warn_markers_unreadable(label: str, bucket: str, exc: BaseException) -> Non
     )
 
 
-class ObjectStorage(Storage):
+class S3Storage(Storage):
     """S3 (or an S3-compatible store) through an s3fs filesystem, with no renames.
 
     Args:
@@ -142,7 +142,7 @@ class ObjectStorage(Storage):
     ) -> None:
         if not callable(getattr(fs, "call_s3", None)):
             raise TypeError(
-                f"ObjectStorage needs an S3-API filesystem (s3fs), got {type(fs).__qualname__}"
+                f"S3Storage needs an S3-API filesystem (s3fs), got {type(fs).__qualname__}"
             )
         self.fs = fs
         self.label = label
@@ -166,7 +166,7 @@ class ObjectStorage(Storage):
         return (type(self).__name__, self.describe(path.lstrip("/").split("/", 1)[0]))
 
     def __repr__(self) -> str:
-        return f"ObjectStorage({self.label!r})"
+        return f"S3Storage({self.label!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         """For a writer process: the lock and the random source are rebuilt there."""

@@ -14,8 +14,8 @@ import pytest
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from fsspec.spec import AbstractBufferedFile
 
-from asyncckpt._storage import FsspecStorage, Storage, generic, resolve
-from asyncckpt._storage.generic import choose_write_strategy, has_conditional_create
+from asyncckpt._storage import FsspecStorage, Storage, fsspec_storage, resolve
+from asyncckpt._storage.fsspec_storage import choose_write_strategy, has_conditional_create
 from asyncckpt.errors import ConflictError, StorageError
 from asyncckpt.testing import StorageConformanceSuite
 
@@ -245,10 +245,10 @@ def test_conflict_reported_by_the_store_itself() -> None:
 
 
 def test_create_falls_back_once_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    generic._warned.discard(NoCreateFS)
+    fsspec_storage._warned.discard(NoCreateFS)
     fs = _fresh(NoCreateFS)
     storage = FsspecStorage(fs)
-    with caplog.at_level(logging.WARNING, logger="asyncckpt._storage.generic"):
+    with caplog.at_level(logging.WARNING, logger="asyncckpt._storage.fsspec_storage"):
         storage.create_exclusive("/c/a", b"1")
         storage.create_exclusive("/c/b", b"2")
         FsspecStorage(_fresh(NoCreateFS)).create_exclusive("/c/a", b"3")
