@@ -7,8 +7,9 @@ stored raw, so compression never costs space and incompressible data costs one a
 
 Before a plane is compressed whole, a probe compresses three small samples of it; the
 ratio it finds decides which planes are worth compressing: with ``"zstd"``, every plane that
-shrinks by 2 % or more; with ``"auto"``, the planes for which :func:`choose_planes` finds
-that the write time saved exceeds the encode time spent, given measured :class:`Rates`.
+shrinks by 2 % or more; with ``"auto"``, the planes the caller chose (the cost model that
+weighs write time saved against encode time spent lives with the measurements it needs, in
+:mod:`asyncckpt._engine.autocompress`).
 
 Functions here are pure (bytes in, bytes out) and safe to call from many threads: zstandard
 releases the GIL while it works.
@@ -99,7 +100,8 @@ class EncodeReport:
 
     Times are CPU seconds of the encoding thread: what the encoding costs the machine,
     whatever else runs beside it. Whether that CPU is idle or taken from training is
-    measured apart (:func:`asyncckpt._cpu.spare_cores`, :attr:`Rates.spare_cores`).
+    measured apart (:func:`asyncckpt._cpu.spare_cores`; ``spare_cores`` of the cost model's
+    rates, :mod:`asyncckpt._engine.autocompress`).
 
     Attributes:
         group_s: CPU seconds spent regrouping the chunk's bytes into planes.
@@ -122,103 +124,6 @@ class EncodeReport:
     compress_s: float = 0.0
     compressed_bytes: int = 0
     ratios: tuple[float | None, ...] = ()
-
-
-@dataclass(frozen=True)
-class Rates:
-    """The speeds that :func:`choose_planes` weighs, in seconds per byte.
-
-    Attributes:
-        write_s: storage: seconds to write and commit one stored byte (the writing thread's
-            time on the CPU and blocked in I/O, not its waits for a busy core).
-        compress_s: one encoder thread: CPU seconds to compress one byte of a plane.
-        group_s: one encoder thread: CPU seconds to regroup one byte of a chunk into planes.
-        threads: encoder threads working in parallel.
-        spare_cores: CPU cores the rest of the machine leaves idle (None: unknown, taken to
-            be enough for every encoder thread). Encoding beyond them takes the CPU from
-            training, so it is counted at its whole CPU time.
-
-    Example:
-        >>> link = Rates(write_s=5e-9, compress_s=1e-9, group_s=0.25e-9, threads=2)  # 200 MB/s
-        >>> link.break_even(4)  # an fp32 plane must shrink by 20 % to pay
-        0.2
-        >>> Rates(5e-9, 1e-9, 0.25e-9, threads=2, spare_cores=0.0).break_even(4)  # busy CPU
-        0.4
-    """
-
-    write_s: float
-    compress_s: float
-    group_s: float
-    threads: int
-    spare_cores: float | None = None
-
-    @property
-    def parallel(self) -> float:
-        """Encoder threads that run on cores nothing else wants: ``threads`` when the spare
-        cores are unknown, else the spare cores, between 1 and ``threads``. Below one spare
-        core the encoding is paid in full, one CPU-second per second, by whatever it
-        displaces."""
-        threads = float(max(1, self.threads))
-        if self.spare_cores is None:
-            return threads
-        return max(1.0, min(threads, self.spare_cores))
-
-    def break_even(self, width: int) -> float:
-        """The fraction of a plane that compressing it must save to pay for itself.
-
-        Compressing a plane of ``n`` bytes that keeps ``r`` of them saves ``(1 - r) * n``
-        bytes of writing and costs ``n * (compress_s + width * group_s) / parallel``
-        seconds of encoding (the whole chunk is regrouped for it, unless ``width`` is 1).
-
-        Example:
-            >>> Rates(write_s=4e-9, compress_s=1e-9, group_s=0.25e-9, threads=2).break_even(4)
-            0.25
-        """
-        group = width * self.group_s if width > 1 else 0.0
-        cost = (self.compress_s + group) / self.parallel
-        return cost / self.write_s if self.write_s > 0 else float("inf")
-
-
-def choose_planes(
-    ratios: Sequence[float | None],
-    previous: Sequence[bool],
-    rates: Rates,
-    *,
-    margin: float,
-    always: float,
-) -> tuple[bool, ...]:
-    """Which planes of one chunk ``compression="auto"`` compresses (a pure function).
-
-    ``ratios`` are each plane's estimated stored/raw fraction, ``previous`` whether it was
-    compressed last time. A plane is compressed when the write time of the bytes it saves
-    exceeds the encode time it costs on the cores the encoders may use
-    (:attr:`Rates.parallel`), i.e. when it saves more than
-    ``rates.break_even(len(ratios))`` of its bytes. To stay put on noisy rates, a plane's
-    choice flips only when the other side wins by ``margin`` (a fraction: 0.25 is 25 %). A
-    plane kept whole by the probe (over :data:`INCOMPRESSIBLE`) is never compressed; one
-    that shrinks to ``always`` or less always is, whatever the rates (its bytes saved
-    dominate). An unknown ratio (None) keeps the previous choice.
-
-    Example:
-        >>> ratios = [1.0, 0.95, 0.34, 0.1]  # noise, near-noise, exponents, mostly zeros
-        >>> slow_disk = Rates(write_s=10e-9, compress_s=1e-9, group_s=0.25e-9, threads=2)
-        >>> choose_planes(ratios, [True] * 4, slow_disk, margin=0.25, always=0.2)
-        (False, False, True, True)
-        >>> fast_disk = Rates(write_s=0.5e-9, compress_s=1e-9, group_s=0.25e-9, threads=2)
-        >>> choose_planes(ratios, [True] * 4, fast_disk, margin=0.25, always=0.2)
-        (False, False, False, True)
-    """
-    need = rates.break_even(len(ratios))
-    chosen = []
-    for ratio, before in zip(ratios, previous, strict=True):
-        if ratio is None:
-            chosen.append(before)
-        elif ratio > INCOMPRESSIBLE or ratio <= always:
-            chosen.append(ratio <= always)
-        else:
-            bar = need / (1 + margin) if before else need * (1 + margin)
-            chosen.append(1 - ratio > bar)
-    return tuple(chosen)
 
 
 def _shrinks(width: int, ratios: tuple[float | None, ...]) -> tuple[bool, ...]:

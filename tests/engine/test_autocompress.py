@@ -1,10 +1,10 @@
 """``compression="auto"``: the decision rule as a pure function, and the writer around it.
 
-The rule (``asyncckpt._format.codec.choose_planes``) is tested with injected rates. The writer tests
-inject the encoders' speeds and the spare cores too (their measurement is switched off) and
-let only the storage be measured: a link throttled by ``FaultPlan`` can only be slower than
-its limit, and an in-memory filesystem is far faster than the rates injected, so no test
-depends on how fast or how busy this machine happens to be.
+The rule (``asyncckpt._engine.autocompress.choose_planes``) is tested with injected rates.
+The writer tests inject the encoders' speeds and the spare cores too (their measurement is
+switched off) and let only the storage be measured: a link throttled by ``FaultPlan`` can
+only be slower than its limit, and an in-memory filesystem is far faster than the rates
+injected, so no test depends on how fast or how busy this machine happens to be.
 """
 
 from __future__ import annotations
@@ -26,14 +26,8 @@ from asyncckpt import _cpu as cpu
 from asyncckpt._api.checkpointer import Checkpointer
 from asyncckpt._api.dropin import write_options
 from asyncckpt._engine import autocompress
-from asyncckpt._format.codec import (
-    INCOMPRESSIBLE,
-    EncodeReport,
-    Rates,
-    choose_planes,
-    decode_chunk,
-    encode_chunk,
-)
+from asyncckpt._engine.autocompress import Rates, choose_planes
+from asyncckpt._format.codec import INCOMPRESSIBLE, EncodeReport, decode_chunk, encode_chunk
 from asyncckpt._format.container import FOOTER_SIZE, Manifest, decode_footer, decode_manifest
 from asyncckpt._storage import resolve
 from asyncckpt.cli.verify import verify_file
