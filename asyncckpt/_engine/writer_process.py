@@ -73,32 +73,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The child's entry point: lower its priority before anything starts a thread (threads
-#: inherit it), then import only what a write needs. The package's own ``__init__`` (the
-#: public API) imports torch, which costs the child 2-3 CPU-seconds and ~250 MB before its
-#: first write and is not needed to write; it runs only if something the child unpickles
-#: asks the package for a name it does not have yet (a storage class whose module imports
-#: the public API, say).
+#: The child's entry point: lower its priority before anything starts a thread (threads,
+#: such as a BLAS pool started at import, inherit it), then import the writer as a module
+#: of this very package (``PYTHONPATH`` leads with its directory, see
+#: :func:`_child_environ`). ``import asyncckpt`` does not import torch, so the child pays
+#: only for what a write needs.
 _CHILD_MAIN = """
-import os, sys, types
+import os, sys
 try:
     os.setpriority(os.PRIO_PROCESS, 0, int(sys.argv[2]))
 except (AttributeError, OSError):
     pass
-here = sys.argv[4]
-init = os.path.join(here, "__init__.py")
-package = types.ModuleType("asyncckpt")
-package.__path__, package.__package__, package.__file__ = [here], "asyncckpt", init
-def whole_package(name):
-    path = os.path.join(here, name)
-    if name.startswith("__") or os.path.exists(path + ".py") or os.path.isdir(path):
-        raise AttributeError(name)  # "from . import x" imports a submodule as usual
-    del package.__getattr__
-    with open(init, "rb") as f:
-        exec(compile(f.read(), init, "exec"), package.__dict__)
-    return getattr(package, name)
-package.__getattr__ = whole_package
-sys.modules["asyncckpt"] = package
 from asyncckpt._engine.writer_child import serve
 serve(int(sys.argv[1]), int(sys.argv[3]))
 """
@@ -120,7 +105,7 @@ class WriterProcess:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             argv = [sys.executable, "-c", _CHILD_MAIN, str(theirs.fileno())]
-            argv += [str(_niceness_below_main(nice)), str(os.getpid()), _PACKAGE_DIR]
+            argv += [str(_niceness_below_main(nice)), str(os.getpid())]
             # Its own session: a signal to the caller's process group (torchrun's killpg,
             # SLURM, a terminal's Ctrl-C) does not reach it, so the write in flight can
             # finish if the caller survives the signal (on_preemption); if the caller dies
