@@ -27,7 +27,13 @@ from dataclasses import dataclass
 from asyncckpt import _liveness as liveness
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
-from asyncckpt._versions.lease import create_lease, lease_epoch_of, renew_lease
+from asyncckpt._versions.lease import (
+    create_lease,
+    lease_epoch_of,
+    lease_epochs,
+    lease_path,
+    renew_lease,
+)
 from asyncckpt._versions.protocol import (
     COMMIT_FILE,
     COMMITTED,
@@ -208,6 +214,7 @@ class RootWriter:
         writer only weakly."""
         assert self.epoch is not None
         epoch, token, storage, root = self.epoch, self.token, self.storage, self.root
+        record = lease_path(storage, root, epoch)
         owner, count, name = (
             weakref.ref(self),
             itertools.count(1),
@@ -216,7 +223,13 @@ class RootWriter:
 
         def renew() -> bool:
             writer = owner()
-            if writer is None or writer._lease_held() is False:
+            fenced = writer is not None and writer._lease_held() is False
+            if writer is None or fenced or not storage.exists(record):
+                # A record gone was pruned by a newer writer's claim: never write it back.
+                # A fenced writer's renewal may have raced that pruning and brought it back:
+                # remove it, as the newer writer would have.
+                if fenced and lease_epochs(storage, root)[-1:] != [epoch]:
+                    storage.delete(record)
                 log.info("%s (epoch %d) ended: stopped renewing", name, epoch)
                 return False
             del writer  # only weakly held between beats

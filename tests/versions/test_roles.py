@@ -491,6 +491,42 @@ def test_a_fenced_writers_heartbeat_stops_and_never_brings_back_its_lease_record
     old.close()
 
 
+def test_a_renewal_that_raced_the_takeover_leaves_no_record_behind(tmp_path: Path) -> None:
+    # The fenced writer's renewal checked the version file, then wrote, and the newer
+    # writer's pruning of its record fell in between (found by scripts/soak.sh): the
+    # record came back. Its next beat finds the writer fenced and takes the record away.
+    root = tmp_path / "ckpt"
+    old = Checkpointer(root)
+    old.save(1, state(1)).result()
+    beat = _heartbeat(old)
+    (old_record,) = [p for p in (root / "_lease").iterdir() if TEMP_MARK not in p.name]
+    content = old_record.read_bytes()
+    with Checkpointer(root) as new:
+        new.save(2, state(2)).result()
+        assert not old_record.exists()  # pruned by the newer writer
+        old_record.write_bytes(content)  # the racing renewal lands after the pruning
+        beat.renew()
+        assert not beat.is_alive()
+        assert not old_record.exists()
+        assert new.load()["step"] == 2
+    old.close()
+
+
+def test_a_renewal_never_writes_back_a_pruned_record(tmp_path: Path) -> None:
+    # A newer writer's claim pruned the record before it committed anything (the version
+    # file still names the old writer): the old writer's beat ends instead of recreating it.
+    root = tmp_path / "ckpt"
+    old = Checkpointer(root)
+    old.save(1, state(1)).result()
+    beat = _heartbeat(old)
+    (old_record,) = [p for p in (root / "_lease").iterdir() if TEMP_MARK not in p.name]
+    old_record.unlink()
+    beat.renew()
+    assert not beat.is_alive()
+    assert not old_record.exists()
+    old.close()
+
+
 def test_the_heartbeat_of_a_checkpointer_never_closed_ends_with_it(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path / "ckpt")
     ckpt.save(1, state(1)).result()
