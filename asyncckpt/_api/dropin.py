@@ -29,8 +29,9 @@ from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._storage.stream import StreamStorage, is_file_object, stream_label
-from asyncckpt._versions import pending
-from asyncckpt.errors import AsyncCkptError, AsyncCkptWarning
+from asyncckpt._versions import loading, paths, pending
+from asyncckpt._versions.reading import LoadRequest, RootReader
+from asyncckpt.errors import AsyncCkptError, AsyncCkptWarning, PathKindError
 
 #: Re-exported: the public names of handles, and what integrations stage with.
 __all__ = ["SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "stage", "wait"]
@@ -361,7 +362,19 @@ def load(
     budget = Budget(max_bytes)
     placement = Placement(map_location)
     resolved = Settings.of(settings)  # an entry point: once, here (argument > environment)
-    storage, path = _load_source(f, storage_options, dead_writer, resolved)
+    source = _load_source(f, storage_options, dead_writer, resolved)
+    if isinstance(source, paths.Target):  # ROOT, ROOT@STEP, a Hugging Face run
+        step, commit = paths.version_of(source)
+        request = LoadRequest(
+            placement,
+            resolved,
+            into=into,
+            keys=keys,
+            max_bytes=max_bytes,
+            follow_latest=source.step is None,
+        )
+        return loading.load(RootReader(source.storage, source.path), step, commit, request)
+    storage, path = source
 
     def work(opened: OpenedFile) -> Any:
         return materialize(
@@ -412,7 +425,12 @@ def open_checkpoint(
     """
     placement = Placement(map_location)
     resolved = Settings.of(settings)  # an entry point: once, here
-    storage, path = _load_source(f, storage_options, dead_writer, resolved)
+    source = _load_source(f, storage_options, dead_writer, resolved)
+    if isinstance(source, paths.Target):  # ROOT, ROOT@STEP, a Hugging Face run
+        step, _ = paths.version_of(source)
+        opened = RootReader(source.storage, source.path).open(step)
+        return LazyCheckpoint(opened, placement, resolved)
+    storage, path = source
     return LazyCheckpoint(open_file(storage, path), placement, resolved)
 
 
@@ -439,15 +457,34 @@ def _load_source(
     storage_options: dict[str, Any] | None,
     dead_writer: str,
     settings: Settings,
-) -> tuple[Storage, str]:
+) -> tuple[Storage, str] | paths.Target:
     """The storage and path a load reads, once this and other processes' saves to it are
-    done (a file object: from its position to its end, as ``torch.load`` reads)."""
+    done (a file object: from its position to its end, as ``torch.load`` reads); or the
+    checkpoint root (``ROOT``, ``ROOT@STEP``, a Hugging Face run) the path names, as
+    :func:`asyncckpt._versions.paths.find` reads it.
+
+    Raises:
+        PathKindError: a folder of several checkpoints, an ``asyncckpt.dcp`` directory, or
+            ``NAME@STEP`` naming both a path and a version.
+        CheckpointNotFoundError: a folder with no checkpoint in it.
+    """
     if dead_writer not in pending.DEAD_WRITER_CHOICES:
         raise ValueError(
             f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
         )
     if isinstance(f, (str, os.PathLike)):
-        storage, path = resolve(f, storage_options, settings)
+        target = paths.find(f, storage_options, settings)
+        if target.kind == paths.FOLDER:
+            target = paths.one_checkpoint(target)
+        if target.kind == paths.ROOT:
+            return target
+        if target.kind == paths.DCP:
+            raise PathKindError(
+                f"{target.name} is an asyncckpt.dcp directory (one sharded checkpoint): load "
+                "it with torch.distributed.checkpoint.load(state, storage_reader="
+                "asyncckpt.dcp.Reader(...)), or make one file of it with 'asyncckpt convert'"
+            )
+        storage, path = target.storage, target.path  # a file, or nothing yet: saves may come
         _wait_for_writes_to(storage, path)
         pending.wait_for_saves(storage, path, dead_writer, settings=settings)  # other processes
         return storage, path
