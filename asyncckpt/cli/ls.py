@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from asyncckpt._format.container import MAGIC
 from asyncckpt._storage import is_temp_name
 from asyncckpt._versions.paths import is_root
 from asyncckpt._versions.protocol import latest_step, read_version_file, step_dirs
@@ -14,6 +15,7 @@ from asyncckpt.cli.common import (
     FileRef,
     RootRef,
     Subparsers,
+    UsageError,
     chosen_step,
     emit,
     is_dcp_directory,
@@ -96,6 +98,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
     """
     ref = locate(args.root, args.options)
     if isinstance(ref, FileRef):
+        if ref.storage.read_range(ref.path, 0, len(MAGIC)) != MAGIC:
+            raise UsageError(
+                f"asyncckpt: {args.root} is not an asyncckpt file; ls lists asyncckpt "
+                f"checkpoints (try 'asyncckpt inspect {args.root}')"
+            )
         return _ls_rows(args, ref, [describe(ref.storage, ref.path, "file")])
     storage, root = ref.storage, ref.path
     if not is_root(storage, root):
