@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncckpt._storage import Storage, resolve
+from asyncckpt._versions.paths import check_root
 from asyncckpt._versions.protocol import (
     CommitRecord,
     VersionRecord,
@@ -215,6 +216,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
             f"(for a file: asyncckpt convert {args.src} DST.ackpt)"
         )
     dst, dst_root = resolve(args.dst, args.options, args.settings)
+    check_root(dst, dst_root)  # a file: refused before anything is read
     steps = [chosen_step(ref)] if ref.step is not None else committed_steps(ref.storage, ref.path)
     if not steps:
         chosen_step(ref)  # raises: nothing is committed under SRC

@@ -82,6 +82,11 @@ def test_cp_copies_every_version_and_a_rerun_skips_them(
     code, out, err = run(capsys, "--json", "cp", src, dst)
     assert code == 0, err
     assert {v["action"] for v in json.loads(out)["versions"]} == {"present"}
+    asyncckpt.save({"w": torch.ones(1)}, tmp_path / "x.ackpt").result()
+    code, _, err = run(capsys, "cp", src, tmp_path / "x.ackpt")
+    assert code == 1 and "x.ackpt is a file, not a checkpoint root" in err
+    code, _, err = run(capsys, "cp", tmp_path / "x.ackpt", dst)
+    assert code == 2 and "x.ackpt is a file; cp copies the versions" in err
 
 
 def test_cp_of_one_step(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
