@@ -29,10 +29,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from asyncckpt._format.container import MAGIC
-from asyncckpt._format.names import METADATA_NAME
+from asyncckpt._format.names import METADATA_NAME, rank_of_data_file
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._versions.protocol import (
+    COMMIT_FILE,
     VERSION_FILE,
     CommitRecord,
     committed_steps,
@@ -290,6 +291,8 @@ def one_checkpoint(target: Target) -> Target:
     Raises:
         CheckpointNotFoundError: nothing is there, or the folder holds no checkpoint.
         PathKindError: the folder holds several (the message names them).
+        IncompleteCheckpointError: the folder holds rank files of a sharded save, without
+            the ``.metadata`` that commits it.
 
     Example:
         >>> import tempfile
@@ -303,6 +306,12 @@ def one_checkpoint(target: Target) -> Target:
         raise CheckpointNotFoundError(f"{target.name}: no such file or checkpoint root")
     if target.kind != FOLDER:
         return target
+    names = target.storage.list_dir(target.path)
+    if COMMIT_FILE not in names and any(rank_of_data_file(n) is not None for n in names):
+        raise IncompleteCheckpointError(
+            f"{target.name} holds the rank files of a sharded save but no {METADATA_NAME}: "
+            "an asyncckpt.dcp save still writing, or one that failed"
+        )
     below = checkpoints_below(target.storage, target.path)
     if not below:
         raise CheckpointNotFoundError(
