@@ -286,7 +286,11 @@ def load(
 
     Args:
         f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object
-            (read from its current position to its end).
+            (read from its current position to its end). A path may also name a
+            Checkpointer root (its newest committed version), ``ROOT@STEP`` (that
+            version), a Hugging Face run's ``output_dir`` or ``checkpoint-N`` folder, or a
+            folder holding one checkpoint, as the command line reads them
+            (:mod:`asyncckpt._versions.paths`).
         map_location: as for ``torch.load``: a device string, ``torch.device``, a dict
             mapping saved locations to new ones, or a callable ``(storage, location)``.
             None (the default) puts CPU tensors on the CPU and accelerator tensors on this
@@ -329,7 +333,11 @@ def load(
         The saved object, with tensors on their target devices.
 
     Raises:
-        CheckpointNotFoundError: no file at ``f``.
+        CheckpointNotFoundError: no file at ``f`` (or ``ROOT@STEP`` is not committed, or
+            a folder holds no checkpoint).
+        PathKindError: ``f`` is a folder of several checkpoints or an ``asyncckpt.dcp``
+            directory, or ``NAME@STEP`` names both an existing path and a version of root
+            ``NAME`` (the message names what is there).
         CheckpointTimeoutError: a save of ``f`` by another process is in flight and that
             process is dead (``dead_writer="raise"``): on this machine its pid is gone, or
             its marker has not changed for ``lease_expiry_ms``.
@@ -400,7 +408,8 @@ def open_checkpoint(
     manager. A save to ``f`` in flight is waited for first, as :func:`load` does.
 
     Args:
-        f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object.
+        f: a local path, ``os.PathLike``, fsspec URL (or a root, ``ROOT@STEP`` ... as
+            for :func:`load`), or a readable binary file object.
         map_location: as for :func:`load`.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
         dead_writer: as for :func:`load`.
