@@ -10,6 +10,7 @@ Face run's ``output_dir`` or one of its ``checkpoint-N`` folders, or a folder of
   ``ROOT@STEP``'s step when one was given;
 - ``OUT`` whose :data:`HF_ROOT_NAME` folder is a root (``asyncckpt.transformers`` keeps its
   versions there): that root; ``OUT/checkpoint-N``: step N of it;
+- a version's directory ``ROOT/STEP`` (it holds a ``COMMIT``): ``ROOT@STEP``;
 - an ``asyncckpt.dcp`` directory (its ``.metadata`` at the top, no versions);
 - any other folder: what is below it (:func:`checkpoints_below`) decides what a command
   does with it; :func:`one_checkpoint` takes it when it holds exactly one checkpoint.
@@ -75,7 +76,6 @@ class Target:
         kind: ``"file"``, ``"root"``, ``"dcp"``, ``"folder"`` or ``"missing"``.
         step: ``ROOT@STEP``'s (or ``checkpoint-N``'s) step; None: the newest.
         typed: the path as the user typed it.
-        via: how a Hugging Face path was read (``""`` otherwise), for messages.
 
     Example:
         >>> import tempfile
@@ -88,7 +88,6 @@ class Target:
     kind: str
     step: int | None = None
     typed: str = ""
-    via: str = ""
 
     @property
     def name(self) -> str:
@@ -147,18 +146,20 @@ def _what_is(storage: Storage, path: str, typed: str) -> Target:
         return Target(storage, path, kind, typed=typed)
     if is_root(storage, path, names):
         return Target(storage, path, ROOT, typed=typed)
+    folder = path.replace("\\", "/").rstrip("/").rsplit("/", 1)
+    step = parse_step(folder[-1])
+    if step is not None and COMMIT_FILE in names and len(folder) == 2:
+        return Target(storage, folder[0], ROOT, step, typed)  # ROOT/STEP: version STEP
     if is_dcp_directory(storage, path, names):
         return Target(storage, path, DCP, typed=typed)
     hf = storage.join(path, HF_ROOT_NAME)
     if HF_ROOT_NAME in names and _is_root_dir(storage, hf):
-        return Target(storage, hf, ROOT, typed=typed, via=f"the Hugging Face run {typed}")
-    folder = path.replace("\\", "/").rstrip("/").rsplit("/", 1)
+        return Target(storage, hf, ROOT, typed=typed)
     match = _HF_FOLDER.fullmatch(folder[-1])
     if match and len(folder) == 2:
         run = storage.join(folder[0], HF_ROOT_NAME)
         if _is_root_dir(storage, run):
-            via = f"{typed}, a checkpoint folder of a Hugging Face run"
-            return Target(storage, run, ROOT, int(match.group(1)), typed, via)
+            return Target(storage, run, ROOT, int(match.group(1)), typed)
     return Target(storage, path, FOLDER, typed=typed)
 
 

@@ -99,3 +99,10 @@ def test_memory_root_at_step(memory_root: str) -> None:
         ckpt.save(5, {"w": torch.ones(1)}).result()
         ckpt.save(6, {"w": torch.zeros(1)}).result()
     assert asyncckpt.load(f"{memory_root}@5")["w"].tolist() == [1.0]
+
+
+def test_a_version_directory_is_that_version(tmp_path: Path) -> None:
+    root = _root(tmp_path / "ckpt")
+    found = paths.find(root / "1")
+    assert (found.kind, found.path, found.step) == ("root", str(root), 1)
+    assert asyncckpt.load(root / "1")["w"].tolist() == [1.0, 1.0]
