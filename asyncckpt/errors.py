@@ -145,6 +145,18 @@ class IncompleteCheckpointError(AsyncCkptError):
     """A version exists in storage but was never committed (or was removed while loading)."""
 
 
+class PathKindError(AsyncCkptError, ValueError):
+    """A path names another kind of thing than the call takes: a file given as a
+    Checkpointer root, a folder of several checkpoints given to a load, or ``NAME@STEP``
+    naming both an existing path and a version of root ``NAME``. The message names the
+    path and what is there.
+
+    Example:
+        >>> issubclass(PathKindError, ValueError)
+        True
+    """
+
+
 class ConflictError(AsyncCkptError):
     """Another writer already committed this step, or owns this checkpoint root."""
 

@@ -87,13 +87,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from asyncckpt._api.checkpointer import Checkpointer
 from asyncckpt._api.jobs import SaveHandle
 from asyncckpt._settings import Settings, SettingsArg
+from asyncckpt._versions.paths import HF_ROOT_NAME
 from asyncckpt.accelerate import gathered_rng_states, set_rng_states
 from asyncckpt.errors import AsyncCkptError, ConflictError, FormatError
 
 __all__ = ["MARKER_FILE", "OVERRIDDEN", "ROOT_NAME", "AsyncCkptTrainer", "AsyncCkptTrainerMixin"]
 
-#: The Checkpointer root's folder name under ``args.output_dir``.
-ROOT_NAME = "asyncckpt"
+#: The Checkpointer root's folder name under ``args.output_dir`` (where ``asyncckpt.load``
+#: and the command line look for it too).
+ROOT_NAME = HF_ROOT_NAME
 #: The ``transformers.Trainer`` methods the mixin overrides.
 OVERRIDDEN = (
     "train",

@@ -115,6 +115,7 @@ def test_the_cli_package_imports_downward_only() -> None:
     sharded layouts) and the listing, which import common."""
     layers = [
         {"main"},
+        {"cp"},
         {"ls", "inspect", "verify", "gc", "rewind", "convert", "bench", "parsers"},
         {"formats", "listing"},
         {"common", "terminal"},

@@ -47,6 +47,7 @@ from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import resolve
 from asyncckpt._versions import loading
 from asyncckpt._versions.metrics import Metrics, check_metrics
+from asyncckpt._versions.paths import check_root
 from asyncckpt._versions.protocol import (
     COMMITTED,
     SHARDED,
@@ -142,6 +143,7 @@ class Checkpointer:
         ValueError: a bad retention argument (the message names it) or ``compression``,
             or a tunable out of range.
         StorageError: the root's URL cannot be resolved.
+        PathKindError: ``root`` is a file.
 
     Example:
         >>> import torch, asyncckpt, tempfile
@@ -187,6 +189,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self._settings = Settings.of(settings)
         self._storage, self._root = resolve(root, storage_options, self._settings)
+        check_root(self._storage, self._root)  # a file: say so now, not at the first save
         self._group = process_group
         self.writer_rank = writer_rank
         self.read_only = read_only

@@ -29,8 +29,9 @@ from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._storage.stream import StreamStorage, is_file_object, stream_label
-from asyncckpt._versions import pending
-from asyncckpt.errors import AsyncCkptError, AsyncCkptWarning
+from asyncckpt._versions import loading, paths, pending
+from asyncckpt._versions.reading import LoadRequest, RootReader
+from asyncckpt.errors import AsyncCkptError, AsyncCkptWarning, PathKindError
 
 #: Re-exported: the public names of handles, and what integrations stage with.
 __all__ = ["SaveHandle", "SaveInfo", "SaveStats", "load", "reserve", "save", "stage", "wait"]
@@ -289,7 +290,11 @@ def load(
 
     Args:
         f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object
-            (read from its current position to its end).
+            (read from its current position to its end). A path may also name a
+            Checkpointer root (its newest committed version), ``ROOT@STEP`` (that
+            version), a Hugging Face run's ``output_dir`` or ``checkpoint-N`` folder, or a
+            folder holding one checkpoint, as the command line reads them
+            (:mod:`asyncckpt._versions.paths`).
         map_location: as for ``torch.load``: a device string, ``torch.device``, a dict
             mapping saved locations to new ones, or a callable ``(storage, location)``.
             None (the default) puts CPU tensors on the CPU and accelerator tensors on this
@@ -332,7 +337,11 @@ def load(
         The saved object, with tensors on their target devices.
 
     Raises:
-        CheckpointNotFoundError: no file at ``f``.
+        CheckpointNotFoundError: no file at ``f`` (or ``ROOT@STEP`` is not committed, or
+            a folder holds no checkpoint).
+        PathKindError: ``f`` is a folder of several checkpoints or an ``asyncckpt.dcp``
+            directory, or ``NAME@STEP`` names both an existing path and a version of root
+            ``NAME`` (the message names what is there).
         CheckpointTimeoutError: a save of ``f`` by another process is in flight and that
             process is dead (``dead_writer="raise"``): on this machine its pid is gone, or
             its marker has not changed for ``lease_expiry_ms``.
@@ -365,7 +374,19 @@ def load(
     budget = Budget(max_bytes)
     placement = Placement(map_location)
     resolved = Settings.of(settings)  # an entry point: once, here (argument > environment)
-    storage, path = _load_source(f, storage_options, dead_writer, resolved)
+    source = _load_source(f, storage_options, dead_writer, resolved)
+    if isinstance(source, paths.Target):  # ROOT, ROOT@STEP, a Hugging Face run
+        step, commit = paths.version_of(source)
+        request = LoadRequest(
+            placement,
+            resolved,
+            into=into,
+            keys=keys,
+            max_bytes=max_bytes,
+            follow_latest=source.step is None,
+        )
+        return loading.load(RootReader(source.storage, source.path), step, commit, request)
+    storage, path = source
 
     def work(opened: OpenedFile) -> Any:
         return materialize(
@@ -391,7 +412,8 @@ def open_checkpoint(
     manager. A save to ``f`` in flight is waited for first, as :func:`load` does.
 
     Args:
-        f: a local path, ``os.PathLike``, fsspec URL, or a readable binary file object.
+        f: a local path, ``os.PathLike``, fsspec URL (or a root, ``ROOT@STEP`` ... as
+            for :func:`load`), or a readable binary file object.
         map_location: as for :func:`load`.
         storage_options: keyword arguments for the fsspec filesystem of a URL.
         dead_writer: as for :func:`load`.
@@ -416,7 +438,12 @@ def open_checkpoint(
     """
     placement = Placement(map_location)
     resolved = Settings.of(settings)  # an entry point: once, here
-    storage, path = _load_source(f, storage_options, dead_writer, resolved)
+    source = _load_source(f, storage_options, dead_writer, resolved)
+    if isinstance(source, paths.Target):  # ROOT, ROOT@STEP, a Hugging Face run
+        step, _ = paths.version_of(source)
+        opened = RootReader(source.storage, source.path).open(step)
+        return LazyCheckpoint(opened, placement, resolved)
+    storage, path = source
     return LazyCheckpoint(open_file(storage, path), placement, resolved)
 
 
@@ -443,15 +470,34 @@ def _load_source(
     storage_options: dict[str, Any] | None,
     dead_writer: str,
     settings: Settings,
-) -> tuple[Storage, str]:
+) -> tuple[Storage, str] | paths.Target:
     """The storage and path a load reads, once this and other processes' saves to it are
-    done (a file object: from its position to its end, as ``torch.load`` reads)."""
+    done (a file object: from its position to its end, as ``torch.load`` reads); or the
+    checkpoint root (``ROOT``, ``ROOT@STEP``, a Hugging Face run) the path names, as
+    :func:`asyncckpt._versions.paths.find` reads it.
+
+    Raises:
+        PathKindError: a folder of several checkpoints, an ``asyncckpt.dcp`` directory, or
+            ``NAME@STEP`` naming both a path and a version.
+        CheckpointNotFoundError: a folder with no checkpoint in it.
+    """
     if dead_writer not in pending.DEAD_WRITER_CHOICES:
         raise ValueError(
             f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
         )
     if isinstance(f, (str, os.PathLike)):
-        storage, path = resolve(f, storage_options, settings)
+        target = paths.find(f, storage_options, settings)
+        if target.kind == paths.FOLDER:
+            target = paths.one_checkpoint(target)
+        if target.kind == paths.ROOT:
+            return target
+        if target.kind == paths.DCP:
+            raise PathKindError(
+                f"{target.name} is an asyncckpt.dcp directory (one sharded checkpoint): load "
+                "it with torch.distributed.checkpoint.load(state, storage_reader="
+                "asyncckpt.dcp.Reader(...)), or make one file of it with 'asyncckpt convert'"
+            )
+        storage, path = target.storage, target.path  # a file, or nothing yet: saves may come
         _wait_for_writes_to(storage, path)
         pending.wait_for_saves(storage, path, dead_writer, settings=settings)  # other processes
         return storage, path

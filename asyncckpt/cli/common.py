@@ -20,18 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 from asyncckpt._format.container import parse_json
-from asyncckpt._format.names import METADATA_NAME
 from asyncckpt._settings import Settings
-from asyncckpt._storage import Storage, resolve
-from asyncckpt._versions import pending
+from asyncckpt._storage import Storage
+from asyncckpt._versions import paths, pending
+from asyncckpt._versions.paths import is_dcp_directory as is_dcp_directory
 from asyncckpt._versions.protocol import (
     COMMIT_FILE,
     FAILED_FILE,
-    committed_steps,
     failure_of,
-    latest_step,
-    parse_step,
-    read_commit,
     read_commit_strict,
     step_dir,
 )
@@ -40,7 +36,7 @@ from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
     FormatError,
-    IncompleteCheckpointError,
+    PathKindError,
 )
 
 if TYPE_CHECKING:  # torch-free at import: `asyncckpt --help` must not import torch
@@ -314,48 +310,33 @@ class RootRef(_Located):
     """A checkpoint root, optionally with a step chosen by ``ROOT@STEP``."""
 
 
-def kind_of(storage: Storage, path: str) -> str:
-    """``"root"`` (a directory / prefix), ``"file"`` or ``"missing"``."""
-    if storage.local_paths:
-        return "root" if os.path.isdir(path) else "file" if os.path.isfile(path) else "missing"
-    if storage.list_dir(path):
-        return "root"
-    try:
-        storage.size(path)
-    except CheckpointNotFoundError:
-        return "missing"
-    return "file"
-
-
-def locate(spec: str, options: dict[str, Any]) -> FileRef | RootRef:
-    """Resolve ``PATH``, ``ROOT`` or ``ROOT@STEP`` (a local path or fsspec URL, as typed): a
-    :class:`FileRef` for a file, a :class:`RootRef` for a directory or prefix.
+def locate(spec: str, options: dict[str, Any], *, one: bool = False) -> FileRef | RootRef:
+    """What ``spec`` names, as :func:`asyncckpt._versions.paths.find` reads it (the path
+    model ``asyncckpt.load`` uses too): a :class:`FileRef` for a file, a :class:`RootRef`
+    for a root (``ROOT``, ``ROOT@STEP``, a Hugging Face run's ``output_dir`` or
+    ``checkpoint-N``), an ``asyncckpt.dcp`` directory or a folder. With ``one`` (commands
+    that read one checkpoint), a folder stands for the one checkpoint below it.
 
     Raises:
-        CheckpointNotFoundError: nothing is there.
-        UsageError: ``@STEP`` after something that is not a root.
+        CheckpointNotFoundError: nothing is there (or, with ``one``, below the folder).
+        UsageError: ``@STEP`` after something that is not a root, ``NAME@STEP`` naming both
+            a path and a version, or (with ``one``) a folder of several checkpoints.
 
     Example:
         >>> isinstance(locate(".", {}), RootRef)
         True
     """
-    storage, path = resolve(spec, options)
-    kind = kind_of(storage, path)
-    if kind == "file":
+    try:
+        target = paths.find(spec, options)
+        if one and target.kind == paths.FOLDER:
+            target = paths.one_checkpoint(target)
+    except PathKindError as exc:
+        raise UsageError(f"asyncckpt: {exc}") from exc
+    storage, path = target.storage, target.path
+    if target.kind == paths.FILE:
         return FileRef(storage, path)
-    if kind == "root":
-        return RootRef(storage, path)
-    match = re.fullmatch(r"(.+)@([0-9]{1,18})", spec)
-    if match:
-        storage, path = resolve(match.group(1), options)
-        kind = kind_of(storage, path)
-        if kind == "root":
-            return RootRef(storage, path, int(match.group(2)))
-        if kind == "file":
-            raise UsageError(
-                f"asyncckpt: {match.group(1)} is a file; @STEP selects a version of a "
-                "checkpoint root"
-            )
+    if target.kind != paths.MISSING:
+        return RootRef(storage, path, target.step)
     note = pending_note(storage, path)
     raise CheckpointNotFoundError(
         f"{display(storage, path)}: no such file or checkpoint root"
@@ -380,16 +361,11 @@ def files_of(root: RootRef, step: int) -> list[FileRef]:
     """The data files of committed version ``step``.
 
     Raises:
-        IncompleteCheckpointError: ``step`` is not committed under the root.
+        IncompleteCheckpointError, CheckpointNotFoundError: ``step`` is not committed
+            under the root (:func:`asyncckpt._versions.paths.version_of`).
     """
     storage = root.storage
-    commit = read_commit(storage, root.path, step)
-    if commit is None:
-        committed = committed_steps(storage, root.path)
-        raise IncompleteCheckpointError(
-            f"step {step} is not committed under {root.name}; committed steps: "
-            f"{', '.join(map(str, committed)) or 'none'}"
-        )
+    _, commit = paths.version_of(paths.Target(storage, root.path, paths.ROOT, step))
     directory = step_dir(storage, root.path, step)
     # A sharded version also names its DCP metadata (JSON), which is not an asyncckpt file.
     names = [name for name in commit.files if name.endswith(".ackpt")]
@@ -402,12 +378,7 @@ def chosen_step(root: RootRef) -> int:
     Raises:
         CheckpointNotFoundError: no step was given and none is committed.
     """
-    if root.step is not None:
-        return root.step
-    step = latest_step(root.storage, root.path)
-    if step is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint under {root.name}")
-    return step
+    return paths.version_of(paths.Target(root.storage, root.path, paths.ROOT, root.step))[0]
 
 
 def single_file(ref: FileRef | RootRef) -> FileRef:
@@ -556,22 +527,6 @@ def manifest_tree(opened: OpenedFile) -> Any:
 
 
 # -- the layouts: Checkpointer roots (plain, sharded), asyncckpt.dcp directories ---------------
-
-
-def is_dcp_directory(storage: Storage, path: str) -> bool:
-    """Whether ``path`` is a directory an ``asyncckpt.dcp.Writer`` wrote: its ``.metadata``
-    at the top, no versions (a Checkpointer root keeps them in step directories).
-
-    Example:
-        >>> from asyncckpt._storage import LocalStorage
-        >>> is_dcp_directory(LocalStorage(), "/nonexistent")
-        False
-    """
-    try:
-        names = storage.list_dir(path)
-    except AsyncCkptError:
-        return False
-    return METADATA_NAME in names and not any(parse_step(n) is not None for n in names)
 
 
 def dcp_files(ref: RootRef) -> list[FileRef]:

@@ -24,6 +24,7 @@ from asyncckpt._convert.safetensors import (
 from asyncckpt._engine.decode import Budget
 from asyncckpt._engine.encode import abort_strays
 from asyncckpt._storage import Storage, resolve
+from asyncckpt._versions import paths
 from asyncckpt.cli.common import (
     EXIT_OK,
     FileRef,
@@ -31,7 +32,6 @@ from asyncckpt.cli.common import (
     UsageError,
     display,
     emit,
-    kind_of,
     locate,
     plural,
     progress,
@@ -77,7 +77,7 @@ def tensors_in(obj: Any) -> tuple[int, int]:
 
 def _source(args: argparse.Namespace) -> tuple[FileRef, str]:
     """The file to read and its format."""
-    src_ref = locate(args.src, args.options)
+    src_ref = locate(args.src, args.options, one=True)
     src_format = format_of(args.src, args.src_format, "SRC")
     if isinstance(src_ref, RootRef):
         if src_format not in (None, "ackpt"):
@@ -110,7 +110,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     storage, path = resolve(args.dst, args.options)
     sharded = _sharded_source(args)
     with contextlib.nullcontext() if sharded is None else sharded:
-        if not args.force and kind_of(storage, path) != "missing":
+        if not args.force and paths.kind_of(storage, path)[0] != paths.MISSING:
             raise UsageError(f"asyncckpt convert: {args.dst} exists; pass --force to replace it")
         if sharded is None:
             doc, source = _convert_file(args, dst_format, storage, path)
@@ -188,7 +188,7 @@ def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:
     :func:`~asyncckpt.cli.formats.open_sharded`)."""
     if args.src_format not in (None, "ackpt"):
         return None
-    ref = locate(args.src, args.options)
+    ref = locate(args.src, args.options, one=True)
     if not isinstance(ref, RootRef):
         return None
     return open_sharded(ref, args.settings)

@@ -7,12 +7,16 @@ each with its newest step, size and age, as ``aws s3 ls`` lists prefixes.
 from __future__ import annotations
 
 import datetime
-from collections import deque
 from typing import Any
 
-from asyncckpt._format.container import MAGIC
 from asyncckpt._storage import Storage
-from asyncckpt._versions.protocol import VERSION_FILE, committed_steps, latest_step, parse_step
+from asyncckpt._versions.paths import (
+    MAX_DEPTH,
+    TORCH_NAMES,
+    checkpoints_below,
+    is_root,
+)
+from asyncckpt._versions.protocol import committed_steps, latest_step
 from asyncckpt.cli.common import (
     RootRef,
     UsageError,
@@ -23,37 +27,12 @@ from asyncckpt.cli.common import (
 )
 from asyncckpt.errors import AsyncCkptError
 
-#: How many folders below the one given are searched, and how many are listed at most.
-MAX_DEPTH, MAX_FOLDERS = 4, 2000
-#: Names under which asyncckpt files are found besides ``.ackpt``: Lightning's ``.ckpt``
-#: (``AsyncCkptIO`` keeps the names Lightning gives) and torch's; their first bytes tell.
-TORCH_NAMES = (".ckpt", ".pt", ".pth")
 #: What ``ls`` and ``verify`` of a folder with no checkpoint below say.
 NOTHING_HERE = (
     f"nothing asyncckpt wrote is here (no Checkpointer root, asyncckpt.dcp directory or "
     f"asyncckpt file, .ackpt or under a torch name {'/'.join(TORCH_NAMES)}, within "
     f"{MAX_DEPTH} levels)"
 )
-
-
-def is_checkpoint_file(storage: Storage, path: str) -> bool:
-    """Whether ``path`` is an asyncckpt file: named ``.ackpt``, or named like a torch file
-    (:data:`TORCH_NAMES`) and starting with asyncckpt's magic bytes (a folder is not)."""
-    name = path.rstrip("/").rsplit("/", 1)[-1]
-    if name.endswith(".ackpt"):
-        return True
-    if not name.endswith(TORCH_NAMES):
-        return False
-    try:
-        return storage.read_range(path, 0, len(MAGIC)) == MAGIC
-    except (AsyncCkptError, OSError):  # a folder, or gone meanwhile
-        return False
-
-
-def is_root(storage: Storage, path: str, names: list[str] | None = None) -> bool:
-    """Whether ``path`` is a Checkpointer root: a version file or a step directory."""
-    names = storage.list_dir(path) if names is None else names
-    return VERSION_FILE in names or any(parse_step(n) is not None for n in names)
 
 
 def need_versions(ref: RootRef, command: str) -> None:
@@ -81,36 +60,6 @@ def need_versions(ref: RootRef, command: str) -> None:
 def find_checkpoints(storage: Storage, top: str) -> list[dict[str, Any]]:
     """The checkpoints below ``top``, each as :func:`describe` shows it."""
     return [describe(storage, path, layout) for path, layout in checkpoints_below(storage, top)]
-
-
-def checkpoints_below(storage: Storage, top: str) -> list[tuple[str, str]]:
-    """The checkpoints below ``top`` (breadth first, at most :data:`MAX_DEPTH` levels; a
-    checkpoint's own folders are not searched), each as its path and layout: ``"file"``,
-    ``"root"`` or ``"dcp"``."""
-    found: list[tuple[str, str]] = []
-    queue: deque[tuple[str, int]] = deque([(top, 0)])
-    visited = 0
-    while queue and visited < MAX_FOLDERS:
-        folder, depth = queue.popleft()
-        visited += 1
-        for name in sorted(storage.list_dir(folder)):
-            path = storage.join(folder, name)
-            if is_checkpoint_file(storage, path):
-                found.append((path, "file"))
-                continue
-            try:
-                names = storage.list_dir(path)
-            except AsyncCkptError:
-                continue
-            if not names:
-                continue  # a file, or an empty folder
-            if is_root(storage, path, names):
-                found.append((path, "root"))
-            elif is_dcp_directory(storage, path):
-                found.append((path, "dcp"))
-            elif depth + 1 < MAX_DEPTH:
-                queue.append((path, depth + 1))
-    return found
 
 
 def _file_facts(storage: Storage, path: str) -> tuple[int | None, str | None]:

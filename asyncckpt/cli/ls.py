@@ -5,22 +5,26 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from asyncckpt._format.container import MAGIC
 from asyncckpt._storage import is_temp_name
+from asyncckpt._versions.paths import is_root
 from asyncckpt._versions.protocol import latest_step, read_version_file, step_dirs
 from asyncckpt.cli.common import (
     EXIT_OK,
     CommandFailed,
+    FileRef,
     RootRef,
     Subparsers,
+    UsageError,
+    chosen_step,
     emit,
     is_dcp_directory,
     locate,
-    need_root,
     new_command,
     short_time,
     version_info,
 )
-from asyncckpt.cli.listing import NOTHING_HERE, describe, find_checkpoints, is_root
+from asyncckpt.cli.listing import NOTHING_HERE, describe, find_checkpoints
 from asyncckpt.cli.progress import format_bytes
 from asyncckpt.cli.terminal import table
 
@@ -35,7 +39,12 @@ def add_parser(sub: Subparsers) -> None:
         "stored size, metrics (save(..., metrics=...)), and which one the version file names.",
         cmd_ls,
     )
-    p.add_argument("root", metavar="ROOT", help="checkpoint root (directory or URL)")
+    p.add_argument(
+        "root",
+        metavar="ROOT[@STEP]|FILE|FOLDER",
+        help="checkpoint root (directory or URL; ROOT@STEP: that version only), an asyncckpt "
+        "file, or a folder or bucket above checkpoints (each is listed)",
+    )
 
 
 def _version_note(record_step: int | None, committed: list[int], latest: int | None) -> str:
@@ -81,20 +90,28 @@ def _metrics_text(metrics: dict[str, Any], width: int = 40) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    """``asyncckpt ls ROOT``; of a folder or bucket above roots, the checkpoints below
-    (exit status 0).
+    """``asyncckpt ls ROOT[@STEP]``; of a file, its row; of a folder or bucket above
+    roots, the checkpoints below (exit status 0).
 
     Raises:
         CommandFailed: the folder holds nothing asyncckpt wrote.
     """
-    ref = need_root(locate(args.root, args.options), args.root)
+    ref = locate(args.root, args.options)
+    if isinstance(ref, FileRef):
+        if ref.storage.read_range(ref.path, 0, len(MAGIC)) != MAGIC:
+            raise UsageError(
+                f"asyncckpt: {args.root} is not an asyncckpt file; ls lists asyncckpt "
+                f"checkpoints (try 'asyncckpt inspect {args.root}')"
+            )
+        return _ls_rows(args, ref, [describe(ref.storage, ref.path, "file")])
     storage, root = ref.storage, ref.path
     if not is_root(storage, root):
         return _ls_below(args, ref)
     record = read_version_file(storage, root)
     record_step = None if record is None else record.step
     latest = latest_step(storage, root)
-    versions = [version_info(storage, root, s, latest) for s in step_dirs(storage, root)]
+    steps = step_dirs(storage, root) if ref.step is None else [chosen_step(ref)]
+    versions = [version_info(storage, root, s, latest) for s in steps]
     temps = [n for n in storage.list_dir(root) if is_temp_name(n)]
     committed = [v["step"] for v in versions if v["state"] == "committed"]
     doc = {
@@ -131,6 +148,11 @@ def _ls_below(args: argparse.Namespace, ref: RootRef) -> int:
             f"ls: {ref.name}: {NOTHING_HERE}; give a checkpoint root or a folder or bucket "
             "above roots"
         )
+    return _ls_rows(args, ref, found)
+
+
+def _ls_rows(args: argparse.Namespace, ref: FileRef | RootRef, found: list[dict[str, Any]]) -> int:
+    """One line per checkpoint found (a folder's, or one file's)."""
     rows = [
         [
             r["path"],
@@ -143,7 +165,8 @@ def _ls_below(args: argparse.Namespace, ref: RootRef) -> int:
         ]
         for r in found
     ]
-    lines = [f"{ref.name}: {len(found)} checkpoint(s) below"]
+    below = "" if isinstance(ref, FileRef) else " below"
+    lines = [f"{ref.name}: {len(found)} checkpoint(s){below}"]
     lines += table(["PATH", "LAYOUT", "NEWEST", "VERSIONS", "SIZE", "TIME (UTC)", "AGE"], rows)
     lines += [f"{r['path']}: {r['problem']}" for r in found if r["problem"]]
     emit(args, {"path": ref.name, "roots": found}, lines)

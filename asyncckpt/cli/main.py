@@ -42,6 +42,7 @@ COMMANDS = (
     gc.add_parser,
     rewind.add_parser,
     parsers.add_convert,
+    parsers.add_cp,
     parsers.add_bench,
 )
 

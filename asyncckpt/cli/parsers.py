@@ -102,6 +102,25 @@ def add_convert(sub: Subparsers) -> None:
     add_max_bytes(p, "refuse (an asyncckpt or sharded SRC)")
 
 
+def add_cp(sub: Subparsers) -> None:
+    """Add the ``cp`` subcommand to ``sub``."""
+    p = new_command(
+        sub,
+        "cp",
+        "copy versions between stores in commit order, verified, resumable",
+        "Copy the committed versions of a checkpoint root (ROOT@STEP: that one) to root DST "
+        "(local disk, S3, any fsspec URL) as a save writes them: each version's data files "
+        "first, each verified at DST (every checksum), then its COMMIT, then the version "
+        "file, so that a reader of DST never sees a committed version whose data is not "
+        "there, whenever the copy stops. Oldest first; a version already committed at DST "
+        "with the same files is skipped, so rerunning completes an interrupted copy. No job "
+        "may write DST meanwhile. The storage options apply to both sides.",
+        lazy_command("cp"),
+    )
+    p.add_argument("src", metavar="SRC[@STEP]")
+    p.add_argument("dst", metavar="DST")
+
+
 def add_bench(sub: Subparsers) -> None:
     """Add the ``bench`` subcommand to ``sub``."""
     p = new_command(

@@ -13,6 +13,7 @@ from typing import Any
 from asyncckpt._engine.decode import Budget, OpenedFile, read_file
 from asyncckpt._format.codec import checksum, decode_chunk
 from asyncckpt._storage import Storage
+from asyncckpt._versions.paths import checkpoints_below, is_root
 from asyncckpt._versions.protocol import committed_steps, read_version_file, step_dirs
 from asyncckpt.cli.common import (
     EXIT_OK,
@@ -34,7 +35,7 @@ from asyncckpt.cli.common import (
 )
 from asyncckpt.cli.common import threads as _default_threads
 from asyncckpt.cli.formats import reject_other_format
-from asyncckpt.cli.listing import NOTHING_HERE, checkpoints_below, is_root
+from asyncckpt.cli.listing import NOTHING_HERE
 from asyncckpt.cli.progress import format_bytes
 from asyncckpt.cli.terminal import paint
 from asyncckpt.errors import (

@@ -197,7 +197,7 @@ def loader_main(
 def _say_when_waiting(path: str) -> None:
     """Print ``waiting`` once this process's load reads the save marker of ``path`` a
     second time: the first read found a save in flight, so the load is waiting for it."""
-    from asyncckpt._api import dropin
+    from asyncckpt._versions import paths  # where a load resolves its path
     from asyncckpt.testing.crashpoints import CrashPlan, CrashStorage, StorageOp
 
     reads: list[StorageOp] = []
@@ -209,13 +209,13 @@ def _say_when_waiting(path: str) -> None:
                 print("waiting", flush=True)
 
     plan = CrashPlan("count", on_call=on_call)
-    real = dropin.resolve
+    real = paths.resolve
 
     def resolve_counted(f: Any, options: Any, settings: Any = None) -> tuple[Any, str]:
         storage, where = real(f, options, settings)
         return CrashStorage(storage, plan), where
 
-    dropin.resolve = resolve_counted  # type: ignore[assignment]
+    paths.resolve = resolve_counted  # type: ignore[assignment]
 
 
 class Child:

@@ -597,8 +597,8 @@ def test_errors_are_one_line_and_usage_errors_exit_2(
 
     code, _, err = main(capsys, "ls", tmp_path / "missing")
     assert code == 1 and "no such file or checkpoint root" in one_line(err)
-    code, _, err = main(capsys, "ls", data_file(made_root, 10))
-    assert code == 2 and "is a file" in one_line(err)
+    code, _, err = main(capsys, "gc", data_file(made_root, 10), "--keep", "1")
+    assert code == 2 and "is a file" in one_line(err)  # ls FILE lists it (test_cli_paths.py)
     code, _, err = main(capsys, "gc", made_root, "--keep", "0")
     assert code == 2 and "--keep" in one_line(err)
     code, _, err = main(capsys, "verify", data_file(made_root, 10), "--all")

@@ -9,6 +9,7 @@ lists the roots below it; a folder holding nothing asyncckpt wrote fails with a 
 from __future__ import annotations
 
 import json
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -368,3 +369,17 @@ def test_verify_of_a_folder_without_checkpoints_says_so(
     (tmp_path / "notes.txt").write_text("hello")
     code, _, err = run(capsys, "verify", tmp_path)
     assert code == 1 and "nothing asyncckpt wrote" in err
+
+
+@pytest.mark.timeout(300)
+def test_cp_of_a_sharded_root_copies_its_rank_files_and_metadata(
+    layouts: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    dst = f"memory://cp-sharded-{uuid.uuid4().hex[:8]}"
+    code, _, err = run(capsys, "cp", layouts["sharded"], dst)
+    assert code == 0, err
+    for step in (1, 2):
+        got = asyncckpt.load(f"{dst}@{step}")
+        want = asyncckpt.load(f"{layouts['sharded']}@{step}")
+        assert got["step"] == want["step"] == step
+        assert torch.equal(got["model"]["w"], want["model"]["w"])

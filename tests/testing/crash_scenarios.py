@@ -49,7 +49,7 @@ DETERMINISTIC_ENV = {
 }
 
 #: Modules that turn a user's path into a storage: the harness wraps what they return.
-_RESOLVERS = ("asyncckpt._api.checkpointer", "asyncckpt._api.dropin", "asyncckpt.cli.common")
+_RESOLVERS = ("asyncckpt._api.checkpointer", "asyncckpt._api.dropin", "asyncckpt._versions.paths")
 
 
 def state(step: int) -> dict[str, Any]:
