@@ -60,6 +60,11 @@ OPERATIONS = (
     "torch.load (weights_only)",
     "asyncckpt.load",
 )
+#: What the first ``asyncckpt.save`` of a process does that later saves reuse.
+FIRST_SAVE_NOTE = (
+    "the first asyncckpt.save of a process also sets up what later saves reuse (host memory "
+    "for the snapshot, the writer process)"
+)
 
 
 @dataclass
@@ -168,6 +173,13 @@ def _lines(bench: _Bench, results: dict[str, dict[str, Any]], plot: str | None) 
         f"{format_bytes(sizes.get('asyncckpt', 0))}"
         + (f" ({100 * sizes['asyncckpt'] / raw:.1f}% of raw)" if sizes.get("asyncckpt") else ""),
         "loads read files just written, so they may come from the page cache",
+        FIRST_SAVE_NOTE
+        + (
+            ": with --repeat 1 that is all these figures show; --repeat 3 or more gives the "
+            "steady state"
+            if args.repeat < 3
+            else f" (the median of {args.repeat} runs counts it once)"
+        ),
     ]
     if plot:
         lines.append(f"plot: {plot}")

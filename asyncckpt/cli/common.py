@@ -195,21 +195,26 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def parse_bytes(text: str) -> int:
-    """A size as a user writes it: ``4096``, ``64MiB``, ``1.5G`` (binary units).
+    """A size as a user writes it: ``4096``, ``64MiB``, ``1.5G``; ``KiB``/``MiB``/``GiB``
+    and a bare ``K``/``M``/``G`` are binary, ``KB``/``MB``/``GB`` decimal (``5GB`` is
+    5·10⁹ bytes, as Hugging Face counts ``max_shard_size``).
 
     Raises:
         argparse.ArgumentTypeError: not a size (the parser reports a usage error).
 
     Example:
-        >>> parse_bytes("64MiB"), parse_bytes("1.5g"), parse_bytes("4096")
-        (67108864, 1610612736, 4096)
+        >>> parse_bytes("64MiB"), parse_bytes("1.5g"), parse_bytes("4096"), parse_bytes("5GB")
+        (67108864, 1610612736, 4096, 5000000000)
     """
-    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(?:i?b)?", text.strip().lower())
+    match = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?)(i?b)?", text.strip().lower())
     if match is None:
         raise argparse.ArgumentTypeError(
             f"expected a size in bytes such as 4096, 512MiB or 8GiB, got {text!r}"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    number, unit, suffix = match.groups()
+    if suffix == "b" and unit:  # KB, MB, GB, TB: decimal
+        return int(float(number) * 1000 ** "kmgt".index(unit) * 1000)
+    return int(float(number) * _UNITS[unit])
 
 
 def add_max_bytes(parser: argparse.ArgumentParser, what: str) -> None:

@@ -517,6 +517,9 @@ def test_bench_prints_a_table_writes_json_and_a_plot(tmp_path: Path) -> None:
     assert all(r["median_s"] > 0 and len(r["runs_s"]) == 1 for r in doc["results"].values())
     assert doc["stored_bytes"]["torch"] > 1 << 20 > doc["stored_bytes"]["asyncckpt"] > 0
     assert list(store.iterdir()) == []  # the temporary folder is removed
+    text = run_cli("bench", store, "--size-mib", "1", "--repeat", "1", "--no-plot")
+    assert "first asyncckpt.save of a process also sets up" in text.stdout  # says what it is
+    assert "--repeat 3" in text.stdout
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -778,3 +781,13 @@ def test_inspect_tree_of_an_ordered_dict_with_metadata(
     rows = {r["key"]: r for r in json.loads(out)["entries"]}
     assert code == 0 and rows["state['sd']"]["kind"] == "OrderedDict"
     assert rows["state['tied'][1]"]["shares_storage_with"] == "state['sd']['weight']"
+
+
+def test_sizes_are_binary_except_decimal_kb_mb_gb() -> None:
+    """``--shard-size 5GB`` is Hugging Face's 5·10⁹ bytes; ``GiB`` and a bare ``G`` binary."""
+    from asyncckpt.cli.common import parse_bytes
+
+    assert parse_bytes("5GB") == 5 * 10**9
+    assert parse_bytes("512MB") == 512 * 10**6
+    assert parse_bytes("5GiB") == parse_bytes("5g") == 5 << 30
+    assert parse_bytes("64KiB") == 64 << 10
