@@ -2,8 +2,9 @@
 
 Each method runs in a fresh process (``--child``) with its best documented configuration:
 
-* ``asyncckpt``: ``asyncckpt.save`` with every default; ``asyncckpt_process``: the same with
-  ``writer_processes=1`` (a tunable, an extra row);
+* ``asyncckpt``: ``asyncckpt.save`` with every default (a writer process);
+  ``asyncckpt_threads``: the same with ``writer_processes=0`` (a tunable, an extra row: the
+  write on threads of the calling process);
 * ``dcp_async_save``: torch DCP ``async_save`` with a reused ``DefaultStager`` (shared
   memory; pinned memory, asynchronous staging and non-blocking copies where CUDA is there)
   and ``AsyncCheckpointerType.PROCESS``, the best configuration of torch 2.13;
@@ -82,7 +83,11 @@ from common import (
 #: name -> (label, the package whose version is reported, family for report.PEER_MECHANISM)
 METHODS: dict[str, tuple[str, str, str]] = {
     "asyncckpt": ("asyncckpt.save (defaults)", "asyncckpt", "asyncckpt"),
-    "asyncckpt_process": ("asyncckpt.save, writer process", "asyncckpt", "asyncckpt_process"),
+    "asyncckpt_threads": (
+        "asyncckpt.save, writer threads (writer_processes=0)",
+        "asyncckpt",
+        "asyncckpt_threads",
+    ),
     "dcp_async_save": (
         "DCP async_save (reused stager, PROCESS)",
         "torch",
@@ -131,8 +136,8 @@ class Method:
         self.save = save  # type: ignore[method-assign]
         self.load = lambda path, like: asyncckpt.load(path)  # type: ignore[method-assign]
 
-    def _setup_asyncckpt_process(self) -> None:
-        os.environ["ASYNCCKPT_WRITER_PROCESSES"] = "1"
+    def _setup_asyncckpt_threads(self) -> None:
+        os.environ["ASYNCCKPT_WRITER_PROCESSES"] = "0"
         self._setup_asyncckpt()
 
     def _setup_dcp_async_save(self) -> None:

@@ -693,9 +693,12 @@ PEER_ROWS: tuple[tuple[str, str, str, Unit, str], ...] = (
 
 #: How each method writes, the reason a row's winner wins (written by people).
 PEER_MECHANISM: dict[str, str] = {
-    "asyncckpt": "copies into a reused arena, then encodes and writes on niced threads",
-    "asyncckpt_process": "copies into a reused shared arena; a long-lived writer process "
-    "encodes and writes, outside the caller's GIL",
+    "asyncckpt": "copies into a reused shared arena; a long-lived writer process encodes and "
+    "writes, outside the caller's GIL (the default)",
+    "asyncckpt_threads": "copies into a reused arena, then encodes and writes on niced "
+    "threads of the calling process (writer_processes=0)",
+    # Results from before the extra row measured threads: the default set explicitly.
+    "asyncckpt_process": "the defaults again (a writer process), a second sample",
     "dcp_async_save": "stages into a reused shared-memory stager, a checkpoint process writes",
     "torchsnapshot": "copies in its own pipeline (large CPU tensors are not copied), writes "
     "on threads",
