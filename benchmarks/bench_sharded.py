@@ -179,7 +179,10 @@ def simulate(
         snap = snapshot(
             flatten(plain), ArenaPool(1), settings=options.settings
         )  # what Checkpointer.save stages
-        jobs.append(RankJob(storage, path, STEP, attempt, rank, world, snap, pieces, options))
+        job = RankJob(
+            storage, path, STEP, attempt, rank, world, snap, pieces, options, options.settings
+        )
+        jobs.append(job)
         del plain
     durable = [0.0] * world
     commit_at = [0.0]
