@@ -178,16 +178,14 @@ def kind_of(storage: Storage, path: str) -> tuple[str, list[str]]:
         if os.path.isdir(path):
             return "dir", sorted(os.listdir(path))
         return (FILE if os.path.isfile(path) else MISSING), []
-    try:
-        size: int | None = storage.size(path)
-    except CheckpointNotFoundError:
-        size = None
-    if size:  # an object with bytes: a file, named by one request (a load's usual case)
-        return FILE, []
-    names = storage.list_dir(path)  # some stores give a prefix a size (0): list it
+    names = storage.list_dir(path)  # first: some stores give a prefix a size (0)
     if names:
         return "dir", names
-    return (MISSING if size is None else FILE), []
+    try:
+        storage.size(path)
+    except CheckpointNotFoundError:
+        return MISSING, []
+    return FILE, []
 
 
 def _described(target: Target) -> str:

@@ -181,7 +181,17 @@ class CrashStorage(Storage):
     def __init__(self, inner: Storage, plan: CrashPlan) -> None:
         self.inner, self.plan = inner, plan
         self.label = inner.label
-        self.process_local = inner.process_local
+        self.process_local, self.local_paths = inner.process_local, inner.local_paths
+
+    # Capabilities are the inner backend's (the engine asks them, never the type).
+    def target(self, path: str) -> tuple[str, ...]:
+        return self.inner.target(path)
+
+    def on_local_disk(self, path: str) -> bool:
+        return self.inner.on_local_disk(path)
+
+    def file_key(self, path: str) -> tuple[str, str]:
+        return self.inner.file_key(path)
 
     def __getattr__(self, name: str) -> Any:  # settings, and a backend's own attributes
         return getattr(self.inner, name)
