@@ -258,7 +258,8 @@ def _wait_for_writes_to(storage: Storage, path: str) -> None:
     replaced it would lose that failure for good.
     """
     target = storage.file_key(path)
-    for handle in jobs.pending():
+    # Not only the saves still running: one that already failed, unobserved, counts too.
+    for handle in jobs.tracked(jobs.ANY):
         if handle.target == target and not handle.cancelled():
             seen = handle.observed
             exc = handle.exception()

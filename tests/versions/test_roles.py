@@ -7,6 +7,7 @@ The multi-process scenarios (a polling evaluator, a frozen writer, racing writer
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import json
 import os
@@ -215,6 +216,29 @@ def test_load_of_a_file_whose_save_failed_raises_that_failure(
     with pytest.raises(StorageError, match="disk full"):  # not the old file, silently
         asyncckpt.load(path)
     monkeypatch.setattr(writer_process, "write", real)
+    check(asyncckpt.load(path), 1)  # raised once; the old file is intact
+    asyncckpt.wait()
+
+
+def test_load_raises_the_failure_of_a_save_that_already_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The failed save ended before the load looked (found by a quiet make test, where the
+    # test above let the write fail before load() ran): it is no longer running, but its
+    # failure is still nobody's, so the load raises it instead of the old file.
+    path = str(tmp_path / "m.ackpt")
+    asyncckpt.save(state(1), path).result(timeout=60)
+    from asyncckpt._engine import writer_process
+
+    def failing(*args: Any, **kwargs: Any) -> int:
+        raise StorageError(f"{path}: injected: disk full")
+
+    monkeypatch.setattr(writer_process, "write", failing)
+    handle = asyncckpt.save(state(2), path)
+    concurrent.futures.wait([handle], timeout=60)  # ended; nobody has looked at its failure
+    assert handle.done()
+    with pytest.raises(StorageError, match="disk full"):
+        asyncckpt.load(path)
     check(asyncckpt.load(path), 1)  # raised once; the old file is intact
     asyncckpt.wait()
 
