@@ -171,11 +171,6 @@ _slots: dict[tuple[str, str], _Slot] = {}
 _live_tokens: set[str] = set()
 
 
-def _slot(storage: Storage, path: str) -> _Slot:
-    with _lock:
-        return _slots.setdefault(storage.file_key(path), _Slot())
-
-
 @contextlib.contextmanager
 def _held_slot(storage: Storage, path: str) -> Iterator[_Slot]:
     """The file's slot, its ``io`` lock held: the one in :data:`_slots` (a slot dropped
@@ -184,7 +179,8 @@ def _held_slot(storage: Storage, path: str) -> Iterator[_Slot]:
     ``begin`` included), not as long as the process."""
     key = storage.file_key(path)
     while True:
-        slot = _slot(storage, path)
+        with _lock:
+            slot = _slots.setdefault(key, _Slot())
         with slot.io:
             with _lock:
                 current = _slots.get(key) is slot
@@ -229,10 +225,8 @@ def _superseded(
 ) -> str:
     where = storage.describe(path)
     if record is not None:
-        return (
-            f"a later save of {where} by pid {record.pid} on host {record.host} superseded "
-            f"this one: {where} was left to that save"
-        )
+        who = _who(record)
+        return f"a later save of {where} by {who} superseded this one: {where} was left to it"
     if raw is None:
         return (
             f"a later save of {where} by another process superseded this one and has "
@@ -450,9 +444,7 @@ def _gave_up(
     storage: Storage, path: str, record: PendingRecord | None, why: str, waited: float
 ) -> str:
     where, marker = storage.describe(path), storage.describe(marker_of(path))
-    writer = "an unknown process"
-    if record is not None:
-        writer = f"pid {record.pid} on host {record.host} (started {record.started})"
+    writer = "an unknown process" if record is None else _who(record)
     try:
         previous = "the previous save's state" if storage.exists(path) else "nothing yet"
         holds = f"{where} holds {previous}"
@@ -482,13 +474,14 @@ def describe_pending(storage: Storage, path: str) -> str | None:
     marker = storage.describe(marker_of(path))
     if record is None:
         return f"a save of this file is in flight ({marker} is being rewritten)"
-    gone = writer_gone(record)
-    who = (
-        f"a save of this file by pid {record.pid} on host {record.host}, started {record.started},"
-    )
+    gone, who = writer_gone(record), f"a save of this file by {_who(record)}"
     if gone is None:
         return f"{who} is in flight ({marker})"
     return (
         f"{who} never finished: its writer is dead ({gone}) and left {marker}; loads of the "
         "file raise until it is saved again or that marker is deleted"
     )
+
+
+def _who(record: PendingRecord) -> str:
+    return f"pid {record.pid} on host {record.host} (started {record.started})"

@@ -17,6 +17,7 @@ from asyncckpt._device import Placement
 from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file, read_file
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
+from asyncckpt._versions.lease import wait_for_step
 from asyncckpt._versions.protocol import (
     SHARDED,
     CommitRecord,
@@ -25,7 +26,6 @@ from asyncckpt._versions.protocol import (
     read_commit,
     step_dir,
 )
-from asyncckpt._versions.waiting import wait_for_step
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -105,7 +105,7 @@ class RootReader:
     def wait(
         self, step: int, timeout: float | None, writer: str | None, *, expiry_s: float
     ) -> None:
-        """Block until ``step`` is committed (:func:`~._versions.waiting.wait_for_step`):
+        """Block until ``step`` is committed (:func:`~._versions.lease.wait_for_step`):
         only ``writer``'s failure to save it ends the wait (None: the current lease
         holder's), or a lease not renewed for ``expiry_s`` (the caller's settings')."""
         wait_for_step(self.storage, self.root, step, timeout, writer=writer, expiry_s=expiry_s)

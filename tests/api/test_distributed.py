@@ -31,8 +31,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import asyncckpt._api.checkpointer
+import asyncckpt._versions.lease
 import asyncckpt._versions.reading
-import asyncckpt._versions.waiting
 from asyncckpt import Checkpointer
 from asyncckpt._storage import TEMP_MARK, AtomicWriter, resolve
 from asyncckpt._versions.protocol import read_commit, read_version_file
@@ -594,13 +594,13 @@ def _collective_load_beside_an_earlier_jobs_failure(
 
         ckpt._writer._recover = recover  # type: ignore[method-assign]
     else:
-        real_read = asyncckpt._versions.waiting.read_version_file
+        real_read = asyncckpt._versions.lease.read_version_file
 
         def read_version_file(*args: Any) -> Any:
             _signal(workdir, "rank1-polled")  # this rank's poll went past its FAILED check
             return real_read(*args)
 
-        asyncckpt._versions.waiting.read_version_file = read_version_file  # type: ignore[assignment]
+        asyncckpt._versions.lease.read_version_file = read_version_file  # type: ignore[assignment]
     ckpt.save(2, _rank_state(0, 2))
     got = ckpt.load()  # every rank gets step 2, or every rank raises
     assert (got["rank"], got["step"]) == (0, 2), got

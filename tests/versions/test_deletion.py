@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
+import asyncckpt._versions.lease
 import asyncckpt._versions.protocol
-import asyncckpt._versions.waiting
 import asyncckpt._versions.writing
 from asyncckpt import Checkpointer
 from asyncckpt._settings import Settings
@@ -480,13 +480,13 @@ def test_a_waiter_ignores_an_earlier_jobs_failed_marker_of_the_same_step(
     # wrote it late; or the new writer's recovery has not removed it yet).
     put(any_root, "2/FAILED", record(step=2, error="old disk full", writer="0ldj0b", epoch=1))
     polled = threading.Event()  # the waiter went past its FAILED check once
-    real = asyncckpt._versions.waiting.read_version_file
+    real = asyncckpt._versions.lease.read_version_file
 
     def read_version_file(*args: Any) -> Any:
         polled.set()
         return real(*args)
 
-    monkeypatch.setattr(asyncckpt._versions.waiting, "read_version_file", read_version_file)
+    monkeypatch.setattr(asyncckpt._versions.lease, "read_version_file", read_version_file)
     outcome: list[Any] = []
 
     def wait() -> None:

@@ -301,12 +301,12 @@ EVALUATOR_OF_STEP = (
     COMMON
     + """
 root, out, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
-from asyncckpt._versions import waiting
-real = waiting.read_version_file
+from asyncckpt._versions import lease
+real = lease.read_version_file
 def read_version_file(*args):
     open(out + ".polled", "w").close()  # it went past the FAILED check of a poll
     return real(*args)
-waiting.read_version_file = read_version_file  # what the wait polls
+lease.read_version_file = read_version_file  # what the wait polls
 try:
     got = Checkpointer(root).load(step=step, timeout=120)
     print("loaded", got["step"], got["who"], consistent(got))

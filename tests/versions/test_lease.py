@@ -1,4 +1,4 @@
-"""Waiting for a step (``asyncckpt/_versions/waiting.py``), in process on the fake clock:
+"""Waiting for a step (``asyncckpt/_versions/lease.py``), in process on the fake clock:
 a waiter never gives up on a writer that renews its lease, and gives up on one that stopped
 once its lease record has not changed for ``lease_expiry_ms`` on the waiter's own clock.
 The same across processes: ``tests/api/test_distributed.py`` (a writer rank SIGKILLed)."""
@@ -11,7 +11,7 @@ import pytest
 
 from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
-from asyncckpt._versions.waiting import wait_for_step
+from asyncckpt._versions.lease import wait_for_step
 from asyncckpt._versions.writing import RootWriter
 from asyncckpt.errors import CheckpointTimeoutError
 from tests.fake_clock import fake_clock
