@@ -1,7 +1,7 @@
 """The liveness kernel: small records rewritten as proof of life, judged stale on the
 reader's clock, waited on with backoff (docs/PROTOCOL.md, "The liveness kernel").
 
-The writer lease, the ranks' progress markers and the drop-in save markers say what their
+The writer lease, the ranks' progress records and the drop-in save markers say what their
 records hold; this module does the rest, once: one :class:`Clock` (injectable:
 :func:`use_clock`), one :class:`Heartbeat` thread per process renewing every :class:`Beat`
 when due, one stale rule (:class:`Staleness`) and one wait (:func:`poll`).

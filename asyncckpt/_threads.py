@@ -39,7 +39,7 @@ from asyncckpt import _cpu as cpu
 T = TypeVar("T")
 
 #: Pools that only ever run background writes; their callers give them ``writer_nice``.
-#: Readers ("read", "markers") serve a caller that is waiting, and heartbeats ("beats") must
+#: Readers ("read", "records") serve a caller that is waiting, and heartbeats ("beats") must
 #: keep their lease alive, so they keep the caller's priority.
 WRITER_POOLS: frozenset[str] = frozenset({"save", "encode"})
 

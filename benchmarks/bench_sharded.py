@@ -8,7 +8,7 @@ Two parts, one JSON (``bench_sharded.json``) and one figure (``bench_sharded.png
   :class:`~asyncckpt.testing.FaultPlan` per rank adds a per-request latency and limits
   the rank's bandwidth. The code is asyncckpt's own, called without a process group:
   every rank runs :meth:`asyncckpt._versions.ranks.RankJob.write` (heartbeat, atomic file write,
-  completion marker), and rank 0 runs :func:`asyncckpt._versions.publish.write_and_commit` on a
+  completion record), and rank 0 runs :func:`asyncckpt._versions.publish.write_and_commit` on a
   real :class:`~asyncckpt.Checkpointer` (its own file, polling for every marker, building
   ``.metadata``, the lease-fenced ``COMMIT``). Only the staging (``stage``) and the
   attempt token (normally broadcast once) are done by the script. Reported per rank
@@ -200,7 +200,7 @@ def simulate(
 
         def timed_write(snap: Any = None, rank: int = job.rank, real: Any = real_write) -> int:
             size: int = real(snap)
-            durable[rank] = time.perf_counter()  # file and completion marker written
+            durable[rank] = time.perf_counter()  # file and completion record written
             return size
 
         job.write = timed_write  # type: ignore[method-assign]

@@ -215,8 +215,8 @@ def _key_hint(obj: dict[Any, Any]) -> str:
 
 def _view_id(t: torch.Tensor) -> tuple[Any, ...]:
     """Equal for two tensors that are the same view of the same memory (tied weights)."""
-    storage = t.untyped_storage()
-    return (t.device, storage.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)
+    address = t.untyped_storage().data_ptr()
+    return (t.device, address, t.storage_offset(), t.shape, t.stride(), t.dtype)
 
 
 def untie(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -263,7 +263,7 @@ def _untie_plan(
     kept: dict[str, tuple[torch.Tensor, bool]] = {}
     aliases: dict[str, str] = {}
     first_of_view: dict[tuple[Any, ...], str] = {}
-    storages: set[tuple[Any, int]] = set()
+    memories: set[tuple[Any, int]] = set()
     for key, t in tensors.items():
         t = t.detach().cpu()
         if t.numel() == 0:  # no bytes: a fresh tensor shares nothing
@@ -274,9 +274,9 @@ def _untie_plan(
             aliases[key] = first_of_view[view]
             continue
         first_of_view[view] = key
-        storage = (t.device, t.untyped_storage().data_ptr())
-        shared = storage in storages
-        storages.add(storage)
+        memory = (t.device, t.untyped_storage().data_ptr())
+        shared = memory in memories
+        memories.add(memory)
         kept[key] = (t, shared or not t.is_contiguous())
     return kept, aliases
 

@@ -389,9 +389,9 @@ def _check_target(name: str, key: str, target: torch.Tensor, loaded: torch.Tenso
         )
 
 
-def _view(storage: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
-    t = empty_of(torch_dtype(entry.dtype), storage.device)
-    t.set_(storage.untyped_storage(), entry.offset, entry.shape, entry.stride)
+def _view(buffer: torch.Tensor, entry: TensorEntry) -> torch.Tensor:
+    t = empty_of(torch_dtype(entry.dtype), buffer.device)
+    t.set_(buffer.untyped_storage(), entry.offset, entry.shape, entry.stride)
     if entry.parameter:
         return torch.nn.Parameter(t, requires_grad=entry.requires_grad)
     return t.requires_grad_(True) if entry.requires_grad else t

@@ -189,8 +189,7 @@ def byte_view(data: torch.Tensor) -> memoryview:
 
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of all of ``t``'s storage, on ``t``'s device."""
-    storage = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
 
 class DeviceCopies:
@@ -378,12 +377,12 @@ def _regions(tensors: list[torch.Tensor]) -> tuple[list[_Source], list[tuple[int
     spans: dict[tuple[str, int, int], _Span] = {}
     empty: list[int] = []
     for i, t in enumerate(tensors):
-        storage = t.untyped_storage()
-        if not storage.nbytes():
+        memory = t.untyped_storage()
+        if not memory.nbytes():
             empty.append(i)  # no address to compare; each stands alone
             continue
-        start = storage.data_ptr()
-        ident = (str(cuda().device_of(t)), start, start + storage.nbytes())
+        start = memory.data_ptr()
+        ident = (str(cuda().device_of(t)), start, start + memory.nbytes())
         if ident not in spans:
             spans[ident] = _Span(*ident, _storage_bytes(t), [])
         spans[ident].tensors.append(i)

@@ -18,7 +18,7 @@ Per-file ``autocommit=False`` is used rather than ``fs.transaction``: a transact
 flag on the filesystem *instance*, which fsspec caches and shares between threads, so it
 would also defer the writes (and hide the files) of every other thread using it.
 
-:meth:`FsspecStorage.create_exclusive` (the commit marker) is a conditional write,
+:meth:`FsspecStorage.create_exclusive` (the commit record) is a conditional write,
 ``fs.pipe_file(path, data, mode="create")``, where the filesystem implements that mode
 (gcsfs sends ``ifGenerationMatch=0``: exactly one of two racing writers succeeds, the other
 gets ``FileExistsError`` from the 412). Where it does not (fsspec's generic implementation

@@ -57,9 +57,9 @@ class ObjectClient(Protocol):
 
 def is_object_store(fs: Any) -> bool:
     """Whether ``fs`` is (or wraps, like ``faulty::s3``) an S3-API object store."""
-    marker = getattr(fs, "wraps_object_store", None)
-    if marker is not None:
-        return bool(marker)
+    wraps = getattr(fs, "wraps_object_store", None)
+    if wraps is not None:
+        return bool(wraps)
     protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
     return bool(protocols & OBJECT_STORE_PROTOCOLS) and callable(getattr(fs, "call_s3", None))
 

@@ -9,8 +9,8 @@ Layout of a checkpoint root (specified, with its guarantees, in ``docs/PROTOCOL.
     ROOT/<step>/r00000-<token>.metadata  sharded versions only: DCP-style JSON index of the
                                        shards, named by the save's attempt (older roots:
                                        ``.metadata``); ``COMMIT`` names it
-    ROOT/<step>/r00000-<token>.done    sharded versions only: rank 0's completion marker
-    ROOT/<step>/COMMIT                 commit marker: names the data files and their sizes
+    ROOT/<step>/r00000-<token>.done    sharded versions only: rank 0's completion record
+    ROOT/<step>/COMMIT                 commit record: names the data files and their sizes
     ROOT/<step>/FAILED                 written (best effort) when an uncommitted save failed;
                                        it records the writer and epoch of that attempt
 
@@ -221,7 +221,7 @@ def encode_record(doc: dict[str, Any]) -> bytes:
     return json.dumps({"protocol": PROTOCOL_VERSION, **doc, "time": now}).encode()
 
 
-# -- commit markers ---------------------------------------------------------------------------
+# -- commit records ---------------------------------------------------------------------------
 
 
 def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
@@ -249,7 +249,7 @@ def commit_from(doc: dict[str, Any], step: int, where: str) -> CommitRecord:
         and type(epoch) is int
     )
     if not valid:
-        raise UnreadableRecordError(f"{where}: malformed commit marker")
+        raise UnreadableRecordError(f"{where}: malformed commit record")
     try:
         metrics = check_metrics(doc.get("metrics", {}), f"{where}: metrics")
     except InvalidMetricsError as exc:
@@ -277,13 +277,13 @@ def _check_file_names(files: list[Any], step: int, where: str) -> None:
         problem = bad_file_name(name) if isinstance(name, str) else "not a string"
         if problem is not None:
             raise UnreadableRecordError(
-                f"{where}: the commit marker of step {step} names the file {name!r}, which "
+                f"{where}: the commit record of step {step} names the file {name!r}, which "
                 f"is not a valid file name ({problem})"
             )
 
 
 def read_commit_strict(storage: Storage, root: str, step: int) -> CommitRecord | None:
-    """The commit marker of ``step``, or None if there is none.
+    """The commit record of ``step``, or None if there is none.
 
     Raises:
         UnreadableRecordError: a marker exists but cannot be understood.
@@ -294,16 +294,16 @@ def read_commit_strict(storage: Storage, root: str, step: int) -> CommitRecord |
 
 
 def read_commit(storage: Storage, root: str, step: int) -> CommitRecord | None:
-    """The commit marker of ``step`` if it exists and is understood, else None (readers)."""
+    """The commit record of ``step`` if it exists and is understood, else None (readers)."""
     try:
         return read_commit_strict(storage, root, step)
     except FormatError as exc:  # unreadable, or oversized
-        log.warning("ignoring commit marker: %s", exc)
+        log.warning("ignoring commit record: %s", exc)
         return None
 
 
 def create_commit(storage: Storage, root: str, record: CommitRecord) -> None:
-    """Create ``step``'s commit marker; the version exists for readers from then on.
+    """Create ``step``'s commit record; the version exists for readers from then on.
 
     Raises:
         ConflictError: a marker already exists (this writer's own, or another's).
@@ -348,7 +348,7 @@ def verify_commit(storage: Storage, root: str, record: CommitRecord) -> str | No
     return None
 
 
-# -- failure markers --------------------------------------------------------------------------
+# -- failure records --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -397,7 +397,7 @@ def read_failure(storage: Storage, root: str, step: int) -> FailureRecord | None
     try:
         doc = read_record(storage, storage.join(step_dir(storage, root, step), FAILED_FILE))
     except FormatError:
-        return FailureRecord(step, "unknown error (damaged FAILED marker)")
+        return FailureRecord(step, "unknown error (damaged FAILED record)")
     if doc is None:
         return None
     writer, epoch = doc.get("writer", ""), doc.get("epoch", 0)
@@ -482,14 +482,14 @@ def step_dirs(storage: Storage, root: str) -> list[int]:
 
 
 def committed_steps(storage: Storage, root: str) -> list[int]:
-    """Steps with an understood commit marker, ascending."""
+    """Steps with an understood commit record, ascending."""
     return [s for s in step_dirs(storage, root) if read_commit(storage, root, s) is not None]
 
 
 def latest_step(storage: Storage, root: str) -> int | None:
     """The newest step a reader may load.
 
-    The version file's step, unless a newer commit marker exists whose files verify (a
+    The version file's step, unless a newer commit record exists whose files verify (a
     writer that crashed, or whose version-file write failed, after its ``COMMIT``): then that
     one. None when nothing is committed.
     """
@@ -518,7 +518,7 @@ class StepEntry:
 
     Attributes:
         step: the step.
-        state: :data:`COMMITTED` (a commit marker this asyncckpt understands),
+        state: :data:`COMMITTED` (a commit record this asyncckpt understands),
             :data:`UNCOMMITTED` (none: a save in progress, failed or interrupted) or
             :data:`UNREADABLE` (a marker it cannot understand: damaged, or from a newer
             protocol; it may be a version, so nothing ever deletes it).
@@ -573,7 +573,7 @@ def newest_good(storage: Storage, root: str, entries: list[StepEntry]) -> int | 
 
 
 def delete_version(storage: Storage, root: str, step: int) -> None:
-    """Remove a version: the commit marker first, so readers stop seeing it at once.
+    """Remove a version: the commit record first, so readers stop seeing it at once.
 
     A step directory that is a symbolic link is removed as a link (which makes it vanish for
     readers at once too): never what it points to, which may be another run's version.

@@ -5,7 +5,7 @@ into host memory, pipelined with the write) -> each rank writes its file -> the 
 commits once every rank's file is durable. A plain version is the case of one rank with
 nothing to wait for. What differs between the two is a :class:`RankPart`: how this rank's
 file is written, and what the writer gathers from the other ranks before the commit
-(nothing for a plain version; their completion markers and the version's index for a
+(nothing for a plain version; their completion records and the version's index for a
 sharded one, see :mod:`asyncckpt._api.sharded_save`). The rest exists once, here: the
 writer lease, racer detection, clean-up after a failed copy, the ``FAILED`` marker,
 fencing and retention.
@@ -105,7 +105,7 @@ def write_and_commit(
         Exception: the write or commit failed (``step`` is then marked ``FAILED``); or the
             copy failed (then the step's directory is removed if empty).
     """
-    started = liveness.clock().now()  # the other ranks' markers are awaited from here
+    started = liveness.clock().now()  # the other ranks' records are awaited from here
     step = part.step
     try:
         # First save only; before writing, since it cleans up. If it fails, this is not the

@@ -1,4 +1,4 @@
-"""A sharded version's ranks: each writes its file and markers; the writer waits for all.
+"""A sharded version's ranks: each writes its file and records; the writer waits for all.
 
 Every rank writes one file in the background (:class:`RankJob`, the sharded
 :class:`~asyncckpt._versions.publish.RankPart`); the writer rank commits once every rank's
@@ -8,8 +8,8 @@ file is durable, with no collective during the write. A sharded step directory::
                                               replaced by their local shard (None where
                                               another rank stores that replicated piece)
     ROOT/<step>/r<rank:05d>-<attempt>.beat    the rank's progress while it writes
-    ROOT/<step>/r<rank:05d>-<attempt>.done    its completion marker: file, size, pieces
-    ROOT/<step>/r<rank:05d>-<attempt>.failed  or its failure marker
+    ROOT/<step>/r<rank:05d>-<attempt>.done    its completion record: file, size, pieces
+    ROOT/<step>/r<rank:05d>-<attempt>.failed  or its failure record
     ROOT/<step>/r<writer:05d>-<attempt>.metadata  DCP-style JSON index of every piece
     ROOT/<step>/COMMIT                        names every rank file and the metadata
 
@@ -73,16 +73,16 @@ log = logging.getLogger(__name__)
 DONE: Final = ".done"
 FAILED: Final = ".failed"
 BEAT: Final = ".beat"
-#: Threads that read rank markers in parallel on the writer rank.
-_MARKER_READERS: Final = 16
+#: Threads that read rank records in parallel on the writer rank.
+_RECORD_READERS: Final = 16
 #: The DCP metadata version recorded (the one DCP's FileSystemWriter writes).
 _DCP_VERSION: Final = "1.0.0"
 _MAX_POLL_S: Final = 0.25  # one listing per poll: cheap, and it bounds the commit's delay
-_SILENT: Final = b""  # what a rank's progress record holds before its first marker
+_SILENT: Final = b""  # what a rank's progress record holds before its first record
 Path = tuple[str | int, ...]
 
 
-# ------------------------------------------------------------------ pieces and markers
+# ------------------------------------------------------------------ pieces and records
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,12 @@ class Piece:
     nbytes: int
 
     def to_json(self) -> dict[str, Any]:
-        """The piece as a JSON object (in a ``.done`` marker)."""
+        """The piece as a JSON object (in a ``.done`` record)."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(self).items()}
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> Piece:
-        """Parse and check one piece of a marker.
+        """Parse and check one piece of a record.
 
         Raises:
             FormatError: a field is missing, of the wrong type or out of range.
@@ -157,8 +157,8 @@ def _dims(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class RankMarker:
-    """A rank's completion marker: its data ``file`` (``size`` bytes) is durable and
+class RankDone:
+    """A rank's completion record: its data ``file`` (``size`` bytes) is durable and
     holds ``pieces``, the DTensor chunks it stores (``rank`` is in the Checkpointer's
     group)."""
 
@@ -168,7 +168,7 @@ class RankMarker:
     pieces: tuple[Piece, ...] = field(default_factory=tuple)
 
     def encode(self, step: int, attempt: str) -> bytes:
-        """The marker's bytes (a protocol record)."""
+        """The record as bytes (:func:`~asyncckpt._versions.protocol.encode_record`)."""
         doc = {
             "kind": "rank-done",
             "step": step,
@@ -181,8 +181,8 @@ class RankMarker:
         return encode_record(doc)
 
     @classmethod
-    def decode(cls, raw: bytes, where: str, step: int, attempt: str, rank: int) -> RankMarker:
-        """Parse and check a completion marker.
+    def decode(cls, raw: bytes, where: str, step: int, attempt: str, rank: int) -> RankDone:
+        """Parse and check a completion record.
 
         Raises:
             FormatError: malformed, or written for another step, attempt or rank.
@@ -197,15 +197,15 @@ class RankMarker:
             or size < 0
             or not isinstance(pieces, list)
         ):
-            raise FormatError(f"{where}: not the completion marker of rank {rank}'s save")
+            raise FormatError(f"{where}: not the completion record of rank {rank}'s save")
         return cls(rank, file, size, tuple(Piece.from_json(p, where) for p in pieces))
 
 
-def marker_name(rank: int, attempt: str, suffix: str) -> str:
-    """The name of a rank's marker of one attempt (suffix :data:`DONE`, ``FAILED``, ``BEAT``).
+def record_name(rank: int, attempt: str, suffix: str) -> str:
+    """The name of a rank's record of one attempt (suffix :data:`DONE`, ``FAILED``, ``BEAT``).
 
     Example:
-        >>> marker_name(3, "ab" * 16, DONE)
+        >>> record_name(3, "ab" * 16, DONE)
         'r00003-abababababababababababababababab.done'
     """
     return data_file_name(rank, attempt).removesuffix(".ackpt") + suffix
@@ -228,17 +228,17 @@ class RankJob:
     snap: Snapshot | None
     pieces: list[Piece]
     options: WriteOptions
-    #: The tunables of the save (its ``Checkpointer``'s): the marker's renewal and expiry.
+    #: The tunables of the save (its ``Checkpointer``'s): the record's renewal and expiry.
     settings: Settings
-    #: The rank's progress marker, renewed by ``save`` from before the copy (or by
+    #: The rank's progress record, renewed by ``save`` from before the copy (or by
     #: :meth:`write`) until its file is written, so the writer rank can tell a slow rank
     #: from a dead one.
     beat: liveness.Beat | None = None
-    #: Seconds the writer rank waits for every completion marker (the group's timeout).
+    #: Seconds the writer rank waits for every completion record (the group's timeout).
     timeout: float = 1800.0
 
     def start_beat(self) -> None:
-        """Start this rank's progress marker: from here it is alive to the writer rank,
+        """Start this rank's progress record: from here it is alive to the writer rank,
         whatever delays its write (a long copy, an arena held by its previous save). The
         process's heartbeat writes it at once, then every ``lease_renew_ms``."""
         storage, path, rank, count = self.storage, self.path(BEAT), self.rank, itertools.count()
@@ -247,32 +247,32 @@ class RankJob:
             beat = {"kind": "rank-beat", "rank": rank, "beat": next(count)}
             storage.write_bytes(path, encode_record(beat))
 
-        name = f"rank {rank}'s progress marker {storage.describe(path)}"
+        name = f"rank {rank}'s progress record {storage.describe(path)}"
         period = self.settings.lease_renew_ms / 1000
         self.beat = liveness.heartbeat().add(name, period, renew, at_once=True)
 
     def copy_failed(self, exc: BaseException) -> None:
-        """The copy failed: tell the writer rank at once (a ``.failed`` marker)."""
+        """The copy failed: tell the writer rank at once (a ``.failed`` record)."""
         if self.beat is not None:
             self.beat.stop()
         self._mark_failed(exc)
 
     def refused(self) -> None:
-        """The writer lease was refused: remove the progress marker (best effort)."""
+        """The writer lease was refused: remove the progress record (best effort)."""
         if self.beat is not None:
             self.beat.stop()
             with contextlib.suppress(AsyncCkptError):
                 self.storage.delete(self.path(BEAT))
 
     def gather(self, writer: RootWriter, size: int, started: float) -> Gathered:
-        """Every rank's completion marker, then the version's metadata (fenced first)."""
-        markers = await_markers(self, self.timeout, started)
-        body = metadata_bytes(markers, self.attempt, self.storage.describe(self.directory))
-        ordered = [markers[r] for r in sorted(markers)]
+        """Every rank's completion record, then the version's metadata (fenced first)."""
+        records = await_ranks(self, self.timeout, started)
+        body = metadata_bytes(records, self.attempt, self.storage.describe(self.directory))
+        ordered = [records[r] for r in sorted(records)]
         metadata = metadata_file_name(self.rank, self.attempt)
         files = (*(m.file for m in ordered), metadata)
         sizes = (*(m.size for m in ordered), len(body))
-        keep = tuple(marker_name(m.rank, self.attempt, DONE) for m in ordered)
+        keep = tuple(record_name(m.rank, self.attempt, DONE) for m in ordered)
         # Right before the metadata lands: a writer that lost the lease (frozen while the
         # ranks wrote) writes nothing more there, and removes only its attempt's files.
         writer.fence(self.step, (*files[:-1], *keep))
@@ -290,14 +290,14 @@ class RankJob:
         return self.path(".ackpt")
 
     def path(self, suffix: str, rank: int | None = None) -> str:
-        """The path of a rank's data file (``".ackpt"``) or marker of this attempt."""
-        name = marker_name(self.rank if rank is None else rank, self.attempt, suffix)
+        """The path of a rank's data file (``".ackpt"``) or record of this attempt."""
+        name = record_name(self.rank if rank is None else rank, self.attempt, suffix)
         return self.storage.join(self.directory, name)
 
     def write(self, snap: Snapshot | None = None) -> int:
-        """Write this rank's file, then its completion marker; return the file's size.
+        """Write this rank's file, then its completion record; return the file's size.
 
-        A failure leaves a ``.failed`` marker (best effort), so the writer rank stops
+        A failure leaves a ``.failed`` record (best effort), so the writer rank stops
         waiting for this rank at once.
         """
         if self.beat is None:
@@ -307,7 +307,7 @@ class RankJob:
         assert snap is not None, "a job is written once its state is staged"
         try:
             try:
-                self.beat.wait_first()  # so the marker is there before any data
+                self.beat.wait_first()  # so the record is there before any data
                 size = writer_process.write(snap, self.storage, self.data_path, self.options)
             finally:
                 self.beat.stop()
@@ -315,8 +315,8 @@ class RankJob:
             # which the save's job runtime frees once the copy has ended.
             snap.lease.release()
             name = data_file_name(self.rank, self.attempt)
-            marker = RankMarker(self.rank, name, size, tuple(self.pieces))
-            self.storage.write_bytes(self.path(DONE), marker.encode(self.step, self.attempt))
+            record = RankDone(self.rank, name, size, tuple(self.pieces))
+            self.storage.write_bytes(self.path(DONE), record.encode(self.step, self.attempt))
             # Each rank removes its own progress file, in parallel with the others, instead
             # of the writer sweeping world of them one by one after the commit.
             with contextlib.suppress(AsyncCkptError):
@@ -338,29 +338,27 @@ class RankJob:
 # ------------------------------------------------------------------ the writer's commit
 
 
-def await_markers(
-    job: RankJob, timeout: float, started: float | None = None
-) -> dict[int, RankMarker]:
-    """Poll the step directory until every rank's completion marker is there; return
-    ``{rank: marker}`` for every rank of the group.
+def await_ranks(job: RankJob, timeout: float, started: float | None = None) -> dict[int, RankDone]:
+    """Poll the step directory until every rank's completion record is there; return
+    ``{rank: record}`` for every rank of the group.
 
     ``job`` is the writer rank's job of the save; ``timeout`` the seconds to wait at most
-    for every completion marker (the group's timeout); ``started`` the time
+    for every completion record (the group's timeout); ``started`` the time
     (``liveness.clock().now()``) when the writer started this save's job (default: now): a
-    rank without any marker ``lease_expiry_ms`` after it is given up.
+    rank without any record ``lease_expiry_ms`` after it is given up.
 
     Raises:
         IncompleteCheckpointError: a rank recorded that its write failed.
-        CheckpointTimeoutError: a rank wrote no marker at all within ``lease_expiry_ms``
+        CheckpointTimeoutError: a rank wrote no record at all within ``lease_expiry_ms``
             of ``started`` (it died before its save, or never called it), a rank's
-            progress marker stopped changing for ``lease_expiry_ms`` (it died or froze),
-            or some rank wrote no completion marker within ``timeout`` seconds.
-        FormatError: a marker cannot be understood.
+            progress record stopped changing for ``lease_expiry_ms`` (it died or froze),
+            or some rank wrote no completion record within ``timeout`` seconds.
+        FormatError: a record cannot be understood.
     """
     watch = _ProgressWatch(job, liveness.clock().now() if started is None else started)
     missing: list[int] = []
 
-    def attempt() -> dict[int, RankMarker] | None:
+    def attempt() -> dict[int, RankDone] | None:
         missing[:] = watch.check(set(job.storage.list_dir(job.directory)))
         return None if missing else watch.found
 
@@ -368,7 +366,7 @@ def await_markers(
         shown = ", ".join(str(r) for r in missing[:10])
         return CheckpointTimeoutError(
             f"step {job.step} under {job.storage.describe(job.root)}: rank(s) {shown} "
-            f"wrote no completion marker within {timeout:.0f} s; not committing it"
+            f"wrote no completion record within {timeout:.0f} s; not committing it"
         )
 
     return liveness.poll(
@@ -377,13 +375,13 @@ def await_markers(
 
 
 class _ProgressWatch:
-    """Every rank's markers of one attempt, as seen by the writer's polls."""
+    """Every rank's records of one attempt, as seen by the writer's polls."""
 
     def __init__(self, job: RankJob, started: float) -> None:
         self.job = job
         self.started = started
         self.expiry_s = job.settings.lease_expiry_ms / 1000
-        self.found: dict[int, RankMarker] = {}
+        self.found: dict[int, RankDone] = {}
         self.beats = liveness.Staleness(self.expiry_s)
         # Progress files change every lease_renew_ms; reading all of them on every poll
         # would cost world requests per poll, so they are read once per renewal period.
@@ -393,7 +391,7 @@ class _ProgressWatch:
     def check(self, names: set[str]) -> list[int]:
         """Take in what a listing shows; return the ranks still missing.
 
-        The markers a listing reveals are read in parallel: with many ranks finishing at
+        The records a listing reveals are read in parallel: with many ranks finishing at
         once, reading them one request at a time would put world x latency between the
         last rank's write and the commit.
         """
@@ -402,28 +400,28 @@ class _ProgressWatch:
         for rank in range(job.world):
             if rank in self.found:
                 continue
-            if marker_name(rank, job.attempt, FAILED) in names:
+            if record_name(rank, job.attempt, FAILED) in names:
                 raise IncompleteCheckpointError(
                     f"step {job.step} under {job.storage.describe(job.root)}: rank {rank} "
                     f"failed to write its part: {self._error(rank)}"
                 )
-            if marker_name(rank, job.attempt, DONE) in names:
+            if record_name(rank, job.attempt, DONE) in names:
                 done.append(rank)
-            elif marker_name(rank, job.attempt, BEAT) in names:
+            elif record_name(rank, job.attempt, BEAT) in names:
                 writing.append(rank)
             elif self.beats.seen(rank) in (None, _SILENT):
                 silent.append(rank)
         self._check_silent(silent)
-        readers = pool("markers", _MARKER_READERS)
-        markers = [readers.submit(self._read_done, rank) for rank in done]
+        readers = pool("records", _RECORD_READERS)
+        records = [readers.submit(self._read_done, rank) for rank in done]
         now = liveness.clock().now()
         if now - self.beats_read_at < self.beat_every_s:
             writing = []
         else:
             self.beats_read_at = now
         beats = [readers.submit(self._read_beat, rank) for rank in writing]
-        for rank, marker in zip(done, markers):
-            self.found[rank] = marker.result()
+        for rank, record in zip(done, records):
+            self.found[rank] = record.result()
         for rank, beat in (future.result() for future in beats):
             stale = None if beat is None else self.beats.stale_for(rank, beat)
             if stale is not None:  # None: removed since the listing (the rank finished)
@@ -435,7 +433,7 @@ class _ProgressWatch:
         return [r for r in range(job.world) if r not in self.found]
 
     def _check_silent(self, silent: list[int]) -> None:
-        """Give up on ranks that wrote no marker at all: their record is "none yet" since
+        """Give up on ranks that wrote no record at all: their record is "none yet" since
         the writer's job for this save started, stale after ``lease_expiry_ms`` as any
         (why that start: docs/PROTOCOL.md §6b, "When a rank counts as dead")."""
         since = self.started
@@ -452,11 +450,11 @@ class _ProgressWatch:
             "not committing the step"
         )
 
-    def _read_done(self, rank: int) -> RankMarker:
+    def _read_done(self, rank: int) -> RankDone:
         job = self.job
         path = job.path(DONE, rank)
         raw = job.storage.read_bytes(path, MAX_METADATA_BYTES)
-        return RankMarker.decode(raw, job.storage.describe(path), job.step, job.attempt, rank)
+        return RankDone.decode(raw, job.storage.describe(path), job.step, job.attempt, rank)
 
     def _read_beat(self, rank: int) -> tuple[int, bytes | None]:
         try:
@@ -467,11 +465,11 @@ class _ProgressWatch:
     def _error(self, rank: int) -> str:
         with contextlib.suppress(AsyncCkptError, ValueError):
             raw = self.job.storage.read_bytes(self.job.path(FAILED, rank), MAX_METADATA_BYTES)
-            return str(decode_record(raw, "marker").get("error", "unknown error"))
+            return str(decode_record(raw, "record").get("error", "unknown error"))
         return "unknown error"
 
 
-def metadata_bytes(markers: dict[int, RankMarker], attempt: str, where: str) -> bytes:
+def metadata_bytes(records: dict[int, RankDone], attempt: str, where: str) -> bytes:
     """DCP's metadata for every rank's pieces, as ``asyncckpt.dcp``'s JSON.
 
     Raises:
@@ -481,9 +479,9 @@ def metadata_bytes(markers: dict[int, RankMarker], attempt: str, where: str) -> 
     tensors: dict[str, TensorStorageMetadata] = {}
     locations: dict[MetadataIndex, ItemLocation] = {}
     paths: dict[str, Path] = {}
-    for rank in sorted(markers):
-        marker = markers[rank]
-        for piece in marker.pieces:
+    for rank in sorted(records):
+        record = records[rank]
+        for piece in record.pieces:
             dtype = torch_dtype(piece.dtype)
             described = tensors.setdefault(
                 piece.fqn,
@@ -498,7 +496,7 @@ def metadata_bytes(markers: dict[int, RankMarker], attempt: str, where: str) -> 
             index = MetadataIndex(piece.fqn, piece.offsets)
             if index in locations:
                 raise FormatError(f"{where}: {piece.fqn!r} at {piece.offsets} is stored twice")
-            locations[index] = ItemLocation(marker.file, marker.size, piece.entry, piece.nbytes)
+            locations[index] = ItemLocation(record.file, record.size, piece.entry, piece.nbytes)
     metadata = Metadata(
         state_dict_metadata=dict(tensors),
         planner_data=dict(paths),

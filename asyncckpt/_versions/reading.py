@@ -99,7 +99,7 @@ class RootReader:
         return committed_steps(self.storage, self.root)
 
     def commit_of(self, step: int) -> CommitRecord | None:
-        """The commit marker of ``step`` if it is committed (and understood), else None."""
+        """The commit record of ``step`` if it is committed (and understood), else None."""
         return read_commit(self.storage, self.root, step)
 
     def wait(

@@ -5,7 +5,7 @@ increase, so the newer versions must go first. Only the writer lease holder may 
 and each deletion and the final move of the version file are fenced like a commit: a
 writer that another job took the root from changes nothing more.
 
-Order (docs/PROTOCOL.md §5): newer steps are deleted newest first, each commit marker
+Order (docs/PROTOCOL.md §5): newer steps are deleted newest first, each commit record
 before its data (:func:`~asyncckpt._versions.protocol.delete_version`), so at every moment
 readers' newest version (:func:`~asyncckpt._versions.protocol.latest_step` falls back to the
 newest verified marker when the version file names a deleted step) is a whole one; then the

@@ -8,10 +8,11 @@ another job has taken the root from (a frozen or restarted predecessor) fails wi
 :class:`~asyncckpt.errors.ConflictError` and changes nothing readers see.
 
 What a writer deletes follows two rules (``docs/PROTOCOL.md`` §5): anything another writer
-may own (old versions, leftovers, temp files, lease records, markers) only while it holds
-the lease, checked right before (:meth:`RootWriter.holds_lease`), and only what
-:func:`~asyncckpt._versions.retention.deletion_plan` allows; and, at any time, the files of its own
-save attempt, which are named by that attempt so no other writer can have written them.
+may own (old versions, leftovers, temp files, lease records, rank and ``FAILED`` records)
+only while it holds the lease, checked right before (:meth:`RootWriter.holds_lease`), and
+only what :func:`~asyncckpt._versions.retention.deletion_plan` allows; and, at any time,
+the files of its own save attempt, which are named by that attempt so no other writer can
+have written them.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Gathered:
     (a sharded version: one data file per rank, then its metadata), each file's size as
     written, the version's kind (``SINGLE`` or ``SHARDED``, recorded in ``COMMIT``), and
     the other files of the save that the commit's sweep must leave (a sharded version's
-    per-rank completion markers)."""
+    per-rank completion records)."""
 
     files: tuple[str, ...]
     sizes: tuple[int, ...]
@@ -265,7 +266,7 @@ class RootWriter:
         """Whether this writer still holds the root's lease, as the version file says now.
 
         Checked right before every deletion of something another writer may own, and
-        before every marker written under a step: a writer another job took the root from
+        before every record written under a step: a writer another job took the root from
         deletes nothing of it. A read that fails counts as no.
         """
         return self._lease_held() is True
@@ -292,7 +293,7 @@ class RootWriter:
         every committed version kept): steps only increase, so those can never be
         committed. A newer one may be the save in flight of the writer this one just
         fenced, or of a writer racing it for the same step; removing its data could leave
-        that writer's commit marker naming nothing. Retention removes such steps once a
+        that writer's commit record naming nothing. Retention removes such steps once a
         newer version is committed, and a commit sweeps foreign files out of its own step
         directory. Their ``FAILED`` markers go now: they tell of an earlier job's attempt,
         and this writer may save the same step again.
@@ -329,8 +330,8 @@ class RootWriter:
             failure = read_failure(storage, self.root, entry.step)
             assert self.epoch is not None
             stale = failure is not None and failure.epoch < self.epoch
-            if stale and self._may_delete(f"the FAILED marker of step {entry.step}"):
-                log.info("removing step %d's FAILED marker of an earlier epoch", entry.step)
+            if stale and self._may_delete(f"the FAILED record of step {entry.step}"):
+                log.info("removing step %d's FAILED record of an earlier epoch", entry.step)
                 storage.delete(storage.join(directory, FAILED_FILE))
 
     def _remove_temps(self, directory: str, what: str) -> None:

@@ -518,7 +518,7 @@ class DataRef:
 
 
 def manifest_tree(opened: OpenedFile) -> Any:
-    """The saved object with :class:`DataRef` markers in place of tensors and arrays.
+    """The saved object with :class:`DataRef` placeholders in place of tensors and arrays.
 
     Raises:
         FormatError: the tree in the manifest is not valid.

@@ -93,9 +93,9 @@ def describe(exc: BaseException) -> str:
 
 def _describe_unpickling(exc: pickle.UnpicklingError) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    marker = "WeightsUnpickler error:"
-    at = next((i for i, ln in enumerate(lines) if marker in ln), len(lines) - 1)
-    detail = lines[at].split(marker)[-1].strip() if lines else ""
+    anchor = "WeightsUnpickler error:"
+    at = next((i for i, ln in enumerate(lines) if anchor in ln), len(lines) - 1)
+    detail = lines[at].split(anchor)[-1].strip() if lines else ""
     if not detail and at + 1 < len(lines):
         detail = lines[at + 1]
     # torch goes on to suggest allowlisting the class "if you trust" it: the CLI does not

@@ -2,9 +2,9 @@
 
 Covers the contract of issue 3 that does not need several ranks: round trips over many
 steps, step validation and conflicts, keep-last-N retention, clean-up of leftovers, reopening
-a root (roll-forward after a crash between the commit marker and the version file), damaged
-version files and commit markers, waiting for a step, two writers on one root, failed writes
-(FAILED marker), loads racing with retention, the context manager and non-writer ranks.
+a root (roll-forward after a crash between the commit record and the version file), damaged
+version files and commit records, waiting for a step, two writers on one root, failed writes
+(FAILED record), loads racing with retention, the context manager and non-writer ranks.
 Runs on every backend of the ``any_root`` fixture where that makes sense.
 
 Readers are ``Checkpointer(root, writer_rank=1)``: without a process group this process is
@@ -499,7 +499,7 @@ def test_roll_forward_when_version_file_lags(any_root: str, how: str) -> None:
         write_version_file(storage, base, VersionRecord(2, "crashed-job"))
     else:
         remove(any_root, "VERSION")
-    # readers fall back to the newest commit marker whose data verifies
+    # readers fall back to the newest commit record whose data verifies
     assert reader(any_root).latest() == 3
     assert_state(reader(any_root).load(), 3)
     with Checkpointer(any_root) as ckpt:
@@ -847,7 +847,7 @@ def test_two_writers_racing_on_one_step(
     assert other.versions() == [5]
     assert_state(other.load(), 5)
     assert_state(other.load(step=5, timeout=5), 5)
-    # The loser removed its own data file and left no FAILED marker in the winner's version.
+    # The loser removed its own data file and left no FAILED record in the winner's version.
     assert sorted(n for n in files(any_root) if n.startswith("5/")) == [
         "5/COMMIT",
         f"5/{data_file_name(0, first._token)}",
@@ -895,7 +895,7 @@ def test_failed_save_leaves_previous_version(
 
     def create_exclusive(path: str, data: bytes) -> None:
         if where == "commit-marker":
-            raise OSError(5, "injected: cannot create the commit marker")
+            raise OSError(5, "injected: cannot create the commit record")
         real_create(path, data)
 
     monkeypatch.setattr(storage, "open_atomic", open_atomic)
@@ -1032,7 +1032,7 @@ def test_close_raises_a_failed_pending_save(any_root: str, monkeypatch: pytest.M
     ckpt = Checkpointer(any_root)
 
     def create_exclusive(path: str, data: bytes) -> None:
-        raise OSError(5, "injected: commit marker")
+        raise OSError(5, "injected: commit record")
 
     monkeypatch.setattr(ckpt._storage, "create_exclusive", create_exclusive)
     ckpt.save(1, make_state(1))

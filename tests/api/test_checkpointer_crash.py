@@ -10,7 +10,7 @@ fresh Checkpointer finds under the root:
   previous trial, and ``load()`` returns that step's state bit for bit (every committed
   version too);
 * leftovers are gone after the writer's recovery: no temp files at the root, no step
-  directory without a valid commit marker, and the version file names the newest version;
+  directory without a valid commit record, and the version file names the newest version;
 * the next run (the next trial's writer) continues from there with newer steps, and a last
   run that is not killed finishes with exactly the two newest versions and nothing else.
 """
@@ -93,7 +93,7 @@ def install_crash_point(ckpt: Checkpointer, point: str, at: int) -> None:
         return new_tag
 
     def delete_tree(path: str) -> None:
-        # retention removes a version's commit marker first, then its directory
+        # retention removes a version's commit record first, then its directory
         if point == "mid-retention" and committed:
             _kill_self()
         real_delete_tree(path)

@@ -580,7 +580,7 @@ def test_collective_load_gives_up_when_the_writer_is_killed_mid_save(tmp_path: P
 def _collective_load_beside_an_earlier_jobs_failure(
     rank: int, world: int, store: Any, workdir: Path
 ) -> None:
-    """A restarted job saves step 2 again and loads it collectively, while the FAILED marker
+    """A restarted job saves step 2 again and loads it collectively, while the FAILED record
     of the earlier job's save of step 2 is still in the step directory."""
     import asyncckpt._versions.protocol
 

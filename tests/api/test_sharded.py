@@ -3,7 +3,7 @@
 * 4 ranks save an FSDP2 model + Adam state, a replicated DTensor, a DTensor replicated on
   one dimension of a 2-D mesh, and per-rank plain values (an RNG state, an int, a tensor);
   they load it back on 4 ranks, bit for bit, each rank getting its own plain values;
-* the version's layout: a file per rank, a completion marker per rank, the metadata, a
+* the version's layout: a file per rank, a completion record per rank, the metadata, a
   ``COMMIT`` of kind ``sharded`` naming them; replicated pieces stored once;
 * resharding: the 4-rank version loaded on 2 ranks; a 2-rank version on 3 ranks (the third
   rank gets rank 0's plain values); in one process without a group, as the full state;
@@ -49,7 +49,7 @@ from asyncckpt._versions.protocol import (
     commit_from,
     read_commit,
 )
-from asyncckpt._versions.ranks import Piece, RankMarker, metadata_bytes
+from asyncckpt._versions.ranks import Piece, RankDone, metadata_bytes
 from asyncckpt.errors import (
     CheckpointTimeoutError,
     ChecksumError,
@@ -211,7 +211,7 @@ def test_four_ranks_round_trip_bit_exact_with_per_rank_plain_values(four: Path) 
     assert list(commit.files) == [*files, metadata] and len(files) == 4
     assert [f[:6] for f in files] == ["r00000", "r00001", "r00002", "r00003"]
     assert list(commit.sizes) == [(step / f).stat().st_size for f in commit.files]
-    assert len(_rank_files(step, ".done")) == 4  # the completion markers stay
+    assert len(_rank_files(step, ".done")) == 4  # the completion records stay
     assert not _rank_files(step, ".beat") and not (step / "FAILED").exists()
     assert json.loads((four / "ckpt" / "VERSION").read_text())["step"] == 2
 
@@ -444,7 +444,7 @@ def _rank_killed_mid_save(rank: int, world: int, workdir: Path) -> None:
     if rank == 1:
 
         def die(*args: Any, **kwargs: Any) -> int:
-            os.kill(os.getpid(), signal.SIGKILL)  # its progress marker exists; its file not
+            os.kill(os.getpid(), signal.SIGKILL)  # its progress record exists; its file not
             raise AssertionError("unreachable")
 
         asyncckpt._versions.ranks.writer_process.write = die  # type: ignore[assignment]
@@ -501,15 +501,15 @@ def test_metadata_refuses_inconsistent_markers() -> None:
 
     file0, file1 = (f"r0000{r}-{_ATTEMPT}.ackpt" for r in (0, 1))
     whole = {
-        0: RankMarker(0, file0, 99, (piece((0,)),)),
-        1: RankMarker(1, file1, 99, (piece((2,)),)),
+        0: RankDone(0, file0, 99, (piece((0,)),)),
+        1: RankDone(1, file1, 99, (piece((2,)),)),
     }
     assert json.loads(metadata_bytes(whole, _ATTEMPT, "x"))["planner_data"] == {"w": ["w"]}
     with pytest.raises(FormatError, match="stored twice"):
-        metadata_bytes({0: whole[0], 1: RankMarker(1, file1, 99, (piece((0,)),))}, _ATTEMPT, "x")
+        metadata_bytes({0: whole[0], 1: RankDone(1, file1, 99, (piece((0,)),))}, _ATTEMPT, "x")
     with pytest.raises(FormatError, match="disagree"):
         metadata_bytes(
-            {0: whole[0], 1: RankMarker(1, file1, 99, (piece((2,), (6,)),))}, _ATTEMPT, "x"
+            {0: whole[0], 1: RankDone(1, file1, 99, (piece((2,), (6,)),))}, _ATTEMPT, "x"
         )
     with pytest.raises(FormatError, match="cover"):  # half of the tensor is stored nowhere
         metadata_bytes({0: whole[0]}, _ATTEMPT, "x")
@@ -679,7 +679,7 @@ def test_a_rank_dead_before_its_first_marker_fails_the_save_after_lease_expiry(
 
 
 def _writer_job(tmp_path: Path, world: int) -> Any:
-    """The writer rank's (rank 0's) job of step 5, its own completion marker written."""
+    """The writer rank's (rank 0's) job of step 5, its own completion record written."""
     from asyncckpt._storage import resolve
     from asyncckpt._versions.ranks import DONE, RankJob
 
@@ -694,14 +694,14 @@ def _write_done(job: Any, rank: int) -> None:
     from asyncckpt._versions.protocol import data_file_name
     from asyncckpt._versions.ranks import DONE
 
-    marker = RankMarker(rank, data_file_name(rank, _ATTEMPT), 0, ())
+    marker = RankDone(rank, data_file_name(rank, _ATTEMPT), 0, ())
     job.storage.write_bytes(job.path(DONE, rank), marker.encode(job.step, _ATTEMPT))
 
 
 def test_the_writer_gives_up_on_a_rank_that_never_writes_a_marker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncckpt._versions.ranks import await_markers
+    from asyncckpt._versions.ranks import await_ranks
 
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "500")
@@ -709,7 +709,7 @@ def test_the_writer_gives_up_on_a_rank_that_never_writes_a_marker(
     with fake_clock() as clock:
         start = clock.now()
         with pytest.raises(CheckpointTimeoutError, match=r"step 5 .*: rank 1 ") as info:
-            await_markers(job, timeout=120)
+            await_ranks(job, timeout=120)
         assert clock.now() - start == pytest.approx(0.5)  # lease_expiry_ms, not the timeout
     assert "group" not in str(info.value)
 
@@ -717,7 +717,7 @@ def test_the_writer_gives_up_on_a_rank_that_never_writes_a_marker(
 def test_a_rank_slow_to_start_is_not_declared_dead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncckpt._versions.ranks import RankJob, await_markers
+    from asyncckpt._versions.ranks import RankJob, await_ranks
 
     monkeypatch.setenv("ASYNCCKPT_LEASE_RENEW_MS", "50")
     monkeypatch.setenv("ASYNCCKPT_LEASE_EXPIRY_MS", "1500")
@@ -736,7 +736,7 @@ def test_a_rank_slow_to_start_is_not_declared_dead(
         # Starts late, then writes for longer than lease_expiry_ms.
         clock.at(start + 0.3, rank1.start_beat)
         clock.at(start + 3.8, rank1_done)
-        assert sorted(await_markers(job, timeout=120)) == [0, 1]
+        assert sorted(await_ranks(job, timeout=120)) == [0, 1]
         assert clock.now() >= start + 3.8
 
 

@@ -483,7 +483,7 @@ _RACER = (
 
 
 def racer_main(root: str, endpoint: str, name: str) -> None:
-    """One of two writer processes: both stop just before creating the commit marker.
+    """One of two writer processes: both stop just before creating the commit record.
 
     Its part size (``ASYNCCKPT_PART_BYTES``) is inherited from the test, which set it for
     the store.

@@ -452,7 +452,7 @@ def test_a_failed_marker_names_its_attempt(any_root: str, monkeypatch: pytest.Mo
 
 
 def _refuse(path: str, data: bytes) -> None:
-    raise OSError(5, "injected: cannot create the commit marker")
+    raise OSError(5, "injected: cannot create the commit record")
 
 
 def _hold_data_writes(ckpt: Checkpointer, monkeypatch: pytest.MonkeyPatch) -> threading.Event:

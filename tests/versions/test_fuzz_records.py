@@ -32,7 +32,7 @@ from asyncckpt._versions.protocol import (
     read_version_file,
     read_version_tagged,
 )
-from asyncckpt._versions.ranks import RankMarker
+from asyncckpt._versions.ranks import RankDone
 from tests.fuzzing import FUZZ, memory_limited, only_asyncckpt_errors, record_bytes
 
 TIME = "2026-01-01T00:00:00+00:00"
@@ -181,7 +181,7 @@ def test_failed_markers(root: tuple[Storage, str], raw: bytes) -> None:
 @given(raw=record_bytes(RANK))
 def test_rank_markers(raw: bytes) -> None:
     with memory_limited():
-        only_asyncckpt_errors(lambda: RankMarker.decode(raw, "r1.done", 2, ATTEMPT, 1))
+        only_asyncckpt_errors(lambda: RankDone.decode(raw, "r1.done", 2, ATTEMPT, 1))
 
 
 @FUZZ
@@ -227,7 +227,7 @@ def test_the_fuzzed_records_start_valid(root: tuple[Storage, str]) -> None:
     assert read_commit_strict(storage, base, 2) is not None
     storage.delete_tree(storage.join(base, "2"))
     assert decode_pending(json.dumps(PENDING).encode()) is not None
-    marker = RankMarker.decode(json.dumps(RANK).encode(), "r1.done", 2, ATTEMPT, 1)
+    marker = RankDone.decode(json.dumps(RANK).encode(), "r1.done", 2, ATTEMPT, 1)
     assert marker.size == 10 and len(marker.pieces) == 1
     _put(storage, lease_path(storage, base, 99), json.dumps(LEASE).encode())
     assert current_lease(storage, base) is not None

@@ -432,7 +432,7 @@ def _sharded_zombie(root: str, options: dict[str, Any], tmp_path: Path) -> None:
     assert got["who"] == 1 and got["step"] == 2
     assert torch.equal(got["w"], torch.full((64,), 21.0))
     # The zombie wrote nothing into the step and says so: only the new writer's files are
-    # there (its data, completion marker and metadata, named by its attempt; COMMIT).
+    # there (its data, completion record and metadata, named by its attempt; COMMIT).
     assert "changed nothing else" in out, out
     commit = reader._reader.commit_of(2)
     assert commit is not None and commit.metadata_file is not None
