@@ -197,6 +197,17 @@ def wait_for_line(log: Path, proc: subprocess.Popen[bytes], line: str, err: Path
         time.sleep(0.01)
 
 
+def wait_through(log: Path, proc: subprocess.Popen[bytes], steps: range, err: Path) -> int:
+    """Follow the writer's saves of ``steps`` (each point with its own deadline: a busy
+    machine slows the run but fails no wait), then wait for it to end; its exit status."""
+    for step in steps:
+        wait_for_line(log, proc, f"S {step}", err)
+    try:
+        return proc.wait(STEP_DEADLINE_S)
+    finally:
+        proc.kill()
+
+
 def start_writer(
     root: Path,
     log: Path,
@@ -219,7 +230,7 @@ def start_writer(
 
 # The backstop for a hang outside the waits: every trial's own bound (its wait, its pause,
 # its kill), never a budget for the loop.
-@pytest.mark.timeout((TRIALS + 1) * (2 * STEP_DEADLINE_S))
+@pytest.mark.timeout((TRIALS + 3) * (2 * STEP_DEADLINE_S))
 def test_sigkill_at_random_moments(tmp_path: Path) -> None:
     # A new seed each run explores new moments; every failure names it, and setting
     # CRASH_TEST_SEED to it replays the same kills.
@@ -256,7 +267,7 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
     # A last run that is not killed continues and finishes cleanly.
     err = tmp_path / "final.err"
     proc = start_writer(root, log, next_step, latest, 3, err)
-    assert proc.wait(STEP_DEADLINE_S) == 0, err.read_text()
+    assert wait_through(log, proc, range(next_step, next_step + 3), err) == 0, err.read_text()
     final = [next_step, next_step + 1, next_step + 2]
     with Checkpointer(root, keep_last=2) as ckpt:
         assert ckpt.versions() == final[-2:]
@@ -284,7 +295,8 @@ CRASH_POINTS = [
 ]
 
 
-@pytest.mark.timeout(180)
+# The backstop for a hang outside the waits: the sum of every wait's own deadline.
+@pytest.mark.timeout(10 * STEP_DEADLINE_S)
 @pytest.mark.parametrize(("point", "reader_sees", "recovered"), CRASH_POINTS)
 def test_sigkill_at_each_protocol_step(
     tmp_path: Path, point: str, reader_sees: int, recovered: int
@@ -293,10 +305,7 @@ def test_sigkill_at_each_protocol_step(
     root, log = tmp_path / "ckpt", tmp_path / "progress.log"
     err = tmp_path / "writer.err"
     proc = start_writer(root, log, 0, None, -1, err, crash=f"{point}:4")
-    try:
-        code = proc.wait(120)
-    finally:
-        proc.kill()
+    code = wait_through(log, proc, range(5), err)
     assert code == -signal.SIGKILL, f"the crash point was not reached ({code}):\n{err.read_text()}"
     started, confirmed = parse_log(log)
     assert max(confirmed) == 3 and 4 in started
@@ -316,7 +325,7 @@ def test_sigkill_at_each_protocol_step(
     err = tmp_path / "next.err"
     nxt = max(started) + 1
     proc = start_writer(root, log, nxt, recovered, 2, err)
-    assert proc.wait(120) == 0, err.read_text()
+    assert wait_through(log, proc, range(nxt, nxt + 2), err) == 0, err.read_text()
     with Checkpointer(root, writer_rank=1) as reader:
         assert reader.versions() == [nxt, nxt + 1]
         assert_bits(reader.load(), nxt + 1)
@@ -344,7 +353,7 @@ _LEASE_KILLER = (
 )
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(6 * STEP_DEADLINE_S)
 def test_a_lease_claim_killed_mid_write_leaves_nothing_behind(tmp_path: Path) -> None:
     """The claim's temp file of a writer killed in it is removed by the next writer's first
     save (it once took the same epoch number and kept the file as its own)."""
@@ -356,11 +365,11 @@ def test_a_lease_claim_killed_mid_write_leaves_nothing_behind(tmp_path: Path) ->
         killed = subprocess.Popen(
             [sys.executable, "-c", _LEASE_KILLER, *args], cwd=REPO, env=env, stderr=stderr
         )
-    assert killed.wait(120) == -signal.SIGKILL, err.read_text()
+    assert wait_through(log, killed, range(1), err) == -signal.SIGKILL, err.read_text()
     debris = [n for n in tree(root) if TEMP_MARK in n]
     assert debris and all(n.startswith("_lease/") for n in debris), tree(root)
     err = tmp_path / "next.err"
     proc = start_writer(root, log, 0, None, 2, err)
-    assert proc.wait(120) == 0, err.read_text()
+    assert wait_through(log, proc, range(2), err) == 0, err.read_text()
     assert not [n for n in tree(root) if TEMP_MARK in n], tree(root)
     assert Checkpointer(root, writer_rank=1).versions() == [0, 1]
