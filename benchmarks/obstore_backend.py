@@ -1,9 +1,12 @@
-"""Object storage through obstore (Rust's ``object_store``): a prototype of the S3 backend.
+"""The obstore (Rust's ``object_store``) prototype of the S3 backend, kept for issue 30's benchmark.
 
-Issue 30 asks whether the S3 backend should stay on s3fs/aiobotocore or move to a
-maintained object-store client; this module is the obstore side of that measurement. It
-keeps :class:`~asyncckpt._storage.s3.S3Storage`'s contract with obstore doing the
-requests, the signing, the retries and the multipart uploads:
+Issue 30 asked whether the S3 backend should stay on s3fs/aiobotocore or move to a
+maintained object-store client, decided by measuring both behind the storage conformance
+suite on SeaweedFS (``bench_obstore.py``; the decision and the figures are in
+docs/benchmarks-notes.md, "Issue 30"). This is the obstore side: not part of the package,
+and obstore is not a dependency. It keeps :class:`~asyncckpt._storage.s3.S3Storage`'s
+contract, with obstore doing the requests, the signing, the retries and the multipart
+uploads:
 
 * a file of up to one part is one ``PutObject``; a larger one is streamed to obstore's
   multipart ``put`` through a bounded queue, and an abort makes that stream fail, which
@@ -12,9 +15,10 @@ requests, the signing, the retries and the multipart uploads:
   (``If-None-Match: *`` / ``If-Match``), probed once per instance as ``S3Storage`` does;
 * a read handle pins the ETag of its ``HeadObject`` on every ranged ``GetObject``.
 
-What it cannot do: obstore does not list or abort multipart uploads by key, so
-:meth:`~asyncckpt._storage.base.Storage.abort_unfinished` is a no-op and the parts of a
-writer killed mid-upload stay until a bucket lifecycle rule removes them.
+What it cannot do: obstore neither lists nor aborts multipart uploads by key, so
+:meth:`~asyncckpt._storage.base.Storage.abort_unfinished` is a no-op (the parts of a
+writer killed mid-upload stay until a bucket lifecycle rule removes them) and
+``list_dir`` does not show a directory that holds only such an upload.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from asyncckpt._storage.s3 import S3Storage, _warn_markers_unreadable
 from asyncckpt._storage.s3listing import directory_markers
 from asyncckpt._storage.s3multipart import MAX_PARTS
 from asyncckpt._storage.s3read import READ_PIECE_BYTES
-from asyncckpt._storage.s3retry import Failure, is_denied, request_error, secrets_of
+from asyncckpt._storage.s3retry import Failure, request_error, secrets_of
 from asyncckpt._threads import pool
 from asyncckpt.errors import (
     AsyncCkptError,
@@ -326,7 +330,8 @@ class ObstoreS3Storage(Storage):
         except CheckpointNotFoundError:
             return None
         except StorageError as exc:
-            if not is_denied(exc):  # 403 for a missing key without s3:ListBucket
+            cause = None if exc.__cause__ is None else classify(exc.__cause__)
+            if cause is None or cause.status != 403:  # 403: a missing key, no ListBucket
                 raise
             _warn_markers_unreadable(self.label, self.split(path)[0], exc)
             return None
