@@ -29,7 +29,8 @@ Example:
     >>> with warnings.catch_warnings():
     ...     warnings.simplefilter("ignore")
     ...     _ = dcp.save({"w": torch.ones(2, 3)}, storage_writer=asyncckpt.dcp.Writer(url))
-    >>> src = ShardedSource.open(*resolve(url, None))
+    >>> from asyncckpt._settings import Settings
+    >>> src = ShardedSource.open(*resolve(url, None), None, Settings())
     >>> placeholder = src.skeleton["w"]
     >>> placeholder.numel(), src.full(placeholder).sum().item()
     (0, 6.0)
@@ -104,6 +105,7 @@ class ShardedSource:
         metadata: the checkpoint's DCP metadata (``storage_data``: item locations).
         skeleton: the saved state; sharded tensors are zero-element placeholders.
         name: how to name the checkpoint in messages.
+        settings: the tunables its reads use, the entry point's.
     """
 
     storage: Storage
@@ -111,7 +113,7 @@ class ShardedSource:
     metadata: Metadata
     skeleton: Any
     name: str
-    settings: Settings = field(default_factory=Settings)
+    settings: Settings
     _fqn_of: dict[int, str] = field(default_factory=dict)
     _files: dict[str, OpenedFile] = field(default_factory=dict)
 
@@ -120,11 +122,11 @@ class ShardedSource:
         cls,
         storage: Storage,
         directory: str,
-        commit: CommitRecord | None = None,
-        settings: Settings | None = None,
+        commit: CommitRecord | None,
+        settings: Settings,
     ) -> ShardedSource:
         """Open the checkpoint in ``directory`` (a sharded version's step directory, or an
-        ``asyncckpt.dcp`` one), reading with ``settings`` (None: resolved here).
+        ``asyncckpt.dcp`` one), reading with ``settings`` (the entry point's).
 
         With ``commit`` (a sharded ``Checkpointer`` version's) rank 0's plain values (step,
         RNG, ...) are read from its file into the skeleton. Without it (a ``dcp.Writer``
@@ -137,12 +139,12 @@ class ShardedSource:
             IncompleteCheckpointError: no metadata (not committed).
             FormatError: the metadata or a rank file is malformed.
         """
-        reader = Reader.at(storage, directory, None if commit is None else commit.metadata_file)
+        metadata_file = None if commit is None else commit.metadata_file
+        reader = Reader.at(storage, directory, settings, metadata_file)
         try:
             metadata = reader.read_metadata()
         except CheckpointNotFoundError as exc:
             raise IncompleteCheckpointError(str(exc)) from exc
-        settings = settings or Settings.resolve()
         src = cls(storage, directory, metadata, None, storage.describe(directory), settings)
         placeholders: dict[Path, torch.Tensor] = {}
         paths = metadata.planner_data or {}
@@ -198,9 +200,7 @@ class ShardedSource:
         check_devices(opened)
         locations: dict[MetadataIndex, ItemLocation] = self.metadata.storage_data
         skip = {loc.entry for loc in locations.values() if loc.file == name}
-        plain = materialize(
-            opened, Placement("cpu"), self.settings.threads, settings=self.settings, skip=skip
-        )
+        plain = materialize(opened, Placement("cpu"), self.settings, skip=skip)
         return substituted(plain, dict(placeholders), opened.name)
 
     def _opened(self, name: str, size: int | None) -> OpenedFile:

@@ -112,9 +112,9 @@ class Reader(CheckpointLocation, StorageReader):
         cls,
         storage: Storage,
         path: str,
+        settings: Settings,
         metadata: str | None = None,
         budget: Budget | None = None,
-        settings: Settings | None = None,
     ) -> Reader:
         """A reader of the checkpoint directory ``path`` on an already opened ``storage``.
 
@@ -122,19 +122,16 @@ class Reader(CheckpointLocation, StorageReader):
         sharded version, whose ``COMMIT`` names its ``metadata``); the reader pickles as
         ``storage.describe(path)``. ``budget``, if given, is charged with this reader's
         buffers (shared with the caller's other reads), for every load, instead of a
-        budget of its own; ``settings`` (the caller's), if given, replace those the reader
-        resolved.
+        budget of its own; ``settings`` are the caller's (its entry point's).
 
         Example:
             >>> from asyncckpt._storage import resolve
-            >>> Reader.at(*resolve("memory://ckpt/7", None)).checkpoint_id
+            >>> Reader.at(*resolve("memory://ckpt/7", None), Settings()).checkpoint_id
             'memory://ckpt/7'
         """
-        reader = cls(storage.describe(path))
+        reader = cls(storage.describe(path), settings=settings)
         reader._storage, reader._path = storage, path
         reader._metadata_name = metadata
-        if settings is not None:
-            reader._settings = settings
         if budget is not None:
             reader._budget, reader._max_bytes = budget, None
         return reader

@@ -106,10 +106,9 @@ def read_sharded(
         plain = materialize(
             opened,
             request.placement,
-            settings.threads,
+            settings,
             into,
             budget,
-            settings=settings,
             skip=skip,
             replaced=replaced,
             keys=keys,
@@ -123,7 +122,7 @@ def _version(
     """The step directory of ``commit``, a reader of it, and the metadata it names."""
     storage = reader.storage
     directory = step_dir(storage, reader.root, commit.step)
-    dcp_reader = Reader.at(storage, directory, commit.metadata_file, budget, settings)
+    dcp_reader = Reader.at(storage, directory, settings, commit.metadata_file, budget)
     try:
         return directory, dcp_reader, dcp_reader.read_metadata()
     except CheckpointNotFoundError as exc:  # deleted meanwhile (load() tells how)

@@ -201,7 +201,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         UsageError: no rule, a bad rule, or ROOT is not a root.
     """
     policy = policy_of(args)
-    ref = need_root(locate(args.root, args.options), args.root)
+    ref = need_root(locate(args.root, args.options, settings=args.settings), args.root)
     need_versions(ref, "gc")
     storage, root = ref.storage, ref.path
     record = read_version_file(storage, root)
