@@ -60,7 +60,6 @@ from asyncckpt._engine.decode import (
     OpenedFile,
     check_devices,
     materialize,
-    open_file,
     read_storages,
 )
 from asyncckpt._engine.encode import WriteOptions, write_chunks
@@ -81,7 +80,7 @@ from asyncckpt._format.tree import Path, dtype_name, empty_of, flatten, torch_dt
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._version import __version__
-from asyncckpt._versions.dcp_reader import Reader
+from asyncckpt._versions.dcp_reader import Reader, open_data_file, size_error
 from asyncckpt._versions.protocol import SHARDED, CommitRecord
 from asyncckpt._versions.sharded_reading import substituted
 from asyncckpt.errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
@@ -208,16 +207,9 @@ class ShardedSource:
         stays open, pinned, until :meth:`close`."""
         opened = self._files.get(name)
         if opened is None:
-            path = self.storage.join(self.directory, name)
-            try:
-                opened = open_file(self.storage, path)
-            except CheckpointNotFoundError as exc:
-                raise IncompleteCheckpointError(
-                    f"{self.storage.describe(path)}: named by the metadata but missing"
-                ) from exc
-            self._files[name] = opened
-        if size is not None and opened.size != size:
-            raise FormatError(f"{opened.name}: {opened.size} bytes, but {size} were committed")
+            opened = self._files[name] = open_data_file(self.storage, self.directory, name, size)
+        elif size is not None and opened.size != size:
+            raise size_error(opened, size)
         return opened
 
     def _bytes_item(self, fqn: str) -> Any:
