@@ -16,7 +16,6 @@ import argparse
 from typing import Any
 
 from asyncckpt._storage import Storage, is_temp_name
-from asyncckpt._versions import retention
 from asyncckpt._versions.protocol import (
     UNREADABLE,
     StepEntry,
@@ -126,22 +125,6 @@ def flag(keyword: str) -> str:
         '--keep-last'
     """
     return "--" + keyword.replace("_", "-")
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in ``--keep-for``'s DURATION: a number with an optional unit s, m, h or d.
-
-    Raises:
-        UsageError: not such a duration.
-
-    Example:
-        >>> parse_duration("7d"), parse_duration("90")
-        (604800.0, 90.0)
-    """
-    try:
-        return retention.parse_duration(text)
-    except ValueError as exc:
-        raise UsageError(f"asyncckpt gc: --keep-for {exc}") from None
 
 
 def policy_of(args: argparse.Namespace) -> RetentionPolicy:
