@@ -33,14 +33,17 @@ from asyncckpt._engine import snapshot as staging
 from asyncckpt._settings import Settings
 from asyncckpt._storage import TEMP_MARK, AtomicWriter, Storage, resolve
 from asyncckpt._versions.protocol import (
+    COMMITTED,
+    UNCOMMITTED,
     CommitRecord,
+    StepEntry,
     VersionRecord,
     create_commit,
     data_file_name,
     read_version_file,
     write_version_file,
 )
-from asyncckpt._versions.retention import retention_plan
+from asyncckpt._versions.retention import deletion_plan, policy_from
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -385,6 +388,18 @@ def test_keep_last_keeps_exactly_the_newest(any_root: str, keep: int) -> None:
         assert ckpt.versions() == more[-keep:]
         assert step_dirs(any_root) == set(more[-keep:])
     assert temp_files(any_root) == set()
+
+
+def retention_plan(
+    committed: list[int], all_dirs: list[int], keep_last: int | None, pinned: int | None
+) -> list[int]:
+    """deletion_plan for plain step lists (a directory not in ``committed`` is uncommitted)."""
+    done = set(committed)
+    entries = [
+        StepEntry(s, COMMITTED if s in done else UNCOMMITTED) for s in sorted(done | set(all_dirs))
+    ]
+    plan = deletion_plan(entries, policy_from({"keep_last": keep_last}), pinned, good=pinned)
+    return [e.step for e in plan if e.step in set(all_dirs)]
 
 
 def test_retention_plan_never_deletes_the_pinned_version_nor_newer() -> None:
