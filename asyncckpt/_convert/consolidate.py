@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import io
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,24 +61,20 @@ from asyncckpt._engine.decode import (
     materialize,
     read_storages,
 )
-from asyncckpt._engine.encode import WriteOptions, write_chunks
+from asyncckpt._engine.encode import WriteOptions, write_chunks, write_manifest
 from asyncckpt._engine.snapshot import StagedStorage, codec_hint
 from asyncckpt._format.container import (
     ArrayEntry,
     Chunk,
-    Manifest,
     StorageEntry,
     TensorEntry,
-    encode_footer,
     encode_header,
-    encode_manifest,
 )
 from asyncckpt._format.index import ItemLocation, tied_names
 from asyncckpt._format.names import rank_of_data_file
 from asyncckpt._format.tree import Path, dtype_name, empty_of, flatten, torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
-from asyncckpt._version import __version__
 from asyncckpt._versions.dcp_reader import Reader, open_data_file, size_error
 from asyncckpt._versions.protocol import SHARDED, CommitRecord
 from asyncckpt._versions.sharded_reading import substituted
@@ -393,17 +388,5 @@ def write_ackpt_stream(
             data = torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
             put(StagedStorage(data, contiguous.dtype.itemsize, a.dtype.kind in "fc", "cpu"))
             arrays.append(ArrayEntry(len(storages) - 1, a.dtype.str, tuple(a.shape), scalar, key))
-        manifest = Manifest(
-            chunks=tuple(chunks),
-            storages=tuple(storages),
-            tensors=tuple(tensor_entries),
-            arrays=tuple(arrays),
-            root=flat.root,
-            byteorder=sys.byteorder,
-            meta={"library": f"asyncckpt {__version__}", "torch": torch.__version__},
-        )
-        body = encode_manifest(manifest)
-        footer = encode_footer(offset, body)
-        out.write(body)
-        out.write(footer)
-        return offset + len(body) + len(footer)
+        tables = (chunks, storages, tensor_entries, arrays)
+        return offset + write_manifest(out, offset, *tables, flat.root, torch.__version__)
