@@ -300,7 +300,7 @@ class Reader(CheckpointLocation, StorageReader):
 
 
 def open_data_file(storage: Storage, directory: str, name: str, size: int | None) -> OpenedFile:
-    """The data file ``name`` of the checkpoint in ``directory``, which its metadata names,
+    """The data file ``name`` of the checkpoint in ``directory``, which its commit names,
     opened (the caller closes it) and checked against its committed ``size`` (None: not
     known yet; see :func:`size_error`).
 
@@ -313,7 +313,7 @@ def open_data_file(storage: Storage, directory: str, name: str, size: int | None
         opened = open_file(storage, path)
     except CheckpointNotFoundError as exc:
         raise IncompleteCheckpointError(
-            f"{storage.describe(path)}: named by the checkpoint's metadata but missing; the "
+            f"{storage.describe(path)}: named by the committed checkpoint but missing; the "
             "checkpoint was partly deleted"
         ) from exc
     if size is not None and opened.size != size:
