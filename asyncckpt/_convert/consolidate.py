@@ -168,7 +168,7 @@ class ShardedSource:
         for fqn, md in self.metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
                 values[tuple(paths.get(fqn, (fqn,)))] = self._bytes_item(fqn)
-        return _tree_of(values, self.name)
+        return substituted({}, values, self.name)  # nested dicts holding each value
 
     def close(self) -> None:
         """Close the rank files opened so far (idempotent; a later read opens them again)."""
@@ -286,20 +286,6 @@ class ShardedSource:
         specs = [self.spec(t) for t, _ in flatten(tree).tensors]
         sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
         return len(sizes), sum(sizes), max(sizes, default=0)
-
-
-def _tree_of(values: dict[Path, Any], name: str) -> dict[Any, Any]:
-    """Nested dicts holding each value at its key path."""
-    tree: dict[Any, Any] = {}
-    for path, value in values.items():
-        node = tree
-        for k in path[:-1]:
-            child = node.setdefault(k, {})
-            if not isinstance(child, dict):
-                raise FormatError(f"{name}: key paths {path} and {path[:-1]} collide")
-            node = child
-        node[path[-1]] = value
-    return tree
 
 
 def materialize_all(src: ShardedSource, tree: Any) -> Any:
