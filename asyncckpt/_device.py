@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeAlias
 
 import torch
@@ -393,16 +393,6 @@ def _forget_parent_streams() -> None:
     global _cuda
     if type(_cuda) is Cuda:
         _cuda = Cuda()
-
-
-@contextlib.contextmanager
-def on_own_device(index: int | None) -> Iterator[None]:
-    """Run a block with ``index`` current (None: as it is)."""
-    if index is None:
-        yield
-        return
-    with cuda().on_device(index):
-        yield
 
 
 class Placement:

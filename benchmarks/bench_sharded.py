@@ -167,7 +167,7 @@ def simulate(
     links = [_Link(latency_s, bandwidth) for _ in range(world)]
     ckpt = Checkpointer(root, storage_options=links[0].storage_options(), keep_last=None)
     ckpt._writer.acquire()  # the first save's lease set-up, not part of a steady-state save
-    options = write_options("none")
+    options = write_options("none", Settings.resolve())  # this benchmark's entry point
     attempt = uuid.uuid4().hex  # normally derived from a token broadcast once per job
     jobs = []
     for rank in range(world):

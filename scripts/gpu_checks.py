@@ -54,6 +54,7 @@ import asyncckpt
 from asyncckpt import _threads as workers
 from asyncckpt._api import staging
 from asyncckpt._engine import arena
+from asyncckpt._settings import Settings
 
 GIB = 1 << 30
 Check = Callable[[argparse.Namespace, Path], dict[str, Any]]
@@ -222,7 +223,7 @@ def arena_lifetime(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         del state
         workers.wait_idle(30)  # the save thread drops its arena views after the result
         gc.collect()
-        pool = staging.arena_pool()
+        pool = staging.arena_pool(Settings())
         rows.append(
             {
                 "saved_gib": gib,
@@ -230,7 +231,7 @@ def arena_lifetime(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 "free_arena_bytes": sum(b.numel() for b in pool._free),
             }
         )
-    ok = all(r["pinned_arenas"] <= staging.arena_pool().max_inflight for r in rows)
+    ok = all(r["pinned_arenas"] <= staging.arena_pool(Settings()).max_inflight for r in rows)
     return {"rows": rows, "ok": ok if args.device == "cuda" else True}
 
 

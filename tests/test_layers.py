@@ -274,3 +274,45 @@ def test_no_base_class_redeclares_the_attributes_of_a_class_built_on_it() -> Non
             if twice := sorted(declared & _assigned_attributes(cls)):
                 found.append(f"{parent.name} declares what {cls.name} sets: {twice}")
     assert not found, found
+
+
+#: The modules whose functions a user calls, each of which resolves the tunables once
+#: (``Settings.resolve``/``Settings.of``: argument > environment > default) and hands the
+#: object down: ``save``/``load``/``open``/``reserve``, ``Checkpointer(...)``, the DCP
+#: writer and reader, the Lightning plugin, the Hugging Face trainer, the command line, and
+#: the public functions of ``asyncckpt.cli`` (``load_ackpt``, ``save_ackpt``,
+#: ``verify_file``), and the storage constructors a user calls to build a backend
+#: (``LocalStorage()``, ``S3Storage(fs)``, e.g. for the conformance suite). ``_settings``
+#: defines them.
+SETTINGS_ENTRY_POINTS = {
+    "asyncckpt._settings",
+    "asyncckpt._api.dropin",
+    "asyncckpt._api.checkpointer",
+    "asyncckpt.dcp.writer",
+    "asyncckpt._versions.dcp_reader",
+    "asyncckpt.lightning",
+    "asyncckpt.transformers",
+    "asyncckpt.cli.main",
+    "asyncckpt.cli.formats",
+    "asyncckpt.cli.verify",
+    "asyncckpt._storage.local",
+    "asyncckpt._storage.s3",
+}
+
+
+def test_only_the_entry_points_resolve_the_settings() -> None:
+    """Below the entry points the settings are passed down, never resolved again: a
+    fallback (``settings or Settings.resolve()``) reads the environment where the caller
+    gave its own tunables, and silently drops them when a caller forgets to pass them on
+    (docs/ARCHITECTURE.md, "Settings"). Docstring examples are text, not counted."""
+    found = [
+        f"{path}:{node.lineno}: Settings.{node.attr}"
+        for module, path in MODULES.items()
+        if module not in SETTINGS_ENTRY_POINTS
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr in ("resolve", "of")
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "Settings"
+    ]
+    assert not found, found

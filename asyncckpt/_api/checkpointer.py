@@ -620,7 +620,7 @@ class Checkpointer:
 
         def copy(on_layout: Any) -> Snapshot:
             try:
-                return stage(staged, self.overlap, on_layout, options)
+                return stage(staged, options, self.overlap, on_layout)
             except BaseException as exc:
                 if rank_job is not None:
                     rank_job.copy_failed(exc)  # so the writer stops waiting for this rank

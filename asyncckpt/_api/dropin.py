@@ -155,7 +155,7 @@ def save(
     storage.check_writable(path)  # a read-only store fails here, as torch.save would
     marker = _MarkerStart(storage, path, options.settings)
     _, handle = stage_and_submit(
-        lambda on_layout: stage(obj, on_layout=marker.then(on_layout), options=options),
+        lambda on_layout: stage(obj, options, on_layout=marker.then(on_layout)),
         lambda snap: marker.write(snap, options),
         storage.describe(path),
         started,
@@ -231,7 +231,7 @@ def _save_to_file_object(obj: Any, f: Any, options: WriteOptions, started: float
             f"writing, got {stream_label(f)}; open the file with mode 'wb', or pass its path"
         )
     storage = StreamStorage(f)
-    snap = stage(obj)
+    snap = stage(obj, options, in_this_process=True)
     blocking = time.perf_counter() - started
     try:
         stored = write_snapshot(snap, storage, "", options)
@@ -390,9 +390,7 @@ def load(
     storage, path = source
 
     def work(opened: OpenedFile) -> Any:
-        return materialize(
-            opened, placement, resolved.threads, into, budget, settings=resolved, keys=keys
-        )
+        return materialize(opened, placement, resolved, into, budget, keys=keys)
 
     return read_file(storage, path, work, budget)
 

@@ -546,9 +546,12 @@ def stage_and_submit(
         >>> from asyncckpt._engine.encode import write_snapshot
         >>> from asyncckpt._storage import resolve
         >>> storage, path = resolve(os.path.join(tempfile.mkdtemp(), "x.ackpt"), None)
-        >>> options = write_options("none")
+        >>> from asyncckpt._settings import Settings
+        >>> options = write_options("none", Settings())
         >>> snap, handle = stage_and_submit(
-        ...     lambda on_layout: stage({"w": torch.ones(2)}, on_layout=on_layout),
+        ...     lambda on_layout: stage(
+        ...         {"w": torch.ones(2)}, options, on_layout=on_layout, in_this_process=True
+        ...     ),
         ...     lambda snap: write_snapshot(snap, storage, path, options),
         ...     path,
         ...     time.perf_counter(),

@@ -26,12 +26,12 @@ _lock = threading.Lock()
 _arenas: ArenaPool | None = None
 
 
-def arena_pool(settings: Settings | None = None) -> ArenaPool:
+def arena_pool(settings: Settings) -> ArenaPool:
     """The process's arena pool, sized by the first caller's ``max_inflight``."""
     global _arenas
     with _lock:
         if _arenas is None:
-            _arenas = ArenaPool((settings or Settings.resolve()).max_inflight)
+            _arenas = ArenaPool(settings.max_inflight)
         return _arenas
 
 
@@ -45,39 +45,50 @@ def _forget_parent_arenas() -> None:
     _arenas = None
 
 
-def write_options(compression: str, settings: Settings | None = None) -> WriteOptions:
-    """The options of one save's write, from its ``settings`` (None: resolved now).
+def write_options(compression: str, settings: Settings) -> WriteOptions:
+    """The options of one save's write, from its ``settings`` (the entry point's).
 
     Raises:
         ValueError: ``compression`` is not one of ``"auto"``, ``"zstd"``, ``"none"``.
     """
-    return WriteOptions(check_compression(compression), settings or Settings.resolve())
+    return WriteOptions(check_compression(compression), settings)
 
 
 def stage(
     obj: Any,
+    options: WriteOptions,
     overlap: bool = False,
     on_layout: Callable[[Snapshot], None] | None = None,
-    options: WriteOptions | None = None,
+    *,
+    in_this_process: bool = False,
 ) -> Snapshot:
     """Validate ``obj`` and copy its data into a host arena (the blocking part of a save).
 
-    ``on_layout`` lets a writer start before the copy ends (see ``snapshot``).
-    ``options``: those of the background write that follows; if they ask for a writer
-    process, the arena is in shared memory and the process is started (if need be) once
-    the copy is done.
-    Without them (a write on this thread), the arena is in shared memory all the same
-    when writer processes are on: the saves that follow reuse it instead of replacing it.
+    ``options``: those of the write that follows. ``on_layout`` lets a writer start before
+    the copy ends (see ``snapshot``). For a background write, if the options ask for a
+    writer process, the arena is in shared memory and the process is started (if need be)
+    once the copy is done. For a write ``in_this_process`` (on a thread of its own), the arena
+    is in shared memory all the same when writer processes are on: the saves that follow
+    reuse it instead of replacing it.
+
+    Example:
+        >>> import torch
+        >>> from asyncckpt._settings import Settings
+        >>> options = write_options("none", Settings())
+        >>> snap = stage({"w": torch.ones(2)}, options, in_this_process=True)
+        >>> snap.raw_bytes
+        8
+        >>> snap.lease.release()
     """
-    settings = Settings.resolve() if options is None else options.settings
-    if options is None:
+    settings = options.settings
+    if in_this_process:
         shared = writer_process.shares_arenas(settings)
     else:
         shared = writer_process.wanted(options)
     snap = snapshot(
         flatten(obj), arena_pool(settings), overlap, on_layout, shared, settings=settings
     )
-    if options is not None and shared:
+    if not in_this_process and shared:
         # After the copy: a child starting up beside it (an interpreter, its imports) takes
         # CPU from the copy the caller waits for. Checkpointer starts it at construction.
         writer_process.start(settings)

@@ -29,7 +29,8 @@ Example:
     >>> with warnings.catch_warnings():
     ...     warnings.simplefilter("ignore")
     ...     _ = dcp.save({"w": torch.ones(2, 3)}, storage_writer=asyncckpt.dcp.Writer(url))
-    >>> src = ShardedSource.open(*resolve(url, None))
+    >>> from asyncckpt._settings import Settings
+    >>> src = ShardedSource.open(*resolve(url, None), None, Settings())
     >>> placeholder = src.skeleton["w"]
     >>> placeholder.numel(), src.full(placeholder).sum().item()
     (0, 6.0)
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import io
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,28 +59,23 @@ from asyncckpt._engine.decode import (
     OpenedFile,
     check_devices,
     materialize,
-    open_file,
     read_storages,
 )
-from asyncckpt._engine.encode import WriteOptions, write_chunks
+from asyncckpt._engine.encode import WriteOptions, write_chunks, write_manifest
 from asyncckpt._engine.snapshot import StagedStorage, codec_hint
 from asyncckpt._format.container import (
     ArrayEntry,
     Chunk,
-    Manifest,
     StorageEntry,
     TensorEntry,
-    encode_footer,
     encode_header,
-    encode_manifest,
 )
 from asyncckpt._format.index import ItemLocation, tied_names
 from asyncckpt._format.names import rank_of_data_file
 from asyncckpt._format.tree import Path, dtype_name, empty_of, flatten, torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
-from asyncckpt._version import __version__
-from asyncckpt._versions.dcp_reader import Reader
+from asyncckpt._versions.dcp_reader import Reader, open_data_file, size_error
 from asyncckpt._versions.protocol import SHARDED, CommitRecord
 from asyncckpt._versions.sharded_reading import substituted
 from asyncckpt.errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
@@ -104,6 +99,7 @@ class ShardedSource:
         metadata: the checkpoint's DCP metadata (``storage_data``: item locations).
         skeleton: the saved state; sharded tensors are zero-element placeholders.
         name: how to name the checkpoint in messages.
+        settings: the tunables its reads use, the entry point's.
     """
 
     storage: Storage
@@ -111,7 +107,7 @@ class ShardedSource:
     metadata: Metadata
     skeleton: Any
     name: str
-    settings: Settings = field(default_factory=Settings)
+    settings: Settings
     _fqn_of: dict[int, str] = field(default_factory=dict)
     _files: dict[str, OpenedFile] = field(default_factory=dict)
 
@@ -120,11 +116,11 @@ class ShardedSource:
         cls,
         storage: Storage,
         directory: str,
-        commit: CommitRecord | None = None,
-        settings: Settings | None = None,
+        commit: CommitRecord | None,
+        settings: Settings,
     ) -> ShardedSource:
         """Open the checkpoint in ``directory`` (a sharded version's step directory, or an
-        ``asyncckpt.dcp`` one), reading with ``settings`` (None: resolved here).
+        ``asyncckpt.dcp`` one), reading with ``settings`` (the entry point's).
 
         With ``commit`` (a sharded ``Checkpointer`` version's) rank 0's plain values (step,
         RNG, ...) are read from its file into the skeleton. Without it (a ``dcp.Writer``
@@ -137,12 +133,12 @@ class ShardedSource:
             IncompleteCheckpointError: no metadata (not committed).
             FormatError: the metadata or a rank file is malformed.
         """
-        reader = Reader.at(storage, directory, None if commit is None else commit.metadata_file)
+        metadata_file = None if commit is None else commit.metadata_file
+        reader = Reader.at(storage, directory, settings, metadata_file)
         try:
             metadata = reader.read_metadata()
         except CheckpointNotFoundError as exc:
             raise IncompleteCheckpointError(str(exc)) from exc
-        settings = settings or Settings.resolve()
         src = cls(storage, directory, metadata, None, storage.describe(directory), settings)
         placeholders: dict[Path, torch.Tensor] = {}
         paths = metadata.planner_data or {}
@@ -172,7 +168,7 @@ class ShardedSource:
         for fqn, md in self.metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
                 values[tuple(paths.get(fqn, (fqn,)))] = self._bytes_item(fqn)
-        return _tree_of(values, self.name)
+        return substituted({}, values, self.name)  # nested dicts holding each value
 
     def close(self) -> None:
         """Close the rank files opened so far (idempotent; a later read opens them again)."""
@@ -198,9 +194,7 @@ class ShardedSource:
         check_devices(opened)
         locations: dict[MetadataIndex, ItemLocation] = self.metadata.storage_data
         skip = {loc.entry for loc in locations.values() if loc.file == name}
-        plain = materialize(
-            opened, Placement("cpu"), self.settings.threads, settings=self.settings, skip=skip
-        )
+        plain = materialize(opened, Placement("cpu"), self.settings, skip=skip)
         return substituted(plain, dict(placeholders), opened.name)
 
     def _opened(self, name: str, size: int | None) -> OpenedFile:
@@ -208,16 +202,9 @@ class ShardedSource:
         stays open, pinned, until :meth:`close`."""
         opened = self._files.get(name)
         if opened is None:
-            path = self.storage.join(self.directory, name)
-            try:
-                opened = open_file(self.storage, path)
-            except CheckpointNotFoundError as exc:
-                raise IncompleteCheckpointError(
-                    f"{self.storage.describe(path)}: named by the metadata but missing"
-                ) from exc
-            self._files[name] = opened
-        if size is not None and opened.size != size:
-            raise FormatError(f"{opened.name}: {opened.size} bytes, but {size} were committed")
+            opened = self._files[name] = open_data_file(self.storage, self.directory, name, size)
+        elif size is not None and opened.size != size:
+            raise size_error(opened, size)
         return opened
 
     def _bytes_item(self, fqn: str) -> Any:
@@ -299,20 +286,6 @@ class ShardedSource:
         specs = [self.spec(t) for t, _ in flatten(tree).tensors]
         sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in specs]
         return len(sizes), sum(sizes), max(sizes, default=0)
-
-
-def _tree_of(values: dict[Path, Any], name: str) -> dict[Any, Any]:
-    """Nested dicts holding each value at its key path."""
-    tree: dict[Any, Any] = {}
-    for path, value in values.items():
-        node = tree
-        for k in path[:-1]:
-            child = node.setdefault(k, {})
-            if not isinstance(child, dict):
-                raise FormatError(f"{name}: key paths {path} and {path[:-1]} collide")
-            node = child
-        node[path[-1]] = value
-    return tree
 
 
 def materialize_all(src: ShardedSource, tree: Any) -> Any:
@@ -401,17 +374,5 @@ def write_ackpt_stream(
             data = torch.from_numpy(contiguous.reshape(-1).view(np.uint8))
             put(StagedStorage(data, contiguous.dtype.itemsize, a.dtype.kind in "fc", "cpu"))
             arrays.append(ArrayEntry(len(storages) - 1, a.dtype.str, tuple(a.shape), scalar, key))
-        manifest = Manifest(
-            chunks=tuple(chunks),
-            storages=tuple(storages),
-            tensors=tuple(tensor_entries),
-            arrays=tuple(arrays),
-            root=flat.root,
-            byteorder=sys.byteorder,
-            meta={"library": f"asyncckpt {__version__}", "torch": torch.__version__},
-        )
-        body = encode_manifest(manifest)
-        footer = encode_footer(offset, body)
-        out.write(body)
-        out.write(footer)
-        return offset + len(body) + len(footer)
+        tables = (chunks, storages, tensor_entries, arrays)
+        return offset + write_manifest(out, offset, *tables, flat.root, torch.__version__)

@@ -101,17 +101,6 @@ def read_file(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def pin_budget_bytes(settings: Settings | None = None) -> int:
-    """The pinned-memory budget of one load (the ``pin_budget_bytes`` tunable of
-    ``settings``; None resolves them, for tools and tests).
-
-    Example:
-        >>> pin_budget_bytes() == Settings().pin_budget_bytes  # variable unset
-        True
-    """
-    return (settings or Settings.resolve()).pin_budget_bytes
-
-
 def read_storages(
     opened: OpenedFile,
     threads: int,
@@ -166,17 +155,17 @@ def _within_budget(
 def materialize(
     opened: OpenedFile,
     placement: Placement,
-    threads: int,
+    settings: Settings,
     into: Any = None,
     budget: Budget | None = None,
     *,
-    settings: Settings | None = None,
     skip: Collection[int] = (),
     replaced: Collection[str] = (),
     keys: Collection[Any] | None = None,
 ) -> Any:
     """Read what was saved (all of it, the top-level ``keys``, or all but the entries
-    ``skip``) and rebuild it, tensors placed per ``placement``, read on ``threads`` threads.
+    ``skip``) and rebuild it, tensors placed per ``placement``, read with the load's
+    ``settings`` (its ``threads``, and ``pin_budget_bytes``: the pinned-memory budget).
     Returns the saved object (with ``keys``, the dict of those keys).
 
     A whole load reads (and verifies) every storage of the file; a partial one (``skip``,
@@ -194,7 +183,6 @@ def materialize(
             values holding no tensor or array: the others are left out of the result.
         budget: charged with every storage read (all are read into fresh buffers) before
             any is allocated.
-        settings: the load's settings (the pinned-memory budget); None resolves them.
         skip: indices into the file's tensor table not to read; they come back as None
             (a sharded version's DTensor pieces, loaded by the caller).
         replaced: key paths whose values the caller puts in place itself: never loaded
@@ -218,7 +206,7 @@ def materialize(
         >>> _ = asyncckpt.save({"w": torch.arange(3), "v": torch.ones(2)}, path).result()
         >>> state = {"w": torch.zeros(3, dtype=torch.int64)}
         >>> with open_file(*resolve(path, None)) as opened:
-        ...     got = materialize(opened, Placement("cpu"), 2, into=state, skip={1})
+        ...     got = materialize(opened, Placement("cpu"), Settings(), into=state, skip={1})
         >>> state["w"], got["v"]
         (tensor([0, 1, 2]), None)
     """
@@ -244,17 +232,17 @@ def materialize(
         if budget is not None and to_stream:
             nbytes = sum(manifest.storages[sid].nbytes for sid in to_stream)
             budget.charge(opened.name, nbytes, "its storages")
-        window = pin_budget_bytes(settings)
-        streamed = stream_to_device(opened, placement, to_stream, threads, window)
+        window = settings.pin_budget_bytes
+        streamed = stream_to_device(opened, placement, to_stream, settings.threads, window)
     # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
     # not leave the caller's tensors half overwritten.
     raw = read_storages(
         opened,
-        threads,
+        settings.threads,
         sids=[sid for sid in every if sid not in streamed],
         pinned=pins,
         budget=budget,
-        pin_budget=pin_budget_bytes(settings),
+        pin_budget=settings.pin_budget_bytes,
     )
     # Every key path of each tensor: a tensor saved at two paths ({"model": sd, "ema": sd},
     # tied weights) is one table entry, and into's tensor at each of its paths gets it.

@@ -107,13 +107,7 @@ class LazyCheckpoint(LazyEntries):
         with self._lock:
             if self._closed:
                 raise AsyncCkptError(f"{self.name}: read after close()")
-            got = materialize(
-                self._opened,
-                self._placement,
-                self._settings.threads,
-                settings=self._settings,
-                keys=[key],
-            )
+            got = materialize(self._opened, self._placement, self._settings, keys=[key])
         return got[key]
 
     def tensors(self) -> dict[str, tuple[torch.Size, torch.dtype]]:

@@ -224,7 +224,12 @@ def _write_body(
     offset = write_chunks(
         out, offset, snap.storages, options, chunks, progress, snap.wait_staged, auto, snap.copied
     )
-    return offset + _write_manifest(out, offset, snap, chunks, options.torch_version)
+    entries, first = [], 0
+    for staged, count in zip(snap.storages, _chunk_counts(snap.storages, chunks)):
+        entries.append(StorageEntry(staged.nbytes, staged.itemsize, staged.device, first, count))
+        first += count
+    tables = (chunks, entries, snap.tensors, snap.arrays)
+    return offset + write_manifest(out, offset, *tables, snap.root, options.torch_version)
 
 
 def _no_wait(index: int, end: int) -> None:
@@ -267,19 +272,24 @@ def write_chunks(
     return offset
 
 
-def _write_manifest(
-    out: AtomicWriter, offset: int, snap: StagedState, chunks: list[Chunk], torch_version: str
+def write_manifest(
+    out: AtomicWriter,
+    offset: int,
+    chunks: Sequence[Chunk],
+    storages: Sequence[StorageEntry],
+    tensors: Sequence[TensorEntry],
+    arrays: Sequence[ArrayEntry],
+    root: Any,
+    torch_version: str,
 ) -> int:
-    entries, first = [], 0
-    for staged, count in zip(snap.storages, _chunk_counts(snap.storages, chunks)):
-        entries.append(StorageEntry(staged.nbytes, staged.itemsize, staged.device, first, count))
-        first += count
+    """Write a file's manifest (its tables, and what wrote it when) and its footer after
+    the chunks, which end at ``offset``; return the bytes written."""
     manifest = Manifest(
         chunks=tuple(chunks),
-        storages=tuple(entries),
-        tensors=tuple(snap.tensors),
-        arrays=tuple(snap.arrays),
-        root=snap.root,
+        storages=tuple(storages),
+        tensors=tuple(tensors),
+        arrays=tuple(arrays),
+        root=root,
         byteorder=sys.byteorder,
         meta={
             "library": f"asyncckpt {__version__}",

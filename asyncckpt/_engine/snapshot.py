@@ -148,11 +148,6 @@ class Snapshot:
         """Block until the device-to-host copies have landed (a no-op once they have)."""
         self.copies.wait()
 
-    def order_after_copies(self) -> None:
-        """Make the devices' current streams wait for the copies, without blocking the host:
-        what the overlap guard runs before an in-place update (``Checkpointer.protect``)."""
-        self.copies.order_after()
-
     def wait_staged(self, index: int, end: int) -> None:
         """Block until bytes ``[0, end)`` of ``storages[index]`` are in host memory.
 

@@ -398,10 +398,12 @@ def write(
     Example:
         >>> import tempfile, os, torch
         >>> from asyncckpt._api.dropin import stage, write_options
+        >>> from asyncckpt._settings import Settings
         >>> from asyncckpt._storage import LocalStorage
-        >>> snap = stage({"w": torch.ones(2)})
+        >>> options = write_options("none", Settings())
+        >>> snap = stage({"w": torch.ones(2)}, options, in_this_process=True)
         >>> path = os.path.join(tempfile.mkdtemp(), "w.ackpt")
-        >>> write(snap, LocalStorage(), path, write_options("none")) == os.path.getsize(path)
+        >>> write(snap, LocalStorage(), path, options) == os.path.getsize(path)
         True
         >>> snap.lease.release()
     """

@@ -279,12 +279,6 @@ def _probe_ratio(data: memoryview, level: int, plane: bool = True) -> float | No
     return packed / (3 * half)
 
 
-def _looks_incompressible(data: memoryview, level: int) -> bool:
-    """Whether samples from the start, middle and end of ``data`` shrink by under 2 %."""
-    ratio = _probe_ratio(data, level)
-    return ratio is not None and ratio > INCOMPRESSIBLE
-
-
 def _probe_planes(raw: memoryview, itemsize: int, level: int) -> tuple[float | None, ...]:
     """:func:`_probe_ratio` of every byte plane of ``raw``, without regrouping all of it.
 

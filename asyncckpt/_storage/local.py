@@ -48,6 +48,8 @@ class LocalStorage(Storage):
     local_paths = True
 
     def __init__(self, settings: Settings | None = None) -> None:
+        # A constructor a user calls (a tool, a conformance test): the one place a storage's
+        # tunables fall back to the environment; every entry point passes its own.
         self.settings = Settings.resolve() if settings is None else settings
 
     def target(self, path: str) -> tuple[str, ...]:

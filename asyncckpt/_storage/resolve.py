@@ -34,8 +34,8 @@ def resolve(
 
     Args:
         storage_options: keyword arguments for the fsspec filesystem (e.g. an endpoint).
-        settings: the tunables the storage uses, resolved by the entry point (None:
-            resolved now, a convenience for tools and tests).
+        settings: the tunables the storage uses, resolved by the entry point (None: the
+            storage's constructor resolves them, for tools and tests).
 
     Raises:
         TypeError: ``f`` is not a path or URL (file objects are not supported).
@@ -49,8 +49,6 @@ def resolve(
             f"expected a path, os.PathLike or fsspec URL, got {type(f).__qualname__}; "
             "file objects are not supported because writes must be atomic"
         )
-    if settings is None:
-        settings = Settings.resolve()
     if "://" not in f:
         return LocalStorage(settings), os.path.abspath(f)
     options = dict(storage_options or {})

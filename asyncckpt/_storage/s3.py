@@ -148,7 +148,8 @@ class S3Storage(Storage):
         self.label = label
         # An in-memory store (the test suite's s3mem://) cannot be written by another process.
         self.process_local = bool(getattr(fs, "process_local", False))
-        self.settings = (settings or Settings.resolve()).replace(
+        # A constructor a user calls: the one place its tunables fall back to the environment.
+        self.settings = (Settings.resolve() if settings is None else settings).replace(
             part_bytes=part_bytes,
             part_concurrency=part_concurrency,
             retry_attempts=retry_attempts,

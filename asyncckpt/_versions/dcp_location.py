@@ -22,7 +22,7 @@ class CheckpointLocation:
     """A checkpoint directory (URL), its storage backend, and its commit object's path.
 
     Example:
-        >>> where = CheckpointLocation("memory://ckpt/3")
+        >>> where = CheckpointLocation("memory://ckpt/3", None, Settings())
         >>> where.checkpoint_id, where.metadata_path
         ('memory://ckpt/3', '/ckpt/3/.metadata')
     """
@@ -30,13 +30,13 @@ class CheckpointLocation:
     def __init__(
         self,
         url: str | os.PathLike[str],
-        storage_options: Any = None,
-        settings: Settings | None = None,
+        storage_options: Any,
+        settings: Settings,
     ) -> None:
         self._storage_options = dict(storage_options or {})
         #: The entry point's settings; they travel with a pickled location, so the storage
         #: opened on the other side is built with them, not that process's environment.
-        self._settings = Settings.resolve() if settings is None else settings
+        self._settings = settings
         self._open(url)
 
     def _open(self, url: str | os.PathLike[str]) -> None:

@@ -112,9 +112,9 @@ class Reader(CheckpointLocation, StorageReader):
         cls,
         storage: Storage,
         path: str,
+        settings: Settings,
         metadata: str | None = None,
         budget: Budget | None = None,
-        settings: Settings | None = None,
     ) -> Reader:
         """A reader of the checkpoint directory ``path`` on an already opened ``storage``.
 
@@ -122,19 +122,16 @@ class Reader(CheckpointLocation, StorageReader):
         sharded version, whose ``COMMIT`` names its ``metadata``); the reader pickles as
         ``storage.describe(path)``. ``budget``, if given, is charged with this reader's
         buffers (shared with the caller's other reads), for every load, instead of a
-        budget of its own; ``settings`` (the caller's), if given, replace those the reader
-        resolved.
+        budget of its own; ``settings`` are the caller's (its entry point's).
 
         Example:
             >>> from asyncckpt._storage import resolve
-            >>> Reader.at(*resolve("memory://ckpt/7", None)).checkpoint_id
+            >>> Reader.at(*resolve("memory://ckpt/7", None), Settings()).checkpoint_id
             'memory://ckpt/7'
         """
-        reader = cls(storage.describe(path))
+        reader = cls(storage.describe(path), settings=settings)
         reader._storage, reader._path = storage, path
         reader._metadata_name = metadata
-        if settings is not None:
-            reader._settings = settings
         if budget is not None:
             reader._budget, reader._max_bytes = budget, None
         return reader
@@ -240,7 +237,8 @@ class Reader(CheckpointLocation, StorageReader):
             per_file[where.file].append(req)
         threads = self._settings.threads
         for name, reqs in per_file.items():
-            with self._open_data_file(name, self._locations[reqs[0].storage_index]) as opened:
+            size = self._locations[reqs[0].storage_index].file_size
+            with open_data_file(self._storage, self._path, name, size) as opened:
                 self._load_file(opened, reqs, planner, threads)
         future: Future[None] = Future()
         future.set_result(None)
@@ -300,24 +298,37 @@ class Reader(CheckpointLocation, StorageReader):
             )
         return _Item(req, entry, offsets, lengths, target)
 
-    def _open_data_file(self, name: str, where: ItemLocation) -> OpenedFile:
-        """A data file, opened (the caller closes it) and checked against its size."""
-        path = self._storage.join(self._path, name)
-        try:
-            opened = open_file(self._storage, path)
-        except CheckpointNotFoundError as exc:
-            raise IncompleteCheckpointError(
-                f"{self._storage.describe(path)}: named by the committed "
-                f"{METADATA_NAME} but missing; the checkpoint was partly deleted"
-            ) from exc
-        if opened.size != where.file_size:
-            opened.close()
-            kind = TruncatedFileError if opened.size < where.file_size else FormatError
-            raise kind(
-                f"{opened.name}: {opened.size} bytes, but {where.file_size} were committed; "
-                "the file was replaced or damaged after the save"
-            )
-        return opened
+
+def open_data_file(storage: Storage, directory: str, name: str, size: int | None) -> OpenedFile:
+    """The data file ``name`` of the checkpoint in ``directory``, which its commit names,
+    opened (the caller closes it) and checked against its committed ``size`` (None: not
+    known yet; see :func:`size_error`).
+
+    Raises:
+        IncompleteCheckpointError: the file is missing: the checkpoint was partly deleted.
+        FormatError: the file is not ``size`` bytes (:class:`TruncatedFileError`: fewer).
+    """
+    path = storage.join(directory, name)
+    try:
+        opened = open_file(storage, path)
+    except CheckpointNotFoundError as exc:
+        raise IncompleteCheckpointError(
+            f"{storage.describe(path)}: named by the committed checkpoint but missing; the "
+            "checkpoint was partly deleted"
+        ) from exc
+    if size is not None and opened.size != size:
+        opened.close()
+        raise size_error(opened, size)
+    return opened
+
+
+def size_error(opened: OpenedFile, size: int) -> FormatError:
+    """What to raise for a data file that is not the ``size`` bytes its metadata records."""
+    kind = TruncatedFileError if opened.size < size else FormatError
+    return kind(
+        f"{opened.name}: {opened.size} bytes, but {size} were committed; the file was replaced "
+        "or damaged after the save"
+    )
 
 
 class _Item(NamedTuple):

@@ -121,17 +121,10 @@ class RootReader:
 
     def read_plain(self, step: int, request: LoadRequest, budget: Budget) -> Any:
         """Load committed plain version ``step`` (one data file) within ``budget``."""
-        settings = request.settings
 
         def work(opened: OpenedFile) -> Any:
             return materialize(
-                opened,
-                request.placement,
-                settings.threads,
-                request.into,
-                budget,
-                settings=settings,
-                keys=request.keys,
+                opened, request.placement, request.settings, request.into, budget, keys=request.keys
             )
 
         try:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from asyncckpt._versions.protocol import COMMITTED, UNCOMMITTED, UNREADABLE, StepEntry
+from asyncckpt._versions.protocol import COMMITTED, UNREADABLE, StepEntry
 from asyncckpt.errors import UnknownMetricError
 
 #: The two ways to rank a metric: lower is better, or higher is better.
@@ -508,6 +508,7 @@ def deletion_plan(
             have others (then nothing is deleted).
 
     Example:
+        >>> from asyncckpt._versions.protocol import UNCOMMITTED
         >>> entries = [StepEntry(1, COMMITTED), StepEntry(2, UNREADABLE),
         ...            StepEntry(3, UNCOMMITTED), StepEntry(4, COMMITTED),
         ...            StepEntry(5, COMMITTED), StepEntry(6, UNCOMMITTED)]
@@ -524,22 +525,3 @@ def deletion_plan(
     if good is not None:
         keep.add(good)
     return [e for e in entries if e.step < pinned and e.state != UNREADABLE and e.step not in keep]
-
-
-def retention_plan(
-    committed: list[int], all_dirs: list[int], keep_last: int | None, pinned: int | None
-) -> list[int]:
-    """Which steps to delete: :func:`deletion_plan` for plain step lists (every step
-    directory in ``all_dirs`` not in ``committed`` counts as uncommitted).
-
-    Example:
-        >>> retention_plan([1, 2, 3], [1, 2, 3, 4], keep_last=2, pinned=3)
-        [1]
-    """
-    done = set(committed)
-    entries = [
-        StepEntry(s, COMMITTED if s in done else UNCOMMITTED) for s in sorted(done | set(all_dirs))
-    ]
-    plan = deletion_plan(entries, policy_from({"keep_last": keep_last}), pinned, good=pinned)
-    dirs = set(all_dirs)
-    return [e.step for e in plan if e.step in dirs]

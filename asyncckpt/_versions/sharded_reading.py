@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from asyncckpt._device import Placement, cuda
-from asyncckpt._engine.decode import Budget, OpenedFile, materialize, open_file
+from asyncckpt._engine.decode import Budget, OpenedFile, materialize
 from asyncckpt._engine.decode_lazy import LazyEntries
 from asyncckpt._engine.decode_select import top_level
 from asyncckpt._format.container import MAX_DEPTH
@@ -46,7 +46,7 @@ from asyncckpt._format.tree import (
     torch_dtype,
 )
 from asyncckpt._settings import Settings
-from asyncckpt._versions.dcp_reader import Reader
+from asyncckpt._versions.dcp_reader import Reader, open_data_file
 from asyncckpt._versions.protocol import CommitRecord, step_dir
 from asyncckpt._versions.reading import LoadRequest, RootReader
 from asyncckpt.errors import (
@@ -54,7 +54,6 @@ from asyncckpt.errors import (
     CheckpointNotFoundError,
     FormatError,
     IncompleteCheckpointError,
-    TruncatedFileError,
 )
 
 
@@ -106,10 +105,9 @@ def read_sharded(
         plain = materialize(
             opened,
             request.placement,
-            settings.threads,
+            settings,
             into,
             budget,
-            settings=settings,
             skip=skip,
             replaced=replaced,
             keys=keys,
@@ -123,7 +121,7 @@ def _version(
     """The step directory of ``commit``, a reader of it, and the metadata it names."""
     storage = reader.storage
     directory = step_dir(storage, reader.root, commit.step)
-    dcp_reader = Reader.at(storage, directory, commit.metadata_file, budget, settings)
+    dcp_reader = Reader.at(storage, directory, settings, commit.metadata_file, budget)
     try:
         return directory, dcp_reader, dcp_reader.read_metadata()
     except CheckpointNotFoundError as exc:  # deleted meanwhile (load() tells how)
@@ -228,18 +226,7 @@ def rank_file(
     if not by_rank:
         raise FormatError(f"{reader.where}: step {commit.step} names no rank file")
     name, size = by_rank[rank if rank in by_rank else min(by_rank)]
-    storage = reader.storage
-    path = storage.join(directory, name)
-    try:
-        opened = open_file(storage, path)
-    except CheckpointNotFoundError as exc:
-        raise IncompleteCheckpointError(
-            f"{storage.describe(path)}: named by step {commit.step}'s COMMIT but missing"
-        ) from exc
-    if size is not None and opened.size != size:
-        opened.close()
-        kind = TruncatedFileError if opened.size < size else FormatError
-        raise kind(f"{opened.name}: {opened.size} bytes, but {size} were committed")
+    opened = open_data_file(reader.storage, directory, name, size)
     return opened, {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
 
 

@@ -257,11 +257,6 @@ def progress(args: argparse.Namespace, total: int | None, label: str) -> Progres
     return Progress(total, label, enabled=False if args.no_progress else None)
 
 
-def threads() -> int:
-    """Parallel readers: the ``threads`` tunable, resolved for the command being run."""
-    return Settings.resolve().threads
-
-
 def short_time(iso: str | None) -> str:
     """An ISO time as ``YYYY-MM-DD HH:MM:SS`` in UTC, ``-`` when there is none.
 
@@ -315,12 +310,15 @@ class RootRef(_Located):
     """A checkpoint root, optionally with a step chosen by ``ROOT@STEP``."""
 
 
-def locate(spec: str, options: dict[str, Any], *, one: bool = False) -> FileRef | RootRef:
+def locate(
+    spec: str, options: dict[str, Any], *, one: bool = False, settings: Settings | None = None
+) -> FileRef | RootRef:
     """What ``spec`` names, as :func:`asyncckpt._versions.paths.find` reads it (the path
     model ``asyncckpt.load`` uses too): a :class:`FileRef` for a file, a :class:`RootRef`
     for a root (``ROOT``, ``ROOT@STEP``, a Hugging Face run's ``output_dir`` or
     ``checkpoint-N``), an ``asyncckpt.dcp`` directory or a folder. With ``one`` (commands
-    that read one checkpoint), a folder stands for the one checkpoint below it.
+    that read one checkpoint), a folder stands for the one checkpoint below it. The storage
+    is built with ``settings`` (a command's; None: its constructor resolves them).
 
     Raises:
         CheckpointNotFoundError: nothing is there (or, with ``one``, below the folder).
@@ -332,7 +330,7 @@ def locate(spec: str, options: dict[str, Any], *, one: bool = False) -> FileRef 
         True
     """
     try:
-        target = paths.find(spec, options)
+        target = paths.find(spec, options, settings)
         if one and target.kind == paths.FOLDER:
             target = paths.one_checkpoint(target)
     except PathKindError as exc:
@@ -534,8 +532,9 @@ def manifest_tree(opened: OpenedFile) -> Any:
 # -- the layouts: Checkpointer roots (plain, sharded), asyncckpt.dcp directories ---------------
 
 
-def dcp_files(ref: RootRef) -> list[FileRef]:
-    """The data files an ``asyncckpt.dcp`` directory's metadata names, in name order.
+def dcp_files(ref: RootRef, settings: Settings) -> list[FileRef]:
+    """The data files an ``asyncckpt.dcp`` directory's metadata names, in name order
+    (``settings``: the command's).
 
     Raises:
         IncompleteCheckpointError: data files but no metadata (a save still writing).
@@ -545,6 +544,6 @@ def dcp_files(ref: RootRef) -> list[FileRef]:
 
     if ref.step is not None:
         raise UsageError(f"asyncckpt: {ref.name} is an asyncckpt.dcp directory; it has no @STEP")
-    metadata = Reader.at(ref.storage, ref.path).read_metadata()
+    metadata = Reader.at(ref.storage, ref.path, settings).read_metadata()
     names = sorted({loc.file for loc in metadata.storage_data.values()})
     return [FileRef(ref.storage, ref.storage.join(ref.path, name)) for name in names]

@@ -77,7 +77,7 @@ def tensors_in(obj: Any) -> tuple[int, int]:
 
 def _source(args: argparse.Namespace) -> tuple[FileRef, str]:
     """The file to read and its format."""
-    src_ref = locate(args.src, args.options, one=True)
+    src_ref = locate(args.src, args.options, one=True, settings=args.settings)
     src_format = format_of(args.src, args.src_format, "SRC")
     if isinstance(src_ref, RootRef):
         if src_format not in (None, "ackpt"):
@@ -91,7 +91,7 @@ def _read(args: argparse.Namespace, src: FileRef, fmt: str) -> tuple[Any, dict[s
     """The state in ``src`` and, for safetensors, its metadata."""
     with progress(args, src.storage.size(src.path), f"read {fmt}") as bar:
         if fmt == "ackpt":
-            return load_ackpt(src, bar.update, args.max_bytes), None
+            return load_ackpt(src, bar.update, args.max_bytes, settings=args.settings), None
         if fmt == "torch":
             return load_torch(src, bar.update), None
         return read_safetensors(src.storage, src.path, bar.update)
@@ -107,7 +107,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise UsageError("asyncckpt convert: --shard-size writes safetensors shards only")
     dst_format = "safetensors" if args.shard_size else format_of(args.dst, args.dst_format, "DST")
     assert dst_format is not None  # DST's format is told, or format_of raised
-    storage, path = resolve(args.dst, args.options)
+    storage, path = resolve(args.dst, args.options, args.settings)
     sharded = _sharded_source(args)
     with contextlib.nullcontext() if sharded is None else sharded:
         if not args.force and paths.kind_of(storage, path)[0] != paths.MISSING:
@@ -148,7 +148,9 @@ def _convert_file(
         elif dst_format == "torch":
             written = save_torch(obj, storage, path, bar.update)
         else:
-            written = save_ackpt(obj, storage, path, args.compression, bar.update)
+            written = save_ackpt(
+                obj, storage, path, args.compression, bar.update, settings=args.settings
+            )
     doc = {
         "src": src.name,
         "src_format": src_format,
@@ -188,7 +190,7 @@ def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:
     :func:`~asyncckpt.cli.formats.open_sharded`)."""
     if args.src_format not in (None, "ackpt"):
         return None
-    ref = locate(args.src, args.options, one=True)
+    ref = locate(args.src, args.options, one=True, settings=args.settings)
     if not isinstance(ref, RootRef):
         return None
     return open_sharded(ref, args.settings)
@@ -222,7 +224,7 @@ def _convert_sharded(
             # torch.save pickles one object: the whole state is built in memory first.
             written = save_torch(materialize_all(src, tree), storage, path, bar.update)
         else:
-            options = write_options(args.compression)
+            options = write_options(args.compression, args.settings)
             written = write_ackpt_stream(src, tree, storage, path, options, bar.update)
     doc = {
         "src": src.name,

@@ -18,6 +18,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._versions.paths import check_root
 from asyncckpt._versions.protocol import (
@@ -67,11 +68,13 @@ def copy_versions(
     src: RootRef,
     dst: Storage,
     dst_root: str,
+    settings: Settings,
     steps: list[int] | None = None,
     meter: Callable[[int], None] | None = None,
 ) -> list[Copied]:
     """Copy committed versions ``steps`` (default: every committed one) of ``src`` to root
-    ``dst_root`` of ``dst``, oldest first, in commit order (see the module).
+    ``dst_root`` of ``dst``, oldest first, in commit order (see the module), verifying each
+    copy with the command's ``settings``.
 
     Returns:
         One :class:`Copied` per version, in step order.
@@ -89,7 +92,8 @@ def copy_versions(
         >>> with asyncckpt.Checkpointer("memory://cp-doc/src") as ckpt:
         ...     _ = ckpt.save(7, {"w": torch.ones(2)}).result()
         >>> src = RootRef(*resolve("memory://cp-doc/src", None))
-        >>> [c.action for c in copy_versions(src, *resolve("memory://cp-doc/dst", None))]
+        >>> dst, dst_root = resolve("memory://cp-doc/dst", None)
+        >>> [c.action for c in copy_versions(src, dst, dst_root, Settings())]
         ['copied']
     """
     storage = src.storage
@@ -102,13 +106,19 @@ def copy_versions(
         if commit is None:
             chosen_step(RootRef(storage, src.path, step))  # raises, naming the committed
             continue
-        done.append(_copy_version(src, commit, dst, dst_root, meter or (lambda n: None)))
+        copied = _copy_version(src, commit, dst, dst_root, settings, meter or (lambda n: None))
+        done.append(copied)
         _publish(dst, dst_root, commit)
     return done
 
 
 def _copy_version(
-    src: RootRef, commit: CommitRecord, dst: Storage, dst_root: str, meter: Callable[[int], None]
+    src: RootRef,
+    commit: CommitRecord,
+    dst: Storage,
+    dst_root: str,
+    settings: Settings,
+    meter: Callable[[int], None],
 ) -> Copied:
     """Data, each verified at DST, then ``COMMIT``; or nothing, if DST has the version."""
     step = commit.step
@@ -120,7 +130,7 @@ def _copy_version(
         source = src.storage.join(step_dir(src.storage, src.path, step), name)
         target = dst.join(step_dir(dst, dst_root, step), name)
         nbytes += _copy_file(src.storage, source, dst, target, meter)
-        _check_copy(src.storage, source, dst, target, commit, name)
+        _check_copy(src.storage, source, dst, target, commit, name, settings)
     try:
         create_commit(dst, dst_root, commit)
     except ConflictError:
@@ -166,7 +176,13 @@ def _copy_file(
 
 
 def _check_copy(
-    src: Storage, source: str, dst: Storage, target: str, commit: CommitRecord, name: str
+    src: Storage,
+    source: str,
+    dst: Storage,
+    target: str,
+    commit: CommitRecord,
+    name: str,
+    settings: Settings,
 ) -> None:
     """Read the copy back at DST: a data file must verify whole, anything else (a sharded
     version's metadata) must be the source's bytes; each must have the recorded size.
@@ -180,7 +196,7 @@ def _check_copy(
     if size != recorded:
         raise FormatError(f"{where}: {size} bytes copied, the COMMIT records {recorded}")
     if name.endswith(".ackpt"):
-        report = verify_file(dst, target)
+        report = verify_file(dst, target, settings=settings)
         if not report.ok:
             bad = [f"chunk {b.chunk}: {b.detail}" for b in report.bad_chunks]
             raise FormatError(
@@ -209,7 +225,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
     Raises:
         CommandFailed: a version could not be copied (those before it are at DST).
     """
-    ref = locate(args.src, args.options)
+    ref = locate(args.src, args.options, settings=args.settings)
     if isinstance(ref, FileRef):
         raise UsageError(
             f"asyncckpt cp: {args.src} is a file; cp copies the versions of a checkpoint root "
@@ -226,7 +242,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
     try:
         with progress(args, total, "cp") as bar:
             for step in steps:
-                results += copy_versions(ref, dst, dst_root, [step], bar.update)
+                results += copy_versions(ref, dst, dst_root, args.settings, [step], bar.update)
     except AsyncCkptError as exc:
         _report(args, ref, args.dst, results)
         failed = steps[len(results)]

@@ -26,7 +26,7 @@ from asyncckpt._engine.decode import Budget, OpenedFile, materialize, read_file
 from asyncckpt._engine.encode import write_snapshot
 from asyncckpt._format.container import MAGIC
 from asyncckpt._format.tree import child_path
-from asyncckpt._settings import Settings
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import AtomicWriter, ReadHandle, Storage
 from asyncckpt._versions.protocol import SHARDED, latest_step, read_commit, step_dir
 from asyncckpt.cli.common import (
@@ -36,7 +36,6 @@ from asyncckpt.cli.common import (
     UsageError,
     dcp_files,
     is_dcp_directory,
-    threads,
 )
 from asyncckpt.errors import AsyncCkptError, FormatError
 
@@ -155,7 +154,7 @@ def read_ackpt(ref: FileRef, work: Callable[[OpenedFile], T]) -> T:
         raise
 
 
-def open_sharded(ref: RootRef, settings: Settings | None = None) -> ShardedSource | None:
+def open_sharded(ref: RootRef, settings: Settings) -> ShardedSource | None:
     """The sharded checkpoint ``ref`` names, opened; None for a plain version (or when
     nothing is committed: the caller's single-file path says so).
 
@@ -165,8 +164,8 @@ def open_sharded(ref: RootRef, settings: Settings | None = None) -> ShardedSourc
     """
     storage = ref.storage
     if is_dcp_directory(storage, ref.path):
-        dcp_files(ref)  # refuses ROOT@STEP of a dcp directory
-        return ShardedSource.open(storage, ref.path, settings=settings)
+        dcp_files(ref, settings)  # refuses ROOT@STEP of a dcp directory
+        return ShardedSource.open(storage, ref.path, None, settings)
     step = ref.step if ref.step is not None else latest_step(storage, ref.path)
     if step is None:
         return None
@@ -281,20 +280,27 @@ class RangeReader(io.RawIOBase):
 
 
 def load_ackpt(
-    ref: FileRef, progress: Callable[[int], None] | None = None, max_bytes: int | None = None
+    ref: FileRef,
+    progress: Callable[[int], None] | None = None,
+    max_bytes: int | None = None,
+    *,
+    settings: SettingsArg = None,
 ) -> Any:
     """Load an asyncckpt file on the CPU, within ``max_bytes`` of decoded data (as
-    ``asyncckpt.load`` takes it), reporting the bytes read to ``progress``.
+    ``asyncckpt.load`` takes it), reporting the bytes read to ``progress``. A public
+    function of :mod:`asyncckpt.cli`, so an entry point: ``settings`` as ``asyncckpt.load``
+    takes them (the command line passes its own).
 
     Raises:
         MemoryBudgetError: the file needs more than ``max_bytes``.
     """
+    resolved = Settings.of(settings)  # once, here
     storage = ref.storage if progress is None else cast(Storage, _Metered(ref.storage, progress))
     budget = Budget(max_bytes)
     return read_file(
         storage,
         ref.path,
-        lambda opened: materialize(opened, Placement("cpu"), threads(), None, budget),
+        lambda opened: materialize(opened, Placement("cpu"), resolved, None, budget),
         budget,
     )
 
@@ -359,11 +365,14 @@ def save_ackpt(
     path: str,
     compression: str = "zstd",
     progress: Callable[[int], None] | None = None,
+    *,
+    settings: SettingsArg = None,
 ) -> int:
     """Write an asyncckpt file synchronously (``compression``: ``"zstd"`` or ``"none"``);
-    returns its size."""
-    options = write_options(compression)
-    snap = stage(obj)
+    returns its size. An entry point, as :func:`load_ackpt`: ``settings`` as
+    ``asyncckpt.save`` takes them."""
+    options = write_options(compression, Settings.of(settings))  # once, here
+    snap = stage(obj, options, in_this_process=True)
     try:
         return write_snapshot(snap, storage, path, options, progress)
     finally:

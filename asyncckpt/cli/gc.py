@@ -16,7 +16,6 @@ import argparse
 from typing import Any
 
 from asyncckpt._storage import Storage, is_temp_name
-from asyncckpt._versions import retention
 from asyncckpt._versions.protocol import (
     UNREADABLE,
     StepEntry,
@@ -128,22 +127,6 @@ def flag(keyword: str) -> str:
     return "--" + keyword.replace("_", "-")
 
 
-def parse_duration(text: str) -> float:
-    """Seconds in ``--keep-for``'s DURATION: a number with an optional unit s, m, h or d.
-
-    Raises:
-        UsageError: not such a duration.
-
-    Example:
-        >>> parse_duration("7d"), parse_duration("90")
-        (604800.0, 90.0)
-    """
-    try:
-        return retention.parse_duration(text)
-    except ValueError as exc:
-        raise UsageError(f"asyncckpt gc: --keep-for {exc}") from None
-
-
 def policy_of(args: argparse.Namespace) -> RetentionPolicy:
     """The :class:`RetentionPolicy` the flags describe, built as the Checkpointer's keywords
     are (:func:`~asyncckpt._versions.retention.policy_from`).
@@ -201,7 +184,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         UsageError: no rule, a bad rule, or ROOT is not a root.
     """
     policy = policy_of(args)
-    ref = need_root(locate(args.root, args.options), args.root)
+    ref = need_root(locate(args.root, args.options, settings=args.settings), args.root)
     need_versions(ref, "gc")
     storage, root = ref.storage, ref.path
     record = read_version_file(storage, root)

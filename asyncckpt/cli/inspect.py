@@ -200,7 +200,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     Raises:
         MemoryBudgetError: loading the file would need more than ``--max-bytes``.
     """
-    located = locate(args.target, args.options, one=True)
+    located = locate(args.target, args.options, one=True, settings=args.settings)
     if isinstance(located, RootRef):
         src = open_sharded(located, args.settings)
         if src is not None:

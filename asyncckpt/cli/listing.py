@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.paths import (
     MAX_DEPTH,
@@ -50,16 +51,17 @@ def need_versions(ref: RootRef, command: str) -> None:
     what = f"asyncckpt {command}: {ref.name} is not a Checkpointer root"
     if is_dcp_directory(storage, path):
         raise UsageError(f"{what} (it is an asyncckpt.dcp directory: one checkpoint, no versions)")
-    below = [row["path"] for row in find_checkpoints(storage, path) if row["layout"] == "root"]
+    below = [display(storage, p) for p, kind in checkpoints_below(storage, path) if kind == "root"]
     if below:
         shown = ", ".join(below[:3]) + (", ..." if len(below) > 3 else "")
         raise UsageError(f"{what}; the roots below it: {shown} (run it on one of them)")
     raise UsageError(f"{what}: it holds nothing asyncckpt wrote (try 'asyncckpt ls {ref.name}')")
 
 
-def find_checkpoints(storage: Storage, top: str) -> list[dict[str, Any]]:
+def find_checkpoints(storage: Storage, top: str, settings: Settings) -> list[dict[str, Any]]:
     """The checkpoints below ``top``, each as :func:`describe` shows it."""
-    return [describe(storage, path, layout) for path, layout in checkpoints_below(storage, top)]
+    found = checkpoints_below(storage, top)
+    return [describe(storage, path, layout, settings) for path, layout in found]
 
 
 def _file_facts(storage: Storage, path: str) -> tuple[int | None, str | None]:
@@ -74,8 +76,9 @@ def _file_facts(storage: Storage, path: str) -> tuple[int | None, str | None]:
         return None, None
 
 
-def describe(storage: Storage, path: str, layout: str) -> dict[str, Any]:
-    """One checkpoint's row: layout, newest step, committed versions, bytes, time, age."""
+def describe(storage: Storage, path: str, layout: str, settings: Settings) -> dict[str, Any]:
+    """One checkpoint's row: layout, newest step, committed versions, bytes, time, age
+    (``settings``: the command's, to read a DCP directory's metadata)."""
     row: dict[str, Any] = {
         "path": display(storage, path),
         "layout": layout,
@@ -94,7 +97,7 @@ def describe(storage: Storage, path: str, layout: str) -> dict[str, Any]:
                 row["stored_bytes"], row["time"] = info["stored_bytes"], info["time"]
                 row["kind"] = info.get("kind")
         elif layout == "dcp":
-            files = dcp_files(RootRef(storage, path))
+            files = dcp_files(RootRef(storage, path), settings)
             facts = [_file_facts(f.storage, f.path) for f in files]
             row["stored_bytes"] = sum(size or 0 for size, _ in facts)
             row["time"] = max((t for _, t in facts if t), default=None)

@@ -96,14 +96,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     Raises:
         CommandFailed: the folder holds nothing asyncckpt wrote.
     """
-    ref = locate(args.root, args.options)
+    ref = locate(args.root, args.options, settings=args.settings)
     if isinstance(ref, FileRef):
         if ref.storage.read_range(ref.path, 0, len(MAGIC)) != MAGIC:
             raise UsageError(
                 f"asyncckpt: {args.root} is not an asyncckpt file; ls lists asyncckpt "
                 f"checkpoints (try 'asyncckpt inspect {args.root}')"
             )
-        return _ls_rows(args, ref, [describe(ref.storage, ref.path, "file")])
+        return _ls_rows(args, ref, [describe(ref.storage, ref.path, "file", args.settings)])
     storage, root = ref.storage, ref.path
     if not is_root(storage, root):
         return _ls_below(args, ref)
@@ -140,9 +140,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _ls_below(args: argparse.Namespace, ref: RootRef) -> int:
     """``ls`` of a folder that is no root: the checkpoints below it, one line each."""
     if is_dcp_directory(ref.storage, ref.path):
-        found = [describe(ref.storage, ref.path, "dcp")]
+        found = [describe(ref.storage, ref.path, "dcp", args.settings)]
     else:
-        found = find_checkpoints(ref.storage, ref.path)
+        found = find_checkpoints(ref.storage, ref.path, args.settings)
     if not found:
         raise CommandFailed(
             f"ls: {ref.name}: {NOTHING_HERE}; give a checkpoint root or a folder or bucket "

@@ -56,7 +56,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
     """
     if args.step < 0:
         raise UsageError(f"asyncckpt rewind: STEP must be a non-negative int, got {args.step}")
-    ref = need_root(locate(args.root, args.options), args.root)
+    ref = need_root(locate(args.root, args.options, settings=args.settings), args.root)
     need_versions(ref, "rewind")
     storage, root = ref.storage, ref.path
     if read_commit(storage, root, args.step) is None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from asyncckpt._engine.decode import Budget, OpenedFile, read_file
 from asyncckpt._format.codec import checksum, decode_chunk
+from asyncckpt._settings import Settings, SettingsArg
 from asyncckpt._storage import Storage
 from asyncckpt._versions.paths import checkpoints_below, is_root
 from asyncckpt._versions.protocol import committed_steps, read_version_file, step_dirs
@@ -33,7 +34,6 @@ from asyncckpt.cli.common import (
     plural,
     progress,
 )
-from asyncckpt.cli.common import threads as _default_threads
 from asyncckpt.cli.formats import reject_other_format
 from asyncckpt.cli.listing import NOTHING_HERE
 from asyncckpt.cli.progress import format_bytes
@@ -167,16 +167,18 @@ def verify_file(
     progress: Callable[[int], None] | None = None,
     step: int | None = None,
     max_bytes: int | None = None,
+    settings: SettingsArg = None,
 ) -> FileReport:
     """Read a whole file and check everything, collecting *every* problem.
 
     Unlike a load, which stops at the first damaged chunk, this reads and checks every
     chunk (checksum over the stored bytes, then a full decode) and validates the object
     tree, so a report names each bad chunk and the keys whose data it holds. ``threads``
-    chunk readers (default: the tunable) report the bytes read to ``progress``; ``step`` is
-    the file's version, for the report. A file whose load would need more than
-    ``max_bytes`` for its decoded data is reported ``too_large``, its chunks not read.
-    ``report.ok`` is True only when nothing is wrong.
+    chunk readers (default: the ``threads`` tunable of ``settings``, which this public
+    function resolves as ``asyncckpt.load`` does: it is an entry point) report the bytes
+    read to ``progress``; ``step`` is the file's version, for the report. A file whose load
+    would need more than ``max_bytes`` for its decoded data is reported ``too_large``, its
+    chunks not read. ``report.ok`` is True only when nothing is wrong.
 
     Example:
         >>> import torch, asyncckpt
@@ -186,7 +188,7 @@ def verify_file(
         True
     """
     name = display(storage, path)
-    workers = max(1, threads or _default_threads())
+    workers = max(1, threads or Settings.of(settings).threads)
     meter = progress or (lambda n: None)
     try:
         return read_file(
@@ -234,7 +236,9 @@ def _show_keys(keys: list[str]) -> str:
     return ", ".join(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
 
 
-def _root_files(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]:
+def _root_files(
+    ref: RootRef, every: bool, warnings: list[str], settings: Settings
+) -> list[FileRef]:
     """The files to verify under a root, noting what a reader of the root would see."""
     if every and ref.step is not None:
         raise UsageError("asyncckpt: give either ROOT@STEP or --all, not both")
@@ -242,9 +246,9 @@ def _root_files(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]
     if is_dcp_directory(storage, root):
         if every:
             raise UsageError(f"asyncckpt: {ref.name} is an asyncckpt.dcp directory; no --all")
-        return dcp_files(ref)
+        return dcp_files(ref, settings)
     if ref.step is None and not is_root(storage, root) and storage.list_dir(root):
-        return _files_below(ref, every, warnings)
+        return _files_below(ref, every, warnings, settings)
     committed = committed_steps(storage, root)
     if every and not committed:
         raise CheckpointNotFoundError(f"no committed checkpoint under {ref.name}")
@@ -270,7 +274,9 @@ def _root_files(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]
     return files
 
 
-def _files_below(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef]:
+def _files_below(
+    ref: RootRef, every: bool, warnings: list[str], settings: Settings
+) -> list[FileRef]:
     """A folder that is no checkpoint: the files of every checkpoint below it, as ``ls``
     lists them (asyncckpt files under Lightning's ``.ckpt`` names included).
 
@@ -285,7 +291,7 @@ def _files_below(ref: RootRef, every: bool, warnings: list[str]) -> list[FileRef
         if layout == "file":
             files.append(FileRef(ref.storage, path))
         else:
-            files += _root_files(RootRef(ref.storage, path), every, warnings)
+            files += _root_files(RootRef(ref.storage, path), every, warnings, settings)
     return files
 
 
@@ -328,7 +334,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     Raises:
         CommandFailed: some file is damaged (after the report is printed).
     """
-    ref = locate(args.target, args.options)
+    ref = locate(args.target, args.options, settings=args.settings)
     warnings: list[str] = []
     if isinstance(ref, FileRef):
         if args.all:
@@ -339,7 +345,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if note:
             warnings.append(f"{note}; this checks the file as it was before that save")
     else:
-        files = _root_files(ref, args.all, warnings)
+        files = _root_files(ref, args.all, warnings, args.settings)
     total = 0
     for f in files:
         with contextlib.suppress(AsyncCkptError):
@@ -347,7 +353,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with progress(args, total, "verify") as bar:
         reports = [
             verify_file(
-                f.storage, f.path, progress=bar.update, step=f.step, max_bytes=args.max_bytes
+                f.storage,
+                f.path,
+                progress=bar.update,
+                step=f.step,
+                max_bytes=args.max_bytes,
+                settings=args.settings,
             )
             for f in files
         ]

@@ -637,7 +637,9 @@ def _write_as_if_from(obj: Any, path: str, devices: list[str]) -> None:
         assert len(snap.storages) == len(devices)
         snap.storages = [dataclasses.replace(s, device=d) for s, d in zip(snap.storages, devices)]
         storage, inner = resolve(path, None)
-        writer.write_snapshot(snap, storage, inner, asyncckpt._api.dropin.write_options("zstd"))
+        writer.write_snapshot(
+            snap, storage, inner, asyncckpt._api.dropin.write_options("zstd", Settings())
+        )
     finally:
         snap.lease.release()
 

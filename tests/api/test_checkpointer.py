@@ -33,14 +33,17 @@ from asyncckpt._engine import snapshot as staging
 from asyncckpt._settings import Settings
 from asyncckpt._storage import TEMP_MARK, AtomicWriter, Storage, resolve
 from asyncckpt._versions.protocol import (
+    COMMITTED,
+    UNCOMMITTED,
     CommitRecord,
+    StepEntry,
     VersionRecord,
     create_commit,
     data_file_name,
     read_version_file,
     write_version_file,
 )
-from asyncckpt._versions.retention import retention_plan
+from asyncckpt._versions.retention import deletion_plan, policy_from
 from asyncckpt.errors import (
     AsyncCkptError,
     CheckpointNotFoundError,
@@ -385,6 +388,18 @@ def test_keep_last_keeps_exactly_the_newest(any_root: str, keep: int) -> None:
         assert ckpt.versions() == more[-keep:]
         assert step_dirs(any_root) == set(more[-keep:])
     assert temp_files(any_root) == set()
+
+
+def retention_plan(
+    committed: list[int], all_dirs: list[int], keep_last: int | None, pinned: int | None
+) -> list[int]:
+    """deletion_plan for plain step lists (a directory not in ``committed`` is uncommitted)."""
+    done = set(committed)
+    entries = [
+        StepEntry(s, COMMITTED if s in done else UNCOMMITTED) for s in sorted(done | set(all_dirs))
+    ]
+    plan = deletion_plan(entries, policy_from({"keep_last": keep_last}), pinned, good=pinned)
+    return [e.step for e in plan if e.step in set(all_dirs)]
 
 
 def test_retention_plan_never_deletes_the_pinned_version_nor_newer() -> None:
@@ -1203,10 +1218,10 @@ def test_reserve_then_the_first_save_reuses_the_arena(
         assert thread is not None
         thread.join(30)
         assert len(allocated) == 1
-        reserved = staging_api.arena_pool()._free[0].data_ptr()
+        reserved = staging_api.arena_pool(Settings())._free[0].data_ptr()
         assert ckpt.reserve(state) is None  # large enough already
         ckpt.save(1, state).result()  # its arena is back in the pool: the reserved one
-        assert [b.data_ptr() for b in staging_api.arena_pool()._free] == [reserved]
+        assert [b.data_ptr() for b in staging_api.arena_pool(Settings())._free] == [reserved]
         ckpt.save(2, state)
     assert len(allocated) == 1  # no second arena, for the first save nor the next
     assert reader(str(tmp_path)).versions() == [1, 2]
@@ -1216,7 +1231,7 @@ def test_reserve_only_where_save_copies(tmp_path: Any, monkeypatch: pytest.Monke
     monkeypatch.setattr(staging_api, "_arenas", None)
     state = _pieces(1)
     assert Checkpointer(tmp_path, writer_rank=1).reserve(state) is None  # copies nothing
-    assert staging_api.arena_pool()._free == []
+    assert staging_api.arena_pool(Settings())._free == []
     with pytest.raises(AsyncCkptError, match="read-only"):
         Checkpointer(tmp_path, read_only=True).reserve(state)
     closed = Checkpointer(tmp_path)
@@ -1226,7 +1241,7 @@ def test_reserve_only_where_save_copies(tmp_path: Any, monkeypatch: pytest.Monke
     thread = Checkpointer(tmp_path).reserve(3 << 20)  # a size in bytes
     assert thread is not None
     thread.join(30)
-    assert staging_api.arena_pool()._free[0].numel() >= 3 << 20
+    assert staging_api.arena_pool(Settings())._free[0].numel() >= 3 << 20
 
 
 @pytest.mark.timeout(120)
@@ -1249,7 +1264,7 @@ def test_reserve_of_a_dtensor_state_on_a_rank_that_writes_no_plain_state(
         thread = ckpt.reserve(state)
         assert thread is not None
         thread.join(30)
-        assert staging_api.arena_pool()._free[0].numel() >= 4 << 20  # this rank's shard
+        assert staging_api.arena_pool(Settings())._free[0].numel() >= 4 << 20  # this rank's shard
     finally:
         dist.destroy_process_group()
 

@@ -287,12 +287,12 @@ def test_a_save_is_copying_until_save_returns(
     seen: list[list[str]] = []
     real = checkpointer_module.stage
 
-    def stage(obj: Any, overlap: bool, on_layout: Any, options: Any) -> Any:
+    def stage(obj: Any, options: Any, overlap: bool, on_layout: Any) -> Any:
         def layout(snap: Any) -> None:
             on_layout(snap)  # the job is submitted here; the copy starts after
             seen.append([r.phase for r in asyncckpt.in_flight()])
 
-        return real(obj, overlap, layout, options)
+        return real(obj, options, overlap, layout)
 
     monkeypatch.setattr(checkpointer_module, "stage", stage)
     with Checkpointer(tmp_path) as ckpt:

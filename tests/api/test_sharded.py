@@ -539,7 +539,7 @@ def _retire_on_first_call(root: Path, stash: Path, real: Any) -> Any:
 
 #: Where in a sharded load the version disappears: before anything is read, while DCP
 #: reads the chunks, while this rank's plain values are read.
-_RETIRE_AT = ["step_dir", "_dcp_load", "open_file"]
+_RETIRE_AT = ["step_dir", "_dcp_load", "open_data_file"]
 
 
 def _root_at_step_1(four: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, at: str) -> Path:

@@ -13,6 +13,7 @@ import torch
 
 import asyncckpt
 from asyncckpt import Checkpointer, cli
+from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage, resolve
 from asyncckpt._versions.protocol import (
     committed_steps,
@@ -121,19 +122,21 @@ def test_cp_interrupted_at_every_storage_call_never_commits_missing_data(
     src_ref = RootRef(*resolve(_source(str(tmp_path / "src")), None))
     counting = CrashPlan("count")
     dst_storage, dst_root = resolve(_memory(), None)
-    copy_versions(src_ref, CrashStorage(dst_storage, counting), dst_root)
+    copy_versions(src_ref, CrashStorage(dst_storage, counting), dst_root, Settings())
     points = counting.points("crash")
     assert points > 3 * 3  # a file, a COMMIT and a VERSION per version at least
     for at in range(1, points + 1):
         dst_storage, dst_root = resolve(_memory(), None)
         plan = CrashPlan("crash", at)
         with pytest.raises(asyncckpt.AsyncCkptError):
-            copy_versions(src_ref, CrashStorage(dst_storage, plan), dst_root)
+            copy_versions(src_ref, CrashStorage(dst_storage, plan), dst_root, Settings())
         assert plan.fired is not None
         committed = _sound(dst_storage, dst_root)  # no COMMIT without its data, verified
         newest = latest_step(dst_storage, dst_root)
         assert newest == (committed[-1] if committed else None), (at, plan.fired)
-        results = copy_versions(src_ref, dst_storage, dst_root)  # the rerun completes it
+        results = copy_versions(
+            src_ref, dst_storage, dst_root, Settings()
+        )  # the rerun completes it
         assert [r.step for r in results if r.action == "copied"] == [
             s for s in STEPS if s not in committed
         ], (at, plan.fired)

@@ -11,9 +11,8 @@ import torch
 
 import asyncckpt
 from asyncckpt import cli
-from asyncckpt._versions.retention import RULES
-from asyncckpt.cli.common import UsageError
-from asyncckpt.cli.gc import flag, parse_duration
+from asyncckpt._versions.retention import RULES, parse_duration
+from asyncckpt.cli.gc import flag
 
 
 def run(capsys: pytest.CaptureFixture[str], *args: Any) -> tuple[int, str, str]:
@@ -72,6 +71,7 @@ def test_gc_keep_best_every_for(tmp_path: Path, capsys: pytest.CaptureFixture[st
         (("--keep-best", "0", "--best-metric", "x"), "--keep-best must be at least 1"),
         (("--keep-every", "0"), "--keep-every must be at least 1"),
         (("--keep-for", "soon"), "--keep-for"),
+        (("--keep-for", "-3"), "--keep-for takes a positive duration"),
     ],
 )
 def test_gc_bad_flags(
@@ -84,7 +84,7 @@ def test_gc_bad_flags(
 
 def test_parse_duration() -> None:
     assert parse_duration("90m") == 5400.0 and parse_duration("1.5h") == 5400.0
-    with pytest.raises(UsageError):
+    with pytest.raises(ValueError, match="positive duration"):
         parse_duration("-3")
 
 

@@ -29,6 +29,7 @@ from asyncckpt._engine import autocompress
 from asyncckpt._engine.autocompress import Rates, choose_planes
 from asyncckpt._format.codec import INCOMPRESSIBLE, EncodeReport, decode_chunk, encode_chunk
 from asyncckpt._format.container import FOOTER_SIZE, Manifest, decode_footer, decode_manifest
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt.cli.verify import verify_file
 from asyncckpt.testing.faults import FaultPlan
@@ -383,7 +384,7 @@ def test_auto_explores_one_chunk_per_explore_mib_held_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("ASYNCCKPT_AUTO_EXPLORE_MIB", "8")
-    options = write_options("auto")
+    options = write_options("auto", Settings.resolve())
     storage, path = resolve("memory://explore/x.ackpt", None)
     run = autocompress.for_write(storage, path, options.auto, options.threads)
     run.target.write = autocompress.Rate(1 << 20, prior=1e-12)  # storage as good as free

@@ -12,6 +12,7 @@ import torch
 
 import asyncckpt
 from asyncckpt._api import dropin as api
+from asyncckpt._settings import Settings
 
 pytestmark = [
     pytest.mark.cuda,
@@ -33,7 +34,7 @@ def _big(fill: float | None = None) -> torch.Tensor:
 def test_arena_is_pinned_and_snapshot_is_exact(tmp_path: Path) -> None:
     state = {"w": _big(), "cpu": torch.arange(5)}
     expected = {"w": state["w"].cpu(), "cpu": state["cpu"].clone()}
-    snap = api.stage(state)
+    snap = api.stage(state, api.write_options("none", Settings.resolve()), in_this_process=True)
     assert snap.lease.buffer.is_pinned()
     snap.lease.release()
     handle = asyncckpt.save(state, tmp_path / "x.ackpt")

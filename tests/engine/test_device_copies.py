@@ -20,6 +20,7 @@ from asyncckpt import _threads as workers
 from asyncckpt._api import staging as staging_api
 from asyncckpt._engine import arena as arena_mod
 from asyncckpt._engine.arena import ArenaPool
+from asyncckpt._settings import Settings
 from asyncckpt.errors import DeviceCopyError
 from tests.fake_cuda import FakeCuda, FakeStream
 
@@ -137,7 +138,7 @@ def test_a_sticky_cuda_error_ends_the_save_with_an_error_and_frees_everything(
     error = outcome[0]
     assert isinstance(error, DeviceCopyError), error
     assert "cuda:0" in str(error) and "illegal memory access" in str(error)
-    pool = staging_api.arena_pool()
+    pool = staging_api.arena_pool(Settings())
     assert pool._leased == 0  # the arena is free again
     assert not (tmp_path / "x.ackpt.ackpending").exists()  # other processes' loads go on
     fake_cuda.fail.clear()

@@ -21,6 +21,7 @@ from asyncckpt._engine import arena as arena_mod
 from asyncckpt._engine import snapshot as staging
 from asyncckpt._engine import writer_process
 from asyncckpt._engine.snapshot import ArenaPool, SnapshotFailedError
+from asyncckpt._settings import Settings
 from asyncckpt.errors import StorageError
 
 
@@ -33,7 +34,7 @@ def test_arena_is_reused_across_saves(tmp_path: Path) -> None:
     state = {"w": torch.randn(256, 256), "b": torch.randn(256)}
     seen = set()
     for i in range(5):
-        snap = api.stage(state)
+        snap = api.stage(state, api.write_options("none", Settings.resolve()), in_this_process=True)
         seen.add(snap.lease.buffer.data_ptr())
         snap.lease.release()
         asyncckpt.save(state, tmp_path / f"{i}.ackpt").result()
@@ -322,7 +323,7 @@ def test_api_reserve_sizes_the_arena_from_the_state() -> None:
     thread = api.reserve(state)
     if thread is not None:
         thread.join(30)
-    snap = api.stage(state)
+    snap = api.stage(state, api.write_options("none", Settings.resolve()), in_this_process=True)
     assert snap.lease.buffer.numel() >= 4096
     snap.lease.release()
 
@@ -435,7 +436,7 @@ def test_a_first_save_fills_its_new_arena_without_faulting_it_in_first(
     real = arena_mod._fault_in
     monkeypatch.setattr(arena_mod, "_fault_in", lambda region: faulted.append(len(region)))
     state = _many_tensors()
-    snap = api.stage(state)
+    snap = api.stage(state, api.write_options("none", Settings.resolve()), in_this_process=True)
     try:
         assert faulted == [] and len(arena_allocations) == 1
         assert not arena_mod.unfilled(snap.lease.buffer)

@@ -166,7 +166,7 @@ def test_the_child_writes_with_the_jobs_settings_not_the_environment(
     options = WriteOptions("none", Settings.resolve(chunk_bytes=64 << 10, writer_processes=1))
     storage, path = resolve(f"envspy://{tmp_path}/a.ackpt", None)
     data = {"w": torch.arange(1 << 18, dtype=torch.float32)}  # 1 MiB
-    snap = stage(data, options=options)
+    snap = stage(data, options)
     try:
         writer_process.write(snap, storage, path, options)
     finally:

@@ -26,6 +26,7 @@ import asyncckpt
 from asyncckpt._convert.consolidate import ShardedSource
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer, encode_footer
 from asyncckpt._format.index import decode_metadata
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt.dcp import Writer
 from tests.fuzzing import FUZZ, memory_limited, mutated_json, only_asyncckpt_errors, record_bytes
@@ -149,7 +150,9 @@ def test_dcp_metadata(dcp_dir: Path, raw: bytes) -> None:
     try:
         with memory_limited():
             only_asyncckpt_errors(lambda: decode_metadata(raw, "fuzzed.metadata"))
-            source = only_asyncckpt_errors(lambda: ShardedSource.open(*resolve(str(dcp_dir), None)))
+            source = only_asyncckpt_errors(
+                lambda: ShardedSource.open(*resolve(str(dcp_dir), None), None, Settings())
+            )
             if source is not None:
                 source.close()
     finally:
@@ -158,4 +161,4 @@ def test_dcp_metadata(dcp_dir: Path, raw: bytes) -> None:
 
 def test_the_dcp_seed_decodes(dcp_dir: Path) -> None:
     assert decode_metadata(json.dumps(DCP_SEED).encode(), "seed").state_dict_metadata
-    ShardedSource.open(*resolve(str(dcp_dir), None)).close()
+    ShardedSource.open(*resolve(str(dcp_dir), None), None, Settings()).close()

@@ -42,6 +42,7 @@ from asyncckpt._format.container import (
 )
 from asyncckpt._format.index import METADATA_NAME, decode_metadata
 from asyncckpt._format.names import rank_of_data_file
+from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt._versions import dcp_reader, sharded_reading
 from asyncckpt.dcp import Reader, Writer
@@ -135,7 +136,7 @@ def test_chunks_that_do_not_tile_the_tensor_are_refused_on_every_path(
     assert "invalid DCP metadata" in str(_dcp_error(info.value))
     # the consolidation (asyncckpt convert), which would hand out torch.empty's memory
     with pytest.raises(FormatError, match=words):
-        ShardedSource.open(*resolve(str(dcp_dir), None))
+        ShardedSource.open(*resolve(str(dcp_dir), None), None, Settings())
     assert cli.main(["convert", str(dcp_dir), str(tmp_path / "out.ackpt")]) == 1
     assert words in capsys.readouterr().err
 
@@ -176,7 +177,7 @@ def test_a_sharded_version_whose_chunks_do_not_tile_is_refused(
 def test_chunks_that_tile_the_tensor_load(dcp_dir: Path) -> None:
     """The control: a tensor of two [2, 2] chunks (both the stored one) at rows 0 and 2."""
     _edit_metadata(dcp_dir, _tiling([4, 2], [[0, 0], [2, 0]]))
-    src = ShardedSource.open(*resolve(str(dcp_dir), None))
+    src = ShardedSource.open(*resolve(str(dcp_dir), None), None, Settings())
     assert src.full(src.skeleton["w"]).tolist() == [[0, 1], [2, 3], [0, 1], [2, 3]]
 
 
@@ -325,7 +326,7 @@ def test_many_names_on_one_entry_cannot_claim_more_than_the_files_hold(dcp_dir: 
     with pytest.raises(FormatError, match=r"m\.json: invalid DCP metadata: .* claim \d+ bytes"):
         decode_metadata(data, "m.json")
     with pytest.raises(FormatError, match="claim"):
-        ShardedSource.open(*resolve(str(dcp_dir), None))
+        ShardedSource.open(*resolve(str(dcp_dir), None), None, Settings())
 
 
 def test_names_sharing_one_entry_alike_are_one_tensor(
@@ -334,7 +335,7 @@ def test_names_sharing_one_entry_alike_are_one_tensor(
     """1,000 names for one stored tensor (ties, as a sharded save stores them) count, and
     are built, once."""
     _edit_metadata(dcp_dir, _names_on_one_entry(1000, lambda i: [2, 2]))
-    src = ShardedSource.open(*resolve(str(dcp_dir), None))
+    src = ShardedSource.open(*resolve(str(dcp_dir), None), None, Settings())
     placeholders = {id(src.skeleton[f"w{i}"]) for i in range(1000)}
     assert len(placeholders) == 1
     allocations.clear()

@@ -179,7 +179,7 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(
     monkeypatch: pytest.MonkeyPatch,
     suffix: str,
 ) -> None:
-    src = ShardedSource.open(*resolve(str(sharded / "ckpt" / "3"), None))
+    src = ShardedSource.open(*resolve(str(sharded / "ckpt" / "3"), None), None, Settings())
     _count, total, largest = src.raw_bytes(src.skeleton)
     stored = max(  # the largest storage of any rank file (a shard's chunk buffer)
         s.nbytes

@@ -16,7 +16,6 @@ import torch
 import asyncckpt
 from asyncckpt._device import Placement
 from asyncckpt._engine import chunks, overlap
-from asyncckpt._engine import decode as reader
 from asyncckpt._format.container import FOOTER_SIZE, decode_footer, encode_footer
 from asyncckpt._settings import Settings
 from asyncckpt.errors import ChecksumError, FormatError
@@ -286,12 +285,12 @@ def test_cuda_load_past_the_pin_budget_is_exact(
 def test_pin_budget_env_must_be_a_positive_integer(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCCKPT_PIN_BUDGET_BYTES", "lots")
     with pytest.raises(ValueError, match="ASYNCCKPT_PIN_BUDGET_BYTES"):
-        reader.pin_budget_bytes()
+        Settings.resolve()
     monkeypatch.setenv("ASYNCCKPT_PIN_BUDGET_BYTES", "0")
     with pytest.raises(ValueError, match="positive"):
-        reader.pin_budget_bytes()
+        Settings.resolve()
     monkeypatch.delenv("ASYNCCKPT_PIN_BUDGET_BYTES")
-    assert reader.pin_budget_bytes() == Settings.help()["pin_budget_bytes"][0]
+    assert Settings.resolve().pin_budget_bytes == Settings.help()["pin_budget_bytes"][0]
 
 
 # -- 4. overlap guards: wait before anything mutates snapshotted state ------------------------
