@@ -143,6 +143,11 @@ class Storage(ABC):
     #: Paths are this machine's file names: ``os`` calls (and libraries that open files by
     #: name, such as safetensors) work on them directly.
     local_paths: bool = False
+    #: A path that holds bytes is a file, never a folder (an object store: a key with bytes
+    #: is an object, a folder only a prefix of other keys, which some stores show as an
+    #: empty object). ``asyncckpt.load`` then names a file by its size, one request, before
+    #: listing anything; a local directory has a size, so the default is False.
+    sized_paths_are_files: bool = False
 
     def describe(self, path: str) -> str:
         """``path`` as a user would write it, for error messages."""

@@ -32,8 +32,12 @@ READ_PIECE_BYTES = 4 << 20
 class ObjectHandle(ReadHandle):
     """An object pinned to its ETag: ranged ``GetObject`` requests with ``If-Match``."""
 
-    def __init__(self, storage: ObjectClient, path: str) -> None:
-        head = storage.head(path)
+    def __init__(
+        self, storage: ObjectClient, path: str, head: dict[str, Any] | None = None
+    ) -> None:
+        """``head``: a ``HeadObject`` response of ``path`` already at hand (else one is
+        made); the reads are pinned to its ETag whatever its age."""
+        head = head or storage.head(path)
         if head is None:
             raise storage.not_found(path)
         super().__init__(storage.describe(path), int(head["ContentLength"]))
