@@ -108,6 +108,11 @@ class ReadHandle(ABC):
         out[: len(data)] = data
         return len(data)
 
+    def read_ranges(self, spans: list[tuple[int, int]]) -> list[bytes]:
+        """:meth:`read_range` of each ``(start, length)``, in order. Backends where a read is
+        a round trip send them at once (an object store: one round trip, not one each)."""
+        return [self.read_range(start, length) for start, length in spans]
+
     def close(self) -> None:  # noqa: B027 (a handle that holds nothing has nothing to do)
         """Release what the handle holds (a descriptor, a snapshot); idempotent."""
 
