@@ -204,6 +204,14 @@ class Storage(ABC):
     def size(self, path: str) -> int:
         """Size in bytes; raises CheckpointNotFoundError when missing."""
 
+    def size_or_none(self, path: str) -> int | None:
+        """:meth:`size`, or None when ``path`` is missing (a backend may then skip what
+        :meth:`size` does to say why, such as asking whether the bucket exists)."""
+        try:
+            return self.size(path)
+        except CheckpointNotFoundError:
+            return None
+
     @abstractmethod
     def read_range(self, path: str, start: int, length: int) -> bytes:
         """Exactly ``length`` bytes at ``start`` (fewer only if the file is shorter)."""

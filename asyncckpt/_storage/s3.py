@@ -458,6 +458,14 @@ class S3Storage(Storage):
         self._last_head = (path, _clock(), head)  # for the open that follows (a load's)
         return int(head["ContentLength"])
 
+    def size_or_none(self, path: str) -> int | None:
+        # One HEAD: no HeadBucket to name a missing bucket (a listing after it fails there).
+        head = self.head(path)
+        if head is None:
+            return None
+        self._last_head = (path, _clock(), head)
+        return int(head["ContentLength"])
+
     def _reused_head(self, path: str) -> dict[str, Any] | None:
         """The ``HeadObject`` of the last :meth:`size`, if it was of ``path`` and recent,
         taken once (an open that starts over after a replaced file asks anew)."""

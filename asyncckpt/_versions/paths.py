@@ -181,22 +181,15 @@ def kind_of(storage: Storage, path: str) -> tuple[str, list[str]]:
             return "dir", sorted(os.listdir(path))
         return (FILE if os.path.isfile(path) else MISSING), []
     sized_first = storage.sized_paths_are_files
-    size = _size_or_none(storage, path) if sized_first else None
+    size = storage.size_or_none(path) if sized_first else None
     if size:  # an object with bytes: a file, named in one request (a restart's load)
         return FILE, []
     names = storage.list_dir(path)  # some stores give a prefix a size (0): list it
     if names:
         return "dir", names
     if not sized_first:
-        size = _size_or_none(storage, path)
+        size = storage.size_or_none(path)
     return (MISSING if size is None else FILE), []
-
-
-def _size_or_none(storage: Storage, path: str) -> int | None:
-    try:
-        return storage.size(path)
-    except CheckpointNotFoundError:
-        return None
 
 
 def _described(target: Target) -> str:

@@ -66,9 +66,11 @@ def test_a_file_replaced_after_it_was_named_is_loaded_as_it_is_now(
     assert torch.equal(asyncckpt.load(url)["w"], torch.ones(10))
 
 
-def test_a_prefix_is_still_a_root_not_a_file() -> None:
+def test_a_prefix_is_still_a_root_not_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
     url = _url().removesuffix("/model.ackpt")
     with asyncckpt.Checkpointer(url) as ckpt:
         ckpt.save(3, {"w": torch.ones(2)}).result()
+    seen = _requests(monkeypatch)
     assert torch.equal(asyncckpt.load(url)["w"], torch.ones(2))
+    assert "head_bucket" not in seen, seen  # the HEAD that finds no file asks nothing more
     assert torch.equal(asyncckpt.load(f"{url}@3")["w"], torch.ones(2))
