@@ -78,7 +78,7 @@ def load(reader: RootReader, step: int, commit: CommitRecord | None, request: Lo
                     "without DTensors in `into`"
                 )
             return reader.read_plain(step, request, budget)
-        except Exception as exc:
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
             if not isinstance(exc, AsyncCkptError) and not _is_dcp_failure(exc):
                 raise
             step = _after_interruption(reader, step, request.follow_latest, exc)
