@@ -2,8 +2,10 @@
 
 ``asyncckpt.load``, ``Checkpointer.load`` (single-file and sharded versions), the DCP
 ``Reader``, ``convert`` and ``verify`` all read through :func:`read_runs`: one bounded
-queue of chunk reads on the shared ``read`` pool, one :func:`_read_chunk` (read, check the
-CRC-32, decode), one per-thread scratch buffer for compressed bytes. What to read is a
+queue of chunk reads, each in two stages on shared pools: the fetch (read, check the
+CRC-32) on the ``fetch`` pool, then the decode on the ``read`` pool, so that the next
+chunks are fetched while one is decoded; compressed bytes land in a few reused scratch
+buffers. What to read is a
 parameter: per storage, a :class:`Run` of its chunks (all of them, or only those under the
 bytes a caller asked for), so a load of a subset of the entries reads only their chunks.
 
@@ -17,7 +19,7 @@ import collections
 import threading
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +34,9 @@ from asyncckpt.errors import ChecksumError, FormatError
 #: Chunks queued per reader thread ahead of the oldest unfinished one; buffers are
 #: allocated as their first chunk is queued, so a damaged file fails before most of them.
 QUEUED_PER_THREAD = 4
+#: Compressed chunks whose stored bytes may be held at once, beyond one per thread: the
+#: fetch of the next chunks runs while the chunks before them are decoded.
+FETCH_AHEAD = 2
 
 
 class Run(NamedTuple):
@@ -106,7 +111,8 @@ def read_runs(
     if budget is not None:
         fresh = sum(run_bytes(opened, run) for sid, run in runs.items() if sid not in into)
         budget.charge(opened.name, fresh, what)
-    queue = _Queue(pool("read", threads), threads * QUEUED_PER_THREAD)
+    queue = _Queue(threads * QUEUED_PER_THREAD)
+    stages = _Stages(pool("fetch", threads), pool("read", threads), threads + FETCH_AHEAD)
     buffers: dict[int, torch.Tensor] = {}
     try:
         for sid in sorted(runs):  # storage order is file order
@@ -115,45 +121,152 @@ def read_runs(
             if buf is None:
                 buf = _allocate_for(opened, run_bytes(opened, run), sid in pinned)
             buffers[sid] = buf
-            _queue_run(queue, opened, sid, run, byte_view(buf))
+            _queue_run(queue, stages, opened, sid, run, byte_view(buf))
         queue.drain()
     finally:
         queue.cancel()
     return buffers
 
 
-def _queue_run(queue: _Queue, opened: OpenedFile, sid: int, run: Run, view: memoryview) -> None:
+def _queue_run(
+    queue: _Queue, stages: _Stages, opened: OpenedFile, sid: int, run: Run, view: memoryview
+) -> None:
     start = 0
     for index in range(run.first, run.stop):
         raw_len = opened.manifest.chunks[index].raw_len
-        queue.submit(_read_chunk, opened, index, sid, view[start : start + raw_len])
+        queue.add(stages.read(queue, opened, index, sid, view[start : start + raw_len]))
         start += raw_len
 
 
+class _ChunkRead:
+    """One chunk in flight: its fetch (read and checksum) and then, for a compressed chunk,
+    its decode; ``done`` completes once both have, with the first failure."""
+
+    def __init__(self) -> None:
+        self.done: Future[None] = Future()
+        self._stages: list[Future[None]] = []
+        self._stopped = False
+        self._lock = threading.Lock()
+
+    def then(self, pool: DaemonPool, fn: Callable[..., None], *args: object) -> Future[None] | None:
+        """Run the next stage on ``pool``; None once :meth:`cancel` has stopped the read."""
+        with self._lock:
+            if self._stopped:
+                return None
+            stage = pool.submit(fn, *args)
+            self._stages.append(stage)
+            return stage
+
+    def cancel(self) -> None:
+        """Stop what has not started; wait for what has (it writes into the buffers)."""
+        with self._lock:
+            self._stopped = True
+            stages = list(self._stages)
+        for stage in stages:
+            stage.cancel()
+        for stage in stages:
+            if not stage.cancelled():
+                stage.exception()
+
+
+class _Stages:
+    """Chunk reads in two stages on two pools, chained by callbacks (no pool thread waits
+    for another): the fetch of a chunk's stored bytes (I/O, then its checksum) on
+    ``fetchers``, its decode on ``decoders``. While one chunk is decoded the next ones are
+    fetched, so the network (or disk) and the CPUs work at once; a reader that fetched and
+    decoded each chunk in turn left the network idle during every decode.
+
+    Compressed chunks are fetched into scratch buffers reused across chunks (a fresh one per
+    chunk would be zero-filled and page-faulted in every time), at most ``scratches`` held
+    at once; raw chunks are fetched straight into their place.
+    """
+
+    def __init__(self, fetchers: DaemonPool, decoders: DaemonPool, scratches: int) -> None:
+        self._fetchers, self._decoders = fetchers, decoders
+        self._free: list[bytearray] = []
+        self._held = 0
+        self._limit = max(1, scratches)
+        self._lock = threading.Lock()
+
+    def read(
+        self, queue: _Queue, opened: OpenedFile, index: int, sid: int, out: memoryview
+    ) -> _ChunkRead:
+        chunk = opened.manifest.chunks[index]
+        raw = chunk.codec == "raw"
+        scratch = None if raw else self._scratch(queue, chunk.stored_len)
+        stored = out if scratch is None else memoryview(scratch)[: chunk.stored_len]
+        read = _ChunkRead()
+
+        def decode(fetched: Future[None]) -> None:
+            if fetched.cancelled() or fetched.exception() is not None or raw:
+                self._finish(read, fetched, scratch)
+                return
+            decoded = read.then(self._decoders, _decode_chunk, opened, index, sid, stored, out)
+            if decoded is None:  # cancelled meanwhile
+                self._finish(read, fetched, scratch)
+            else:
+                decoded.add_done_callback(lambda d: self._finish(read, d, scratch))
+
+        fetched = read.then(self._fetchers, _fetch_chunk, opened, index, sid, stored)
+        assert fetched is not None  # nothing can have cancelled it yet
+        fetched.add_done_callback(decode)
+        return read
+
+    def _scratch(self, queue: _Queue, size: int) -> bytearray:
+        """A scratch buffer of at least ``size`` bytes; with all of them held, the oldest
+        chunks in flight are waited for until one is given back."""
+        while True:
+            with self._lock:
+                if self._free:
+                    buf = self._free.pop()
+                    break
+                if self._held < self._limit:
+                    buf = bytearray()
+                    break
+            queue.wait_oldest()
+        with self._lock:
+            self._held += 1
+        if len(buf) < size:
+            buf = bytearray(size)
+        return buf
+
+    def _finish(self, read: _ChunkRead, last: Future[None], scratch: bytearray | None) -> None:
+        """The scratch back first, then ``read.done``: whoever waits for it may take one."""
+        if scratch is not None:
+            with self._lock:
+                self._held -= 1
+                self._free.append(scratch)
+        error = None if last.cancelled() else last.exception()
+        if error is not None:
+            read.done.set_exception(error)
+        else:  # done, or cancelled after a failure elsewhere: nobody reads it then
+            read.done.set_result(None)
+
+
 class _Queue:
-    """Futures on a shared pool, at most ``limit`` unfinished; the first failure stops all."""
+    """Chunk reads in flight, at most ``limit`` unfinished; the first failure stops all."""
 
-    def __init__(self, workers: DaemonPool, limit: int) -> None:
-        self._workers = workers
+    def __init__(self, limit: int) -> None:
         self._limit = max(1, limit)
-        self._pending: collections.deque[Future[None]] = collections.deque()
+        self._pending: collections.deque[_ChunkRead] = collections.deque()
 
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        while len(self._pending) >= self._limit:
-            self._pending.popleft().result()  # re-raises the oldest chunk's error first
-        self._pending.append(self._workers.submit(fn, *args))
+    def add(self, read: _ChunkRead) -> None:
+        self._pending.append(read)
+        while len(self._pending) > self._limit:
+            self.wait_oldest()
+
+    def wait_oldest(self) -> None:
+        """Wait for the oldest chunk in flight; re-raises its error."""
+        self._pending.popleft().done.result()
 
     def drain(self) -> None:
         while self._pending:
-            self._pending.popleft().result()
+            self.wait_oldest()
 
     def cancel(self) -> None:
         # After a failure, chunks still queued must not write into buffers being dropped.
-        for future in self._pending:
-            future.cancel()
-        for future in self._pending:
-            if not future.cancelled():
-                future.exception()
+        for read in self._pending:
+            read.cancel()
         self._pending.clear()
 
 
@@ -172,22 +285,10 @@ def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def _stored_scratch(size: int) -> memoryview:
-    """A per-thread buffer for a chunk's compressed bytes, reused: a fresh one per chunk
-    would be zero-filled and page-faulted in every time."""
-    buf: bytearray | None = getattr(_local, "stored", None)
-    if buf is None or len(buf) < size:
-        buf = _local.stored = bytearray(size)
-    return memoryview(buf)[:size]
-
-
-_local = threading.local()
-
-
-def _read_chunk(opened: OpenedFile, index: int, sid: int, out: memoryview) -> None:
+def _fetch_chunk(opened: OpenedFile, index: int, sid: int, stored: memoryview) -> None:
+    """Read chunk ``index``'s stored bytes into ``stored`` and check them (a raw chunk is
+    read straight into its place, and checked there before use)."""
     chunk = opened.manifest.chunks[index]
-    # A raw chunk is read straight into its place; it is checked there before use.
-    stored = out if chunk.codec == "raw" else _stored_scratch(chunk.stored_len)
     got = opened.read_into(chunk.offset, stored)
     keys = opened.manifest.keys_of_storage
     if got != chunk.stored_len:
@@ -195,9 +296,16 @@ def _read_chunk(opened: OpenedFile, index: int, sid: int, out: memoryview) -> No
         raise ChecksumError(opened.name, index, keys(sid), detail)
     if checksum(stored) != chunk.crc32:
         raise ChecksumError(opened.name, index, keys(sid), "checksum mismatch")
-    if chunk.codec == "raw":
-        return
+
+
+def _decode_chunk(
+    opened: OpenedFile, index: int, sid: int, stored: memoryview, out: memoryview
+) -> None:
+    """Decode chunk ``index``'s checked ``stored`` bytes into ``out``."""
+    chunk = opened.manifest.chunks[index]
     try:
         decode_chunk(stored, chunk.codec, opened.manifest.storages[sid].itemsize, out)
     except FormatError as exc:
-        raise ChecksumError(opened.name, index, keys(sid), str(exc)) from exc
+        raise ChecksumError(
+            opened.name, index, opened.manifest.keys_of_storage(sid), str(exc)
+        ) from exc

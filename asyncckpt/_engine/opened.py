@@ -66,9 +66,9 @@ TAIL_BYTES = 256 << 10
 
 def open_file(storage: Storage, path: str) -> OpenedFile:
     """Open ``path`` (one handle, see :meth:`Storage.open_read`) and read and validate its
-    header, footer and manifest (two small reads through the handle: the header, and the
-    last ``TAIL_BYTES``; a third for a longer manifest). The caller closes the opened file
-    (``with open_file(...) as opened:``).
+    header, footer and manifest (two small reads through the handle, sent at once where the
+    backend can: the header, and the last ``TAIL_BYTES``; a third for a longer manifest).
+    The caller closes the opened file (``with open_file(...) as opened:``).
 
     Raises:
         CheckpointNotFoundError: no file at ``path``.
@@ -80,11 +80,12 @@ def open_file(storage: Storage, path: str) -> OpenedFile:
     try:
         if size < HEADER_SIZE + FOOTER_SIZE:
             raise TruncatedFileError(f"{name}: {size} bytes is too short for an asyncckpt file")
-        decode_header(handle.read_range(0, HEADER_SIZE), name)
-        # The footer and, in one request with it, the manifest before it when it fits in
-        # TAIL_BYTES (on an object store every read is a round trip a restart waits for).
+        # The header, and the footer with, in the same read, the manifest before it when it
+        # fits in TAIL_BYTES; both sent at once (on an object store every read is a round
+        # trip a restart waits for).
         at = max(HEADER_SIZE, size - TAIL_BYTES)
-        tail = handle.read_range(at, size - at)
+        header, tail = handle.read_ranges([(0, HEADER_SIZE), (at, size - at)])
+        decode_header(header, name)
         footer = decode_footer(tail[-FOOTER_SIZE:], size, name)
         if footer.manifest_offset >= at:
             start = footer.manifest_offset - at

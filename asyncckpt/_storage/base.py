@@ -108,6 +108,11 @@ class ReadHandle(ABC):
         out[: len(data)] = data
         return len(data)
 
+    def read_ranges(self, spans: list[tuple[int, int]]) -> list[bytes]:
+        """:meth:`read_range` of each ``(start, length)``, in order. Backends where a read is
+        a round trip send them at once (an object store: one round trip, not one each)."""
+        return [self.read_range(start, length) for start, length in spans]
+
     def close(self) -> None:  # noqa: B027 (a handle that holds nothing has nothing to do)
         """Release what the handle holds (a descriptor, a snapshot); idempotent."""
 
@@ -143,6 +148,11 @@ class Storage(ABC):
     #: Paths are this machine's file names: ``os`` calls (and libraries that open files by
     #: name, such as safetensors) work on them directly.
     local_paths: bool = False
+    #: A path that holds bytes is a file, never a folder (an object store: a key with bytes
+    #: is an object, a folder only a prefix of other keys, which some stores show as an
+    #: empty object). ``asyncckpt.load`` then names a file by its size, one request, before
+    #: listing anything; a local directory has a size, so the default is False.
+    sized_paths_are_files: bool = False
 
     def describe(self, path: str) -> str:
         """``path`` as a user would write it, for error messages."""
@@ -193,6 +203,14 @@ class Storage(ABC):
     @abstractmethod
     def size(self, path: str) -> int:
         """Size in bytes; raises CheckpointNotFoundError when missing."""
+
+    def size_or_none(self, path: str) -> int | None:
+        """:meth:`size`, or None when ``path`` is missing (a backend may then skip what
+        :meth:`size` does to say why, such as asking whether the bucket exists)."""
+        try:
+            return self.size(path)
+        except CheckpointNotFoundError:
+            return None
 
     @abstractmethod
     def read_range(self, path: str, start: int, length: int) -> bytes:

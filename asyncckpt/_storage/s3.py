@@ -74,6 +74,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _DELETE_BATCH = 1000
+#: Seconds for which the ``HeadObject`` of :meth:`S3Storage.size` opens the same object
+#: (:meth:`S3Storage.open_read`) without a second one: a load names its file by its size,
+#: then opens it. Safe at any age: the handle pins the reads to that HEAD's ETag, so an
+#: object replaced since fails them and the load starts over on the new one.
+REUSED_HEAD_S = 5.0
 
 # Indirection so tests can drive the retry loop with a fake clock.
 _clock: Callable[[], float] = time.monotonic
@@ -101,6 +106,8 @@ def _warn_markers_unreadable(label: str, bucket: str, exc: BaseException) -> Non
 
 class S3Storage(Storage):
     """S3 (or an S3-compatible store) through an s3fs filesystem, with no renames.
+
+    A key with bytes is an object, never a folder (``sized_paths_are_files``).
 
     Args:
         fs: an ``s3fs.S3FileSystem`` (or a wrapper exposing its ``call_s3`` and
@@ -162,6 +169,9 @@ class S3Storage(Storage):
         single_retry_layer(fs)
         self._secrets = secrets_of(fs)
         self._rng = random.Random()
+        self._last_head: tuple[str, float, dict[str, Any]] | None = None
+
+    sized_paths_are_files = True
 
     def target(self, path: str) -> tuple[str, ...]:
         return (type(self).__name__, self.describe(path.lstrip("/").split("/", 1)[0]))
@@ -173,6 +183,7 @@ class S3Storage(Storage):
         """For a writer process: the lock and the random source are rebuilt there."""
         state = dict(self.__dict__)
         del state["_probe_lock"], state["_rng"]
+        state["_last_head"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -445,7 +456,24 @@ class S3Storage(Storage):
         head = self.head(path)
         if head is None:
             raise self.not_found(path)
+        self._last_head = (path, _clock(), head)  # for the open that follows (a load's)
         return int(head["ContentLength"])
+
+    def size_or_none(self, path: str) -> int | None:
+        # One HEAD: no HeadBucket to name a missing bucket (a listing after it fails there).
+        head = self.head(path)
+        if head is None:
+            return None
+        self._last_head = (path, _clock(), head)
+        return int(head["ContentLength"])
+
+    def _reused_head(self, path: str) -> dict[str, Any] | None:
+        """The ``HeadObject`` of the last :meth:`size`, if it was of ``path`` and recent,
+        taken once (an open that starts over after a replaced file asks anew)."""
+        last, self._last_head = self._last_head, None
+        if last is None or last[0] != path or _clock() - last[1] > REUSED_HEAD_S:
+            return None
+        return last[2]
 
     def head(self, path: str) -> dict[str, Any] | None:
         try:
@@ -488,8 +516,10 @@ class S3Storage(Storage):
         ranged read sent with ``If-Match`` on that ETag (and the ETag of each response
         compared with it, for stores that ignore the header). A read of an object replaced
         since raises :class:`~asyncckpt.errors.FileReplacedError`; the load starts over.
+        The HEAD of a :meth:`size` of ``path`` just before (a load names its file by its
+        size) is reused (:data:`REUSED_HEAD_S`).
         """
-        return ObjectHandle(self, path)
+        return ObjectHandle(self, path, self._reused_head(path))
 
     def read_bytes(self, path: str, limit: int) -> bytes:
         data = self.read_range(path, 0, limit + 1)  # one request, not a HEAD and a GET

@@ -32,8 +32,12 @@ READ_PIECE_BYTES = 4 << 20
 class ObjectHandle(ReadHandle):
     """An object pinned to its ETag: ranged ``GetObject`` requests with ``If-Match``."""
 
-    def __init__(self, storage: ObjectClient, path: str) -> None:
-        head = storage.head(path)
+    def __init__(
+        self, storage: ObjectClient, path: str, head: dict[str, Any] | None = None
+    ) -> None:
+        """``head``: a ``HeadObject`` response of ``path`` already at hand (else one is
+        made); the reads are pinned to its ETag whatever its age."""
+        head = head or storage.head(path)
         if head is None:
             raise storage.not_found(path)
         super().__init__(storage.describe(path), int(head["ContentLength"]))
@@ -50,6 +54,27 @@ class ObjectHandle(ReadHandle):
         )
         self._check_etags([etag])
         return data
+
+    def read_ranges(self, spans: list[tuple[int, int]]) -> list[bytes]:
+        """Each ``(start, length)`` as :meth:`read_range` reads it; on s3fs all the GETs are
+        sent at once on its event loop (one round trip), retried together."""
+        fs = self.storage.fs
+        if not streams_into(fs) or len(spans) < 2:
+            return super().read_ranges(spans)
+        bucket, key = self.storage.split(self.path)
+        wanted = [(s, min(s + n, self.size)) for s, n in spans]
+        todo = [(s, e) for s, e in wanted if e > s]
+
+        async def gather() -> list[tuple[bytes, str | None]]:
+            gets = (_s3fs_ranged_get(fs, bucket, key, s, e, self.etag) for s, e in todo)
+            return list(await asyncio.gather(*gets))
+
+        from fsspec.asyn import sync
+
+        got = iter(self._request(lambda: sync(fs.loop, gather)))
+        out = [next(got) if e > s else (b"", None) for s, e in wanted]
+        self._check_etags([etag for _, etag in out])
+        return [data for data, _ in out]
 
     def read_into(self, start: int, out: memoryview) -> int:
         """Fill ``out`` from ``start``: on s3fs, ranged GETs of at most

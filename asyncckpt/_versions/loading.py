@@ -11,15 +11,13 @@ engine. Nothing calls back up.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Final
-
-from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncckpt._engine.decode import Budget
 from asyncckpt._format.tree import holds_dtensor
 from asyncckpt._versions.protocol import SHARDED, CommitRecord
 from asyncckpt._versions.reading import LoadRequest, RootReader
-from asyncckpt._versions.sharded_reading import read_sharded
 from asyncckpt.errors import AsyncCkptError, CheckpointNotFoundError, IncompleteCheckpointError
 
 log = logging.getLogger(__name__)
@@ -69,6 +67,10 @@ def load(reader: RootReader, step: int, commit: CommitRecord | None, request: Lo
                 raise CheckpointNotFoundError(f"step {step} under {reader.where} is not committed")
             budget = Budget(request.max_bytes)
             if commit.kind == SHARDED:
+                # Imported here: it imports torch.distributed.checkpoint (about 0.5 s), which
+                # a restart's load of a plain version would otherwise pay before reading.
+                from asyncckpt._versions.sharded_reading import read_sharded
+
                 return read_sharded(reader, commit, request, budget)
             if holds_dtensor(request.into):
                 raise ValueError(
@@ -76,7 +78,9 @@ def load(reader: RootReader, step: int, commit: CommitRecord | None, request: Lo
                     "without DTensors in `into`"
                 )
             return reader.read_plain(step, request, budget)
-        except (AsyncCkptError, CheckpointException) as exc:
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            if not isinstance(exc, AsyncCkptError) and not _is_dcp_failure(exc):
+                raise
             step = _after_interruption(reader, step, request.follow_latest, exc)
         commit = reader.commit_of(step)
     raise IncompleteCheckpointError(
@@ -84,6 +88,20 @@ def load(reader: RootReader, step: int, commit: CommitRecord | None, request: Lo
         f"process loaded them (the last was step {step}); keep more versions (keep_last) "
         "or give load() a step that is kept"
     )
+
+
+def _is_dcp_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch DCP's ``CheckpointException`` (a sharded read's failure).
+
+    Asked of the module only once it is imported: before that no DCP load ran, so nothing
+    raised it, and importing it to ask would cost every plain load its import.
+
+    Example:
+        >>> _is_dcp_failure(ValueError("x"))
+        False
+    """
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api is not None and isinstance(exc, api.CheckpointException)
 
 
 def _after_interruption(reader: RootReader, step: int, follow: bool, exc: BaseException) -> int:

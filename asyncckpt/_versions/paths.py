@@ -173,19 +173,23 @@ def _is_root_dir(storage: Storage, path: str) -> bool:
 def kind_of(storage: Storage, path: str) -> tuple[str, list[str]]:
     """What is at ``path``: ``("dir", names)``, ``("file", [])`` or ``("missing", [])``; an
     empty local folder is a ``"dir"`` (an object store has no empty folders: a prefix with
-    nothing is missing)."""
+    nothing is missing). Where a path with bytes is a file
+    (:attr:`~asyncckpt._storage.Storage.sized_paths_are_files`), its size is asked first and
+    names a file in one request; elsewhere the listing comes first (a folder has a size)."""
     if storage.local_paths:
         if os.path.isdir(path):
             return "dir", sorted(os.listdir(path))
         return (FILE if os.path.isfile(path) else MISSING), []
-    names = storage.list_dir(path)  # first: some stores give a prefix a size (0)
+    sized_first = storage.sized_paths_are_files
+    size = storage.size_or_none(path) if sized_first else None
+    if size:  # an object with bytes: a file, named in one request (a restart's load)
+        return FILE, []
+    names = storage.list_dir(path)  # some stores give a prefix a size (0): list it
     if names:
         return "dir", names
-    try:
-        storage.size(path)
-    except CheckpointNotFoundError:
-        return MISSING, []
-    return FILE, []
+    if not sized_first:
+        size = storage.size_or_none(path)
+    return (MISSING if size is None else FILE), []
 
 
 def _described(target: Target) -> str:

@@ -182,6 +182,7 @@ class CrashStorage(Storage):
         self.inner, self.plan = inner, plan
         self.label = inner.label
         self.process_local, self.local_paths = inner.process_local, inner.local_paths
+        self.sized_paths_are_files = inner.sized_paths_are_files
 
     # Capabilities are the inner backend's (the engine asks them, never the type).
     def target(self, path: str) -> tuple[str, ...]:

@@ -141,3 +141,30 @@ def test_tunables_come_from_the_settings_given_at_construction(
     assert S3Storage(storage.fs).settings.part_bytes == 7 << 20  # None: the environment
     with pytest.raises(ValueError, match="part_concurrency"):
         S3Storage(storage.fs, part_concurrency=0)
+
+
+def test_several_small_reads_are_sent_at_once_and_pinned(
+    s3_root: str, s3_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Opening a file reads its header and its tail: one round trip, not two.
+    storage, path, data = _object(s3_root, s3_server, 1000)
+    seen = {"now": 0, "most": 0}
+    real = s3read._s3fs_ranged_get
+
+    async def counted(*args: Any) -> tuple[bytes, str | None]:
+        seen["now"] += 1
+        seen["most"] = max(seen["most"], seen["now"])
+        try:
+            await asyncio.sleep(0.01)  # let the other start
+            return await real(*args)
+        finally:
+            seen["now"] -= 1
+
+    monkeypatch.setattr(s3read, "_s3fs_ranged_get", counted)
+    with storage.open_read(path) as handle:
+        spans = [(0, 16), (900, 200), (2000, 5)]
+        assert handle.read_ranges(spans) == [data[:16], data[900:], b""]
+        assert seen["most"] == 2
+        storage.write_bytes(path, os.urandom(1000))
+        with pytest.raises(FileReplacedError, match=r"blob\.bin"):
+            handle.read_ranges([(0, 16), (500, 10)])

@@ -4,6 +4,8 @@ and a Hugging Face run's ``output_dir`` and ``checkpoint-N`` folders."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -106,3 +108,18 @@ def test_a_version_directory_is_that_version(tmp_path: Path) -> None:
     found = paths.find(root / "1")
     assert (found.kind, found.path, found.step) == ("root", str(root), 1)
     assert asyncckpt.load(root / "1")["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.timeout(120)
+def test_loading_a_plain_file_imports_no_torch_dcp(tmp_path: Path) -> None:
+    """A restarted job's first load of a file pays every import on its way: importing
+    ``torch.distributed.checkpoint`` (for sharded versions only) cost it about 0.5 s."""
+    path = tmp_path / "x.ackpt"
+    asyncckpt.save({"w": torch.ones(3)}, path).result()
+    code = (
+        "import sys, asyncckpt\n"
+        f"assert asyncckpt.load({str(path)!r})['w'].tolist() == [1.0, 1.0, 1.0]\n"
+        "print('torch.distributed.checkpoint' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
