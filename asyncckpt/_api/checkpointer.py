@@ -699,7 +699,16 @@ class Checkpointer:
     def wait_for_snapshot(self) -> None:
         """Block until the last save's device-to-host copies have landed.
 
-        Only needed with ``overlap=True``: before that, the state's tensors must not change.
+        Only needed with ``overlap=True``: before that, the state's tensors must not change
+        (:meth:`protect` makes an optimizer's step wait on the device instead).
+
+        Example:
+            >>> import tempfile, torch
+            >>> with Checkpointer(tempfile.mkdtemp(), overlap=True) as ckpt:
+            ...     w = torch.ones(4)
+            ...     _ = ckpt.save(1, {"w": w})
+            ...     ckpt.wait_for_snapshot()
+            ...     _ = w.mul_(2)  # the snapshot holds the ones
         """
         copies = self._last_copies
         if copies is not None:

@@ -259,6 +259,36 @@ def test_pinned_load_buffers_are_registered_exactly_and_freed_after_the_load(
     assert not fake_cuda.registered  # unregistered once the load's buffers are gone
 
 
+def test_wait_for_snapshot_returns_once_the_last_saves_copies_have_landed(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncckpt._engine.snapshot import DeviceCopies
+
+    # Only the caller may wait for the copies until it has: the save's own threads are held,
+    # so what wait_for_snapshot returns after is its own wait, not theirs.
+    real_wait, caller_done = DeviceCopies.wait, threading.Event()
+
+    def wait(copies: DeviceCopies) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            caller_done.wait(60)
+        real_wait(copies)
+
+    monkeypatch.setattr(DeviceCopies, "wait", wait)
+    with asyncckpt.Checkpointer(tmp_path / "run", overlap=True) as ckpt:
+        ckpt.wait_for_snapshot()  # no save yet: nothing to wait for
+        handle = ckpt.save(1, _state(fake_cuda))
+        fake_cuda.mark("waiting")
+        ckpt.wait_for_snapshot()
+        fake_cuda.mark("waited")
+        caller_done.set()
+        handle.result()
+    names = fake_cuda.names()
+    start, end = _index(names, "mark:waiting"), _index(names, "mark:waited")
+    queued = names[:start].count("record_event")
+    synced = {c[1] for c in fake_cuda.calls[start:end] if c[0] == "synchronize_event"}
+    assert queued > 0 and len(synced) == queued
+
+
 def test_the_host_waits_for_the_copies_before_handing_the_arena_to_the_writer_process(
     fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
