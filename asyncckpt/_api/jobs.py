@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final, cast
 
 from asyncckpt import _threads as workers
+from asyncckpt._engine import writer_process
 from asyncckpt._engine.snapshot import Snapshot
 from asyncckpt.errors import CheckpointTimeoutError
 
@@ -641,6 +642,7 @@ def _finish_at_exit() -> None:
         handle._failure()  # wait, without marking it observed
     workers.wait_idle(_EXIT_IDLE_WAIT_S)
     workers.wait_torch_threads_quiet(_EXIT_TORCH_QUIET_S)
+    writer_process.stop()  # nothing is pending: its socket closed and the child reaped
     failed = [h for h in _tracker.of(ANY) if h.failed() and not h.observed]
     if not failed:
         return

@@ -147,17 +147,18 @@ def serve(fd: int, parent: int) -> None:
     writes until the socket closes; exit at once if the caller ``parent`` is gone."""
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    channel = Channel(socket.socket(fileno=fd))
     arenas: dict[int, memoryview] = {}
-    while True:
-        try:
-            message, fds = channel.receive()
-        except (EOFError, OSError):
-            return
-        if message[0] == "map":
-            arenas[message[1]] = _mapped(fds[0], message[2])
-        elif message[0] == "write":
-            _serve_write(message[1], arenas, channel)
+    with socket.socket(fileno=fd) as sock:
+        channel = Channel(sock)
+        while True:
+            try:
+                message, fds = channel.receive()
+            except (EOFError, OSError):
+                return
+            if message[0] == "map":
+                arenas[message[1]] = _mapped(fds[0], message[2])
+            elif message[0] == "write":
+                _serve_write(message[1], arenas, channel)
 
 
 def _serve_write(job: WriteJob, arenas: dict[int, memoryview], channel: Channel) -> None:

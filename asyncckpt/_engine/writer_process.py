@@ -331,6 +331,26 @@ def start(settings: Settings) -> Future[WriterProcess]:
         return _current
 
 
+def stop() -> None:
+    """Shut the writer process down and reap it (at exit, once no save is pending): closing
+    the socket ends the child's loop. A child still starting, or one that does not end in
+    time, is left to die with this process.
+
+    Example:
+        >>> _ = start(Settings()).result(); stop(); current() is None
+        True
+    """
+    global _current
+    with _lock:
+        future, _current = _current, None
+    if future is None or not future.done() or future.exception() is not None:
+        return
+    process = future.result()
+    process.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.process.wait(_EXIT_WAIT_S)
+
+
 def current() -> WriterProcess | None:
     """The writer process, if one has been started and is usable (for tests and tools)."""
     with _lock:

@@ -363,8 +363,8 @@ def test_the_tunable_takes_0_or_1() -> None:
         Settings.resolve(writer_processes=2)
 
 
-def _script(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ASYNCCKPT_WRITER_PROCESSES": "1"}
+def _script(code: str, tmp_path: Path, **environ: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ASYNCCKPT_WRITER_PROCESSES": "1", **environ}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code), str(tmp_path)],
         env=env,
@@ -451,6 +451,22 @@ def test_a_script_that_saves_and_exits_leaves_a_whole_file_and_no_child(tmp_path
     while not _gone(pid):
         assert time.monotonic() < deadline, f"the writer process {pid} outlived its caller"
         time.sleep(0.05)
+
+
+def test_a_script_that_saves_and_exits_leaves_no_resource_unclosed(tmp_path: Path) -> None:
+    """At exit, once no save is pending, the writer process is shut down cleanly: its
+    socket closed and the child reaped, so development mode reports nothing left open."""
+    done = _script(
+        """
+        import sys, torch, asyncckpt
+        asyncckpt.save({"w": torch.arange(1 << 16)}, sys.argv[1] + "/a.ackpt")
+        """,
+        tmp_path,
+        PYTHONDEVMODE="1",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "ResourceWarning" not in done.stderr, done.stderr
+    assert torch.equal(asyncckpt.load(tmp_path / "a.ackpt")["w"], torch.arange(1 << 16))
 
 
 class TwoArgumentError(Exception):
