@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import struct
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,13 +40,42 @@ MIB = 1 << 20
 CHUNK = 2 * MIB
 
 
+class _LinkClock:
+    """The time that write measurements see: it moves only when a throttled link sleeps, so
+    a write to a throttled link takes exactly its bytes over the bandwidth and any other
+    write takes no time, however busy this machine is. (On the real clocks a test of what
+    ``"auto"`` measures failed without a defect both ways on a loaded machine: the save
+    thread's run-queue wait covered a throttled write's sleep, and without that subtraction
+    writes to memory looked slow.)"""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        with self._lock:
+            self.t += seconds
+
+    def thread_clock(self) -> cpu.ThreadClock:
+        return cpu.ThreadClock(self.t, 0.0, 0.0)
+
+
+_link = _LinkClock()
+
+
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Each test starts from a process that has learned nothing, with small chunks, and
-    does not depend on how busy this machine is (the spare cores are unknown unless a test
-    says otherwise)."""
+    does not depend on how busy this machine is: the spare cores are unknown unless a test
+    says otherwise, and writes are timed on :class:`_LinkClock`."""
+    global _link
+    _link = _LinkClock()
     monkeypatch.setenv("ASYNCCKPT_CHUNK_BYTES", str(CHUNK))
     monkeypatch.setattr(cpu, "spare_cores", lambda: None)
+    monkeypatch.setattr(cpu.ThreadClock, "now", staticmethod(_link.thread_clock))
     autocompress.reset()
     yield
     autocompress.reset()
@@ -258,7 +288,8 @@ def test_auto_round_trips_whatever_is_chosen(
 
 
 def _throttled(bandwidth: float) -> dict[str, Any]:
-    return {"faulty": {"plan": FaultPlan(link_bandwidth=bandwidth)}}
+    plan = FaultPlan(link_bandwidth=bandwidth, sleep=_link.sleep, clock=_link.now)
+    return {"faulty": {"plan": plan}}
 
 
 @pytest.mark.timeout(120)
