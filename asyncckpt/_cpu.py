@@ -11,12 +11,13 @@ what is measured here (:mod:`asyncckpt._engine.autocompress`):
   may run on (``os.sched_getaffinity``), or, elsewhere, from this process's own CPU time;
 * :class:`ThreadClock`: the calling thread's CPU time and the time it spent waiting for a
   core (``/proc/thread-self/schedstat``), so that a write that took long because the CPU
-  was busy is not mistaken for slow storage.
+  was busy is not mistaken for slow storage. The kernel books a running thread's CPU time
+  at scheduler ticks, so over a short interval ``cpu`` may exceed ``wall``.
 
 Example:
     >>> clock = ThreadClock.now()
     >>> spent = ThreadClock.now() - clock
-    >>> spent.wall >= spent.cpu >= 0.0
+    >>> spent.wall >= spent.busy >= 0.0 and spent.cpu >= 0.0
     True
 """
 
