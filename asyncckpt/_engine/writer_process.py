@@ -333,8 +333,8 @@ def start(settings: Settings) -> Future[WriterProcess]:
 
 def stop() -> None:
     """Shut the writer process down and reap it (at exit, once no save is pending): closing
-    the socket ends the child's loop. A child still starting, or one that does not end in
-    time, is left to die with this process.
+    the socket ends the child's loop; one that has not ended in time is killed (it holds
+    no write). A child still starting is left to die with this process.
 
     Example:
         >>> _ = start(Settings()).result(); stop(); current() is None
@@ -347,8 +347,11 @@ def stop() -> None:
         return
     process = future.result()
     process.close()
-    with contextlib.suppress(subprocess.TimeoutExpired):
+    try:
         process.process.wait(_EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        process.process.kill()
+        process.process.wait()
 
 
 def current() -> WriterProcess | None:
