@@ -83,6 +83,17 @@ def test_the_overlap_guard_waits_on_the_device_not_the_host(
         released.set()
 
     monkeypatch.setattr(ArenaPool, "_give_back", give_back)
+    # The fake's copies land at once: a writer that waited for them before the step would
+    # leave the guard nothing to wait on (rightly), so the writer's wait is held until then.
+    stepped = threading.Event()
+    real_synchronize = fake_cuda.synchronize_event
+
+    def synchronize_event(event: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            assert stepped.wait(60)
+        real_synchronize(event)
+
+    monkeypatch.setattr(fake_cuda, "synchronize_event", synchronize_event)
     with asyncckpt.Checkpointer(tmp_path / "run", overlap=True) as ckpt:
         ckpt.protect(opt)
         handle = ckpt.save(1, model.state_dict())
@@ -90,6 +101,7 @@ def test_the_overlap_guard_waits_on_the_device_not_the_host(
         model(torch.ones(2, 8)).sum().backward()
         opt.step()
         fake_cuda.mark("step done")
+        stepped.set()
         handle.result()
         released.wait()
     names = fake_cuda.names()
