@@ -15,6 +15,10 @@ Checks (sizes are GiB of float32 on the device):
 * ``stall``: the time ``asyncckpt.save`` holds the caller ÷ a pinned device-to-host copy of
   the same bytes into buffers allocated beforehand (target <= 1.2), cold (a fresh arena
   pool) and warm, at each ``--stall-gib``.
+* ``first_save``: the first save of a fresh process (issue 32), each in its own interpreter:
+  ``asyncckpt.save`` plain and after ``reserve``, ``Checkpointer.save``, and DCP's
+  ``async_save`` as the peer; stall ÷ a pinned copy of the same bytes measured in that process
+  (target <= 3).
 * ``load``: ``asyncckpt.load(map_location="cuda:0")`` ÷ ``torch.load(map_location=
   "cuda:0")``; peak GPU and host memory of ``load`` and ``load(into=)``.
 * ``arena_lifetime``: page-locked arenas alive and their bytes after saves of 1, 2, 1 GiB.
@@ -94,12 +98,19 @@ def negative_control(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         x = torch.nn.Parameter(torch.randn(_elements(args, args.control_gib), device=args.device))
         x.grad = torch.ones_like(x)
         opt = torch.optim.SGD([x], lr=1.0)
+        opt.step()  # its first call imports and sets up for seconds: the copy would be done
         expected = x.detach().cpu().clone()  # .cpu() of a CPU tensor is the tensor itself
         with asyncckpt.Checkpointer(tmp / f"control-{guarded}", overlap=True) as ckpt:
             if guarded:
                 ckpt.protect(opt)
+            ckpt.save(0, {"x": x}).result()  # the arena and the lease exist: a warm save
+            if args.device == "cuda":
+                # A second of GPU work queued first: the save's copy and the step below both
+                # start when it ends, so they overlap however long the host takes between
+                # them (with an optimizer stepped before: its first step took longer still).
+                torch.cuda._sleep(2_000_000_000)
             handle = ckpt.save(1, {"x": x})
-            opt.step()  # launched at once: x -= 1 while the copy may still read x
+            opt.step()  # queued at once: x -= 1 while the copy may still read x
             handle.result()
             loaded = ckpt.load(1, map_location="cpu")["x"]
         out["guarded" if guarded else "unguarded"] = (
@@ -159,6 +170,84 @@ def stall(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             torch.cuda.empty_cache()
     ok = all((r["warm_ratio"] or 0) <= 1.2 for r in rows)
     return {"rows": rows, "target": "warm ratio <= 1.2", "ok": ok}
+
+
+_FIRST_SAVE_CHILD = textwrap.dedent(
+    """
+    import json, os, sys, tempfile, time, torch, asyncckpt
+    mode, gib, device = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+    n = int(gib * (1 << 30)) // 4 if device == "cuda" else 4096
+    state = {f"w{i}": torch.randn(n // 8, device=device) for i in range(8)}
+    floor_into = {k: torch.empty(v.shape, pin_memory=device == "cuda") for k, v in state.items()}
+    for k, v in state.items():  # faulted in and warm, as bench_save's floor
+        floor_into[k].copy_(v, non_blocking=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for k, v in state.items():
+        floor_into[k].copy_(v, non_blocking=True)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    floor = time.perf_counter() - t
+    del floor_into
+    if mode == "reserve":
+        thread = asyncckpt.reserve(state)  # as a script would, once the state exists
+        if thread is not None:
+            thread.join()
+    tmp = tempfile.mkdtemp(prefix="first-save-")
+    ckpt = asyncckpt.Checkpointer(tmp) if mode == "checkpointer" else None
+    if mode == "dcp_async":
+        import torch.distributed.checkpoint as dcp
+    t = time.perf_counter()
+    if mode == "dcp_async":
+        fut = dcp.async_save(state, checkpoint_id=os.path.join(tmp, "dcp"))
+    elif ckpt is not None:
+        fut = ckpt.save(1, state)
+    else:
+        fut = asyncckpt.save(state, os.path.join(tmp, "first.ackpt"))
+    blocked = time.perf_counter() - t
+    fut = getattr(fut, "upload_completion", fut)
+    fut.result()
+    if ckpt is not None:
+        ckpt.close()
+    print(json.dumps({"floor_s": floor, "blocked_s": blocked, "x_floor": blocked / floor}))
+    """
+)
+
+
+@check
+def first_save(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(args.first_save_repeats):
+        for mode in ("plain", "reserve", "checkpointer", "dcp_async"):
+            cmd = [sys.executable, "-c", _FIRST_SAVE_CHILD, mode, str(args.first_save_gib)]
+            try:
+                run = subprocess.run(
+                    [*cmd, args.device], capture_output=True, text=True, timeout=60, cwd=tmp
+                )
+                lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+                got = (
+                    json.loads(lines[-1])
+                    if lines
+                    else {"rc": run.returncode, "stderr": run.stderr[-800:]}
+                )
+            except subprocess.TimeoutExpired:
+                got = {"error": "timed out at 60 s"}
+            rows.setdefault(mode, []).append(got)
+    medians = {
+        mode: sorted(r["x_floor"] for r in runs)[len(runs) // 2]
+        for mode, runs in rows.items()
+        if all("x_floor" in r for r in runs)
+    }
+    ours = [medians.get(m) for m in ("plain", "checkpointer")]
+    ok = all(x is not None and x <= 3 for x in ours)
+    return {
+        "gib": args.first_save_gib,
+        "runs": rows,
+        "median_x_floor": medians,
+        "target": "plain and Checkpointer first save <= 3x the pinned copy",
+        "ok": ok if args.device == "cuda" else True,
+    }
 
 
 def _peak_host_reset() -> None:
@@ -239,14 +328,18 @@ _ASSERT_CHILD = textwrap.dedent(
     """
     import json, sys, time, torch, asyncckpt
     state = {"w": torch.randn(1 << 20, device="cuda")}
-    torch.zeros(1, device="cuda")[torch.tensor([5], device="cuda")] += 1  # device assert
+    trigger = "queued"
+    try:  # an out-of-bounds gather: the kernel asserts on the device, after the launch
+        torch.zeros(4, device="cuda")[torch.tensor([5], device="cuda")]
+    except BaseException as exc:  # some torch builds report it at once
+        trigger = f"raised at once: {type(exc).__name__}"
     t0 = time.perf_counter()
     try:
         asyncckpt.save(state, sys.argv[1]).result()
         outcome = "returned"
     except BaseException as exc:
         outcome = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print(json.dumps({"outcome": outcome, "s": time.perf_counter() - t0}), flush=True)
+    print(json.dumps({"trigger": trigger, "outcome": outcome, "s": time.perf_counter() - t0}))
     """
 )
 
@@ -355,6 +448,8 @@ def main() -> int:
     ap.add_argument("--stall-gib", type=float, nargs="+", default=[1, 16])
     ap.add_argument("--control-gib", type=float, default=2)
     ap.add_argument("--load-gib", type=float, default=1)
+    ap.add_argument("--first-save-gib", type=float, default=2)
+    ap.add_argument("--first-save-repeats", type=int, default=2)
     ap.add_argument("--only", nargs="*", default=None, choices=list(CHECKS))
     args = ap.parse_args()
     failed = 0
@@ -376,6 +471,7 @@ def main() -> int:
         )
         # Quick and decisive first, the largest (16 GiB) last: a timeout cuts the tail only.
         order = ["negative_control", "freed_source", "device_assert", "dtypes", "fsdp2"]
+        order += ["first_save"]
         order += [name for name in CHECKS if name not in (*order, "stall")] + ["stall"]
         for name in order:
             fn = CHECKS[name]

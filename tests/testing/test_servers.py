@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+pytest.importorskip("botocore")  # absent on a GPU image (scripts/gpu_check.sh collects this)
+
 from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError
 from botocore.session import get_session
