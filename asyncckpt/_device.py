@@ -277,6 +277,18 @@ class Cuda:
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
+    def clone_async(self, src: torch.Tensor, stream: Any) -> torch.Tensor:
+        """A copy of the 1-D ``src`` in memory of its own device, queued on ``stream`` (and
+        allocated for it: only that stream uses it)."""
+        with torch.cuda.stream(stream):
+            out = torch.empty(src.numel(), dtype=src.dtype, device=src.device)
+            out.copy_(src, non_blocking=True)
+        return out
+
+    def free_memory(self, index: int) -> int:
+        """Bytes free on device ``index`` (``cudaMemGetInfo``: outside torch's cache)."""
+        return int(torch.cuda.mem_get_info(index)[0])
+
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         """Keep the allocator from reusing ``t``'s memory before ``stream``'s queued work."""
         t.record_stream(stream)

@@ -37,9 +37,11 @@ def arena_allocations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     allocated: list[int] = []
     real_allocate = arena_mod._allocate
 
-    def allocate(nbytes: int, shared: bool = False, pin: int | None = None) -> Any:
+    def allocate(
+        nbytes: int, shared: bool = False, pin: int | None = None, lock_later: bool = False
+    ) -> Any:
         allocated.append(nbytes)
-        return real_allocate(nbytes, shared, pin)
+        return real_allocate(nbytes, shared, pin, lock_later)
 
     monkeypatch.setattr(arena_mod, "_allocate", allocate)
     return allocated
@@ -58,6 +60,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(staging_api, "_arenas", None)
     monkeypatch.setattr(arena_mod, "_unpinnable", False)  # a failed registration sticks
+    monkeypatch.setattr(arena_mod, "_lock_later_works", True)  # so does a failed late one
     fake = FakeCuda()
     previous = _device.use_cuda(fake)
     try:

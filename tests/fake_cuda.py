@@ -51,7 +51,8 @@ class FakeCuda(Cuda):
     failed, every later call of a device operation raises the same error (a sticky CUDA
     error: the context is unusable). ``register_fails``: ``register`` returns False (and
     the engine must clear the error). ``bound``: the process group's bound device, ``rank``
-    its rank (None: no group).
+    its rank (None: no group). ``free_bytes``: what ``free_memory`` answers for each device
+    (none by default: a save page-locks a new arena before copying, as on a full device).
     """
 
     devices: int = 1
@@ -60,6 +61,7 @@ class FakeCuda(Cuda):
     register_fails: bool = False
     bound: int | None = None
     rank: int | None = None
+    free_bytes: int = 0
     calls: list[tuple[Any, ...]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -155,6 +157,14 @@ class FakeCuda(Cuda):
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
         self._op("copy_async", stream, src.untyped_storage().data_ptr())
         dst.copy_(src)
+
+    def clone_async(self, src: torch.Tensor, stream: Any) -> torch.Tensor:
+        self._op("clone_async", stream, src.untyped_storage().data_ptr())
+        return self.put(src.clone(), stream.device)
+
+    def free_memory(self, index: int) -> int:
+        self._log(("free_memory", index))
+        return self.free_bytes
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         self._op("record_stream", stream, t.untyped_storage().data_ptr())

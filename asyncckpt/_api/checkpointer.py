@@ -697,7 +697,7 @@ class Checkpointer:
             )
 
     def wait_for_snapshot(self) -> None:
-        """Block until the last save's device-to-host copies have landed.
+        """Block until the last save's copies of the state were made (its tensors may change).
 
         Only needed with ``overlap=True``: before that, the state's tensors must not change
         (:meth:`protect` makes an optimizer's step wait on the device instead).
@@ -712,7 +712,7 @@ class Checkpointer:
         """
         copies = self._last_copies
         if copies is not None:
-            copies.wait()
+            copies.wait_released()
 
     def protect(self, *targets: Any) -> Any:
         """Make everything that mutates saved state wait for the last save's copies.

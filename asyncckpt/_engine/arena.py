@@ -64,7 +64,9 @@ class ArenaPool:
         self._reserving = False
         self._cond = threading.Condition()
 
-    def acquire(self, nbytes: int, shared: bool = False, pin: int | None = None) -> ArenaLease:
+    def acquire(
+        self, nbytes: int, shared: bool = False, pin: int | None = None, lock_later: bool = False
+    ) -> ArenaLease:
         """Take a buffer of at least ``nbytes``, waiting while all are leased.
 
         ``shared``: the buffer must be in shared memory (see :func:`shared_region`), for a
@@ -72,7 +74,9 @@ class ArenaPool:
         CUDA device the buffer must be page-locked for (the copies come from there); None
         for host-only snapshots. A buffer that is too small is replaced by one at least
         :data:`GROWTH` times its size, so that a state growing a little at each save does
-        not reallocate (and re-register) on every one.
+        not reallocate (and re-register) on every one. ``lock_later``: a buffer allocated
+        for ``pin`` is neither faulted in nor page-locked yet (the caller does it with
+        :func:`page_lock`, off the save's path); ignored once a late page-lock has failed.
 
         Raises:
             Exception: the allocation's error (ENOMEM, EMFILE...); the lease is returned
@@ -89,7 +93,7 @@ class ArenaPool:
             if not _fits(buffer, nbytes, shared, pin):
                 grown = nbytes if buffer is None else max(nbytes, int(buffer.numel() * GROWTH))
                 del buffer  # drop the unfit one before allocating, to cap peak memory
-                buffer = _allocate(grown, shared, pin)
+                buffer = _allocate(grown, shared, pin, lock_later and _lock_later_works)
         except BaseException:
             with self._cond:  # a lease counted for no buffer would block every later save
                 self._leased -= 1
@@ -167,7 +171,7 @@ class ArenaLease:
 def _fits(buffer: torch.Tensor | None, nbytes: int, shared: bool, pin: int | None) -> bool:
     if buffer is None or buffer.numel() < nbytes:
         return False
-    if pin is not None and _pinned_for(buffer) != pin:
+    if pin is not None and pinned_for(buffer) != pin:
         return False  # pageable (or pinned for another device): device copies would crawl
     return not shared or shared_region(buffer) is not None
 
@@ -178,12 +182,15 @@ _mappings: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictio
 _pinned: dict[int, int] = {}  # address of a page-locked arena -> its CUDA device
 
 
-def _pinned_for(buffer: torch.Tensor) -> int | None:
+def pinned_for(buffer: torch.Tensor) -> int | None:
+    """The CUDA device ``buffer`` (an arena) is page-locked for, or None if it is pageable."""
     with _pinned_lock:
         return _pinned.get(buffer.data_ptr())
 
 
-def _allocate(nbytes: int, shared: bool = False, pin: int | None = None) -> torch.Tensor:
+def _allocate(
+    nbytes: int, shared: bool = False, pin: int | None = None, lock_later: bool = False
+) -> torch.Tensor:
     """A host buffer of at least ``nbytes``, every page already faulted in.
 
     An anonymous mapping advised to use transparent huge pages, then touched once per page;
@@ -200,8 +207,13 @@ def _allocate(nbytes: int, shared: bool = False, pin: int | None = None) -> torc
     by registration on CUDA. Raises OSError where memfd does not exist (not Linux). Without
     ``pin`` its pages are *not* faulted in (:func:`unfilled` is true): zeroing them and then
     copying over them would cost a first save twice what :func:`fill` costs.
+
+    ``lock_later``: with ``pin``, the buffer is left as without it, and not faulted in: its
+    user page-locks it with :func:`page_lock` (which faults every page in itself).
     """
     size = max(ALIGN, -(-nbytes // _PAGE) * _PAGE)
+    if lock_later and pin is not None:
+        return _shared_arena(size, None) if shared else _host_arena(size, fault=False)
     if shared:
         return _shared_arena(size, pin)
     buffer = _host_arena(size)
@@ -220,6 +232,41 @@ def _allocate(nbytes: int, shared: bool = False, pin: int | None = None) -> torc
         fallback = cuda().pinned_empty(size)
     _note_pinned(fallback, pin, registered=False)
     return fallback
+
+
+#: False once a late page-lock failed: arenas are then page-locked as they are allocated
+#: (where a failure falls back to torch's pinned memory) instead of re-trying at each save.
+_lock_later_works = True
+
+
+def page_lock(buffer: torch.Tensor, pin: int) -> bool:
+    """Page-lock an arena that ``acquire(..., lock_later=True)`` allocated, for device ``pin``.
+
+    Slow: the kernel faults in and locks every page (about 0.8 s per GiB on an H200
+    machine, 40 times the device-to-host copy it serves), hence off the save's path. Returns
+    False if CUDA refuses: the buffer stays pageable (copies into it are synchronous, still
+    correct) and later arenas are page-locked when allocated.
+
+    Example:
+        >>> arena = _allocate(4096, pin=0, lock_later=True)
+        >>> pinned_for(arena) is None  # nothing locked yet: no CUDA call was made
+        True
+    """
+    global _lock_later_works
+    if _register(buffer, buffer.numel(), pin):
+        found = shared_region(buffer)
+        if found is not None:  # its pages are in now (and locked)
+            with _shared_lock:
+                _unfilled.discard(found[0].ident)
+        return True
+    _lock_later_works = False
+    log.warning(
+        "CUDA could not page-lock a %d-byte arena (cudaHostRegister) on cuda:%d; this "
+        "save's copies are synchronous, later arenas are locked when allocated",
+        buffer.numel(),
+        pin,
+    )
+    return False
 
 
 #: Pinned load buffers at least this large are registered at their exact size; smaller ones
@@ -313,7 +360,7 @@ def _unpin(address: int, pin: int, registered: bool, backend: Cuda) -> None:
             backend.unregister(address)
 
 
-def _host_arena(size: int) -> torch.Tensor:
+def _host_arena(size: int, fault: bool = True) -> torch.Tensor:
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     if not flags:  # not POSIX: the allocator's own memory
         return torch.empty(size, dtype=torch.uint8)
@@ -321,7 +368,7 @@ def _host_arena(size: int) -> torch.Tensor:
         region = mmap.mmap(-1, size, flags=flags)
     except (OSError, ValueError):
         return torch.empty(size, dtype=torch.uint8)
-    return _faulted_in(region)
+    return _faulted_in(region, fault)
 
 
 def _faulted_in(region: mmap.mmap, fault: bool = True) -> torch.Tensor:

@@ -37,6 +37,8 @@ from asyncckpt._engine.arena import (
     ArenaLease,
     ArenaPool,
     fill,
+    page_lock,
+    pinned_for,
     unfilled,
 )
 from asyncckpt._format.container import ArrayEntry, TensorEntry
@@ -195,15 +197,25 @@ class DeviceCopies:
     ``save`` call; then copies with ``non_blocking=True`` into pinned memory.
     ``record_stream`` keeps the caching allocator from reusing a source's memory before its
     copy ran, even if the caller frees it. :meth:`record` puts one event per device after
-    the copies: the host waits on it (:meth:`wait`) before the arena is read, released or
-    handed to a writer process; an in-place update waits on it on the device
-    (:meth:`order_after`). Host sources are a plain synchronous ``copy_``. A CUDA error in
+    the copies: the caller's tensors are free once they happened (:meth:`wait_released`),
+    an in-place update waits on them on the device (:meth:`order_after`), and the host
+    waits for the bytes in the arena (:meth:`wait`) before it is read, released or handed
+    to a writer process. Host sources are a plain synchronous ``copy_``. A CUDA error in
     any of these is raised as :class:`~asyncckpt.errors.DeviceCopyError` naming the device.
+
+    ``unlocked``: a new arena that is not page-locked yet (a process's first save). Each
+    copy is then made in device memory first (at device speed), and :meth:`land` moves the
+    copies into the arena from a background thread that page-locks it first: the caller of
+    ``save`` waits for neither (page-locking costs some 40 times the copy).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, unlocked: tuple[torch.Tensor, int] | None = None) -> None:
         self._streams: dict[int, Any] = {}
         self._events: list[tuple[int, Any]] = []
+        self._unlocked = unlocked
+        self._in_device: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # device, dst, copy
+        self._landing: threading.Thread | None = None
+        self._landing_error: BaseException | None = None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` (any device) into the host view ``dst``."""
@@ -218,7 +230,10 @@ class DeviceCopies:
                 stream = cuda().copy_stream(index)
                 cuda().wait_stream(stream, cuda().current_stream(index))
                 self._streams[index] = stream
-            cuda().copy_async(dst, src, stream)
+            if self._unlocked is not None:
+                self._in_device.append((index, dst, cuda().clone_async(src, stream)))
+            else:
+                cuda().copy_async(dst, src, stream)
             cuda().record_stream(src, stream)
 
     def record(self) -> None:
@@ -227,15 +242,46 @@ class DeviceCopies:
             with _device_errors(index, "event after the copies"):
                 self._events.append((index, cuda().record_event(stream)))
 
+    def land(self) -> None:
+        """Start moving the copies made in device memory into the arena (see the class)."""
+        if self._in_device and self._landing is None:
+            self._landing = threading.Thread(target=self._land, name="asyncckpt-land", daemon=True)
+            self._landing.start()
+
+    def _land(self) -> None:
+        assert self._unlocked is not None
+        try:
+            page_lock(*self._unlocked)  # pageable if refused: the copies are then synchronous
+            for index, stream in self._streams.items():
+                with _device_errors(index, "copy to host memory"), cuda().on_device(index):
+                    for _, dst, in_device in (c for c in self._in_device if c[0] == index):
+                        cuda().copy_async(dst, in_device, stream)
+                    cuda().synchronize_event(cuda().record_event(stream))
+        except BaseException as exc:
+            self._landing_error = exc
+        finally:
+            self._in_device.clear()  # the device memory goes back to torch's cache
+
+    def wait_released(self) -> None:
+        """Block until the caller's tensors are free to change (their copies were made)."""
+        for index, event in list(self._events):
+            with _device_errors(index, "wait for the copies"):
+                cuda().synchronize_event(event)
+        self._events.clear()
+
     def wait(self) -> None:
         """Block until every queued copy has landed in host memory.
 
         Safe to call from the writer and the caller at once (both only ever wait).
         """
-        for index, event in list(self._events):
-            with _device_errors(index, "wait for the copies"):
-                cuda().synchronize_event(event)
-        self._events.clear()
+        self.wait_released()
+        if self._landing is not None:
+            self._landing.join()
+            error = self._landing_error
+            if isinstance(error, DeviceCopyError):
+                raise error
+            if error is not None:
+                raise DeviceCopyError(f"moving the snapshot into host memory failed: {error}")
 
     def order_after(self) -> None:
         """Make each device's current stream wait for the copies' events (no host wait)."""
@@ -298,10 +344,13 @@ def snapshot(
     start at the same address or overlap; overlapping ranges are stored once as their
     union when every tensor's offset in it is a whole number of elements, else apart.
 
-    By default returns once every byte is in host memory, so the caller may modify or free
-    its tensors. With ``overlap=True``, CUDA copies may still be in flight when this returns:
-    the caller must not modify CUDA tensors before ``Snapshot.wait_copied()`` (see
-    ``Checkpointer.protect``); CPU data is always copied before returning.
+    By default returns once every byte is copied, so the caller may modify or free its
+    tensors: into host memory, or on a first save with a new arena for CUDA data, into
+    device memory first (see :class:`DeviceCopies`; a writer reads the arena only after
+    ``Snapshot.wait_copied``). With ``overlap=True``, CUDA copies may still be in flight
+    when this returns: the caller must not modify CUDA tensors before they were made
+    (``Checkpointer.wait_for_snapshot``, ``Checkpointer.protect``); CPU data is always
+    copied before returning.
 
     ``on_layout``, if given, is called with the snapshot once its arena is leased and before
     any byte is copied, so that a writer can start on the first storages while the rest are
@@ -460,9 +509,13 @@ def _stage(
         offsets.append(end)
         end += -(-src.nbytes // ALIGN) * ALIGN
     devices = [int(src.device[5:] or 0) for src in sources if src.device.startswith("cuda:")]
-    # Page-locked for the device copied from (the first: a rank saves from its own).
-    lease = pool.acquire(end, shared, devices[0] if devices else None)
-    copies = DeviceCopies()
+    # Page-locked for the device copied from (the first: a rank saves from its own); a new
+    # arena after the save returns, where the device has room for a copy of the state.
+    pin = devices[0] if devices else None
+    later = pin is not None and _room_on_device(sources, pin)
+    lease = pool.acquire(end, shared, pin, lock_later=later)
+    unlocked = later and pin is not None and pinned_for(lease.buffer) != pin
+    copies = DeviceCopies((lease.buffer, pin) if unlocked and pin is not None else None)
     staged = [
         StagedStorage(lease.buffer[off : off + src.nbytes], src.itemsize, src.is_float, src.device)
         for src, off in zip(sources, offsets)
@@ -495,7 +548,10 @@ def _stage(
                 progress.advance(off + src.nbytes)
         copies.record()
         if not overlap:
-            copies.wait()
+            copies.wait_released()
+        # After the caller's own waits: page-locking holds CUDA's driver lock for its whole
+        # length (two fresh processes on an H200 waited most of it in the event wait above).
+        copies.land()
         if progress is not None:
             progress.finish()
     except BaseException as exc:
@@ -513,6 +569,17 @@ def _stage(
                 lease.release()
         raise
     return snap
+
+
+def _room_on_device(sources: list[_Source], device: int) -> bool:
+    """Whether a copy of the sources can wait in device memory while a new arena is locked:
+    all on ``device``, and at most half of its free memory (the rest is training's)."""
+    wanted = f"cuda:{device}"
+    if any(src.device not in ("cpu", wanted) for src in sources):
+        return False
+    nbytes = sum(src.nbytes for src in sources if src.device == wanted)
+    with _device_errors(device, "reading the free device memory"):
+        return 2 * nbytes <= cuda().free_memory(device)
 
 
 def _copy_piece(

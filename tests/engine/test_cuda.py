@@ -12,6 +12,8 @@ import torch
 
 import asyncckpt
 from asyncckpt._api import dropin as api
+from asyncckpt._api import staging
+from asyncckpt._engine import arena
 from asyncckpt._settings import Settings
 
 pytestmark = [
@@ -35,6 +37,7 @@ def test_arena_is_pinned_and_snapshot_is_exact(tmp_path: Path) -> None:
     state = {"w": _big(), "cpu": torch.arange(5)}
     expected = {"w": state["w"].cpu(), "cpu": state["cpu"].clone()}
     snap = api.stage(state, api.write_options("none", Settings.resolve()), in_this_process=True)
+    snap.wait_copied()  # a new arena is page-locked behind the save (see the test below)
     assert snap.lease.buffer.is_pinned()
     snap.lease.release()
     handle = asyncckpt.save(state, tmp_path / "x.ackpt")
@@ -45,6 +48,23 @@ def test_arena_is_pinned_and_snapshot_is_exact(tmp_path: Path) -> None:
     assert loaded["w"].device == torch.device("cuda", torch.cuda.current_device())
     assert torch.equal(loaded["w"].cpu(), expected["w"])
     assert torch.equal(loaded["cpu"], expected["cpu"]) and loaded["cpu"].device.type == "cpu"
+
+
+def test_a_first_save_is_exact_while_its_arena_is_page_locked_behind_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(staging, "_arenas", None)  # a fresh pool, as in a new process
+    state = {"w": _big()}
+    expected = state["w"].cpu()
+    handle = asyncckpt.save(state, tmp_path / "x.ackpt")  # copied in device memory first
+    state["w"].add_(1)
+    del state  # freed too: the allocator must not lend its block before the copy read it
+    refill = _big(7.0)
+    handle.result()
+    del refill
+    assert torch.equal(asyncckpt.load(tmp_path / "x.ackpt", map_location="cpu")["w"], expected)
+    free = staging.arena_pool(Settings())._free
+    assert [arena.pinned_for(b) for b in free] == [torch.cuda.current_device()]
 
 
 def test_freed_source_memory_is_not_reused_before_the_copy(tmp_path: Path) -> None:

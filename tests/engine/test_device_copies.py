@@ -158,6 +158,104 @@ def test_a_sticky_cuda_error_ends_the_save_with_an_error_and_frees_everything(
     asyncckpt.save(_state(fake_cuda), tmp_path / "y.ackpt").result()
 
 
+class _HeldRegistration:
+    """Holds the fake's ``register`` (page-locking) until ``release``: what the save's caller
+    must not wait for on a first save with room on the device."""
+
+    def __init__(self, fake: FakeCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        real = fake.register
+
+        def register(address: int, size: int) -> bool:
+            self.entered.set()
+            assert self.released.wait(60), "the test never released the registration"
+            return real(address, size)
+
+        monkeypatch.setattr(fake, "register", register)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("api", ["save", "checkpointer"])
+def test_a_first_save_returns_before_its_new_arena_is_page_locked(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, api: str
+) -> None:
+    fake_cuda.devices = 2
+    fake_cuda.set_device(1)
+    state = _state(fake_cuda, 256 << 10, device=1)
+    fake_cuda.free_bytes = 2 * state["w"].nbytes  # room for a copy of it, and as much again
+    held = _HeldRegistration(fake_cuda, monkeypatch)
+    expected = state["w"].clone()
+    ckpt = asyncckpt.Checkpointer(tmp_path / "run") if api == "checkpointer" else None
+    handle = ckpt.save(1, state) if ckpt else asyncckpt.save(state, tmp_path / "x.ackpt")
+    fake_cuda.mark("save returned")  # with the page-locking still held
+    assert held.entered.wait(30)  # ... and started, off the caller's thread
+    state["w"].add_(1)  # the caller's tensors are free: the snapshot holds a copy
+    held.released.set()
+    handle.result()
+    names = fake_cuda.names()
+    clone, returned = _index(names, "clone_async"), _index(names, "mark:save returned")
+    assert _index(names, "wait_stream") < clone  # after the caller's queued work
+    assert _index(names, "synchronize_event", clone) < returned  # the copy was made
+    assert _index(names, "register") > returned
+    assert [c[1] for c in fake_cuda.calls if c[0] == "register"] == [1]  # the save's device
+    assert _index(names, "copy_async") > _index(names, "register")  # into locked memory
+    loaded = ckpt.load(1, map_location="cpu") if ckpt else asyncckpt.load(tmp_path / "x.ackpt")
+    assert torch.equal(loaded["w"], expected)
+    # The next save reuses the now page-locked arena: copied straight in, nothing locked.
+    fake_cuda.calls.clear()
+    handle = ckpt.save(2, state) if ckpt else asyncckpt.save(state, tmp_path / "y.ackpt")
+    handle.result()
+    assert "clone_async" not in fake_cuda.names() and "register" not in fake_cuda.names()
+    if ckpt:
+        ckpt.close()
+
+
+def test_without_room_on_the_device_the_arena_is_locked_before_the_copy(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    state = _state(fake_cuda, 256 << 10)
+    fake_cuda.free_bytes = 2 * state["w"].nbytes - 1  # a copy would take over half of it
+    asyncckpt.save(state, tmp_path / "x.ackpt").result()
+    names = fake_cuda.names()
+    assert "clone_async" not in names
+    assert _index(names, "register") < _index(names, "copy_async")
+
+
+@pytest.mark.timeout(120)
+def test_a_cuda_error_moving_a_first_save_to_host_memory_fails_the_save(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    fake_cuda.free_bytes = 1 << 30
+    fake_cuda.fail["copy_async"] = RuntimeError("CUDA error: an illegal memory access")
+    handle = asyncckpt.save(_state(fake_cuda), tmp_path / "x.ackpt")  # the copy was made
+    with pytest.raises(DeviceCopyError, match=r"cuda:0.*illegal memory access"):
+        handle.result()
+    assert not (tmp_path / "x.ackpt").exists()
+    assert not (tmp_path / "x.ackpt.ackpending").exists()
+    assert workers.wait_idle(30)
+    assert staging_api.arena_pool(Settings())._leased == 0  # the arena is free again
+    fake_cuda.fail.clear()
+    state = _state(fake_cuda)
+    asyncckpt.save(state, tmp_path / "y.ackpt").result()
+    assert torch.equal(asyncckpt.load(tmp_path / "y.ackpt")["w"], state["w"])
+
+
+def test_a_refused_late_page_lock_leaves_a_correct_save_and_locks_later_arenas_at_once(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    fake_cuda.free_bytes = 1 << 30
+    fake_cuda.register_fails = True
+    state = _state(fake_cuda)
+    asyncckpt.save(state, tmp_path / "x.ackpt").result()  # copied into pageable memory
+    assert torch.equal(asyncckpt.load(tmp_path / "x.ackpt")["w"], state["w"])
+    assert not arena_mod._lock_later_works
+    fake_cuda.calls.clear()
+    asyncckpt.save(_state(fake_cuda, 1 << 20), tmp_path / "y.ackpt").result()  # a larger one
+    names = fake_cuda.names()
+    assert "clone_async" not in names and "pinned_empty" in names  # locked as allocated
+
+
 def test_arenas_are_registered_exactly_under_the_callers_device(
     fake_cuda: FakeCuda, tmp_path: Path
 ) -> None:
