@@ -698,7 +698,7 @@ PEER_MECHANISM: dict[str, str] = {
     "asyncckpt_threads": "copies into a reused arena, then encodes and writes on niced "
     "threads of the calling process (writer_processes=0)",
     # Results from before the extra row measured threads: the default set explicitly.
-    "asyncckpt_process": "the defaults again (a writer process), a second sample",
+    "asyncckpt_process": "measures the defaults again (a writer process), a second sample",
     "dcp_async_save": "stages into a reused shared-memory stager, a checkpoint process writes",
     "torchsnapshot": "copies in its own pipeline (large CPU tensors are not copied), writes "
     "on threads",
