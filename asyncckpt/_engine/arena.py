@@ -116,7 +116,7 @@ class ArenaPool:
         """
         with self._cond:
             free_slots = self.max_inflight - self._leased
-            fit = any(_fits(b, nbytes, shared, pin) for b in self._free)
+            fit = self.has_free(nbytes, shared, pin)
             if self._reserving or free_slots <= 0 or fit:
                 return None
             self._reserving = True
@@ -139,6 +139,11 @@ class ArenaPool:
         thread = threading.Thread(target=work, name="asyncckpt-reserve", daemon=True)
         thread.start()
         return thread
+
+    def has_free(self, nbytes: int, shared: bool = False, pin: int | None = None) -> bool:
+        """Whether a free buffer would serve ``acquire(nbytes, shared, pin)`` as it is."""
+        with self._cond:
+            return any(_fits(b, nbytes, shared, pin) for b in self._free)
 
     def _give_back(self, buffer: torch.Tensor) -> None:
         with self._cond:

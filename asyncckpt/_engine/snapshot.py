@@ -512,7 +512,8 @@ def _stage(
     # Page-locked for the device copied from (the first: a rank saves from its own); a new
     # arena after the save returns, where the device has room for a copy of the state.
     pin = devices[0] if devices else None
-    later = pin is not None and _room_on_device(sources, pin)
+    new_arena = pin is not None and not pool.has_free(end, shared, pin)
+    later = new_arena and pin is not None and _room_on_device(sources, pin)
     lease = pool.acquire(end, shared, pin, lock_later=later)
     unlocked = later and pin is not None and pinned_for(lease.buffer) != pin
     copies = DeviceCopies((lease.buffer, pin) if unlocked and pin is not None else None)
@@ -549,8 +550,9 @@ def _stage(
         copies.record()
         if not overlap:
             copies.wait_released()
-        # After the caller's own waits: page-locking holds CUDA's driver lock for its whole
-        # length (two fresh processes on an H200 waited most of it in the event wait above).
+        # After the caller's own waits: on an H200, with the locking started before the
+        # event wait above, the first save still blocked for most of the locking (CUDA
+        # calls seem to queue behind a registration).
         copies.land()
         if progress is not None:
             progress.finish()
