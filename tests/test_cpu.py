@@ -82,3 +82,18 @@ def test_writer_threads_count_their_cpu_time() -> None:
     workers.pool("encode", 1).submit(spin).result()
     workers.pool("encode", 1).wait_idle(5.0)
     assert done.is_set() and workers.writer_cpu_seconds() - before >= 0.05
+
+
+def test_a_write_that_mostly_waited_on_its_store_counts_its_whole_wall_time() -> None:
+    # Seen on a loaded 2-core machine: a 0.482 s write to a 10 MB/s link whose wake-ups
+    # queued for a core 0.475 s in all. The store was the bottleneck: all of it is the store's.
+    spent = cpu.ThreadClock(wall=0.482, cpu=0.002, waited=0.475)
+    assert spent.busy == pytest.approx(0.482)
+
+
+def test_a_write_that_mostly_ran_leaves_out_its_wait_for_a_core() -> None:
+    # A write to memory on a busy machine: it ran 40 ms and queued 60 ms for a core; the
+    # queueing is the CPU's, not the store's.
+    spent = cpu.ThreadClock(wall=0.100, cpu=0.040, waited=0.060)
+    assert spent.busy == pytest.approx(0.040)
+    assert cpu.ThreadClock(wall=0.1, cpu=0.1, waited=0.0).busy == pytest.approx(0.1)
