@@ -75,9 +75,8 @@ def tensors_in(obj: Any) -> tuple[int, int]:
     return count, nbytes
 
 
-def _source(args: argparse.Namespace) -> tuple[FileRef, str]:
-    """The file to read and its format."""
-    src_ref = locate(args.src, args.options, one=True, settings=args.settings)
+def _source(args: argparse.Namespace, src_ref: FileRef | RootRef) -> tuple[FileRef, str]:
+    """The file to read (``src_ref``: what SRC names) and its format."""
     src_format = format_of(args.src, args.src_format, "SRC")
     if isinstance(src_ref, RootRef):
         if src_format not in (None, "ackpt"):
@@ -108,12 +107,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     dst_format = "safetensors" if args.shard_size else format_of(args.dst, args.dst_format, "DST")
     assert dst_format is not None  # DST's format is told, or format_of raised
     storage, path = resolve(args.dst, args.options, args.settings)
-    sharded = _sharded_source(args)
+    src_ref = locate(args.src, args.options, one=True, settings=args.settings)
+    sharded = _sharded_source(args, src_ref)
     with contextlib.nullcontext() if sharded is None else sharded:
         if not args.force and paths.kind_of(storage, path)[0] != paths.MISSING:
             raise UsageError(f"asyncckpt convert: {args.dst} exists; pass --force to replace it")
         if sharded is None:
-            doc, source = _convert_file(args, dst_format, storage, path)
+            doc, source = _convert_file(args, src_ref, dst_format, storage, path)
         else:
             doc, source = _convert_sharded(args, sharded, dst_format, storage, path)
     abort_strays(storage, path)  # a convert killed mid-upload to DST left one
@@ -127,10 +127,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _convert_file(
-    args: argparse.Namespace, dst_format: str, storage: Storage, path: str
+    args: argparse.Namespace,
+    src_ref: FileRef | RootRef,
+    dst_format: str,
+    storage: Storage,
+    path: str,
 ) -> tuple[dict[str, Any], str]:
     """Convert one file (or single-file version): its report and how the line names SRC."""
-    src, src_format = _source(args)
+    src, src_format = _source(args, src_ref)
     size = src.storage.size(src.path)
     obj, metadata = _read(args, src, src_format)
     obj = part_at(obj, args.key, src.name)[0]
@@ -185,13 +189,10 @@ def _charge_dense_copies(
     )
 
 
-def _sharded_source(args: argparse.Namespace) -> ShardedSource | None:
-    """The sharded checkpoint SRC names, opened; None for a single file or version (see
-    :func:`~asyncckpt.cli.formats.open_sharded`)."""
-    if args.src_format not in (None, "ackpt"):
-        return None
-    ref = locate(args.src, args.options, one=True, settings=args.settings)
-    if not isinstance(ref, RootRef):
+def _sharded_source(args: argparse.Namespace, ref: FileRef | RootRef) -> ShardedSource | None:
+    """The sharded checkpoint SRC names (``ref``), opened; None for a single file or version
+    (see :func:`~asyncckpt.cli.formats.open_sharded`)."""
+    if args.src_format not in (None, "ackpt") or not isinstance(ref, RootRef):
         return None
     return open_sharded(ref, args.settings)
 

@@ -162,3 +162,34 @@ def test_gc_takes_keep_last_and_the_old_keep(
         cli.build_parser().parse_args(["gc", "--help"])
     help_text = capsys.readouterr().out
     assert "--keep-last N" in help_text and "--keep " not in help_text
+
+
+@pytest.mark.parametrize("src_kind", ["file", "root"])
+def test_convert_looks_its_source_up_once(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    src_kind: str,
+) -> None:
+    from asyncckpt.cli import convert
+
+    state = {"w": torch.arange(6.0)}
+    if src_kind == "file":
+        src = tmp_path / "m.ackpt"
+        asyncckpt.save(state, src).result()
+    else:
+        src = tmp_path / "run"
+        with asyncckpt.Checkpointer(src) as ckpt:
+            ckpt.save(1, state).result()
+    lookups: list[str] = []
+    real = convert.locate
+
+    def locate(spec: str, *args: Any, **kwargs: Any) -> Any:
+        lookups.append(spec)
+        return real(spec, *args, **kwargs)
+
+    monkeypatch.setattr(convert, "locate", locate)
+    code, _, err = run(capsys, "convert", src, tmp_path / "m.safetensors")
+    assert code == 0, err
+    assert lookups == [str(src)]  # each lookup of a remote SRC costs round trips
+    assert torch.equal(load_file(tmp_path / "m.safetensors")["w"], state["w"])
