@@ -79,6 +79,9 @@ _DELETE_BATCH = 1000
 #: then opens it. Safe at any age: the handle pins the reads to that HEAD's ETag, so an
 #: object replaced since fails them and the load starts over on the new one.
 REUSED_HEAD_S = 5.0
+#: Probes that must all find a condition ignored before a store is taken to lack
+#: conditional writes (see :meth:`S3Storage._probe_conditional_writes`).
+PROBE_ROUNDS = 3
 
 # Indirection so tests can drive the retry loop with a fake clock.
 _clock: Callable[[], float] = time.monotonic
@@ -166,6 +169,7 @@ class S3Storage(Storage):
         self.conditional_writes = conditional_writes
         self.allow_unconditional = allow_unconditional
         self._probe_lock = threading.Lock()
+        self._probe_seen = "said by the caller"  # what the last probe saw, for the refusal
         single_retry_layer(fs)
         self._secrets = secrets_of(fs)
         self._rng = random.Random()
@@ -398,7 +402,7 @@ class S3Storage(Storage):
             return
         raise StorageError(
             f"{self.label}{self.split(path)[0]}: the store ignores conditional writes "
-            "(If-None-Match/If-Match), so two writers could both commit or move the version "
+            f"({self._probe_seen}), so two writers could both commit or move the version "
             "file backwards. Use a store that honours them (AWS S3, SeaweedFS, MinIO), or "
             "pass storage_options={'unsafe_unconditional_writes': True} if only one writer "
             "can ever write to this root (docs/s3.md)"
@@ -410,8 +414,30 @@ class S3Storage(Storage):
         Puts a probe object, then puts it again with ``If-None-Match: *`` and with
         ``If-Match`` on an ETag it cannot have: a store that honours both refuses both. An
         answer that is neither a refusal nor an acceptance (a timeout, a 5xx) proves
-        nothing, so the probe is repeated, never taken as "unsupported".
+        nothing, so the probe is repeated, never taken as "unsupported". Neither does one
+        acceptance: a store that implements the conditions can still let one through under
+        load (SeaweedFS did, with six writers racing on two busy cores), and the answer
+        stands for the life of the storage, so only :data:`PROBE_ROUNDS` probes that all
+        fail say "unsupported"; a store without the conditions fails every one.
         """
+        seen: dict[str, str] = {}
+        for _ in range(PROBE_ROUNDS):
+            seen = self._probe_once(path)
+            if all(r == "honoured" for r in seen.values()):
+                return True
+            if any(r.startswith("rejected") for r in seen.values()):
+                break  # the store refuses the header itself: asking again cannot change it
+        self._probe_seen = ", ".join(f"{k}: {v}" for k, v in seen.items())
+        log.warning(
+            "%s%s: the store does not honour conditional writes (%s)",
+            self.label,
+            self.split(path)[0],
+            self._probe_seen,
+        )
+        return False
+
+    def _probe_once(self, path: str) -> dict[str, str]:
+        """One probe: what the store did with each condition that cannot hold."""
         probe = temp_name(path)
         bucket, key = self.split(probe)
         wrong_etag = '"' + "0" * 32 + '"'
@@ -430,7 +456,7 @@ class S3Storage(Storage):
 
         self.put(probe, b"probe")
         try:
-            results = {
+            return {
                 "If-None-Match": self.request(
                     "probe conditional writes", probe, lambda: outcome(IfNoneMatch="*")
                 ),
@@ -440,15 +466,6 @@ class S3Storage(Storage):
             }
         finally:
             self.delete(probe)
-        if all(r == "honoured" for r in results.values()):
-            return True
-        log.warning(
-            "%s%s: the store does not honour conditional writes (%s)",
-            self.label,
-            bucket,
-            ", ".join(f"{k}: {v}" for k, v in results.items()),
-        )
-        return False
 
     # -- reading ----------------------------------------------------------------------------
 

@@ -179,7 +179,8 @@ class FaultPlan:
         on_call: called as ``on_call(op, path, call)`` before every call (tests use it to
             observe or to synchronise with a request in flight).
         ignore_conditional: drop ``IfNoneMatch`` and ``IfMatch`` from S3 writes, as a store
-            without conditional writes would.
+            without conditional writes would; a number: from that many (the first) only, as
+            a store that fails open now and then.
         sleep, clock: how to wait and what time it is (tests may fake both).
 
     Attributes:
@@ -197,7 +198,7 @@ class FaultPlan:
         bandwidth: float | None = None,
         link_bandwidth: float | None = None,
         on_call: Callable[[str, str, int], None] | None = None,
-        ignore_conditional: bool = False,
+        ignore_conditional: bool | int = False,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -396,7 +397,7 @@ class FaultyFileSystem(ChainedFileSystem):  # type: ignore[misc]
     # -- S3 API (present only when the wrapped filesystem is s3fs) ----------------------
 
     def _call_s3(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if self.plan.ignore_conditional:
+        if ("IfNoneMatch" in kwargs or "IfMatch" in kwargs) and self._ignores_condition():
             kwargs.pop("IfNoneMatch", None)
             kwargs.pop("IfMatch", None)
         path = f"{kwargs.get('Bucket', '')}/{kwargs.get('Key', '')}"
@@ -416,6 +417,16 @@ class FaultyFileSystem(ChainedFileSystem):  # type: ignore[misc]
             up=size,
             truncated=truncated,
         )
+
+    def _ignores_condition(self) -> bool:
+        plan = self.plan
+        with plan._lock:
+            if isinstance(plan.ignore_conditional, bool):
+                return plan.ignore_conditional
+            if plan.ignore_conditional <= 0:
+                return False
+            plan.ignore_conditional -= 1
+            return True
 
     def split_path(self, path: str) -> Any:
         return self.fs.split_path(path)

@@ -434,6 +434,29 @@ def test_store_without_conditional_writes_is_refused_unless_opted_in(
     assert storage.read_bytes(storage.join(root, "COMMIT"), 10) == b"first"
 
 
+def test_a_store_that_once_ignores_a_condition_is_not_refused_for_it(
+    s3_root: str, s3_server: Any
+) -> None:
+    # Six racing writer processes on SeaweedFS, under load: one concluded from its probe
+    # that the store ignores conditional writes, and refused to write for its whole life.
+    plan = FaultPlan(ignore_conditional=1)  # the probe's first conditional put only
+    url, opts = faulty(s3_root, s3_server, plan)
+    storage, root = resolve(url, opts)
+    storage.create_exclusive(storage.join(root, "COMMIT"), b"first")
+    assert storage.conditional_writes is True  # type: ignore[attr-defined]
+    with pytest.raises(ConflictError):
+        storage.create_exclusive(storage.join(root, "COMMIT"), b"second")
+
+
+def test_the_refusal_of_a_store_without_conditional_writes_says_what_the_probe_saw(
+    s3_root: str, s3_server: Any
+) -> None:
+    url, opts = faulty(s3_root, s3_server, FaultPlan(ignore_conditional=True))
+    storage, root = resolve(url, opts)
+    with pytest.raises(StorageError, match="If-None-Match: ignored, If-Match: ignored"):
+        storage.create_exclusive(storage.join(root, "COMMIT"), b"first")
+
+
 # -- credentials ------------------------------------------------------------------------------
 
 SECRET = S3_OTHER_SECRET_KEY  # the stores accept them
