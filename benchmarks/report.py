@@ -882,7 +882,9 @@ def render(
     plots: list[tuple[str, str]],
 ) -> str:
     """The benchmarks page: machine, runs, the target table, the peers, the GPU, the plots."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = machine.get("measured_at") or datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M UTC"
+    )
     code = machine.get("code_at_start", "?")
     if machine.get("code_at_end") and machine["code_at_end"] != code:
         code += f"` (the code changed during the run: `{machine['code_at_end']}` at the end)"

@@ -19,6 +19,8 @@ by ``scripts/gpu_check.sh`` on a GPU machine, is shown when it is in ``--out``.
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import os
 import subprocess
 import sys
@@ -160,8 +162,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown benchmark(s) {sorted(unknown)}; known: {list(BENCHES)}", file=sys.stderr)
         return 2
+    earlier = _earlier_summary(out)
     machine = machine_info()
     machine["code_at_start"] = code_state()
+    machine["measured_at"] = _now()
     print(f"results under {out}; load average {machine['loadavg']}", flush=True)
     runs: list[dict[str, Any]] = []
     log_dir = Path(tempfile.mkdtemp(prefix="asyncckpt-bench-logs-"))  # not in the results
@@ -169,14 +173,19 @@ def orchestrate(args: argparse.Namespace) -> int:
     timeout = 600.0 if args.quick else 3600.0
     for name, spec in BENCHES.items():
         if name in args.skip:
-            status = "reused" if (out / spec["json"]).exists() else "not run"
-            runs.append({"name": name, "status": status})
+            if not (out / spec["json"]).exists():
+                runs.append({"name": name, "status": "not run"})
+                continue
+            before = next((r for r in earlier.get("runs", []) if r.get("name") == name), {})
+            runs.append({**before, "name": name, "status": "reused"})
             continue
         stale = out / spec["json"]
         if stale.exists():
             stale.unlink()  # never report an earlier run's figures as this run's
         runs.append(run_bench(name, out, args.quick, timeout, log_dir))
     machine["code_at_end"] = code_state()
+    if earlier.get("machine") and all(r["status"] != "ok" for r in runs):
+        machine = earlier["machine"]  # nothing measured now: the figures are that run's
     data = report.load_results(out, [s["json"] for s in BENCHES.values()] + EXTERNAL_JSON)
     rows = report.evaluate_all(data)
     summary = {
@@ -208,6 +217,19 @@ def orchestrate(args: argparse.Namespace) -> int:
     if failed:
         print(f"failed: {failed} (see their .log under {log_dir})", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _earlier_summary(out: Path) -> dict[str, Any]:
+    """The ``run_all.json`` of the run before this one in ``out`` (empty if none)."""
+    try:
+        earlier = json.loads((out / "run_all.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return earlier if isinstance(earlier, dict) else {}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:

@@ -424,3 +424,26 @@ def test_gpu_check_exits_3_without_a_device(tmp_path: Path) -> None:
     assert "asyncckpt" in proc.stdout and "CUDA tests" not in proc.stdout
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("asyncckpt-gpu-deps")]
+
+
+def test_a_page_of_reused_results_keeps_the_machine_and_runs_that_measured_them(
+    tmp_path: Path,
+) -> None:
+    # `run_all.py --skip <every benchmark>` re-renders the page (how a GPU run's JSON gets
+    # onto it): the figures are an earlier run's, so are the machine and the run details.
+    run_all = load_module("run_all")
+    out, docs = tmp_path / "results", tmp_path / "page.md"
+    out.mkdir()
+    fake_bench_save(out)
+    earlier_machine = {"cpu": "Earlier CPU", "cpu_count": 2, "code_at_start": "abc1234"}
+    earlier_machine["measured_at"] = "2026-12-01 22:35 UTC"
+    save = {"name": "save", "status": "ok", "wall_s": 190.5, "loadavg_before": [0.5, 1, 2]}
+    earlier = {"machine": earlier_machine, "runs": [save]}
+    (out / "run_all.json").write_text(json.dumps(earlier))
+    args = argparse.Namespace(quick=False, out=str(out), docs=str(docs), skip=list(run_all.BENCHES))
+    assert run_all.orchestrate(args) == 0
+    page = docs.read_text()
+    assert "Earlier CPU" in page and "`abc1234`" in page and "2026-12-01 22:35 UTC" in page
+    assert "| save | 190.5 | 0.50 / 1.00 / 2.00 | – | reused |" in page
+    summary = json.loads((out / "run_all.json").read_text())
+    assert summary["machine"]["cpu"] == "Earlier CPU"  # a second re-render keeps it too
