@@ -415,10 +415,10 @@ class S3Storage(Storage):
         ``If-Match`` on an ETag it cannot have: a store that honours both refuses both. An
         answer that is neither a refusal nor an acceptance (a timeout, a 5xx) proves
         nothing, so the probe is repeated, never taken as "unsupported". Neither does one
-        acceptance: a store that implements the conditions can still let one through under
-        load (SeaweedFS did, with six writers racing on two busy cores), and the answer
-        stands for the life of the storage, so only :data:`PROBE_ROUNDS` probes that all
-        fail say "unsupported"; a store without the conditions fails every one.
+        acceptance: the answer stands for the life of the storage, and one probe of six
+        writers racing on SeaweedFS, on two busy cores, once found a condition ignored. So
+        only :data:`PROBE_ROUNDS` probes that all fail say "unsupported"; a store without
+        the conditions fails every one.
         """
         seen: dict[str, str] = {}
         for _ in range(PROBE_ROUNDS):
