@@ -345,7 +345,18 @@ def lock_descriptor(open_fd: Callable[[], int]) -> Iterator[int]:
     finally:
         with _fd_gate:  # closed and forgotten at once: a fork never sees one without the other
             _lock_fds.discard(fd)
+            _unlock(fd)
             os.close(fd)
+
+
+def _unlock(fd: int) -> None:
+    """Unlock ``fd``'s open file description before closing it: a close alone releases the
+    lock only once every copy is closed, and a child forked a moment ago keeps its copy
+    until its fork hook runs, which a loaded machine may put off past ``lock_timeout_ms``."""
+    import fcntl
+
+    with contextlib.suppress(OSError):  # never locked (a directory NFS cannot flock)
+        fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _drop_lock_descriptors() -> None:

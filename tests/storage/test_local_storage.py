@@ -221,6 +221,29 @@ def test_a_forked_child_does_not_keep_the_parents_file_locks(tmp_path: Path) -> 
     )
 
 
+@pytest.mark.timeout(60)
+def test_a_released_lock_is_free_while_a_just_forked_child_still_has_its_descriptor(
+    tmp_path: Path,
+) -> None:
+    """A child forked a moment ago holds a copy of the lock's descriptor until its fork hook
+    runs, which a loaded machine may delay past ``lock_timeout_ms``; the parent's release
+    must unlock all the same. A duplicate descriptor stands for that child, deterministically."""
+    from asyncckpt import _threads
+
+    storage = LocalStorage(Settings.resolve(lock_timeout_ms=200))
+    marker = str(tmp_path / "model.ackpt.ackpending")
+    version = str(tmp_path / "VERSION.lock")
+    for hold in (lambda: storage.marker_lock(marker), lambda: local._flocked(storage, version)):
+        with hold():
+            (held,) = _threads._lock_fds
+            child_copy = os.dup(held)  # the child's, not yet dropped by its fork hook
+        try:
+            with hold():  # before the fix: "still locked by another process" (the copy)
+                pass
+        finally:
+            os.close(child_copy)
+
+
 @pytest.mark.timeout(120)
 def test_a_lock_held_elsewhere_fails_after_lock_timeout_ms_on_the_liveness_clock(
     tmp_path: Path,
