@@ -236,7 +236,7 @@ def _save_to_file_object(obj: Any, f: Any, options: WriteOptions, started: float
     try:
         stored = write_snapshot(snap, storage, "", options)
     finally:
-        snap.lease.release()
+        snap.release()
     stats = SaveStats(blocking, snap.raw_bytes, time.perf_counter() - started, stored)
     return completed_handle(storage.describe(""), stats)  # a failure was raised above
 

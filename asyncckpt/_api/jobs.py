@@ -566,9 +566,7 @@ def stage_and_submit(
 
     def release(snap: Snapshot) -> None:
         copied.wait()  # the copy has ended, and the caller has recorded its stall
-        with contextlib.suppress(Exception):  # a failed device copy is reported elsewhere
-            snap.wait_copied()  # overlap: device copies may still land in the arena
-        snap.lease.release()
+        snap.release()
 
     def run(snap: Snapshot) -> int:
         try:

@@ -78,7 +78,7 @@ def stage(
         >>> snap = stage({"w": torch.ones(2)}, options, in_this_process=True)
         >>> snap.raw_bytes
         8
-        >>> snap.lease.release()
+        >>> snap.release()
     """
     settings = options.settings
     if in_this_process:

@@ -150,6 +150,17 @@ class Snapshot:
         """Block until the device-to-host copies have landed (a no-op once they have)."""
         self.copies.wait()
 
+    def release(self) -> None:
+        """Give the arena back once no copy can write into it any more.
+
+        A write may fail before it waited for the copies (its first write refused): a first
+        save's copies may then still be landing in the arena, and the next save must not
+        get it until they are in. A failed copy is the save's error, raised elsewhere.
+        """
+        with contextlib.suppress(DeviceCopyError):
+            self.copies.wait()
+        self.lease.release()
+
     def wait_staged(self, index: int, end: int) -> None:
         """Block until bytes ``[0, end)`` of ``storages[index]`` are in host memory.
 
@@ -370,7 +381,7 @@ def snapshot(
         >>> snap = snapshot(flatten(state), ArenaPool(1), settings=Settings())
         >>> [s.data.numel() for s in snap.storages], [t.storage for t in snap.tensors]
         ([16], [0, 0])
-        >>> snap.lease.release()
+        >>> snap.release()
     """
     tensors = [_resolved(t) for t, _ in flat.tensors]
     sources, placed = _regions(tensors)

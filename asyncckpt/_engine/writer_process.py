@@ -428,7 +428,7 @@ def write(
         >>> path = os.path.join(tempfile.mkdtemp(), "w.ackpt")
         >>> write(snap, LocalStorage(), path, options) == os.path.getsize(path)
         True
-        >>> snap.lease.release()
+        >>> snap.release()
     """
     from asyncckpt._engine.arena import shared_regions
 

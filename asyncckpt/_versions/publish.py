@@ -70,7 +70,7 @@ class PlainPart:
     def write(self, snap: Snapshot) -> int:
         """Write the file (every byte read: the next save may copy during the commit)."""
         size = writer_process.write(snap, self.storage, self.path, self.options, self.progress)
-        snap.lease.release()
+        snap.release()
         return size
 
     def gather(self, writer: RootWriter, size: int, started: float) -> Gathered:

@@ -313,7 +313,7 @@ class RankJob:
                 self.beat.stop()
             # Every byte was read. Not on failure: the copy may still write into the arena,
             # which the save's job runtime frees once the copy has ended.
-            snap.lease.release()
+            snap.release()
             name = data_file_name(self.rank, self.attempt)
             record = RankDone(self.rank, name, size, tuple(self.pieces))
             self.storage.write_bytes(self.path(DONE), record.encode(self.step, self.attempt))

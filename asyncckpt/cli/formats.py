@@ -376,7 +376,7 @@ def save_ackpt(
     try:
         return write_snapshot(snap, storage, path, options, progress)
     finally:
-        snap.lease.release()
+        snap.release()
 
 
 def part_at(obj: Any, key: str | None, src: str) -> tuple[Any, str]:

@@ -6,7 +6,9 @@ The fake runs no kernels, so these tests check what the engine asks of CUDA and 
 
 from __future__ import annotations
 
+import errno
 import gc
+import io
 import os
 import threading
 from pathlib import Path
@@ -19,8 +21,11 @@ import asyncckpt
 from asyncckpt import _threads as workers
 from asyncckpt._api import staging as staging_api
 from asyncckpt._engine import arena as arena_mod
+from asyncckpt._engine import snapshot as snapshot_mod
 from asyncckpt._engine.arena import ArenaPool
 from asyncckpt._settings import Settings
+from asyncckpt._storage.local import LocalStorage
+from asyncckpt.cli import formats
 from asyncckpt.errors import DeviceCopyError
 from tests.fake_cuda import FakeCuda, FakeStream
 
@@ -209,6 +214,67 @@ def test_a_first_save_returns_before_its_new_arena_is_page_locked(
     assert not {"clone_async", "register", "free_memory"} & set(fake_cuda.names())
     if ckpt:
         ckpt.close()
+
+
+class _DiskFullStream(io.BytesIO):
+    """A stream whose first write fails: the write fails before it reads the arena."""
+
+    def write(self, data: Any) -> int:
+        return _disk_full()
+
+
+def _disk_full(*args: Any) -> Any:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("path", ["stream", "convert"])
+def test_a_failed_write_gives_a_first_saves_arena_back_only_once_its_copies_landed(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    # The landing thread writes into the arena after the write failed: an arena given back
+    # before it ends may be handed to the next save and overwritten under it.
+    state = _state(fake_cuda, 256 << 10)
+    fake_cuda.free_bytes = 1 << 30
+    held = _HeldRegistration(fake_cuda, monkeypatch)
+    landed, given_back = threading.Event(), threading.Event()
+    landed_at_release: list[bool] = []
+    land, release = snapshot_mod.DeviceCopies._land, arena_mod.ArenaLease.release
+
+    def land_then_say(copies: snapshot_mod.DeviceCopies) -> None:
+        land(copies)
+        landed.set()
+
+    def release_and_say(lease: arena_mod.ArenaLease) -> None:
+        landed_at_release.append(landed.is_set())
+        given_back.set()
+        release(lease)
+
+    monkeypatch.setattr(snapshot_mod.DeviceCopies, "_land", land_then_say)
+    monkeypatch.setattr(arena_mod.ArenaLease, "release", release_and_say)
+    storage = LocalStorage(str(tmp_path))
+    monkeypatch.setattr(storage, "open_atomic", _disk_full)
+    errors: list[BaseException] = []
+
+    def failing_write() -> None:
+        try:
+            if path == "stream":
+                asyncckpt.save(state, _DiskFullStream())
+            else:
+                formats.save_ackpt(state, storage, "x.ackpt")
+        except OSError as exc:  # StorageError, from the stream
+            errors.append(exc)
+
+    writer = threading.Thread(target=failing_write, daemon=True)
+    writer.start()
+    assert held.entered.wait(30)  # the landing thread is page-locking the arena
+    given_back.wait(2)  # without the fix, the failed write gives the arena back here
+    held.released.set()
+    writer.join(60)
+    assert len(errors) == 1
+    assert "No space left on device" in str(errors[0])
+    assert landed_at_release == [True]
+    assert staging_api.arena_pool(Settings())._leased == 0
 
 
 def test_without_room_on_the_device_the_arena_is_locked_before_the_copy(
