@@ -61,7 +61,8 @@ from asyncckpt._settings import Settings
 from asyncckpt._storage import resolve
 from asyncckpt._versions.protocol import read_commit
 from asyncckpt._versions.publish import write_and_commit
-from asyncckpt._versions.ranks import Piece, RankJob
+from asyncckpt._versions.rank_records import Piece
+from asyncckpt._versions.ranks import RankJob
 from asyncckpt.testing import FaultPlan
 
 HERE = Path(__file__).resolve().parent

@@ -28,7 +28,7 @@ from asyncckpt._format.tree import (
     flatten,
     fqn_of,
 )
-from asyncckpt._versions.ranks import Piece
+from asyncckpt._versions.rank_records import Piece
 from asyncckpt.errors import UnsupportedObjectError
 
 # ------------------------------------------------------------------ the caller's part

@@ -49,7 +49,7 @@ from asyncckpt._versions.protocol import (
     commit_from,
     read_commit,
 )
-from asyncckpt._versions.ranks import Piece, RankDone, metadata_bytes
+from asyncckpt._versions.rank_records import Piece, RankDone, metadata_bytes
 from asyncckpt.errors import (
     CheckpointTimeoutError,
     ChecksumError,
@@ -681,7 +681,8 @@ def test_a_rank_dead_before_its_first_marker_fails_the_save_after_lease_expiry(
 def _writer_job(tmp_path: Path, world: int) -> Any:
     """The writer rank's (rank 0's) job of step 5, its own completion record written."""
     from asyncckpt._storage import resolve
-    from asyncckpt._versions.ranks import DONE, RankJob
+    from asyncckpt._versions.rank_records import DONE
+    from asyncckpt._versions.ranks import RankJob
 
     storage, root = resolve(str(tmp_path), None)
     job = RankJob(storage, root, 5, _ATTEMPT, 0, world, None, [], None, Settings.resolve())  # type: ignore[arg-type]
@@ -692,7 +693,7 @@ def _writer_job(tmp_path: Path, world: int) -> Any:
 
 def _write_done(job: Any, rank: int) -> None:
     from asyncckpt._versions.protocol import data_file_name
-    from asyncckpt._versions.ranks import DONE
+    from asyncckpt._versions.rank_records import DONE
 
     marker = RankDone(rank, data_file_name(rank, _ATTEMPT), 0, ())
     job.storage.write_bytes(job.path(DONE, rank), marker.encode(job.step, _ATTEMPT))

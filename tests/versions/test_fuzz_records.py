@@ -32,7 +32,7 @@ from asyncckpt._versions.protocol import (
     read_version_file,
     read_version_tagged,
 )
-from asyncckpt._versions.ranks import RankDone
+from asyncckpt._versions.rank_records import RankDone
 from tests.fuzzing import FUZZ, memory_limited, only_asyncckpt_errors, record_bytes
 
 TIME = "2026-01-01T00:00:00+00:00"
