@@ -81,7 +81,8 @@ class Piece:
             and isinstance(path, list)
             and 0 < len(path) <= MAX_DEPTH
             and all(type(k) in (str, int) for k in path)
-            and doc.get("dtype") in DTYPE_ITEMSIZE
+            and isinstance(doc.get("dtype"), str)
+            and doc["dtype"] in DTYPE_ITEMSIZE
             and all(_dims(d) for d in dims)
             and len({len(d) for d in dims}) == 1  # type: ignore[arg-type]
             and all(type(v) is int and v >= 0 for v in scalars)

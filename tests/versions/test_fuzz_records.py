@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 
 from asyncckpt import Checkpointer
 from asyncckpt._storage import Storage, resolve
@@ -177,8 +177,16 @@ def test_failed_markers(root: tuple[Storage, str], raw: bytes) -> None:
         storage.delete_tree(storage.join(base, "2"))
 
 
+_PIECE_WITH_A_LIST_FOR_ITS_DTYPE = (
+    b'{"protocol": 1, "kind": "rank-done", "step": 2, "attempt": "%s", "rank": 1, '
+    b'"file": "r00001-%s.ackpt", "size": 10, "pieces": [{"fqn": "w", "path": ["w"], '
+    b'"shape": [4], "dtype": [], "offsets": [2], "sizes": [2], "entry": 0, "nbytes": 8}]}'
+) % (ATTEMPT.encode(), ATTEMPT.encode())
+
+
 @FUZZ
 @given(raw=record_bytes(RANK))
+@example(raw=_PIECE_WITH_A_LIST_FOR_ITS_DTYPE)  # found by this test: an unhashable dtype
 def test_rank_markers(raw: bytes) -> None:
     with memory_limited():
         only_asyncckpt_errors(lambda: RankDone.decode(raw, "r1.done", 2, ATTEMPT, 1))
