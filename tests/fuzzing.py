@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import resource
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,11 +19,14 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-#: Bounded, reproducible: the same examples every run (no database, derandomized).
+#: Bounded, reproducible: the same examples every run (no database, derandomized). A deeper
+#: hunt outside ``make test``: ``FUZZ_EXAMPLES=5000 pytest tests/*/test_fuzz_*.py`` draws that many
+#: examples per test, new ones on every run (hypothesis prints how to replay a failure).
+_DEEP = int(os.environ.get("FUZZ_EXAMPLES", "0"))
 FUZZ = settings(
-    max_examples=150,
+    max_examples=_DEEP or 150,
     deadline=None,
-    derandomize=True,
+    derandomize=not _DEEP,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

@@ -157,7 +157,7 @@ class Snapshot:
         save's copies may then still be landing in the arena, and the next save must not
         get it until they are in. A failed copy is the save's error, raised elsewhere.
         """
-        with contextlib.suppress(DeviceCopyError):
+        with contextlib.suppress(Exception):
             self.copies.wait()
         self.lease.release()
 
@@ -285,9 +285,12 @@ class DeviceCopies:
 
         Safe to call from the writer and the caller at once (both only ever wait).
         """
-        self.wait_released()
+        try:
+            self.wait_released()
+        finally:  # even then: whoever waits may free the arena the landing writes into
+            if self._landing is not None:
+                self._landing.join()
         if self._landing is not None:
-            self._landing.join()
             error = self._landing_error
             if isinstance(error, DeviceCopyError):
                 raise error

@@ -228,7 +228,7 @@ def _disk_full(*args: Any) -> Any:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("path", ["stream", "convert"])
+@pytest.mark.parametrize("path", ["stream", "convert", "overlap"])
 def test_a_failed_write_gives_a_first_saves_arena_back_only_once_its_copies_landed(
     fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
 ) -> None:
@@ -256,13 +256,19 @@ def test_a_failed_write_gives_a_first_saves_arena_back_only_once_its_copies_land
     monkeypatch.setattr(storage, "open_atomic", _disk_full)
     errors: list[BaseException] = []
 
+    if path == "overlap":  # the writer's wait for the device fails, with the landing going on
+        fake_cuda.fail["synchronize_event"] = RuntimeError("CUDA error: unspecified launch failure")
+
     def failing_write() -> None:
         try:
             if path == "stream":
                 asyncckpt.save(state, _DiskFullStream())
-            else:
+            elif path == "convert":
                 formats.save_ackpt(state, storage, "x.ackpt")
-        except OSError as exc:  # StorageError, from the stream
+            else:
+                with asyncckpt.Checkpointer(tmp_path / "run", overlap=True) as ckpt:
+                    ckpt.save(1, state).result()
+        except (OSError, DeviceCopyError) as exc:  # StorageError, from the stream
             errors.append(exc)
 
     writer = threading.Thread(target=failing_write, daemon=True)
@@ -272,7 +278,7 @@ def test_a_failed_write_gives_a_first_saves_arena_back_only_once_its_copies_land
     held.released.set()
     writer.join(60)
     assert len(errors) == 1
-    assert "No space left on device" in str(errors[0])
+    assert ("launch failure" if path == "overlap" else "No space left on device") in str(errors[0])
     assert landed_at_release == [True]
     assert staging_api.arena_pool(Settings())._leased == 0
 
