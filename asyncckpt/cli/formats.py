@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import pickle
 import re
 import struct
 from collections.abc import Callable
@@ -328,13 +329,22 @@ def load_torch(
 
     Raises:
         pickle.UnpicklingError: the file holds something weights-only loading refuses.
+        FormatError: torch could not read it (torch's unpickler raises what a crafted or
+            damaged file makes it raise: ``IndexError``, ``KeyError``...), naming the file.
     """
-    with torch.serialization.safe_globals(_numpy_globals()):
-        if ref.storage.local_paths:
-            return _load_local_torch(ref, progress, mmap)
-        raw = RangeReader(ref.storage, ref.path, progress)
-        with io.BufferedReader(raw, buffer_size=_READ_BLOCK) as f:
-            return torch.load(f, map_location="cpu", weights_only=True)
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            if ref.storage.local_paths:
+                return _load_local_torch(ref, progress, mmap)
+            raw = RangeReader(ref.storage, ref.path, progress)
+            with io.BufferedReader(raw, buffer_size=_READ_BLOCK) as f:
+                return torch.load(f, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, AsyncCkptError, OSError, MemoryError):
+        raise
+    except Exception as exc:
+        raise FormatError(
+            f"{ref.name}: torch.load cannot read it ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def _load_local_torch(ref: FileRef, progress: Callable[[int], None] | None, mmap: bool) -> Any:

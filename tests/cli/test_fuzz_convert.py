@@ -103,6 +103,22 @@ def test_torch_files(tmp_path_factory: pytest.TempPathFactory, data: bytes, targ
     _convert(src, where / target)
 
 
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_a_torch_file_that_torch_load_chokes_on_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    # A legacy pickle whose first opcode pops an empty stack: torch's weights-only unpickler
+    # raises IndexError, not UnpicklingError (found by this file's fuzzer).
+    src = tmp_path / "in.pt"
+    src.write_bytes(b"\x80\x02\x86.")
+    extra = [str(tmp_path / "out.ackpt")] if command == "convert" else []
+    assert cli_main([command, str(src), *extra]) != 0
+    err = capsys.readouterr().err
+    assert "a bug?" not in err
+    assert str(src) in err and "IndexError" in err  # what torch said, for a bug report
+    assert not (tmp_path / "out.ackpt").exists()
+
+
 def test_defect_10_an_expanded_tensor_is_charged_to_the_budget(tmp_path: Path) -> None:
     """A 400-byte torch file holding a 12 GiB zero-stride view, converted to safetensors
     under a 64 MiB budget: refused by the budget, not by running out of memory."""
