@@ -10,6 +10,7 @@ storage backend are chained with ``raise ... from`` so the original stays visibl
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 
 class AsyncCkptWarning(UserWarning):
@@ -133,7 +134,23 @@ class DeviceUnavailableError(AsyncCkptError, RuntimeError):
 
 
 class StorageError(AsyncCkptError, OSError):
-    """A storage backend failed to read, write, list or delete (the cause is chained)."""
+    """A storage backend failed to read, write, list or delete (the cause is chained).
+
+    ``errno`` is the operating system's code where the cause had one (``ENOSPC`` for a full
+    disk, ``EIO``...), else None; it survives the trip back from the writer process.
+
+    Example:
+        >>> import errno, pickle
+        >>> err = StorageError("/ckpt/x.ackpt: write failed: No space left on device")
+        >>> err.errno = errno.ENOSPC
+        >>> pickle.loads(pickle.dumps(err)).errno == errno.ENOSPC
+        True
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # OSError keeps errno outside __dict__, and rebuilds it only from (errno, strerror)
+        # arguments, which would put "[Errno N]" in front of every message.
+        return type(self), self.args, {**self.__dict__, "errno": self.errno}
 
 
 class WriterProcessError(StorageError):

@@ -468,9 +468,9 @@ def errors_as(storage: Storage, path: str, action: str) -> Iterator[None]:
     except FileNotFoundError as exc:
         raise CheckpointNotFoundError(f"{storage.describe(path)}: no such file") from exc
     except OSError as exc:
-        raise StorageError(
-            f"{storage.describe(path)}: {action} failed: {exc.strerror or exc}"
-        ) from exc
+        err = StorageError(f"{storage.describe(path)}: {action} failed: {exc.strerror or exc}")
+        err.errno = exc.errno
+        raise err from exc
     except Exception as exc:
         if not is_transport_error(exc):
             raise

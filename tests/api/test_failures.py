@@ -206,6 +206,8 @@ def test_result_raises_chained_storage_error(faults: Faults, mode: str) -> None:
     with pytest.raises(StorageError) as info:
         handle.result()
     _assert_is_injected(info.value, faults)
+    # What the disk said, for code that tells a full disk (ENOSPC) from a failing one (EIO).
+    assert info.value.errno == (errno.ENOSPC if mode == "write" else errno.EIO)
     assert handle.done()
     assert handle.exception() is info.value
     assert handle.stats.total_s is None and handle.stats.stored_bytes is None
