@@ -21,12 +21,13 @@ from hypothesis import strategies as st
 
 #: Bounded, reproducible: the same examples every run (no database, derandomized). A deeper
 #: hunt outside ``make test``: ``FUZZ_EXAMPLES=5000 pytest tests/*/test_fuzz_*.py`` draws that many
-#: examples per test, new ones on every run (hypothesis prints how to replay a failure).
-_DEEP = int(os.environ.get("FUZZ_EXAMPLES", "0"))
+#: examples per test, new ones on every run (hypothesis prints how to replay a failure);
+#: ``tests/versions/test_interleavings.py`` takes it too.
+DEEP_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "0"))
 FUZZ = settings(
-    max_examples=_DEEP or 150,
+    max_examples=DEEP_EXAMPLES or 150,
     deadline=None,
-    derandomize=not _DEEP,
+    derandomize=not DEEP_EXAMPLES,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

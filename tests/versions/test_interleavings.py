@@ -31,6 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from asyncckpt import Checkpointer
 from asyncckpt.cli.main import main as cli_main
 from asyncckpt.errors import AsyncCkptError
+from tests.fuzzing import DEEP_EXAMPLES
 from tests.testing.crash_scenarios import (
     DETERMINISTIC_ENV,
     EXPECTED,
@@ -213,10 +214,10 @@ class RootMachine(RuleBasedStateMachine):
 
 
 RootMachine.TestCase.settings = settings(
-    max_examples=15,
+    max_examples=DEEP_EXAMPLES or 15,
     stateful_step_count=12,
     deadline=None,
-    derandomize=True,
+    derandomize=not DEEP_EXAMPLES,
     database=None,
 )
 
