@@ -331,6 +331,7 @@ def load_torch(
         pickle.UnpicklingError: the file holds something weights-only loading refuses.
         FormatError: torch could not read it (torch's unpickler raises what a crafted or
             damaged file makes it raise: ``IndexError``, ``KeyError``...), naming the file.
+        MemoryError: reading it took more memory than there is, naming the file.
     """
     try:
         with torch.serialization.safe_globals(_numpy_globals()):
@@ -339,8 +340,10 @@ def load_torch(
             raw = RangeReader(ref.storage, ref.path, progress)
             with io.BufferedReader(raw, buffer_size=_READ_BLOCK) as f:
                 return torch.load(f, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, AsyncCkptError, OSError, MemoryError):
+    except (pickle.UnpicklingError, AsyncCkptError, OSError):
         raise
+    except MemoryError as exc:  # a damaged or crafted length, or a file too big for here
+        raise MemoryError(f"{ref.name}: torch.load ran out of memory reading it") from exc
     except Exception as exc:
         raise FormatError(
             f"{ref.name}: torch.load cannot read it ({type(exc).__name__}: {exc})"

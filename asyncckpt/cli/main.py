@@ -86,7 +86,7 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, pickle.UnpicklingError):
         return _describe_unpickling(exc)
     text = " ".join(str(exc).split()) or "(no message)"
-    if isinstance(exc, (OSError, ValueError, TypeError, KeyError, RuntimeError)):
+    if isinstance(exc, (OSError, ValueError, TypeError, KeyError, RuntimeError, MemoryError)):
         return f"{text} ({type(exc).__name__})"
     return f"{type(exc).__name__}: {text} (a bug? rerun with --debug and report it)"
 

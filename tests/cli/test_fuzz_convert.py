@@ -119,6 +119,23 @@ def test_a_torch_file_that_torch_load_chokes_on_is_refused_naming_it(
     assert not (tmp_path / "out.ackpt").exists()
 
 
+@pytest.mark.parametrize("command", ["convert", "inspect"])
+def test_a_torch_file_whose_length_exhausts_memory_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    # A legacy pickle whose first string says it is 2 GiB long: the unpickler allocates that
+    # before it finds the file is 8 bytes (found by this file's fuzzer, under its limit).
+    src = tmp_path / "in.pt"
+    src.write_bytes(b"\x80\x02X\xff\xff\xff\x7f")
+    extra = [str(tmp_path / "out.ackpt")] if command == "convert" else []
+    with memory_limited(256 << 20):
+        code = cli_main([command, str(src), *extra])
+    err = capsys.readouterr().err
+    assert code != 0 and "a bug?" not in err
+    assert f"{src}: torch.load ran out of memory" in err
+    assert not (tmp_path / "out.ackpt").exists()
+
+
 def test_defect_10_an_expanded_tensor_is_charged_to_the_budget(tmp_path: Path) -> None:
     """A 400-byte torch file holding a 12 GiB zero-stride view, converted to safetensors
     under a 64 MiB budget: refused by the budget, not by running out of memory."""
