@@ -11,7 +11,7 @@ import pytest
 
 import asyncckpt.testing  # noqa: F401  (registers the faulty:// filesystem)
 import tests.s3mem  # noqa: F401  (registers the s3mem:// filesystem)
-from tests import marks
+from tests import fuzzing, marks
 
 
 @pytest.fixture(autouse=True)
@@ -113,6 +113,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    fuzzing.draw_no_literals_of_this_project()
     config.addinivalue_line(
         "markers",
         "s3_stores(*names): run a test that uses s3_server only on these of "
