@@ -229,7 +229,7 @@ def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INTERLEAVINGS_TMP", str(tmp_path))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(0 if DEEP_EXAMPLES else 300)  # a hunt runs as long as it takes
 @pytest.mark.usefixtures("_env")
 def test_interleavings() -> None:
     RootMachine.acted.clear()
