@@ -9,6 +9,7 @@ follows it), a clean exit, and the storages that stay on threads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -498,6 +499,14 @@ def test_a_cause_that_does_not_unpickle_ends_the_chain_there() -> None:
     back = writer_process._rebuilt(("failed", *writer_child._portable(exc)), 42, "x.ackpt")
     assert isinstance(back, StorageError) and str(back) == "x.ackpt: write failed"
     assert back.__cause__ is None
+
+
+def test_a_storage_error_keeps_its_errno_on_the_way_back() -> None:
+    err = StorageError("x.ackpt: write failed: No space left on device")
+    err.errno = errno.ENOSPC
+    back = writer_process._rebuilt(("failed", *writer_child._portable(raised(err))), 42, "x")
+    assert isinstance(back, StorageError) and str(back) == str(err)
+    assert back.errno == errno.ENOSPC
 
 
 def test_the_child_writes_without_importing_torch(tmp_path: Path) -> None:
