@@ -62,13 +62,20 @@ class Channel:
 
         Raises:
             EOFError: the other end closed the socket (or died).
+            UnreadableMessage: the message arrived whole but does not unpickle here.
         """
         head, fds, _, _ = socket.recv_fds(self.sock, _HEADER.size, _MAX_FDS)
         if not head:
             raise EOFError("the socket was closed")
         head += self._exactly(_HEADER.size - len(head))
         length, _ = _HEADER.unpack(head)
-        return pickle.loads(self._exactly(length)), fds
+        data = self._exactly(length)
+        try:
+            return pickle.loads(data), fds
+        except Exception as exc:
+            for fd in fds:
+                os.close(fd)
+            raise UnreadableMessage(f"{type(exc).__name__}: {exc}") from exc
 
     def _exactly(self, n: int) -> bytes:
         parts = []
@@ -79,6 +86,12 @@ class Channel:
             parts.append(part)
             n -= len(part)
         return b"".join(parts)
+
+
+class UnreadableMessage(pickle.UnpicklingError):
+    """A whole message that does not unpickle in this process: it names a class this
+    process cannot import (one defined in the caller's script, its ``__main__``, or in a
+    module not on this process's path). The socket stays usable."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +166,10 @@ def serve(fd: int, parent: int) -> None:
         while True:
             try:
                 message, fds = channel.receive()
+            except UnreadableMessage as exc:
+                # Only a job can name the caller's classes: the caller writes it on threads.
+                channel.send_message(("unreadable", str(exc)))
+                continue
             except (EOFError, OSError):
                 return
             if message[0] == "map":

@@ -37,8 +37,10 @@ nothing there can depend on the environment of the moment it started.
 
 A write stays on this process's threads when the child could not do it: a storage whose
 files live in this process's memory (``memory://``, a caller's file object), one that cannot
-be pickled, an arena not in shared memory (pinned memory that could not be shared), or a
-platform without memfd. That is said once per reason: as a warning if the caller set
+be pickled, one whose classes the child cannot import (a filesystem defined in the caller's
+script, its ``__main__``: the child tries to load the job, answers so, and lives on), an
+arena not in shared memory (pinned memory that could not be shared), or a platform without
+memfd. That is said once per reason: as a warning if the caller set
 ``writer_processes`` (an argument or ``ASYNCCKPT_WRITER_PROCESSES``), as a debug message if
 it is the default.
 """
@@ -88,6 +90,11 @@ from asyncckpt._engine.writer_child import serve
 serve(int(sys.argv[1]), int(sys.argv[3]))
 """
 _EXIT_WAIT_S = 5.0  # how long to wait for a dead child's exit status
+
+
+class JobUnreadable(Exception):
+    """The writer process could not unpickle a job (it wrote nothing): the job names a
+    class that process cannot import, such as a filesystem defined in the caller's script."""
 
 
 class WriterProcess:
@@ -142,6 +149,7 @@ class WriterProcess:
 
         Raises:
             WriterProcessError: the child died (or had died) before answering.
+            JobUnreadable: the child cannot unpickle ``payload``; it wrote nothing.
             Exception: whatever the write raised in the child.
         """
         with self._lock:
@@ -150,9 +158,11 @@ class WriterProcess:
             try:
                 answer = self._exchange(payload, job, progress)
             except (EOFError, OSError, pickle.UnpicklingError) as exc:
-                raise WriterProcessError(self._lose(where)) from exc
-            finally:
                 self.jobs += 1
+                raise WriterProcessError(self._lose(where)) from exc
+            if answer[0] == "unreadable":
+                raise JobUnreadable(answer[1])
+            self.jobs += 1
         if answer[0] == "done":
             return int(answer[1])
         raise _rebuilt(answer, self.pid, where)
@@ -181,7 +191,7 @@ class WriterProcess:
             message, _ = self._channel.receive()
             if message[0] == "progress" and progress is not None:
                 progress(int(message[1]))
-            elif message[0] in ("done", "failed"):
+            elif message[0] in ("done", "failed", "unreadable"):
                 return tuple(message)
 
     def _lose(self, where: str) -> str:
@@ -467,6 +477,11 @@ def write(
     except WriterProcessError:
         _remove_temp_files(storage, path)
         raise
+    except JobUnreadable as exc:
+        where = storage.describe("")
+        reason = f"the writer process cannot load {where} ({exc})"
+        _warn_once(f"writer_processes=1: {reason}; that write runs on threads instead", options)
+        return write_snapshot(snap, storage, path, options, progress, guard)
 
 
 def _remove_temp_files(storage: Storage, path: str) -> None:

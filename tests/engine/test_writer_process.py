@@ -358,6 +358,34 @@ def test_a_storage_that_cannot_be_pickled_stays_on_threads(
     assert "cannot be sent to a process" in caplog.text
 
 
+def test_a_filesystem_class_of_the_callers_script_is_written_on_threads(
+    in_process: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A filesystem class defined in the training script (its ``__main__``) pickles here
+    but cannot be unpickled by the child, whose ``__main__`` is not that script: the write
+    runs on threads, said once, and the child stays up for the writes it can do."""
+    script_fs = type("ScriptFileSystem", (DirFileSystem,), {"protocol": "scriptfs"})
+    script_fs.__module__ = "__main__"
+    monkeypatch.setattr(sys.modules["__main__"], "ScriptFileSystem", script_fs, raising=False)
+    fsspec.register_implementation("scriptfs", script_fs, clobber=True)
+    asyncckpt.save(state(1.0), tmp_path / "first.ackpt").result(timeout=120)
+    pid = child().pid
+    options = {"path": str(tmp_path), "fs": LocalFileSystem()}
+    with caplog.at_level(logging.WARNING, logger="asyncckpt._engine.writer_process"):
+        writer_process._warned.clear()
+        for value in (6.0, 7.0):
+            handle = asyncckpt.save(state(value), "scriptfs://x.ackpt", storage_options=options)
+            handle.result(timeout=120)
+            assert asyncckpt.load(tmp_path / "x.ackpt")["meta"]["value"] == value
+    assert caplog.text.count("ScriptFileSystem") == 1, caplog.text
+    before = child().jobs
+    asyncckpt.save(state(8.0), tmp_path / "last.ackpt").result(timeout=120)
+    assert (child().pid, child().jobs) == (pid, before + 1)
+
+
 def test_the_tunable_takes_0_or_1() -> None:
     assert Settings.resolve(writer_processes=0).writer_processes == 0
     with pytest.raises(ValueError, match="at most 1"):
