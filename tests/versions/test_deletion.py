@@ -442,7 +442,9 @@ def test_a_commit_that_cannot_be_parsed_is_an_unreadable_record_never_a_crash(
 def test_a_failed_marker_names_its_attempt(any_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = Checkpointer(any_root)
     ckpt.save(1, make_state(1)).result(timeout=60)
-    monkeypatch.setattr(ckpt._storage, "create_exclusive", _refuse)
+    # On the class: a function on the instance would travel, pickled, to the writer
+    # process, which would import this test module (and torch) to run the data write.
+    monkeypatch.setattr(type(ckpt._storage), "create_exclusive", _refuse)
     with pytest.raises(OSError, match="injected"):
         ckpt.save(2, make_state(2)).result(timeout=60)
     failure = read_failure(*resolve(any_root, None), 2)
@@ -451,7 +453,7 @@ def test_a_failed_marker_names_its_attempt(any_root: str, monkeypatch: pytest.Mo
     ckpt.close()
 
 
-def _refuse(path: str, data: bytes) -> None:
+def _refuse(storage: object, path: str, data: bytes) -> None:
     raise OSError(5, "injected: cannot create the commit record")
 
 
