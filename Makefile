@@ -49,6 +49,10 @@ lint: $(STAMP)
 # minute; `make test`: everything, each S3 test on one store; `make test-all`: every S3 test
 # on both stores (moto and SeaweedFS).
 WORKERS ?= auto
+# pytest caches the assertion-rewritten test modules as bytecode unless told not to; where
+# the environment says so (PYTHONDONTWRITEBYTECODE, common in containers) every worker of
+# every run rewrote and compiled all of them again: seconds of each `make quick`.
+unexport PYTHONDONTWRITEBYTECODE
 PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist worksteal
 QUICK := not procs and not s3 and not docs and not bench and not cuda
 

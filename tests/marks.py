@@ -19,6 +19,7 @@ import textwrap
 import types
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -140,11 +141,12 @@ def _is_test_helper(value: Any) -> bool:
 @cache
 def _names_in(function: Any) -> frozenset[str] | None:
     """Every name and attribute the source of ``function`` mentions (None: no source)."""
-    try:
-        source = textwrap.dedent(inspect.getsource(function))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError):
-        return None
+    tree = _definition_of(function)
+    if tree is None:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        except (OSError, TypeError, SyntaxError):
+            return None
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
@@ -152,3 +154,45 @@ def _names_in(function: Any) -> frozenset[str] | None:
         elif isinstance(node, ast.Attribute):
             names.add(node.attr)
     return frozenset(names)
+
+
+def _definition_of(helper: Any) -> ast.AST | None:
+    """The ``def`` or ``class`` statement of a helper, from its file parsed once:
+    ``inspect.getsource`` tokenizes or parses the file again for each one, which made
+    collection seconds longer on each worker."""
+    code = getattr(helper, "__code__", None)
+    if code is not None:
+        return _definitions_in(code.co_filename).get(code.co_firstlineno)
+    module = sys.modules.get(getattr(helper, "__module__", None) or "")
+    filename = getattr(module, "__file__", None)
+    if not inspect.isclass(helper) or filename is None:
+        return None
+    return _definitions_in(filename).get(helper.__qualname__)
+
+
+@cache
+def _definitions_in(filename: str) -> dict[int | str, ast.AST]:
+    """The definitions in a file: functions by their first line (their first decorator's,
+    as ``co_firstlineno``), classes by their qualified name."""
+    try:
+        tree = ast.parse(Path(filename).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return {}
+    found: dict[int | str, ast.AST] = {}
+
+    def visit(statements: list[Any], prefix: str) -> None:
+        # Definitions are statements: only the blocks of statements are walked.
+        for node in statements:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                found[first] = node
+                visit(node.body, f"{prefix}{node.name}.<locals>.")
+            elif isinstance(node, ast.ClassDef):
+                found.setdefault(prefix + node.name, node)
+                visit(node.body, f"{prefix}{node.name}.")
+            else:
+                for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+                    visit(getattr(node, block, []), prefix)
+
+    visit(tree.body, "")
+    return found
