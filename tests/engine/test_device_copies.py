@@ -237,17 +237,27 @@ def test_a_failed_write_gives_a_first_saves_arena_back_only_once_its_copies_land
     state = _state(fake_cuda, 256 << 10)
     fake_cuda.free_bytes = 1 << 30
     held = _HeldRegistration(fake_cuda, monkeypatch)
-    landed, given_back = threading.Event(), threading.Event()
+    # ``decided``: the failed write gave the arena back, or waits for the landing to end.
+    landed, decided = threading.Event(), threading.Event()
     landed_at_release: list[bool] = []
     land, release = snapshot_mod.DeviceCopies._land, arena_mod.ArenaLease.release
 
     def land_then_say(copies: snapshot_mod.DeviceCopies) -> None:
+        landing = copies._landing
+        assert landing is not None
+        join = landing.join
+
+        def join_and_say(timeout: float | None = None) -> None:
+            decided.set()
+            join(timeout)
+
+        landing.join = join_and_say  # type: ignore[method-assign]
         land(copies)
         landed.set()
 
     def release_and_say(lease: arena_mod.ArenaLease) -> None:
         landed_at_release.append(landed.is_set())
-        given_back.set()
+        decided.set()
         release(lease)
 
     monkeypatch.setattr(snapshot_mod.DeviceCopies, "_land", land_then_say)
@@ -274,7 +284,7 @@ def test_a_failed_write_gives_a_first_saves_arena_back_only_once_its_copies_land
     writer = threading.Thread(target=failing_write, daemon=True)
     writer.start()
     assert held.entered.wait(30)  # the landing thread is page-locking the arena
-    given_back.wait(2)  # without the fix, the failed write gives the arena back here
+    assert decided.wait(30)  # without the fix, the failed write gives the arena back here
     held.released.set()
     writer.join(60)
     assert len(errors) == 1
