@@ -637,6 +637,7 @@ def _tree_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
+@pytest.mark.bench  # a measurement (docs/sharded.md cites it): make test runs it, not quick
 @pytest.mark.timeout(240)
 def test_stored_bytes_against_filesystem_writer(tmp_path: Path) -> None:
     weights, kind = _weights()
