@@ -88,7 +88,7 @@ class Channel:
         return b"".join(parts)
 
 
-class UnreadableMessage(pickle.UnpicklingError):
+class UnreadableMessage(Exception):
     """A whole message that does not unpickle in this process: it names a class this
     process cannot import (one defined in the caller's script, its ``__main__``, or in a
     module not on this process's path). The socket stays usable."""

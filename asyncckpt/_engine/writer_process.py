@@ -64,7 +64,7 @@ from asyncckpt import _cpu as cpu
 from asyncckpt import _threads as workers
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
 from asyncckpt._engine.snapshot import SnapshotFailedError
-from asyncckpt._engine.writer_child import Channel, StagedRef, WriteJob
+from asyncckpt._engine.writer_child import Channel, StagedRef, UnreadableMessage, WriteJob
 from asyncckpt._settings import ENV_PREFIX, Settings
 from asyncckpt._storage import Storage
 from asyncckpt._storage.base import TEMP_MARK, PublishGuard
@@ -157,7 +157,7 @@ class WriterProcess:
                 raise WriterProcessError(self.lost)
             try:
                 answer = self._exchange(payload, job, progress)
-            except (EOFError, OSError, pickle.UnpicklingError) as exc:
+            except (EOFError, OSError, UnreadableMessage) as exc:
                 self.jobs += 1
                 raise WriterProcessError(self._lose(where)) from exc
             if answer[0] == "unreadable":
