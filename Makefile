@@ -45,7 +45,7 @@ lint: $(STAMP)
 	$(BIN)/mypy asyncckpt
 
 # Tests run on parallel workers (pytest-xdist); tests/marks.py marks each at collection by
-# what it needs (procs, s3, docs, bench). `make quick`: lint and the in-process tests, about a
+# what it needs (procs, s3, docs, bench). `make quick`: lint and the in-process tests, under a
 # minute; `make test`: everything, each S3 test on one store; `make test-all`: every S3 test
 # on both stores (moto and SeaweedFS).
 WORKERS ?= auto
