@@ -28,9 +28,10 @@ the values at the call. A peer that cannot be imported or fails is recorded with
 Usage::
 
     python benchmarks/bench_peers.py [--size-mib 1024] [--repeats 3] [--quick]
-        [--methods NAME ...] [--out DIR]
+        [--state normal|weights] [--methods NAME ...] [--out DIR]
 
-Writes ``bench_peers.json`` and ``bench_peers.png`` under ``--out``.
+Writes ``bench_peers.json`` and ``bench_peers.png`` under ``--out`` (``--state weights``:
+``bench_peers_weights.*``, all-MiniLM-L6-v2's weights and Adam moments tiled to the size).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from common import (
     machine_info,
     make_state,
     pyplot,
+    real_training_state,
     remove,
     savefig,
     settle,
@@ -79,6 +81,10 @@ from common import (
     torch_save_fsync,
     write_json,
 )
+
+#: What each ``--state`` is, in titles.
+STATES = {"normal": "N(0,1) fp32", "weights": "MiniLM weights + Adam moments"}
+
 
 #: name -> (label, the package whose version is reported, family for report.PEER_MECHANISM)
 METHODS: dict[str, tuple[str, str, str]] = {
@@ -347,7 +353,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         rec["version"] = importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         rec["version"] = None
-    state = make_state(int(args.size_mib * MIB), "normal")
+    state = peer_state(args.state, int(args.size_mib * MIB))
     nbytes = state_bytes(state)
     tmp = tempfile.mkdtemp(prefix=f"bench_peers-{name}-", dir=args.tmp_dir)
     method: Method | None = None
@@ -375,23 +381,16 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         rec["stored_fraction"] = rec["stored_bytes"] / nbytes
         rec["stall_s"] = statistics.median(stalls)
         rec["stall_x_copy"] = rec["stall_s"] / copy_s
+        rec["stall_x_copy_spread"] = [min(stalls) / copy_s, max(stalls) / copy_s]
         rec["durable_s"] = statistics.median(durables)
         rec["torch_save_durable_s"] = statistics.median(torch_s)
         rec["durable_x_torch_save"] = rec["durable_s"] / rec["torch_save_durable_s"]
+        rec["durable_x_torch_save_spread"] = _paired_spread(durables, torch_s)
         rec["raw_s"] = {"stall": stalls, "durable": durables, "torch_save": torch_s}
         sampler.stop()
         rec["extra_peak_bytes"] = sampler.peak() - base
         rec["extra_peak_x_state"] = rec["extra_peak_bytes"] / nbytes
-        t = time.perf_counter()
-        back = torch.load(p("torch.pt"), weights_only=True)
-        rec["torch_load_s"] = time.perf_counter() - t
-        del back
-        t = time.perf_counter()
-        back = method.load(last, state)
-        rec["load_s"] = time.perf_counter() - t
-        rec["load_x_torch_load"] = rec["load_s"] / rec["torch_load_s"]
-        rec["load_equal"] = states_equal(back, state)
-        del back
+        rec.update(_timed_loads(method, state, last, p("torch.pt"), args.repeats))
         remove(last)
         rec.update(_python_speed(method, state, p("speed")))
         if not args.no_train:
@@ -410,6 +409,62 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 method.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return rec
+
+
+def peer_state(kind: str, size_bytes: int) -> dict[str, torch.Tensor]:
+    """The state every method saves: ``"normal"``, N(0,1) fp32 (:func:`make_state`), or
+    ``"weights"``, all-MiniLM-L6-v2's weights with real Adam moments tiled to at least
+    ``size_bytes`` (:func:`real_training_state`), flattened to ``{"a/b/c": tensor}`` since
+    every peer takes a flat dict of tensors.
+
+    Example:
+        >>> abs(state_bytes(peer_state("normal", 1 << 20)) - (1 << 20)) < 4096
+        True
+    """
+    if kind == "normal":
+        return make_state(size_bytes, "normal")
+    tree, _ = real_training_state(size_bytes)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            flat[path] = node
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{path}/{key}" if path else str(key))
+
+    walk(tree, "")
+    return flat
+
+
+def _paired_spread(ours: list[float], theirs: list[float]) -> list[float]:
+    """[min, max] of ``ours[i] / theirs[i]`` over rounds measured side by side."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    return [min(ratios), max(ratios)]
+
+
+def _timed_loads(
+    method: Method, state: dict[str, torch.Tensor], path: str, torch_path: str, repeats: int
+) -> dict[str, Any]:
+    """``repeats`` rounds of ``torch.load`` then the method's load of the same state."""
+    ours, torch_s, equal = [], [], True
+    for _ in range(repeats):
+        t = time.perf_counter()
+        back = torch.load(torch_path, weights_only=True)
+        torch_s.append(time.perf_counter() - t)
+        del back
+        t = time.perf_counter()
+        back = method.load(path, state)
+        ours.append(time.perf_counter() - t)
+        equal = equal and states_equal(back, state)
+        del back
+    return {
+        "torch_load_s": statistics.median(torch_s),
+        "load_s": statistics.median(ours),
+        "load_x_torch_load": statistics.median(ours) / statistics.median(torch_s),
+        "load_x_torch_load_spread": _paired_spread(ours, torch_s),
+        "load_equal": equal,
+    }
 
 
 def _python_speed(method: Method, state: dict[str, torch.Tensor], path: str) -> dict[str, Any]:
@@ -450,6 +505,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out = os.path.join(tmp, "child.json")
             cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--json", out]
             cmd += ["--size-mib", str(args.size_mib), "--repeats", str(args.repeats)]
+            cmd += ["--state", args.state]
             cmd += ["--train", *map(str, args.train)]
             if args.no_train:
                 cmd.append("--no-train")
@@ -474,6 +530,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": loadavg()},
         "config": {
             "state_mib": args.size_mib,
+            "state": args.state,
             "repeats": args.repeats,
             "train": dict(zip(("width", "depth", "steps", "every", "rounds"), args.train)),
             "quick": args.quick,
@@ -560,8 +617,9 @@ def plot(res: dict[str, Any], path: str) -> None:
     axes[0][0].set_yticks(ys, labels, fontsize=8)
     axes[1][0].set_yticks(ys, labels, fontsize=8)
     cfg = res["config"]
+    what = STATES[cfg.get("state", "normal")]
     fig.suptitle(
-        f"asyncckpt and its peers, {cfg['state_mib']:g} MiB N(0,1) fp32, each in a fresh "
+        f"asyncckpt and its peers, {cfg['state_mib']:g} MiB of {what}, each in a fresh "
         "process (hatched: not a snapshot)",
         fontsize=11,
     )
@@ -582,6 +640,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar=("WIDTH", "DEPTH", "STEPS", "EVERY", "ROUNDS"),
         help="the training loop (default 1536 8 40 8 2)",
     )
+    ap.add_argument(
+        "--state",
+        choices=tuple(STATES),
+        default="normal",
+        help="N(0,1) fp32, or MiniLM weights with Adam moments (writes bench_peers_weights.*)",
+    )
     ap.add_argument("--no-train", action="store_true", help="leave the training loop out")
     ap.add_argument("--quick", action="store_true", help="smoke test: 16 MiB, 1 repeat")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per method")
@@ -601,12 +665,17 @@ def main(argv: list[str] | None = None) -> int:
         rec = child(args)
         with open(args.json, "w") as f:
             json.dump(rec, f)
-        return 0
+        # A peer's worker may keep the interpreter from exiting (NVRx 0.4.1's persistent
+        # worker spins at 100 % CPU at exit here): the figures are written, so leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     res = run(args)
     os.makedirs(args.out, exist_ok=True)
-    json_path = os.path.join(args.out, "bench_peers.json")
+    name = "bench_peers" if args.state == "normal" else f"bench_peers_{args.state}"
+    json_path = os.path.join(args.out, f"{name}.json")
     write_json(res, json_path)
-    png_path = os.path.join(args.out, "bench_peers.png")
+    png_path = os.path.join(args.out, f"{name}.png")
     plot(res, png_path)
     print(f"wrote {json_path} and {png_path}")
     return 0

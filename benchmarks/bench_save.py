@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
 import platform
 import re
@@ -47,22 +46,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (
     MIB,
     alternating_rounds,
-    clone_tree,
     count_while,
     disk_bytes,
     filesystem_of,
     idle_rate,
-    load_weights,
     loadavg,
     make_state,
     pyplot,
+    real_training_state,
     remove,
     savefig,
     settle,
     spread_summary,
     state_bytes,
     states_equal,
-    tensor_bytes,
     torch_save_durable,
     tunable_env,
     write_json,
@@ -463,6 +460,7 @@ def paired_summary(raw: dict[str, list[float]]) -> dict[str, Any]:
     }
     out: dict[str, Any] = {"rounds": len(raw["torch_save"]), "raw_s": raw}
     out.update(spread_summary(ratios, "_x_torch_save"))
+    out.update(auto_over_best(ratios))
     for c in ("none", "zstd"):
         a, b = out[f"save_{c}_x_torch_save"], out[f"checkpointer_{c}_x_torch_save"]
         out[f"agreement_{c}"] = abs(a - b) / max(a, b)  # 0: the two methods agree exactly
@@ -470,54 +468,6 @@ def paired_summary(raw: dict[str, list[float]]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- real state
-
-
-def real_training_state(
-    min_bytes: int, steps: int = 5, seed: int = 0
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """all-MiniLM-L6-v2's weights and real Adam moments, tiled to at least ``min_bytes``.
-
-    No transformers package is installed, so the model is not run; instead a few Adam steps
-    minimise an MSE of random data through every weight as a plain tensor (``x @ W.T`` for
-    matrices, ``x * b`` for vectors). What matters is that ``exp_avg`` and ``exp_avg_sq``
-    hold what Adam leaves after real gradient steps (not zeros, not N(0,1)). The state is
-    ``{"replica<i>": {"model": ..., "optimizer": Adam's state_dict}}`` repeated until it
-    reaches ``min_bytes``; replicas are separate tensors, so nothing is deduplicated.
-
-    Returns:
-        The state, and a description (source, steps, bytes, replicas).
-    """
-    weights, source = load_weights()
-    gen = torch.Generator().manual_seed(seed)
-    params = {
-        k: v.clone().requires_grad_(True) for k, v in weights.items() if v.is_floating_point()
-    }
-    opt = torch.optim.Adam(list(params.values()), lr=1e-3)
-    batch = 8
-    for _ in range(steps):
-        loss = torch.zeros(())
-        for w in params.values():
-            x = torch.randn(batch, w.shape[-1], generator=gen)
-            y = x @ w.T if w.dim() == 2 else x * w
-            loss = loss + torch.nn.functional.mse_loss(y, torch.randn(y.shape, generator=gen))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    one = {
-        "model": {k: (params[k].detach() if k in params else v) for k, v in weights.items()},
-        "optimizer": opt.state_dict(),
-    }
-    one_bytes = tensor_bytes(one)
-    replicas = max(1, math.ceil(min_bytes / one_bytes))
-    state = {f"replica{i}": clone_tree(one) for i in range(replicas)}
-    desc = {
-        "source": source["kind"],
-        "adam_steps": steps,
-        "replica_bytes": one_bytes,
-        "replicas": replicas,
-        "raw_bytes": one_bytes * replicas,
-    }
-    return state, desc
 
 
 def real_state_durable(
@@ -750,13 +700,24 @@ def auto_vs_codecs(tmp: str, size_bytes: int, rounds: int) -> dict[str, Any]:
         for m, xs in raw.items()
         if m != "torch_save"
     }
-    best = [min(z, n) for z, n in zip(ratios["save_zstd"], ratios["save_none"])]
-    ratios["auto_over_best"] = [a / b for a, b in zip(ratios["save_auto"], best)]
     out = {"state_bytes": state_bytes(state), "rounds": rounds, "raw_s": raw}
     out.update(spread_summary(ratios, "_x_torch_save"))
-    out["auto_x_best"] = out.pop("auto_over_best_x_torch_save")
-    out["auto_x_best_spread"] = out.pop("auto_over_best_x_torch_save_spread")
+    out.update(auto_over_best(ratios))
     return out
+
+
+def auto_over_best(ratios: dict[str, list[float]]) -> dict[str, Any]:
+    """``auto_x_best``: the median over rounds of ``save_auto``'s ratio ÷ the better of
+    ``save_zstd``'s and ``save_none``'s in the same round, with its spread.
+
+    Example:
+        >>> ratios = {"save_auto": [1.0, 2.0], "save_zstd": [1.0, 1.0], "save_none": [2.0, 4.0]}
+        >>> auto_over_best(ratios)
+        {'auto_x_best': 1.5, 'auto_x_best_spread': [1.0, 2.0]}
+    """
+    best = [min(z, n) for z, n in zip(ratios["save_zstd"], ratios["save_none"])]
+    over = [a / b for a, b in zip(ratios["save_auto"], best)]
+    return {"auto_x_best": statistics.median(over), "auto_x_best_spread": [min(over), max(over)]}
 
 
 # ----------------------------------------------------------------------------- reporting

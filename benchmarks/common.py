@@ -637,3 +637,51 @@ def warn_if_loaded(name: str) -> None:
             "CPUs and will inflate the timings (recorded in the JSON)",
             file=sys.stderr,
         )
+
+
+def real_training_state(
+    min_bytes: int, steps: int = 5, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """all-MiniLM-L6-v2's weights and real Adam moments, tiled to at least ``min_bytes``.
+
+    No transformers package is installed, so the model is not run; instead a few Adam steps
+    minimise an MSE of random data through every weight as a plain tensor (``x @ W.T`` for
+    matrices, ``x * b`` for vectors). What matters is that ``exp_avg`` and ``exp_avg_sq``
+    hold what Adam leaves after real gradient steps (not zeros, not N(0,1)). The state is
+    ``{"replica<i>": {"model": ..., "optimizer": Adam's state_dict}}`` repeated until it
+    reaches ``min_bytes``; replicas are separate tensors, so nothing is deduplicated.
+
+    Returns:
+        The state, and a description (source, steps, bytes, replicas).
+    """
+    weights, source = load_weights()
+    gen = torch.Generator().manual_seed(seed)
+    params = {
+        k: v.clone().requires_grad_(True) for k, v in weights.items() if v.is_floating_point()
+    }
+    opt = torch.optim.Adam(list(params.values()), lr=1e-3)
+    batch = 8
+    for _ in range(steps):
+        loss = torch.zeros(())
+        for w in params.values():
+            x = torch.randn(batch, w.shape[-1], generator=gen)
+            y = x @ w.T if w.dim() == 2 else x * w
+            loss = loss + torch.nn.functional.mse_loss(y, torch.randn(y.shape, generator=gen))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    one = {
+        "model": {k: (params[k].detach() if k in params else v) for k, v in weights.items()},
+        "optimizer": opt.state_dict(),
+    }
+    one_bytes = tensor_bytes(one)
+    replicas = max(1, math.ceil(min_bytes / one_bytes))
+    state = {f"replica{i}": clone_tree(one) for i in range(replicas)}
+    desc = {
+        "source": source["kind"],
+        "adam_steps": steps,
+        "replica_bytes": one_bytes,
+        "replicas": replicas,
+        "raw_bytes": one_bytes * replicas,
+    }
+    return state, desc

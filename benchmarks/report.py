@@ -10,7 +10,8 @@ What the figures mean, and why they are what they are, is prose written by peopl
 
 A figure is named by an *expression*: ``"file.json:key.key[name with dots].key"``, or two of
 them joined by ``" / "`` (a ratio) or ``" - "`` (a difference). A key in brackets may hold
-dots.
+dots. ``"best_peer(file.json:key)"`` is the lowest ``key`` among the peers of a
+``bench_peers`` JSON that snapshot (asyncckpt's own methods left out).
 """
 
 from __future__ import annotations
@@ -122,6 +123,61 @@ ROWS: tuple[Row, ...] = (
             ),
         ),
         spread="bench_save.json:first_save.plain_x_copy_spread",
+        issue="32",
+    ),
+    Row(
+        "stall_defaults",
+        "warm save with the defaults (`asyncckpt.save`; N(0,1) fp32, 1 GiB, `bench_peers.py`, "
+        "a fresh process): stall ÷ copy floor",
+        "bench_peers.json:methods.asyncckpt.stall_x_copy",
+        "<=",
+        1.5,
+        incumbents=(("best peer that snapshots", "best_peer(bench_peers.json:stall_x_copy)"),),
+        spread="bench_peers.json:methods.asyncckpt.stall_x_copy_spread",
+        issue="32",
+    ),
+    *(
+        Row(
+            f"durable_vs_peers_{state}",
+            "time to durable with the defaults (`asyncckpt.save`) ÷ the best peer's that "
+            f"snapshots, each ÷ `torch.save`+fsync in its own fresh process; {what}, 1 GiB "
+            "(`bench_peers.py`; spread: asyncckpt's rounds)",
+            f"{name}:methods.asyncckpt.durable_x_torch_save / "
+            f"best_peer({name}:durable_x_torch_save)",
+            "<=",
+            1.0,
+            incumbents=(
+                ("asyncckpt.save ÷ torch.save", f"{name}:methods.asyncckpt.durable_x_torch_save"),
+                ("best peer ÷ torch.save", f"best_peer({name}:durable_x_torch_save)"),
+            ),
+            spread=f"{name}:methods.asyncckpt.durable_x_torch_save_spread / "
+            f"best_peer({name}:durable_x_torch_save)",
+            issue="32",
+        )
+        for state, name, what in (
+            ("normal", "bench_peers.json", "N(0,1) fp32"),
+            ("weights", "bench_peers_weights.json", "MiniLM weights + Adam moments"),
+        )
+    ),
+    Row(
+        "auto_large",
+        'durable at 1 GiB, `compression="auto"` ÷ the better of zstd and none (each ÷ '
+        "`torch.save`+fsync, paired rounds, writer threads)",
+        "bench_save.json:durable_paired.auto_x_best",
+        "<=",
+        1.10,
+        spread="bench_save.json:durable_paired.auto_x_best_spread",
+        issue="32",
+    ),
+    Row(
+        "load_defaults",
+        "load of what `asyncckpt.save` wrote with the defaults ÷ `torch.load(weights_only=True)`"
+        " (N(0,1) fp32, 1 GiB, `bench_peers.py`, paired rounds)",
+        "bench_peers.json:methods.asyncckpt.load_x_torch_load",
+        "<=",
+        0.8,
+        incumbents=(("best peer that snapshots", "best_peer(bench_peers.json:load_x_torch_load)"),),
+        spread="bench_peers.json:methods.asyncckpt.load_x_torch_load_spread",
         issue="32",
     ),
     Row(
@@ -529,8 +585,56 @@ def value_of(data: dict[str, Any], expr: str) -> float | None:
             if a is None or b is None or (op == " / " and b == 0):
                 return None
             return a / b if op == " / " else a - b
+    peer = _BEST_PEER.fullmatch(expr.strip())
+    if peer is not None:
+        best = best_peer(data.get(peer["file"]) or {}, peer["key"])
+        return None if best is None else best[1]
     found = lookup(data, expr)
     return found if isinstance(found, float) else None
+
+
+def spread_of(data: dict[str, Any], expr: str) -> list[float] | None:
+    """The ``[min, max]`` pair at ``expr``, or such a pair ÷ a number (``"pair / number"``).
+
+    Example:
+        >>> spread_of({"a.json": {"s": [1, 2], "n": 4}}, "a.json:s / a.json:n")
+        [0.25, 0.5]
+    """
+    pair_expr, _, divisor = expr.partition(" / ")
+    pair = lookup(data, pair_expr)
+    if not isinstance(pair, list):
+        return None
+    if not divisor:
+        return pair
+    by = value_of(data, divisor)
+    return None if not by else [pair[0] / by, pair[1] / by]
+
+
+_BEST_PEER = re.compile(r"best_peer\((?P<file>[^:()]+):(?P<key>\w+)\)")
+
+
+def best_peer(peers: dict[str, Any], key: str) -> tuple[str, float] | None:
+    """The peer with the lowest ``key`` among those of ``peers`` (a ``bench_peers`` JSON)
+    that ran and snapshot, asyncckpt's own methods left out: its label and value.
+
+    Example:
+        >>> methods = {
+        ...     "asyncckpt": {"family": "asyncckpt", "durable": 0.5, "snapshot": True},
+        ...     "a": {"label": "A", "family": "a", "durable": 1.2, "snapshot": True},
+        ...     "b": {"label": "B", "family": "b", "durable": 0.9, "snapshot": False},
+        ... }
+        >>> best_peer({"methods": methods}, "durable")
+        ('A', 1.2)
+    """
+    found = [
+        (r.get("label", m), float(r[key]))
+        for m, r in (peers.get("methods") or {}).items()
+        if not str(r.get("family", m)).startswith("asyncckpt")
+        and "error" not in r
+        and r.get("snapshot") is True
+        and isinstance(r.get(key), (int, float))
+    ]
+    return min(found, key=lambda f: f[1], default=None)
 
 
 def compare(value: float | None, op: str | None, target: float | None) -> bool | None:
@@ -568,7 +672,7 @@ def evaluate(row: Row, data: dict[str, Any]) -> dict[str, Any]:
         verdict = "not measured"
     else:
         verdict = "met" if met else "not met"
-    spread = lookup(data, row.spread) if row.spread else None
+    spread = spread_of(data, row.spread) if row.spread else None
     return {
         "id": row.id,
         "text": row.text,

@@ -34,6 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report
 from common import DOCS, HERE, REPO, RESULTS, code_state, loadavg, machine_info, write_json
 
+#: The methods of bench_peers.py that snapshot (on N(0,1) they all run).
+_SNAPSHOTS = ("asyncckpt", "dcp_async_save", "tensorizer")
 #: name -> (full run, quick run, JSON, PNGs with their titles).
 BENCHES: dict[str, dict[str, Any]] = {
     "save": {
@@ -90,6 +92,14 @@ BENCHES: dict[str, dict[str, Any]] = {
         "quick": ["bench_peers.py", "--quick"],
         "json": "bench_peers.json",
         "png": {"bench_peers.png": "asyncckpt beside the peers a user would pick instead"},
+    },
+    "peers_weights": {
+        # Time to durable on real weights beside the peers that snapshot (issue 32: only
+        # those can be the best peer); no training loop.
+        "cmd": ["bench_peers.py", "--state", "weights", "--no-train", "--methods", *_SNAPSHOTS],
+        "quick": ["bench_peers.py", "--state", "weights", "--no-train", "--quick"],
+        "json": "bench_peers_weights.json",
+        "png": {"bench_peers_weights.png": "the same on MiniLM weights and Adam moments"},
     },
     "dropin": {
         "cmd": ["bench_dropin.py", "--saves", "300"],

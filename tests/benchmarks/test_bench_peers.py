@@ -59,6 +59,9 @@ def test_bench_peers_quick(tmp_path: Path) -> None:
         assert rec["version"], name
         for key in ROWS:
             assert finite(rec[key]) and rec[key] >= 0, (name, key, rec.get(key))
+        for key in ("stall_x_copy", "durable_x_torch_save", "load_x_torch_load"):
+            # one round in --quick: the spread over rounds is that round's ratio
+            assert rec[f"{key}_spread"] == pytest.approx([rec[key]] * 2), (name, key)
         assert rec["load_equal"] is True, name  # each loader returned what was saved
         assert rec["tensors"] > 0 and isinstance(rec["snapshot"], bool), name
         train = rec["train"]
@@ -73,3 +76,22 @@ def test_bench_peers_quick(tmp_path: Path) -> None:
     assert finite(res["methods"]["asyncckpt"]["python_speed_x_idle"])
     # the benchmark's temp directories are removed
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("bench_peers-")]
+
+
+def test_the_weights_state_is_every_tensor_of_the_real_training_state() -> None:
+    """``--state weights``: MiniLM's weights and Adam's moments, flat, every tensor once."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_peers
+        from common import real_training_state, tensor_bytes
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    flat = bench_peers.peer_state("weights", 1)
+    tree, desc = real_training_state(1)
+    assert desc["replicas"] == 1
+    assert sum(v.numel() * v.element_size() for v in flat.values()) == tensor_bytes(tree)
+    model = tree["replica0"]["model"]
+    assert all(flat[f"replica0/model/{k}"].equal(v) for k, v in model.items())
+    moments = [k for k in flat if k.endswith("/exp_avg_sq")]
+    assert len(moments) == len(tree["replica0"]["optimizer"]["state"])
+    assert any(flat[k].abs().sum() > 0 for k in moments)  # real steps, not zeros

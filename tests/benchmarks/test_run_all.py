@@ -106,6 +106,7 @@ def test_every_row_is_well_formed(report: ModuleType) -> None:
         assert row.op in (None, "<=", ">="), row.id
         for expr in (row.expr, *(e for _, e in row.incumbents), *(c.expr for c in row.checks)):
             for ref in expr.replace(" - ", " / ").split(" / "):
+                ref = ref.removeprefix("best_peer(")
                 assert ref.split(":")[0].endswith(".json"), (row.id, ref)
     for rid in ISSUE_22:
         assert next(r for r in report.ROWS if r.id == rid).target is not None, rid
@@ -201,6 +202,38 @@ def test_peer_winners_skip_methods_that_do_not_snapshot(report: ModuleType) -> N
     assert "ImportError: no" in page  # a peer that does not run is a row that says so
 
 
+@pytest.mark.parametrize("state", ["normal", "weights"])
+def test_defaults_are_held_against_the_best_peer_that_snapshots(
+    report: ModuleType, state: str
+) -> None:
+    """Issue 32's "durable ≤ the best peer's": asyncckpt's own rows, a peer that does not
+    snapshot and a peer that failed are never the best peer; the spread is asyncckpt's."""
+    methods = {
+        "asyncckpt": {
+            "family": "asyncckpt",
+            "durable_x_torch_save": 0.9,
+            "durable_x_torch_save_spread": [0.8, 1.2],
+            "snapshot": True,
+        },
+        "asyncckpt_threads": {"family": "asyncckpt_threads", "durable_x_torch_save": 0.1},
+        "nvrx": {"label": "NVRx", "durable_x_torch_save": 0.2, "snapshot": False},
+        "broken": {"error": "ImportError: no", "durable_x_torch_save": 0.1, "snapshot": True},
+        "dcp": {"label": "DCP", "durable_x_torch_save": 1.2, "snapshot": True},
+        "tensorizer": {"label": "tensorizer", "durable_x_torch_save": 1.5, "snapshot": True},
+    }
+    name = "bench_peers.json" if state == "normal" else "bench_peers_weights.json"
+    row = next(r for r in report.ROWS if r.id == f"durable_vs_peers_{state}")
+    got = report.evaluate(row, {name: {"methods": methods}})
+    assert got["value"] == pytest.approx(0.75) and got["verdict"] == "met"
+    assert got["spread"] == pytest.approx([0.8 / 1.2, 1.0])
+    assert [i["value"] for i in got["incumbents"]] == pytest.approx([0.9, 1.2])
+    methods["dcp"]["snapshot"] = False  # now tensorizer is the best peer
+    got = report.evaluate(row, {name: {"methods": methods}})
+    assert got["value"] == pytest.approx(0.6)
+    del methods["tensorizer"], methods["dcp"]  # no peer that snapshots ran
+    assert report.evaluate(row, {name: {"methods": methods}})["verdict"] == "not measured"
+
+
 def test_dropin_row_reads_bench_dropin_json(tmp_path: Path, report: ModuleType) -> None:
     """The drop-in marker's row reads bench_dropin.json's local figure (<= 1 ms is met)."""
     for added, verdict in ((0.4, "met"), (2.5, "not met")):
@@ -234,7 +267,7 @@ def test_run_all_quick(tmp_path: Path, report: ModuleType) -> None:
     fake_bench_save(out)
     docs = ROOT / "docs" / "benchmarks.md"
     before = docs.read_bytes() if docs.exists() else None
-    skip = ("save", "storage", "peers")
+    skip = ("save", "storage", "peers", "peers_weights")
     proc = subprocess.run(
         [sys.executable, str(BENCH / "run_all.py"), "--quick", "--out", str(out), "--skip", *skip],
         capture_output=True,
@@ -252,7 +285,8 @@ def test_run_all_quick(tmp_path: Path, report: ModuleType) -> None:
     status = {r["name"]: r["status"] for r in summary["runs"]}
     ran = {"codec", "memory", "train", "gil", "sharded", "dropin", "partial"}
     assert {k: status[k] for k in ran} == dict.fromkeys(ran, "ok"), status
-    assert status["save"] == "reused" and status["storage"] == status["peers"] == "not run"
+    assert status["save"] == "reused"
+    assert status["storage"] == status["peers"] == status["peers_weights"] == "not run"
     rows = {r["id"]: r for r in summary["figures"]}
     assert set(rows) == {row.id for row in report.ROWS}
     sources = {row.id: row.expr.split(":")[0] for row in report.ROWS}
