@@ -486,7 +486,7 @@ def _snapshot_check(method: Method, state: dict[str, torch.Tensor], path: str) -
     before = {k: v.clone() for k, v in state.items()}
     pending = method.save(state, path)
     for v in state.values():
-        v.add_(1.0)
+        v.add_(1)  # an integer: the real state holds int64 buffers (MiniLM's position_ids)
     pending.wait()
     back = method.load(path, before)
     torn = [k for k in before if not torch.equal(back[k].cpu(), before[k])]
