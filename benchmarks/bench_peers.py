@@ -665,8 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         rec = child(args)
         with open(args.json, "w") as f:
             json.dump(rec, f)
-        # A peer's worker may keep the interpreter from exiting (NVRx 0.4.1's persistent
-        # worker spins at 100 % CPU at exit here): the figures are written, so leave now.
+        # The figures are written: leave now, so that no peer's worker thread or process
+        # (NVRx keeps one) can hold the interpreter's exit.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
