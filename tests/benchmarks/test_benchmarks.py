@@ -178,8 +178,8 @@ def load_bench(name: str) -> Any:
 
 def test_real_training_state_holds_real_adam_moments() -> None:
     """The state of the real-state durable row: MiniLM weights and nonzero Adam moments."""
-    bench_save = load_bench("bench_save")
-    state, desc = bench_save.real_training_state(0, steps=2)
+    common = load_bench("common")  # bench_save and bench_peers build it
+    state, desc = common.real_training_state(0, steps=2)
     assert desc["replicas"] == 1 and desc["source"] in ("all-MiniLM-L6-v2", "synthetic")
     one = state["replica0"]
     moments = one["optimizer"]["state"]
@@ -188,9 +188,9 @@ def test_real_training_state_holds_real_adam_moments() -> None:
         assert int(m["step"]) == 2
         assert m["exp_avg"].abs().sum() > 0 and m["exp_avg_sq"].min() >= 0
         assert m["exp_avg_sq"].abs().sum() > 0
-    assert desc["raw_bytes"] == bench_save.tensor_bytes(state)
+    assert desc["raw_bytes"] == common.tensor_bytes(state)
     # tiling makes separate copies (nothing shared that a writer could deduplicate)
-    tiled, tdesc = bench_save.real_training_state(desc["replica_bytes"] + 1, steps=1)
+    tiled, tdesc = common.real_training_state(desc["replica_bytes"] + 1, steps=1)
     assert tdesc["replicas"] == 2
     a, b = (tiled[f"replica{i}"]["model"] for i in range(2))
     name = next(iter(a))
