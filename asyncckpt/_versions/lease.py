@@ -47,19 +47,14 @@ def lease_epoch_of(name: str) -> int | None:
     return int(record) if len(record) == 12 and record.isascii() and record.isdigit() else None
 
 
-def create_lease(storage: Storage, root: str, epoch: int, writer: str) -> None:
-    """Claim ``epoch`` (exclusive create).
-
-    Raises:
-        ConflictError: another writer claimed it first.
-    """
-    record = encode_record(asdict(LeaseRecord(epoch, writer, 0)))
-    storage.create_exclusive(lease_path(storage, root, epoch), record)
-
-
-def renew_lease(storage: Storage, root: str, lease: LeaseRecord) -> None:
-    """Rewrite this writer's own lease record with its next heartbeat number."""
-    storage.write_bytes(lease_path(storage, root, lease.epoch), encode_record(asdict(lease)))
+def write_lease(storage: Storage, root: str, lease: LeaseRecord, create: bool = False) -> None:
+    """Write ``lease``'s record: claim its epoch with an exclusive create (``create``;
+    ConflictError: another writer claimed it first), or rewrite it with its next beat."""
+    path, record = lease_path(storage, root, lease.epoch), encode_record(asdict(lease))
+    if create:
+        storage.create_exclusive(path, record)
+    else:
+        storage.write_bytes(path, record)
 
 
 def current_lease(storage: Storage, root: str) -> LeaseRecord | None:

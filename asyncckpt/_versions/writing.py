@@ -28,13 +28,7 @@ from dataclasses import dataclass
 from asyncckpt import _liveness as liveness
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
-from asyncckpt._versions.lease import (
-    create_lease,
-    lease_epoch_of,
-    lease_epochs,
-    lease_path,
-    renew_lease,
-)
+from asyncckpt._versions.lease import lease_epoch_of, lease_epochs, lease_path, write_lease
 from asyncckpt._versions.protocol import (
     COMMIT_FILE,
     COMMITTED,
@@ -143,7 +137,7 @@ class RootWriter:
         lost = 0
         while True:
             try:
-                create_lease(self.storage, self.root, epoch, self.token)
+                write_lease(self.storage, self.root, LeaseRecord(epoch, self.token, 0), create=True)
                 return epoch
             except ConflictError:
                 epoch += 1  # another new writer claimed it first: take the next one
@@ -216,11 +210,8 @@ class RootWriter:
         assert self.epoch is not None
         epoch, token, storage, root = self.epoch, self.token, self.storage, self.root
         record = lease_path(storage, root, epoch)
-        owner, count, name = (
-            weakref.ref(self),
-            itertools.count(1),
-            f"the writer lease on {self.where}",
-        )
+        owner, count = weakref.ref(self), itertools.count(1)
+        name = f"the writer lease on {self.where}"
 
         def renew() -> bool:
             writer = owner()
@@ -234,7 +225,7 @@ class RootWriter:
                 log.info("%s (epoch %d) ended: stopped renewing", name, epoch)
                 return False
             del writer  # only weakly held between beats
-            renew_lease(storage, root, LeaseRecord(epoch, token, next(count)))
+            write_lease(storage, root, LeaseRecord(epoch, token, next(count)))
             return True
 
         period = self.settings.lease_renew_ms / 1000
