@@ -110,10 +110,8 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-@functools.cache
-def _own_start(pid: int) -> int | None:
-    """This process's start time (keyed by pid: a forked child has its own)."""
-    return process_start(pid)
+#: This process's start time (keyed by pid: a forked child has its own).
+_own_start = functools.cache(process_start)
 
 
 def _new_record(token: str) -> PendingRecord:
@@ -367,15 +365,13 @@ def _renew(slot: _Slot, storage: Storage, marker: str, token: str) -> bool:
         return True
 
 
+@workers.after_fork_in_child
 def _forget_after_fork() -> None:
     """In a forked child: the saves in flight and their markers are the parent's (a child
     must never delete them; the heartbeat forgets their beats)."""
     global _lock, _slots, _live_tokens
     _lock = threading.Lock()
     _slots, _live_tokens = {}, set()
-
-
-workers.after_fork_in_child(_forget_after_fork)
 
 
 # -- loading --------------------------------------------------------------------------------
