@@ -116,16 +116,8 @@ class RankDone:
 
     def encode(self, step: int, attempt: str) -> bytes:
         """The record as bytes (:func:`~asyncckpt._versions.protocol.encode_record`)."""
-        doc = {
-            "kind": "rank-done",
-            "step": step,
-            "attempt": attempt,
-            "rank": self.rank,
-            "file": self.file,
-            "size": self.size,
-            "pieces": [p.to_json() for p in self.pieces],
-        }
-        return encode_record(doc)
+        doc = {"kind": "rank-done", "step": step, "attempt": attempt, **vars(self)}
+        return encode_record({**doc, "pieces": [p.to_json() for p in self.pieces]})
 
     @classmethod
     def decode(cls, raw: bytes, where: str, step: int, attempt: str, rank: int) -> RankDone:
@@ -168,8 +160,7 @@ def metadata_bytes(records: dict[int, RankDone], attempt: str, where: str) -> by
     tensors: dict[str, TensorStorageMetadata] = {}
     locations: dict[MetadataIndex, ItemLocation] = {}
     paths: dict[str, Path] = {}
-    for rank in sorted(records):
-        record = records[rank]
+    for _, record in sorted(records.items()):
         for piece in record.pieces:
             dtype = torch_dtype(piece.dtype)
             described = tensors.setdefault(
