@@ -1,21 +1,13 @@
 """A sharded version's ranks: each writes its file and records; the writer waits for all.
 
 Every rank writes one file in the background (:class:`RankJob`, the sharded
-:class:`~asyncckpt._versions.publish.RankPart`); the writer rank commits once every rank's
-file is durable, with no collective during the write. A sharded step directory::
-
-    ROOT/<step>/r<rank:05d>-<attempt>.ackpt   rank <rank>'s file: its state tree, DTensors
-                                              replaced by their local shard (None where
-                                              another rank stores that replicated piece)
-    ROOT/<step>/r<rank:05d>-<attempt>.beat    the rank's progress while it writes
-    ROOT/<step>/r<rank:05d>-<attempt>.done    its completion record: file, size, pieces
-    ROOT/<step>/r<rank:05d>-<attempt>.failed  or its failure record
-    ROOT/<step>/r<writer:05d>-<attempt>.metadata  DCP-style JSON index of every piece
-    ROOT/<step>/COMMIT                        names every rank file and the metadata
-
-``<attempt>`` is the same on every rank (``sharded_save.Attempts``) and never reused:
-everything a save puts under a step is named by it, and a writer that lost the lease
-removes nothing else. ``docs/sharded.md`` describes the whole protocol.
+:class:`~asyncckpt._versions.publish.RankPart`), its progress record (``.beat``) while it
+writes, then its completion record (``.done``) or its failure record (``.failed``); the
+writer rank commits once every rank's file is durable, with no collective during the
+write. ``<attempt>``, in every name, is the same on every rank (``sharded_save.Attempts``)
+and never reused: everything a save puts under a step is named by it, and a writer that
+lost the lease removes nothing else. ``docs/sharded.md`` ("Layout of a sharded version")
+describes the step directory and the whole protocol.
 """
 
 from __future__ import annotations
@@ -235,9 +227,8 @@ class _ProgressWatch:
     def __init__(self, job: RankJob, started: float) -> None:
         self.job = job
         self.started = started
-        self.expiry_s = job.settings.lease_expiry_ms / 1000
         self.found: dict[int, RankDone] = {}
-        self.beats = liveness.Staleness(self.expiry_s)
+        self.beats = liveness.Staleness(job.settings.lease_expiry_ms / 1000)
         # Progress files change every lease_renew_ms; reading all of them on every poll
         # would cost world requests per poll, so they are read once per renewal period.
         self.beat_every_s = job.settings.lease_renew_ms / 1000
@@ -301,7 +292,7 @@ class _ProgressWatch:
             f"step {job.step} under {job.storage.describe(job.root)}: "
             f"{'rank' if len(dead) == 1 else 'ranks'} {shown} recorded no progress "
             f"{waited:.1f} s after the writer rank started the save (lease_expiry_ms is "
-            f"{self.expiry_s * 1000:.0f}): dead before saving, or never called save(); "
+            f"{self.beats.expiry_s * 1000:.0f}): dead before saving, or never called save(); "
             "not committing the step"
         )
 
