@@ -221,8 +221,7 @@ def _forget_after_fork() -> None:
     for beat in beats:  # their locks may be held by a thread the child does not have
         beat._io, beat._owner = threading.RLock(), _heartbeat
         beat._ended, beat._first = threading.Event(), threading.Event()
-        beat._ended.set()
-        beat._first.set()
+        beat.stop()  # on the fresh locks: ended, and not in the child's heartbeat
 
 
 class Staleness:
