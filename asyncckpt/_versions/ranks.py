@@ -282,8 +282,7 @@ class _ProgressWatch:
         """Give up on ranks that wrote no record at all: their record is "none yet" since
         the writer's job for this save started, stale after ``lease_expiry_ms`` as any
         (why that start: docs/PROTOCOL.md §6b, "When a rank counts as dead")."""
-        since = self.started
-        dead = [r for r in silent if self.beats.stale_for(r, _SILENT, since) is not None]
+        dead = [r for r in silent if self.beats.stale_for(r, _SILENT, self.started) is not None]
         if not dead:
             return
         job, waited = self.job, liveness.clock().now() - self.started

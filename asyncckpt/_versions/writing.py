@@ -228,8 +228,7 @@ class RootWriter:
             write_lease(storage, root, LeaseRecord(epoch, token, next(count)))
             return True
 
-        period = self.settings.lease_renew_ms / 1000
-        self._heartbeat = liveness.heartbeat().add(name, period, renew)
+        self._heartbeat = liveness.heartbeat().add(name, self.settings.lease_renew_ms / 1000, renew)
 
     def release(self) -> None:
         """Stop renewing the lease (the lease record stays: readers see the writer stop);
