@@ -88,8 +88,7 @@ class RootWriter:
     """The lease holder's operations on ``root`` (a path in ``storage``).
 
     ``token`` is this writer's unique id (also in its data file names); ``settings`` its
-    tunables (``lease_renew_ms``), None: resolved now (for tools and tests; the package
-    passes its entry point's).
+    tunables (``lease_renew_ms``): its entry point's (a tool's: its command's).
     """
 
     def __init__(self, storage: Storage, root: str, token: str, settings: Settings) -> None:
