@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asyncckpt import _threads as workers
-from asyncckpt._format.codec import INCOMPRESSIBLE, EncodeReport
+from asyncckpt._format.codec import INCOMPRESSIBLE, EncodeReport, shrinks
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 
@@ -42,14 +42,13 @@ class Rates:
     """The speeds that :func:`choose_planes` weighs, in seconds per byte.
 
     Attributes:
-        write_s: storage: seconds to write and commit one stored byte (the writing thread's
-            time on the CPU and blocked in I/O, not its waits for a busy core).
+        write_s: storage: seconds to write and commit one stored byte (as measured: see the
+            module docstring).
         compress_s: one encoder thread: CPU seconds to compress one byte of a plane.
         group_s: one encoder thread: CPU seconds to regroup one byte of a chunk into planes.
         threads: encoder threads working in parallel.
-        spare_cores: CPU cores the rest of the machine leaves idle (None: unknown, taken to
-            be enough for every encoder thread). Encoding beyond them takes the CPU from
-            training, so it is counted at its whole CPU time.
+        spare_cores: CPU cores the rest of the machine leaves idle (None: unknown); see
+            :attr:`parallel`.
 
     Example:
         >>> link = Rates(write_s=5e-9, compress_s=1e-9, group_s=0.25e-9, threads=2)  # 200 MB/s
@@ -290,14 +289,6 @@ class AutoRun:
     threads: int
     spare_cores: float | None = None
 
-    def rates(self) -> Rates:
-        """The current estimates (the caller holds ``_auto_lock``)."""
-        write = self.target.write.value + self.target.commit.value
-        encoders = self.encoders
-        return Rates(
-            write, encoders.compress.value, encoders.group.value, self.threads, self.spare_cores
-        )
-
     def choose(
         self, width: int, ratios: tuple[float | None, ...], nbytes: int = 0
     ) -> tuple[bool, ...]:
@@ -307,12 +298,13 @@ class AutoRun:
         with _auto_lock:
             known = [_plane_ratios.get(k) if r is None else r for r, k in zip(ratios, keys)]
             previous = [self.target.choices.get(k, True) for k in keys]
+            write = self.target.write.value + self.target.commit.value
+            encoders = self.encoders
+            rates = Rates(
+                write, encoders.compress.value, encoders.group.value, self.threads, self.spare_cores
+            )
             chosen = choose_planes(
-                known,
-                previous,
-                self.rates(),
-                margin=self.settings.margin,
-                always=self.settings.always,
+                known, previous, rates, margin=self.settings.margin, always=self.settings.always
             )
             self.target.choices.update(zip(keys, chosen))
             return self._explore(known, chosen, nbytes)
@@ -322,14 +314,14 @@ class AutoRun:
     ) -> tuple[bool, ...]:
         """Now and then compress what the rates held back: otherwise, once a target goes
         raw, the encode rates would never be measured again, however wrong they were."""
-        shrinks = tuple(r is None or r <= INCOMPRESSIBLE for r in ratios)
-        if shrinks == chosen or not any(shrinks):
+        shrinking = shrinks(len(ratios), ratios)
+        if shrinking == chosen or not any(shrinking):
             return chosen
         self.target.held_back += nbytes
         if self.target.held_back < self.settings.explore_bytes:
             return chosen
         self.target.held_back = 0
-        return shrinks
+        return shrinking
 
     def encoded(self, report: EncodeReport) -> None:
         """Feed back what one chunk's encoding cost and found."""

@@ -126,7 +126,7 @@ class EncodeReport:
     ratios: tuple[float | None, ...] = ()
 
 
-def _shrinks(width: int, ratios: tuple[float | None, ...]) -> tuple[bool, ...]:
+def shrinks(width: int, ratios: Sequence[float | None]) -> tuple[bool, ...]:
     """``compression="zstd"``: compress every plane the probe does not find incompressible."""
     return tuple(r is None or r <= INCOMPRESSIBLE for r in ratios)
 
@@ -157,7 +157,7 @@ def encode_chunk(
     if compression == "none" or len(raw) == 0:
         return "raw", raw
     report = EncodeReport() if report is None else report
-    chooser = choose if compression == "auto" and choose is not None else _shrinks
+    chooser = choose if compression == "auto" and choose is not None else shrinks
     stored: bytes | memoryview | None
     if is_float and itemsize > 1 and len(raw) % itemsize == 0:
         codec, stored = "zstd-bytegroup", _encode_planes(raw, itemsize, level, chooser, report)
@@ -192,7 +192,7 @@ def _encode_planes(
     head, plane = 4 * itemsize, len(raw) // itemsize
     started = thread_time()
     payload = memoryview(np.empty(head + len(raw), dtype=np.uint8))  # type: ignore[arg-type]
-    group_bytes_into(raw, itemsize, payload[head:])
+    group_bytes(raw, itemsize, payload[head:])
     report.group_s, report.grouped_bytes = thread_time() - started, len(raw)
     planes = [payload[head + j * plane : head + (j + 1) * plane] for j in range(itemsize)]
     chosen = [j for j in range(itemsize) if wanted[j]]
@@ -372,17 +372,16 @@ def _decompress_into(stored: bytes | memoryview, out: memoryview) -> None:
         )
 
 
-def group_bytes(raw: memoryview | bytes, itemsize: int) -> memoryview:
-    """Regroup element bytes by position: ``b0 b0 b0 … b1 b1 b1 …``."""
-    out = memoryview(np.empty(len(raw), dtype=np.uint8))  # type: ignore[arg-type]
-    group_bytes_into(raw, itemsize, out)
-    return out
-
-
-def group_bytes_into(raw: memoryview | bytes, itemsize: int, out: memoryview) -> None:
-    """:func:`group_bytes` written into ``out``, which must be exactly ``len(raw)`` bytes."""
+def group_bytes(
+    raw: memoryview | bytes, itemsize: int, out: memoryview | None = None
+) -> memoryview:
+    """Regroup element bytes by position: ``b0 b0 b0 … b1 b1 b1 …``, into ``out`` if given
+    (exactly ``len(raw)`` bytes), else into a new buffer; returns it."""
+    if out is None:
+        out = memoryview(np.empty(len(raw), dtype=np.uint8))  # type: ignore[arg-type]
     grid = np.frombuffer(raw, dtype=np.uint8).reshape(-1, itemsize)
     np.frombuffer(out, dtype=np.uint8).reshape(itemsize, -1)[...] = grid.T
+    return out
 
 
 def ungroup_bytes(grouped: bytes | memoryview, itemsize: int, out: memoryview) -> None:
