@@ -8,13 +8,6 @@ write to finish, which bounds host memory to ``max_inflight`` x the state size. 
 are faulted in before use, on every usable CPU, except a new shared arena for host data:
 the first copy into it fills it (:func:`fill`). With ``writer_processes=1`` an arena is a
 memfd mapping (:class:`SharedRegion`) that the writer process maps too.
-
-Example:
-    >>> pool = ArenaPool(max_inflight=1)
-    >>> lease = pool.acquire(1024)
-    >>> lease.buffer.numel() >= 1024
-    True
-    >>> lease.release()
 """
 
 from __future__ import annotations
@@ -107,12 +100,12 @@ class ArenaPool:
     ) -> threading.Thread | None:
         """Allocate and pre-fault an arena of ``nbytes`` (in shared memory if ``shared``,
         page-locked for CUDA device ``pin``, as ``acquire`` asks for) in a background
-        thread; return it, to join, or None if there was nothing to do.
+        thread; return it, to join, or None if there was nothing to do (a free arena is
+        already large enough, a reservation is running, or every arena is leased).
 
         Takes the page faults of a first save off its critical path: call it as soon as the
         state's size is known (e.g. once the model is built). A save that starts meanwhile
-        waits for the reservation instead of allocating beside it. Does nothing if a free
-        arena is already large enough, a reservation is running, or every arena is leased.
+        waits for the reservation instead of allocating beside it.
         """
         with self._cond:
             free_slots = self.max_inflight - self._leased
@@ -233,6 +226,11 @@ def _allocate(
         pin,
     )
     del buffer
+    return _torch_pinned(size, pin)
+
+
+def _torch_pinned(size: int, pin: int) -> torch.Tensor:
+    """Torch's pinned memory for device ``pin``: where ``cudaHostRegister`` failed."""
     with cuda().on_device(pin):
         fallback = cuda().pinned_empty(size)
     _note_pinned(fallback, pin, registered=False)
@@ -281,12 +279,9 @@ EXACT_PIN_MIN = 1 << 20
 
 
 def pinned_host(nbytes: int, device: int) -> torch.Tensor:
-    """A host buffer of ``nbytes`` page-locked for ``device``, for a load's reads.
-
-    From ``EXACT_PIN_MIN`` up, registered at its exact size and unregistered when dropped
-    (torch's caching host allocator would round it up to a power of two and keep it pinned
-    for the life of the process); pageable if registration fails.
-    """
+    """A host buffer of ``nbytes`` page-locked for ``device``, for a load's reads: from
+    :data:`EXACT_PIN_MIN` up, registered at its exact size (see :func:`_allocate`) and
+    unregistered when dropped; pageable if registration fails."""
     if nbytes < EXACT_PIN_MIN:
         with cuda().on_device(device):
             return cuda().pinned_empty(nbytes)
@@ -513,10 +508,7 @@ def _shared_arena(size: int, pin: int | None) -> torch.Tensor:
         )
         del buffer, region
         os.close(fd)
-        with cuda().on_device(pin):
-            fallback = cuda().pinned_empty(size)
-        _note_pinned(fallback, pin, registered=False)
-        return fallback
+        return _torch_pinned(size, pin)
     ident = next(_shared_ids)
     with _shared_lock:
         _shared[ident] = SharedRegion(ident, fd, size, address)
