@@ -196,17 +196,21 @@ class WriterProcess:
 
     def _lose(self, where: str) -> str:
         """Mark the child unusable after its socket failed; describe what happened."""
-        self.close()
-        try:
-            code = self.process.wait(_EXIT_WAIT_S)
-        except subprocess.TimeoutExpired:  # alive but not answering: it cannot be trusted
-            self.process.kill()
-            code = self.process.wait()
         self.lost = (
-            f"the writer process (pid {self.pid}) {_death(code)} while writing {where}; that "
-            "file was not replaced. The next save starts a new writer process"
+            f"the writer process (pid {self.pid}) {_death(self.reap())} while writing {where}; "
+            "that file was not replaced. The next save starts a new writer process"
         )
         return self.lost
+
+    def reap(self) -> int:
+        """Close the socket, then wait for the child's exit status; kill a child that has
+        not exited in time (alive but not answering: it cannot be trusted)."""
+        self.close()
+        try:
+            return self.process.wait(_EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
 
     def usable(self) -> bool:
         """Whether the child can take a write: not lost, and not dead since its last one
@@ -353,15 +357,8 @@ def stop() -> None:
     global _current
     with _lock:
         future, _current = _current, None
-    if future is None or not future.done() or future.exception() is not None:
-        return
-    process = future.result()
-    process.close()
-    try:
-        process.process.wait(_EXIT_WAIT_S)
-    except subprocess.TimeoutExpired:
-        process.process.kill()
-        process.process.wait()
+    if future is not None and future.done() and future.exception() is None:
+        future.result().reap()
 
 
 def current() -> WriterProcess | None:
@@ -509,9 +506,8 @@ def _layout(snap: Snapshot) -> list[StagedRef] | None:
 
 
 def _warn_once(message: str, options: WriteOptions) -> None:
-    """Say once why a write stays on threads: a warning if the caller asked for the writer
-    process (``writer_processes`` given, not defaulted), else a debug message, since falling
-    back is then the default's documented behaviour (``memory://``, file objects)."""
+    """Say once why a write stays on threads, as a warning or a debug message (see the
+    module docstring)."""
     with _lock:
         if message in _warned:
             return
