@@ -299,6 +299,11 @@ class FieldChecker:
             raise self.fail(f"{what} must be an integer in [{lo}, {hi}], got {value!r}")
         return value
 
+    def list_(self, value: Any, what: str, length: int | None = None) -> list[Any]:
+        if not isinstance(value, list) or (length is not None and len(value) != length):
+            raise self.fail(f"{what} is not a list" + (f" of {length}" if length else ""))
+        return value
+
     def dims(self, value: Any, what: str) -> tuple[int, ...]:
         if not isinstance(value, list) or len(value) > MAX_NDIM:
             raise self.fail(f"{what} is not a list of at most {MAX_NDIM} integers")
@@ -339,10 +344,7 @@ class _Validator(FieldChecker):
         return Manifest(chunks, storages, tensors, arrays, doc["root"], byteorder, meta)
 
     def items(self, doc: dict[str, Any], key: str) -> list[Any]:
-        value = doc.get(key)
-        if not isinstance(value, list):
-            raise self.fail(f"{key} is not a list")
-        return value
+        return self.list_(doc.get(key), key)
 
     def record(self, value: Any, n: int, what: str) -> list[Any]:
         if not isinstance(value, list) or len(value) != n:

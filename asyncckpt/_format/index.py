@@ -10,10 +10,7 @@ from it. Functions here are pure (bytes in, objects out); the storage I/O lives 
 The document (every key required unless marked optional) is specified in
 ``docs/sharded.md`` ("Layout on storage"): the format and version, the attempt, the data
 files with their sizes, ``state_dict_metadata``, the items, ``planner_data`` and
-``storage_meta``.
-
-An item says where one stored piece (a chunk of a tensor, or a bytes object) lives: in data
-file ``files[file_no]``, as tensor ``entry`` of that file's tensor table, ``nbytes`` long.
+``storage_meta``; each item says where one stored piece lives (:class:`ItemLocation`).
 """
 
 from __future__ import annotations
@@ -362,11 +359,6 @@ class _Decoder(FieldChecker):
     def str_(self, value: Any, what: str, optional: bool = False) -> Any:
         if not (isinstance(value, str) or (optional and value is None)):
             raise self.fail(f"{what} is not a string")
-        return value
-
-    def list_(self, value: Any, what: str, length: int | None = None) -> list[Any]:
-        if not isinstance(value, list) or (length is not None and len(value) != length):
-            raise self.fail(f"{what} is not a list" + (f" of {length}" if length else ""))
         return value
 
     def bool_(self, value: Any, what: str) -> bool:
