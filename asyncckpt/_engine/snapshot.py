@@ -1,9 +1,8 @@
 """Snapshot: copy every tensor and array into reused host memory before ``save`` returns.
 
-The copy is the only part of a save the caller waits for, so it goes into an *arena*, one
-large host buffer reused across saves (:mod:`asyncckpt._engine.arena`): fresh memory would
-cost page faults on every save and grow the process (the leak users report with other
-async checkpointers).
+The copy is the only part of a save the caller waits for, so it goes into an *arena*, a
+host buffer reused across saves (:mod:`asyncckpt._engine.arena`), not into fresh memory
+(the leak users report with other async checkpointers).
 
 Storages shared by several tensors (tied weights, views) are copied once. Device copies go
 through the CUDA seam (:func:`asyncckpt._device.cuda`) in :class:`DeviceCopies` only.
@@ -303,11 +302,6 @@ class DeviceCopies:
             with _device_errors(index, "wait for the copies"):
                 cuda().stream_wait_event(cuda().current_stream(index), event)
 
-    @property
-    def devices(self) -> list[int]:
-        """The CUDA devices copied from so far."""
-        return list(self._streams)
-
 
 @contextlib.contextmanager
 def _device_errors(index: int, what: str) -> Iterator[None]:
@@ -537,10 +531,8 @@ def _stage(
     ]
     progress = CopyProgress(offsets, end) if on_layout is not None else None
     snap = Snapshot(root, tensors, arrays, staged, lease, copies, progress)
-    # Only host copies are announced piece by piece; device copies are merely queued here,
-    # so a writer is let in once all of them are recorded (and waits on their events). On a
-    # machine with few cores the writer waits for the whole copy too: encoding beside it
-    # slows the copy down, which is the part the caller waits for.
+    # Only host copies are announced piece by piece (see the module docstring); device
+    # copies are merely queued here, so a writer is let in once all of them are recorded.
     stream = progress is not None and all(src.device == "cpu" for src in sources) and pipeline
     handed_out = False
     try:
