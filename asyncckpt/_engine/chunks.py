@@ -2,12 +2,10 @@
 
 ``asyncckpt.load``, ``Checkpointer.load`` (single-file and sharded versions), the DCP
 ``Reader``, ``convert`` and ``verify`` all read through :func:`read_runs`: one bounded
-queue of chunk reads, each in two stages on shared pools: the fetch (read, check the
-CRC-32) on the ``fetch`` pool, then the decode on the ``read`` pool, so that the next
-chunks are fetched while one is decoded; compressed bytes land in a few reused scratch
-buffers. What to read is a
-parameter: per storage, a :class:`Run` of its chunks (all of them, or only those under the
-bytes a caller asked for), so a load of a subset of the entries reads only their chunks.
+queue of chunk reads, each fetched and then decoded on shared pools (:class:`_Stages`).
+What to read is a parameter: per storage, a :class:`Run` of its chunks (all of them, or
+only those under the bytes a caller asked for), so a load of a subset of the entries reads
+only their chunks.
 
 Every chunk's checksum is verified before it is decoded; a mismatch raises
 :class:`~asyncckpt.errors.ChecksumError` naming the file, the chunk and the keys it holds.

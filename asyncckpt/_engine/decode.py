@@ -219,7 +219,6 @@ def materialize(
         check_overlap(opened, into, targets)
     chosen = _selection(opened, keys, into, skip, replaced)
     wanted = sorted(i for i in chosen.tensors if i not in skip)
-    # A whole load reads (and so verifies) every storage; a partial one only those it needs.
     sids = None
     if len(wanted) < len(manifest.tensors) or len(chosen.arrays) < len(manifest.arrays):
         sids = {manifest.tensors[i].storage for i in wanted}

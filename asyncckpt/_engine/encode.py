@@ -347,11 +347,8 @@ def _encode_all(
     while the training thread runs Python; a model's hundreds of biases and norms paid that
     per tensor.
 
-    ``ready(storage, end)`` blocks until a chunk's bytes are in host memory; while
-    ``copied()`` says the copy is still going (a pipelined save), each chunk goes to an
-    encoder as soon as it has landed instead of waiting for a batch to fill. ``auto``
-    chooses planes for ``compression="auto"``; without it, ``"auto"`` compresses as
-    ``"zstd"`` does.
+    ``ready`` and ``copied`` follow a copy still going on (see :func:`_slices` and
+    :func:`_batches`); ``auto`` chooses planes for ``compression="auto"``.
     """
     workers = pool("encode", options.threads, options.settings.writer_nice)
     window: collections.deque[Future[list[_Encoded]]] = collections.deque()

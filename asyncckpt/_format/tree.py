@@ -441,19 +441,15 @@ class _Unflattener:
         except (TypeError, ValueError, binascii.Error):
             raise self.fail(path, "bad base64 bytes") from None
 
-    def ints(self, value: Any, path: str) -> list[int]:
+    def size(self, value: Any, path: str) -> torch.Size:
         if type(value) is not list or not all(type(v) is int for v in value):
             raise self.fail(path, "expected a list of integers")
-        return value
-
-    def size(self, value: Any, path: str) -> torch.Size:
         # torch.Size holds Python ints of any size, but one past int64 breaks its repr and
         # every use of it: refuse it here, naming the entry.
-        ints = self.ints(value, path)
-        for n in ints:
+        for n in value:
             if not _INT64_MIN <= n <= _INT64_MAX:
                 raise self.fail(path, f"torch.Size entry {n} is outside int64")
-        return torch.Size(ints)
+        return torch.Size(value)
 
     def dtype(self, value: Any, path: str) -> torch.dtype:
         if type(value) is not str:
