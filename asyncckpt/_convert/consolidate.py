@@ -353,8 +353,7 @@ def write_ackpt_stream(
 
         for t, key in flat.tensors:
             whole = src.full(t).detach().contiguous()
-            itemsize, is_float = codec_hint(whole.dtype)
-            put(StagedStorage(flat_bytes(whole), itemsize, is_float, "cpu"))
+            put(StagedStorage(flat_bytes(whole), *codec_hint(whole.dtype), "cpu"))
             tensor_entries.append(
                 TensorEntry(
                     storage=len(storages) - 1,

@@ -36,7 +36,7 @@ from torch.futures import Future
 from asyncckpt._api.dropin import write_options
 from asyncckpt._engine.arena import ArenaPool
 from asyncckpt._engine.encode import write_snapshot
-from asyncckpt._engine.snapshot import DeviceCopies, Snapshot, StagedStorage
+from asyncckpt._engine.snapshot import DeviceCopies, Snapshot, StagedStorage, codec_hint
 from asyncckpt._format.container import TensorEntry
 from asyncckpt._format.index import (
     ItemLocation,
@@ -334,8 +334,4 @@ def _entry(index: int, t: torch.Tensor, key: str) -> TensorEntry:
 
 def _staged(t: torch.Tensor, device: str) -> StagedStorage:
     data = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-    if t.dtype.is_complex:  # grouped by float component, as asyncckpt.save does
-        itemsize, is_float = t.element_size() // 2, True
-    else:
-        itemsize, is_float = t.element_size(), t.dtype.is_floating_point
-    return StagedStorage(data, itemsize, is_float, device)
+    return StagedStorage(data, *codec_hint(t.dtype), device)
