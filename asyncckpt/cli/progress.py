@@ -89,15 +89,10 @@ class Progress:
                 self._drawn_at = now
                 self._draw(now, final=False)
 
-    def relabel(self, label: str, total: int | None = None, *, reset: bool = False) -> None:
-        """Change what the bar says (and optionally its total, or start counting again)."""
+    def relabel(self, label: str) -> None:
+        """Change what the bar says."""
         with self._lock:
             self.label = label
-            if total is not None:
-                self.total = total
-            if reset:
-                self.done = 0
-                self._started = time.monotonic()
 
     def close(self) -> None:
         """Draw the final state and end the line (nothing if not drawing)."""
