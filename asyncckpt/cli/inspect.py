@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,17 +50,28 @@ def _codecs(manifest: Manifest, sid: int) -> tuple[list[str], int]:
     return sorted({c.codec for c in chunks}), sum(c.stored_len for c in chunks)
 
 
+def _leaf_row(
+    kind: str, dtype: str, shape: Sequence[int], nbytes: int, device: str, codecs: list[str]
+) -> dict[str, Any]:
+    """A tensor's or array's row, the same fields for every format (more may follow)."""
+    return {
+        "kind": kind,
+        "dtype": dtype,
+        "shape": list(shape),
+        "nbytes": nbytes,
+        "device": device,
+        "codecs": codecs,
+    }
+
+
 def _tensor_row(manifest: Manifest, index: int, seen: dict[int, str]) -> dict[str, Any]:
     t = manifest.tensors[index]
     entry = manifest.storages[t.storage]
     codecs, stored = _codecs(manifest, t.storage)
-    out: dict[str, Any] = {
-        "kind": "parameter" if t.parameter else "tensor",
-        "dtype": t.dtype,
-        "shape": list(t.shape),
-        "nbytes": math.prod(t.shape) * DTYPE_ITEMSIZE.get(t.dtype, 1),
-        "device": entry.device,
-        "codecs": codecs,
+    nbytes = math.prod(t.shape) * DTYPE_ITEMSIZE.get(t.dtype, 1)
+    kind = "parameter" if t.parameter else "tensor"
+    out = {
+        **_leaf_row(kind, t.dtype, t.shape, nbytes, entry.device, codecs),
         "storage": t.storage,
         "storage_bytes": entry.nbytes,
         "stored_bytes": stored,
@@ -76,15 +87,8 @@ def _tensor_row(manifest: Manifest, index: int, seen: dict[int, str]) -> dict[st
 def _array_row(manifest: Manifest, index: int) -> dict[str, Any]:
     a = manifest.arrays[index]
     codecs, stored = _codecs(manifest, a.storage)
-    return {
-        "kind": "ndarray",
-        "dtype": a.dtype,
-        "shape": list(a.shape),
-        "nbytes": manifest.storages[a.storage].nbytes,
-        "device": "cpu",
-        "codecs": codecs,
-        "stored_bytes": stored,
-    }
+    nbytes = manifest.storages[a.storage].nbytes
+    return {**_leaf_row("ndarray", a.dtype, a.shape, nbytes, "cpu", codecs), "stored_bytes": stored}
 
 
 def entries(manifest: Manifest, obj: Any, root: str) -> list[dict[str, Any]]:
@@ -262,15 +266,9 @@ def _shard_row(src: ShardedSource, placeholder: torch.Tensor) -> dict[str, Any]:
     dtype, shape = src.spec(placeholder)
     md = src.metadata.state_dict_metadata[src.fqn_of(placeholder)]
     shards = len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1
-    return {
-        "kind": "sharded tensor",
-        "dtype": str(dtype).removeprefix("torch."),
-        "shape": list(shape),
-        "nbytes": math.prod(shape) * dtype.itemsize,
-        "device": "-",
-        "codecs": [],
-        "shards": shards,
-    }
+    nbytes = math.prod(shape) * dtype.itemsize
+    row = _leaf_row("sharded tensor", str(dtype).removeprefix("torch."), shape, nbytes, "-", [])
+    return {**row, "shards": shards}
 
 
 def _inspect_sharded(args: argparse.Namespace, ref: RootRef, src: ShardedSource) -> int:
@@ -304,14 +302,8 @@ def _inspect_sharded(args: argparse.Namespace, ref: RootRef, src: ShardedSource)
 
 
 def _loaded_row(value: torch.Tensor, kind: str, device: str) -> dict[str, Any]:
-    return {
-        "kind": kind,
-        "dtype": str(value.dtype).removeprefix("torch."),
-        "shape": list(value.shape),
-        "nbytes": value.numel() * value.element_size(),
-        "device": device,
-        "codecs": [],
-    }
+    dtype = str(value.dtype).removeprefix("torch.")
+    return _leaf_row(kind, dtype, value.shape, value.numel() * value.element_size(), device, [])
 
 
 def _torch_leaf(value: Any) -> dict[str, Any] | None:
@@ -324,14 +316,7 @@ def _torch_leaf(value: Any) -> dict[str, Any] | None:
             else None,
         }
     if isinstance(value, np.ndarray):
-        return {
-            "kind": "ndarray",
-            "dtype": str(value.dtype),
-            "shape": list(value.shape),
-            "nbytes": value.nbytes,
-            "device": "cpu",
-            "codecs": [],
-        }
+        return _leaf_row("ndarray", str(value.dtype), value.shape, value.nbytes, "cpu", [])
     return None
 
 
