@@ -116,12 +116,13 @@ def new_command(
     name: str,
     help: str,
     description: str,
-    run: Callable[[argparse.Namespace], int],
+    run: Callable[[argparse.Namespace], int] | None = None,
 ) -> argparse.ArgumentParser:
-    """Add subcommand ``name`` with the common options; ``run`` runs it."""
+    """Add subcommand ``name`` with the common options; ``run`` runs it (default:
+    :func:`lazy_command`, which imports the command's module when it runs)."""
     parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=description)
     add_common_options(parser, suppress=True)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run or lazy_command(name))
     return parser
 
 

@@ -10,7 +10,6 @@ from asyncckpt.cli.common import (
     FORMATS,
     Subparsers,
     add_max_bytes,
-    lazy_command,
     new_command,
     parse_bytes,
 )
@@ -26,7 +25,6 @@ def add_inspect(sub: Subparsers) -> None:
         "shapes, sizes, saved devices and codecs. PATH is an asyncckpt, torch.save "
         "(read with weights_only=True) or safetensors file, or an asyncckpt.dcp directory; "
         "ROOT alone means its latest version (plain or sharded).",
-        lazy_command("inspect"),
     )
     p.add_argument("target", metavar="PATH|ROOT[@STEP]")
     p.add_argument(
@@ -51,7 +49,6 @@ def add_verify(sub: Subparsers) -> None:
         "structure. Exit status 0 only when everything is sound; each bad chunk is named "
         "with the keys it holds. PATH is an asyncckpt file or an asyncckpt.dcp directory; "
         "ROOT alone means its latest version (plain or sharded).",
-        lazy_command("verify"),
     )
     p.add_argument("target", metavar="PATH|ROOT[@STEP]")
     p.add_argument("--all", action="store_true", help="verify every committed version of ROOT")
@@ -74,7 +71,6 @@ def add_convert(sub: Subparsers) -> None:
         "torch.save output holds the whole state. With --shard-size, DST is a folder of "
         "safetensors shards and model.safetensors.index.json (the layout "
         "transformers' from_pretrained reads), written one shard at a time.",
-        lazy_command("convert"),
     )
     p.add_argument("src", metavar="SRC")
     p.add_argument("dst", metavar="DST")
@@ -115,7 +111,6 @@ def add_cp(sub: Subparsers) -> None:
         "there, whenever the copy stops. Oldest first; a version already committed at DST "
         "with the same files is skipped, so rerunning completes an interrupted copy. No job "
         "may write DST meanwhile. The storage options apply to both sides.",
-        lazy_command("cp"),
     )
     p.add_argument("src", metavar="SRC[@STEP]")
     p.add_argument("dst", metavar="DST")
@@ -130,7 +125,6 @@ def add_bench(sub: Subparsers) -> None:
         "Save and load a random state with torch.save/torch.load and asyncckpt on URL (a "
         "directory or fsspec URL; a temporary folder is created in it and removed), print "
         "medians as ratios to a plain in-memory copy, and plot them.",
-        lazy_command("bench"),
     )
     p.add_argument("url", metavar="URL")
     p.add_argument("--size-mib", type=float, default=256.0, help="state size (default 256)")
