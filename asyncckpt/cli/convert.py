@@ -108,7 +108,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     assert dst_format is not None  # DST's format is told, or format_of raised
     storage, path = resolve(args.dst, args.options, args.settings)
     src_ref = locate(args.src, args.options, one=True, settings=args.settings)
-    sharded = _sharded_source(args, src_ref)
+    sharded = None  # a sharded checkpoint, opened (None: a single file or version)
+    if args.src_format in (None, "ackpt") and isinstance(src_ref, RootRef):
+        sharded = open_sharded(src_ref, args.settings)
     with contextlib.nullcontext() if sharded is None else sharded:
         if not args.force and paths.kind_of(storage, path)[0] != paths.MISSING:
             raise UsageError(f"asyncckpt convert: {args.dst} exists; pass --force to replace it")
@@ -187,14 +189,6 @@ def _charge_dense_copies(
     Budget(args.max_bytes).charge(
         name, sum(held.values()) + extra, "its tensors made dense for safetensors"
     )
-
-
-def _sharded_source(args: argparse.Namespace, ref: FileRef | RootRef) -> ShardedSource | None:
-    """The sharded checkpoint SRC names (``ref``), opened; None for a single file or version
-    (see :func:`~asyncckpt.cli.formats.open_sharded`)."""
-    if args.src_format not in (None, "ackpt") or not isinstance(ref, RootRef):
-        return None
-    return open_sharded(ref, args.settings)
 
 
 def _convert_sharded(

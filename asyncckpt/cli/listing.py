@@ -58,12 +58,6 @@ def need_versions(ref: RootRef, command: str) -> None:
     raise UsageError(f"{what}: it holds nothing asyncckpt wrote (try 'asyncckpt ls {ref.name}')")
 
 
-def find_checkpoints(storage: Storage, top: str, settings: Settings) -> list[dict[str, Any]]:
-    """The checkpoints below ``top``, each as :func:`describe` shows it."""
-    found = checkpoints_below(storage, top)
-    return [describe(storage, path, layout, settings) for path, layout in found]
-
-
 def _file_facts(storage: Storage, path: str) -> tuple[int | None, str | None]:
     """An asyncckpt file's size and creation time (from its manifest), or Nones."""
     from asyncckpt._engine.decode import open_file  # imports torch: only when run

@@ -7,7 +7,7 @@ from typing import Any
 
 from asyncckpt._format.container import MAGIC
 from asyncckpt._storage import is_temp_name
-from asyncckpt._versions.paths import is_root
+from asyncckpt._versions.paths import checkpoints_below, is_root
 from asyncckpt._versions.protocol import latest_step, read_version_file, step_dirs
 from asyncckpt.cli.common import (
     EXIT_OK,
@@ -24,7 +24,7 @@ from asyncckpt.cli.common import (
     short_time,
     version_info,
 )
-from asyncckpt.cli.listing import NOTHING_HERE, describe, find_checkpoints
+from asyncckpt.cli.listing import NOTHING_HERE, describe
 from asyncckpt.cli.progress import format_bytes
 from asyncckpt.cli.terminal import table
 
@@ -142,7 +142,8 @@ def _ls_below(args: argparse.Namespace, ref: RootRef) -> int:
     if is_dcp_directory(ref.storage, ref.path):
         found = [describe(ref.storage, ref.path, "dcp", args.settings)]
     else:
-        found = find_checkpoints(ref.storage, ref.path, args.settings)
+        below = checkpoints_below(ref.storage, ref.path)
+        found = [describe(ref.storage, path, layout, args.settings) for path, layout in below]
     if not found:
         raise CommandFailed(
             f"ls: {ref.name}: {NOTHING_HERE}; give a checkpoint root or a folder or bucket "
