@@ -360,23 +360,10 @@ class HttpStorage(FsspecStorage):
     def open_read(self, path: str) -> ReadHandle:
         return _HttpHandle(self, path)
 
-    def open_atomic(self, path: str) -> AtomicWriter:
+    def _read_only(self, path: str, *args: Any, **kwargs: Any) -> NoReturn:
         self.check_writable(path)
 
-    def delete(self, path: str) -> None:
-        self.check_writable(path)
-
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        self.check_writable(path)
-
-    def delete_tree(self, path: str) -> None:
-        self.check_writable(path)
-
-    def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
-        self.check_writable(path)
-
-    def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
-        self.check_writable(path)
+    open_atomic = delete = create_exclusive = delete_tree = write_marker = replace_if = _read_only
 
 
 #: Serializes seek-then-read on file objects that cannot read a range by themselves: the
