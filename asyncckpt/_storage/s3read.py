@@ -88,9 +88,7 @@ class ObjectHandle(ReadHandle):
             return super().read_into(start, out)
         bucket, key = self.storage.split(self.path)
         view = memoryview(out).cast("B")[: min(len(out), self.size - start)]
-        etags = self._request(
-            lambda: ranged_get_into(fs, bucket, key, start, view, self.etag, READ_PIECE_BYTES)
-        )
+        etags = self._request(lambda: ranged_get_into(fs, bucket, key, start, view, self.etag))
         self._check_etags(etags)
         return len(view)
 
@@ -170,21 +168,15 @@ def streams_into(fs: Any) -> bool:
 
 
 def ranged_get_into(
-    fs: Any,
-    bucket: str,
-    key: str,
-    start: int,
-    out: memoryview,
-    if_match: str | None,
-    piece_bytes: int = READ_PIECE_BYTES,
+    fs: Any, bucket: str, key: str, start: int, out: memoryview, if_match: str | None
 ) -> list[str | None]:
     """Fill ``out`` with bytes ``[start, start + len(out))`` of ``bucket/key`` (s3fs only);
     return the ETag of each response (None where it gave none).
 
-    The span is cut into GETs of at most ``piece_bytes``, all sent as one ``gather`` on
-    s3fs's event loop (one hop from this thread to the loop, not one per GET), each with
-    ``Range`` and ``If-Match`` like :func:`ranged_get`, each streamed into its slice of
-    ``out``. Every GET has finished (or failed) when this returns or raises, so none can
+    The span is cut into GETs of at most :data:`READ_PIECE_BYTES`, all sent as one
+    ``gather`` on s3fs's event loop (one hop from this thread to the loop, not one per GET),
+    each with ``Range`` and ``If-Match`` like :func:`ranged_get`, each streamed into its
+    slice of ``out``. Every GET has finished (or failed) when this returns or raises, so none can
     still be writing into ``out`` afterwards.
 
     Raises:
@@ -194,7 +186,8 @@ def ranged_get_into(
     from fsspec.asyn import sync
 
     async def gather() -> list[str | None]:
-        pieces = [(at, out[at : at + piece_bytes]) for at in range(0, len(out), piece_bytes)]
+        step = READ_PIECE_BYTES
+        pieces = [(at, out[at : at + step]) for at in range(0, len(out), step)]
         results = await asyncio.gather(
             *(_get_into(fs, bucket, key, start + at, part, if_match) for at, part in pieces),
             return_exceptions=True,  # wait for all: none may write into `out` after we return
