@@ -5,11 +5,9 @@ A "rename" on an object store is a copy and a delete, neither atomic nor cheap, 
 
 * up to one part (``part_bytes``) of data: one ``PutObject``, which S3 applies whole or not
   at all;
-* larger: a multipart upload whose parts are sent by a pool of threads while the caller
-  keeps writing (at most ``part_concurrency`` parts in flight, so a writer holds at most
-  ``(part_concurrency + 1) x part_bytes`` of memory). The object appears only when
-  :meth:`AtomicWriter.commit` completes the upload; :meth:`AtomicWriter.abort`, or any
-  failure, aborts the upload so that no parts are left behind.
+* larger: a multipart upload (:mod:`.s3multipart`), which appears only when
+  :meth:`AtomicWriter.commit` completes it; an abort, or any failure, aborts the upload so
+  that no parts are left behind.
 
 :meth:`S3Storage.create_exclusive` is a conditional ``PutObject`` (``If-None-Match: *``):
 of two writers creating one key, exactly one succeeds and the other gets
@@ -23,10 +21,6 @@ timeouts, with exponential backoff and jitter, bounded by ``retry_attempts`` and
 at once with :class:`~asyncckpt.errors.StorageError` naming the bucket and key. Messages
 and log lines never contain credentials: known secrets and credential-shaped strings are
 redacted, and a backend exception that carried one is not chained.
-
-Tunables come from the :class:`~asyncckpt._settings.Settings` the storage is built with (an
-explicit constructor argument wins): ``part_bytes``, ``part_concurrency``, ``retry_attempts``,
-``retry_deadline_s``, ``retry_backoff_ms``.
 
 The parts live beside this module: :mod:`.s3multipart` (the writer), :mod:`.s3read` (the
 read handle), :mod:`.s3retry` (what a failure means, the backoff, redaction).
@@ -50,7 +44,6 @@ from asyncckpt._storage.s3multipart import ObjectWriter
 from asyncckpt._storage.s3read import ObjectHandle, ranged_get
 from asyncckpt._storage.s3retry import (
     Attempts,
-    Failure,
     RetryPolicy,
     classify,
     is_denied,
@@ -212,14 +205,6 @@ class S3Storage(Storage):
         bucket, _, key = path.lstrip("/").partition("/")
         return bucket, key
 
-    def _error(
-        self, path: str, action: str, exc: BaseException, failure: Failure, tries: int
-    ) -> AsyncCkptError:
-        """The asyncckpt error for a failed request (naming bucket and key, no secrets)."""
-        bucket, key = self.split(path)
-        where = self.describe(path)
-        return request_error(where, bucket, key, action, exc, failure, tries, self._secrets)
-
     def request(
         self,
         action: str,
@@ -239,14 +224,18 @@ class S3Storage(Storage):
                 return fn()
             except Exception as exc:
                 failure = classify(exc)
-                if failure.kind == "retry":
+                transient = failure.kind == "retry"
+                if transient:
                     tries.failed_transiently = True
                     retry += 1
                     pause = policy.delay(retry, self._rng)
-                    if retry >= policy.attempts or _clock() + pause > deadline:
-                        error = self._error(path, action, exc, failure, tries.count)
-                else:
-                    error = self._error(path, action, exc, failure, tries.count)
+                if not transient or retry >= policy.attempts or _clock() + pause > deadline:
+                    # Naming bucket and key, never a secret (see request_error).
+                    bucket, key = self.split(path)
+                    where = self.describe(path)
+                    error = request_error(
+                        where, bucket, key, action, exc, failure, tries.count, self._secrets
+                    )
             if error is not None:
                 raise error  # outside the except block: no implicit chaining of secrets
             log.info(
@@ -470,18 +459,17 @@ class S3Storage(Storage):
     # -- reading ----------------------------------------------------------------------------
 
     def size(self, path: str) -> int:
-        head = self.head(path)
-        if head is None:
+        size = self.size_or_none(path)
+        if size is None:
             raise self.not_found(path)
-        self._last_head = (path, _clock(), head)  # for the open that follows (a load's)
-        return int(head["ContentLength"])
+        return size
 
     def size_or_none(self, path: str) -> int | None:
         # One HEAD: no HeadBucket to name a missing bucket (a listing after it fails there).
         head = self.head(path)
         if head is None:
             return None
-        self._last_head = (path, _clock(), head)
+        self._last_head = (path, _clock(), head)  # for the open that follows (a load's)
         return int(head["ContentLength"])
 
     def _reused_head(self, path: str) -> dict[str, Any] | None:
