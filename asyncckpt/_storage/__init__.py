@@ -47,7 +47,3 @@ __all__ = [
     "resolve",
     "temp_name",
 ]
-
-# Test and simulation filesystems from asyncckpt.testing (imported only when used):
-# ``faulty::<url>`` injects faults, latency and bandwidth limits into any filesystem, and
-# ``s3mem://`` serves the S3 API from memory.

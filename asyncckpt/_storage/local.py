@@ -44,7 +44,6 @@ class LocalStorage(Storage):
     (``lock_timeout_ms``, ``writeback_mib``), resolved by the entry point that built it;
     None: resolved now (for tools and tests)."""
 
-    label = ""
     local_paths = True
 
     def __init__(self, settings: Settings | None = None) -> None:

@@ -124,11 +124,10 @@ class StreamStorage(Storage):
     def delete(self, path: str) -> None:
         raise TypeError("a file object cannot be deleted")
 
+    delete_tree = delete
+
     def create_exclusive(self, path: str, data: bytes) -> None:
         raise TypeError("a file object cannot be created exclusively")
 
     def list_dir(self, path: str) -> list[str]:
         return []
-
-    def delete_tree(self, path: str) -> None:
-        raise TypeError("a file object cannot be deleted")
