@@ -100,6 +100,11 @@ class CrashPlan:
             writer's part.
     """
 
+    trace: list[StorageOp]
+    outside: list[StorageOp]
+    fired: StorageOp | None
+    _kinds: set[tuple[str, str]]
+
     def __init__(
         self,
         mode: str = "count",
@@ -109,17 +114,9 @@ class CrashPlan:
         every_read: bool = False,
         on_call: Callable[[StorageOp], None] | None = None,
     ) -> None:
-        if mode not in CRASH_MODES:
-            raise ValueError(f"unknown mode {mode!r}; known: {CRASH_MODES}")
-        self.mode, self.at, self.allowed, self.every_read = mode, at, allowed, every_read
-        self.on_call = on_call
-        self.trace: list[StorageOp] = []
-        self._points = 0
-        self._kinds: set[tuple[str, str]] = set()
-        self.outside: list[StorageOp] = []
-        self.fired: StorageOp | None = None
-        self.dead = False
+        self.allowed, self.every_read, self.on_call = allowed, every_read, on_call
         self._lock = threading.Lock()
+        self.arm(mode, at)
 
     def arm(self, mode: str, at: int = 0) -> None:
         """Start afresh: forget the trace, then act as ``mode`` at point ``at``."""
