@@ -15,6 +15,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from typing import Any
 
 from asyncckpt._threads import after_fork_in_child
 from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
@@ -395,6 +396,7 @@ class Storage(ABC):
 
 
 create_lock = threading.Lock()
+_warned_lock = threading.Lock()
 _marker_locks_lock = threading.Lock()
 _marker_locks: dict[tuple[str, str], threading.Lock] = {}
 
@@ -409,12 +411,23 @@ def process_lock(storage: Storage, path: str) -> Iterator[None]:
         yield
 
 
+def first_time(seen: set[Any], key: Any) -> bool:
+    """Add ``key`` to ``seen``; whether it was new (one warning per key, whichever thread
+    warns first)."""
+    with _warned_lock:
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
+
+
 @after_fork_in_child
 def _free_create_lock() -> None:
-    """In a forked child: a thread of the parent may have held the lock at the fork. It is
+    """In a forked child: a thread of the parent may have held a lock at the fork. It is
     released in place, not replaced: ``storage.fsspec_storage`` holds the same object."""
-    if create_lock.locked():
-        create_lock.release()
+    for lock in (create_lock, _warned_lock):
+        if lock.locked():
+            lock.release()
 
 
 def content_tag(data: bytes) -> str:

@@ -47,9 +47,9 @@ from asyncckpt._storage.base import (
     content_tag,
     create_lock,
     errors_as,
+    first_time,
     temp_name,
 )
-from asyncckpt._threads import after_fork_in_child
 from asyncckpt.errors import CheckpointNotFoundError, ConflictError, FormatError, StorageError
 
 log = logging.getLogger(__name__)
@@ -65,15 +65,7 @@ _IGNORES_CREATE_MODE = frozenset({"HTTPFileSystem"})
 #: What a filesystem raises when it cannot do a conditional create (not a conflict).
 _UNSUPPORTED = (NotImplementedError, TypeError, ValueError)
 
-_warned_lock = threading.Lock()
 _warned: set[type[Any]] = set()
-
-
-@after_fork_in_child
-def _renew_warned_lock() -> None:
-    """In a forked child: a thread of the parent may have held the lock at the fork."""
-    global _warned_lock
-    _warned_lock = threading.Lock()
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
@@ -138,17 +130,14 @@ def has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:
 
 
 def _warn_once(fs: fsspec.AbstractFileSystem, why: str) -> None:
-    with _warned_lock:
-        if type(fs) in _warned:
-            return
-        _warned.add(type(fs))
-    log.warning(
-        "%s has no conditional create (%s): exclusive creates there are exact only "
-        "between threads of one process; two processes committing one step at once could "
-        "both succeed (see docs/PROTOCOL.md)",
-        type(fs).__name__,
-        why,
-    )
+    if first_time(_warned, type(fs)):
+        log.warning(
+            "%s has no conditional create (%s): exclusive creates there are exact only "
+            "between threads of one process; two processes committing one step at once "
+            "could both succeed (see docs/PROTOCOL.md)",
+            type(fs).__name__,
+            why,
+        )
 
 
 _LIST_ATTEMPTS = 5

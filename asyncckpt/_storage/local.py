@@ -31,6 +31,7 @@ from asyncckpt._storage.base import (
     Storage,
     content_tag,
     errors_as,
+    first_time,
     process_lock,
     temp_name,
 )
@@ -382,15 +383,13 @@ def _directory_locked(storage: LocalStorage, path: str) -> Iterator[None]:
 
 
 def _warn_no_dir_lock(directory: str, exc: OSError) -> None:
-    if directory in _warned_no_dir_lock:
-        return
-    _warned_no_dir_lock.add(directory)
-    log.warning(
-        "%s: cannot flock the directory (%s); save markers there are exclusive only "
-        "within this process (docs/PROTOCOL.md)",
-        directory,
-        exc.strerror or exc,
-    )
+    if first_time(_warned_no_dir_lock, directory):
+        log.warning(
+            "%s: cannot flock the directory (%s); save markers there are exclusive only "
+            "within this process (docs/PROTOCOL.md)",
+            directory,
+            exc.strerror or exc,
+        )
 
 
 class _LocalWriter(AtomicWriter):

@@ -37,7 +37,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from asyncckpt._settings import Settings
-from asyncckpt._storage.base import MAX_TAGGED_BYTES, AtomicWriter, ReadHandle, Storage, temp_name
+from asyncckpt._storage.base import (
+    MAX_TAGGED_BYTES,
+    AtomicWriter,
+    ReadHandle,
+    Storage,
+    first_time,
+    temp_name,
+)
 from asyncckpt._storage.s3client import is_object_store, prepare_options, single_retry_layer
 from asyncckpt._storage.s3listing import directory_markers, list_keys, list_uploads
 from asyncckpt._storage.s3multipart import ObjectWriter
@@ -81,23 +88,19 @@ _clock: Callable[[], float] = time.monotonic
 _sleep: Callable[[float], None] = time.sleep
 
 
-_unreadable_lock = threading.Lock()
 _unreadable: set[str] = set()
 
 
 def _warn_markers_unreadable(label: str, bucket: str, exc: BaseException) -> None:
-    with _unreadable_lock:
-        if bucket in _unreadable:
-            return
-        _unreadable.add(bucket)
-    log.warning(
-        "%s%s: save markers cannot be read (%s); loads there do not wait for other "
-        "processes' saves in flight. Allow s3:ListBucket (S3 then answers 404 for a "
-        "missing marker) and s3:GetObject on *.ackpending (docs/PROTOCOL.md §8)",
-        label,
-        bucket,
-        exc,
-    )
+    if first_time(_unreadable, bucket):
+        log.warning(
+            "%s%s: save markers cannot be read (%s); loads there do not wait for other "
+            "processes' saves in flight. Allow s3:ListBucket (S3 then answers 404 for a "
+            "missing marker) and s3:GetObject on *.ackpending (docs/PROTOCOL.md §8)",
+            label,
+            bucket,
+            exc,
+        )
 
 
 class S3Storage(Storage):
