@@ -233,7 +233,6 @@ class S3Storage(Storage):
                     retry += 1
                     pause = policy.delay(retry, self._rng)
                 if not transient or retry >= policy.attempts or _clock() + pause > deadline:
-                    # Naming bucket and key, never a secret (see request_error).
                     bucket, key = self.split(path)
                     where = self.describe(path)
                     error = request_error(
@@ -538,9 +537,7 @@ class S3Storage(Storage):
         return data
 
     def exists(self, path: str) -> bool:
-        if self._object_exists(path):
-            return True
-        return bool(list_keys(self, path, delimiter=True, max_keys=1))
+        return self._object_exists(path) or bool(list_keys(self, path, delimiter=True, max_keys=1))
 
     def _object_exists(self, path: str) -> bool:
         _, key = self.split(path)

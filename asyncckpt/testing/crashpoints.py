@@ -131,10 +131,7 @@ class CrashPlan:
         """How many points the recorded trace has for ``mode`` (default: the plan's)."""
         mode = self.mode if mode is None else mode
         seen: set[tuple[str, str]] = set()
-        count = 0
-        for op in self.trace:
-            count += self._is_point(op, mode, seen)
-        return count
+        return sum(self._is_point(op, mode, seen) for op in self.trace)
 
     def _is_point(self, op: StorageOp, mode: str, seen: set[tuple[str, str]]) -> bool:
         if op.mutating:
