@@ -178,8 +178,7 @@ class Storage(ABC):
     def check_writable(self, path: str) -> None:
         """Raise :class:`StorageError` if ``path`` can never be written: a read-only store
         (``http(s)://``), whose writes, commits and deletes all raise it, or a local
-        directory. A save asks
-        before it starts, so it fails at once rather than at ``result()``."""
+        directory. A save asks before it starts, so it fails at once, not at ``result()``."""
         del path
 
     @contextlib.contextmanager

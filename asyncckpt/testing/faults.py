@@ -13,9 +13,7 @@
 
   Operation names are the wrapped filesystem's method names (``open``, ``write``,
   ``close``, ``cat_file``, ``pipe_file``, ``mv``, ``ls`` ...) and, for S3, the S3 API call
-  names that :class:`~asyncckpt._storage.s3.S3Storage` issues (``put_object``,
-  ``create_multipart_upload``, ``upload_part``, ``complete_multipart_upload``,
-  ``abort_multipart_upload``, ``head_object``, ``list_objects_v2``, ``delete_objects`` ...;
+  names that :class:`~asyncckpt._storage.s3.S3Storage` issues (:data:`S3_OPERATIONS`;
   ranged reads are ``cat_file``).
 
 These fail requests *inside* the client process, at the fsspec call (asyncckpt's own tests
