@@ -370,10 +370,6 @@ def _forget_parent_jobs() -> None:
     _tracker = _Tracker()
 
 
-# The handle of the job running on this thread (the save thread), for its progress.
-_running = threading.local()
-
-
 def pending(owner: Any = ANY) -> list[SaveHandle]:
     """The jobs of ``owner`` (default: every owner) that have not ended, oldest first."""
     return [h for h in _tracker.of(owner) if not h.done()]
