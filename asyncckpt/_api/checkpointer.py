@@ -528,11 +528,9 @@ class Checkpointer:
         self._check_writable()
         if type(step) is not int or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        checked = (
-            check_metrics(metrics, f"{self.root} step {step}: metrics")
-            if metrics is not None
-            else {}
-        )
+        checked: Metrics = {}
+        if metrics is not None:
+            checked = check_metrics(metrics, f"{self.root} step {step}: metrics")
         self._check_ranked_metrics(step, checked)
         self._check_world()
         is_sharded = holds_dtensor(state)
