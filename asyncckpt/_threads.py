@@ -8,8 +8,8 @@ ends.
 
 The threads of a background write (the save thread and the encoders) lower their own
 scheduling priority by the save's ``writer_nice`` tunable (passed by the caller) when they
-start: on a CPU shared with
-training, the caller's threads then win the cores and the write fills the gaps.
+start: on a CPU shared with training, the caller's threads then win the cores and the write
+fills the gaps.
 
 A forked child (a DataLoader worker, a ``multiprocessing`` fork) inherits none of these
 threads, but it does inherit the pools, the pending saves and every lock, possibly held by
