@@ -3,14 +3,12 @@
 * :mod:`~asyncckpt.testing.faults` — :class:`FaultyFileSystem` (the ``faulty`` fsspec
   protocol) fails, slows or truncates chosen calls of any filesystem following a
   :class:`FaultPlan`.
-* :mod:`~asyncckpt.testing.crashpoints` — :class:`CrashStorage` numbers every call through
-  a storage and, following a :class:`CrashPlan`, fails one, or stops the process (in
-  process, or with SIGKILL) just before one: crash-at-every-step tests.
 * :mod:`~asyncckpt.testing.conformance` — :class:`StorageConformanceSuite`, the tests
   every :class:`~asyncckpt._storage.Storage` backend passes (and a new one must).
 
-The local S3 servers, the HTTP fault proxy and the in-memory S3 that asyncckpt's own tests
-use live with those tests (``tests/servers.py``, ``tests/proxy.py``, ``tests/s3mem.py``).
+The local S3 servers, the HTTP fault proxy, the in-memory S3 and the crash-point storage
+that asyncckpt's own tests use live with those tests (``tests/servers.py``,
+``tests/proxy.py``, ``tests/s3mem.py``, ``tests/crashpoints.py``).
 The modules here do not import each other.
 
 Example:
@@ -27,7 +25,6 @@ import contextlib
 import fsspec
 
 from asyncckpt.testing.conformance import StorageConformanceSuite
-from asyncckpt.testing.crashpoints import CrashPlan, CrashStorage
 from asyncckpt.testing.faults import (
     FAULT_KINDS,
     S3_OPERATIONS,
@@ -43,8 +40,6 @@ __all__ = [
     "FAULT_KINDS",
     "S3_OPERATIONS",
     "TRANSIENT_KINDS",
-    "CrashPlan",
-    "CrashStorage",
     "Fault",
     "FaultEvent",
     "FaultPlan",

@@ -198,7 +198,7 @@ def _say_when_waiting(path: str) -> None:
     """Print ``waiting`` once this process's load reads the save marker of ``path`` a
     second time: the first read found a save in flight, so the load is waiting for it."""
     from asyncckpt._versions import paths  # where a load resolves its path
-    from asyncckpt.testing.crashpoints import CrashPlan, CrashStorage, StorageOp
+    from tests.crashpoints import CrashPlan, CrashStorage, StorageOp
 
     reads: list[StorageOp] = []
 

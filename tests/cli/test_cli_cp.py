@@ -24,7 +24,7 @@ from asyncckpt._versions.protocol import (
 from asyncckpt.cli.common import RootRef
 from asyncckpt.cli.cp import copy_versions
 from asyncckpt.cli.verify import verify_file
-from asyncckpt.testing import CrashPlan, CrashStorage
+from tests.crashpoints import CrashPlan, CrashStorage
 
 STEPS = (1, 2, 3)
 

@@ -1,7 +1,7 @@
 """Scenarios for the crash-at-every-step harness, and the invariants checked after each.
 
 A scenario has a *setup* (run without faults) and an *action* whose storage operations are
-numbered by :class:`asyncckpt.testing.crashpoints.CrashStorage`: a steady save (write,
+numbered by :class:`tests.crashpoints.CrashStorage`: a steady save (write,
 commit, version file, a retention pass), a restarted writer's first save (lease takeover,
 recovery of leftovers), ``asyncckpt gc``, ``rewind`` and a drop-in ``asyncckpt.save``.
 After the action failed or died at a point, :func:`check_after` restarts (new objects on
@@ -34,7 +34,7 @@ from asyncckpt._storage import resolve as real_resolve
 from asyncckpt._versions.protocol import read_version_file
 from asyncckpt.cli.main import main as cli_main
 from asyncckpt.errors import AsyncCkptError, CheckpointTimeoutError
-from asyncckpt.testing.crashpoints import CrashPlan, CrashStorage
+from tests.crashpoints import CrashPlan, CrashStorage
 from tests.state_checks import tree
 
 #: Settings that make a scenario's operations one deterministic sequence: writes on this

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from asyncckpt.errors import AsyncCkptError
-from asyncckpt.testing.crashpoints import CrashPlan
+from tests.crashpoints import CrashPlan
 from tests.testing import crash_scenarios as cs
 from tests.testing.crash_scenarios import SCENARIOS, Scenario
 

@@ -27,7 +27,7 @@ from asyncckpt import Checkpointer
 from asyncckpt._storage import LocalStorage
 from asyncckpt._versions.protocol import read_version_file
 from asyncckpt.errors import AsyncCkptError, ConflictError
-from asyncckpt.testing.crashpoints import CrashPlan, StorageOp
+from tests.crashpoints import CrashPlan, StorageOp
 from tests.testing.crash_scenarios import (
     DETERMINISTIC_ENV,
     EXPECTED,
