@@ -1,19 +1,14 @@
 """Retention: which versions of a root may be deleted, decided in one place.
 
-A *rule* (:class:`RetentionRule`) says which committed versions it keeps: the newest N
-(:class:`KeepLast`), the best N by a metric (:class:`KeepBest`), every M-th step
-(:class:`KeepEvery`), those younger than a duration (:class:`KeepFor`), at most N in all
-counting the best (:class:`KeepTotal`, Hugging Face's ``save_total_limit``). A
-:class:`RetentionPolicy` combines rules: a version stays if any rule keeps it.
-:func:`policy_from` builds a policy from keyword names (:data:`RULES` maps each to its
-class): the one place behind the ``Checkpointer`` keywords, ``asyncckpt gc``'s flags and the
-Hugging Face mapping. Adding a rule is one class added to :data:`RULES`, and its test.
+A *rule* (:class:`RetentionRule`; :data:`RULES`: :class:`KeepLast`, :class:`KeepBest`,
+:class:`KeepEvery`, :class:`KeepFor`, :class:`KeepTotal`) says which committed versions it
+keeps; a :class:`RetentionPolicy` keeps what any of its rules keeps. :func:`policy_from`
+builds one from keyword names: the one place behind the ``Checkpointer`` keywords,
+``asyncckpt gc``'s flags and the Hugging Face mapping.
 
 :func:`deletion_plan` is the one rule that applies a policy to a
 :func:`~asyncckpt._versions.protocol.list_steps` listing, with the protocol's own guarantees on
-top (never the version file's step, nor the newest version that verifies whatever the
-version file says, nothing newer, nothing unreadable, nothing a collective load may be
-reading). The writer's retention and recovery (:mod:`asyncckpt._versions.writing`) and
+top. The writer's retention and recovery (:mod:`asyncckpt._versions.writing`) and
 ``asyncckpt gc`` delete exactly what it returns; see docs/PROTOCOL.md §5.
 """
 
@@ -35,10 +30,6 @@ BEST_MODES = ("min", "max")
 #: How an error names a keyword: as Python spells it (``keep_last``), or, for ``gc``, as a
 #: flag (``--keep-last``).
 Spell = Callable[[str], str]
-
-
-def _python(name: str) -> str:
-    return name
 
 
 class RetentionRule(Protocol):
@@ -128,21 +119,15 @@ class Ranking:
             raise ValueError(f"best_mode must be 'min' or 'max', got {self.mode!r}")
 
     def order(self, committed: Sequence[StepEntry]) -> list[int]:
-        """The steps that have the metric, best first (:func:`ranked`), once
-        :meth:`check` passed; none without a metric."""
-        if self.metric is None:
-            return []
-        self.check(committed)
-        return ranked(committed, self.metric, self.mode)
-
-    def check(self, committed: Sequence[StepEntry], where: str = "") -> None:
-        """:func:`check_ranked` for the metric names of ``committed``.
+        """The steps that have the metric, best first (:func:`ranked`); none without a metric.
 
         Raises:
-            UnknownMetricError: names the metric and the metrics there are.
+            UnknownMetricError: (:func:`check_ranked`) names the metric and the metrics there are.
         """
-        if self.metric is not None:
-            check_ranked(self.metric, metric_names(committed), where)
+        if self.metric is None:
+            return []
+        check_ranked(self.metric, metric_names(committed))
+        return ranked(committed, self.metric, self.mode)
 
 
 def check_ranked(metric: str, names: Collection[str], where: str = "") -> None:
@@ -162,8 +147,7 @@ def check_ranked(metric: str, names: Collection[str], where: str = "") -> None:
 
 def metric_names(committed: Sequence[StepEntry]) -> list[str]:
     """Every metric name some version of ``committed`` has, sorted."""
-    names = {n for e in committed if e.commit is not None for n in e.commit.metrics}
-    return sorted(names)
+    return sorted({n for e in committed if e.commit is not None for n in e.commit.metrics})
 
 
 @dataclass(frozen=True)
@@ -413,7 +397,7 @@ class RetentionPolicy:
 def policy_from(
     keywords: Mapping[str, Any],
     rules: Sequence[RetentionRule] = (),
-    spell: Spell = _python,
+    spell: Spell = str,
 ) -> RetentionPolicy:
     """The policy that keyword names describe: the one place they become rules.
 
