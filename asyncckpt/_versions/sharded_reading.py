@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from asyncckpt._device import Placement, cuda
+from asyncckpt._device import cuda
 from asyncckpt._engine.decode import Budget, OpenedFile, materialize
 from asyncckpt._engine.decode_lazy import LazyEntries
 from asyncckpt._engine.decode_select import top_level
@@ -98,9 +98,7 @@ def read_sharded(
             # own device by default), like the plain values beside them: never the CPU
             # for some and a GPU for the others.
             saved = shards_device(opened, skip)
-            loaded = _consolidated(
-                metadata, dcp_reader, request.placement, into, budget, keys, saved
-            )
+            loaded = _consolidated(metadata, dcp_reader, request, budget, saved)
         replaced = {key_path(path) for path in loaded}
         plain = materialize(
             opened,
@@ -142,13 +140,7 @@ def _dcp_load(state: dict[str, Any], reader: Reader, group: Any, no_dist: bool) 
 
 
 def _consolidated(
-    metadata: Metadata,
-    reader: Reader,
-    placement: Placement,
-    into: Any,
-    budget: Budget,
-    keys: Collection[Any] | None,
-    saved: str = "cpu",
+    metadata: Metadata, reader: Reader, request: LoadRequest, budget: Budget, saved: str
 ) -> dict[Path, torch.Tensor]:
     """Every tensor of the version, whole, by its path in the saved state.
 
@@ -156,7 +148,8 @@ def _consolidated(
     load gives tied tensors back; a name with a target in ``into`` loads into it. Tensors
     without a target are allocated where ``placement`` puts storages saved on ``saved``.
     """
-    targets = tensor_paths(into) if into is not None else {}
+    placement = request.placement
+    targets = tensor_paths(request.into) if request.into is not None else {}
     device = torch.device("cpu") if callable(placement.map_location) else None
     full: dict[str, torch.Tensor] = {}
     paths: dict[Path, torch.Tensor] = {}
@@ -167,7 +160,7 @@ def _consolidated(
         shared: torch.Tensor | None = None
         for fqn in names:
             path = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
-            if not _kept(path, keys):
+            if not _kept(path, request.keys):
                 continue  # not asked for: its chunks are never read
             target = targets.get(key_path(path))
             if target is None:
