@@ -1,12 +1,10 @@
 """``Reader``: a DCP ``StorageReader`` for checkpoints written by :class:`asyncckpt.dcp.Writer`.
 
 ``read_metadata`` reads the JSON commit object (never a pickle) and rebuilds DCP's
-``Metadata``; ``read_data`` reads, per data file, only what the plan asks for: the file's
-footer and manifest first, then the chunks under the requested parts of the stored tensors,
-in parallel, each verified against its CRC-32 before it is decoded (any device, any
-sharding: DCP computes the parts, so a checkpoint saved on N ranks loads on M). A whole
-stored tensor bound for a matching CPU tensor is decoded straight into it; other parts are
-decoded into a buffer and copied (and cast) into DCP's targets.
+``Metadata``; ``read_data`` reads, per data file, its footer and manifest, then only the
+chunks under the parts the plan asks for, each verified against its CRC-32 before it is
+decoded (any device, any sharding: DCP computes the parts, so a checkpoint saved on N ranks
+loads on M; :meth:`Reader.read_data` says which parts are decoded in place).
 """
 
 from __future__ import annotations

@@ -117,8 +117,7 @@ def find(
         ('root', 3)
     """
     text = os.fspath(typed)
-    storage, path = resolve(text, storage_options, settings)
-    target = _what_is(storage, path, text)
+    target = _what_is(*resolve(text, storage_options, settings), text)
     match = _AT_STEP.fullmatch(text)
     if match is None:
         return target
