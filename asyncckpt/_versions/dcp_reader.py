@@ -157,12 +157,11 @@ class Reader(CheckpointLocation, StorageReader):
             FormatError: the commit object is malformed, oversized or from a newer schema.
         """
         path = self.committed_metadata_path()
-        name = self._storage.describe(path)
         try:
             data = self._storage.read_bytes(path, MAX_METADATA_BYTES)
         except CheckpointNotFoundError:
             raise self._not_committed() from None
-        metadata = decode_metadata(data, name)
+        metadata = decode_metadata(data, self._storage.describe(path))
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self._load_id

@@ -85,7 +85,6 @@ def decode_pending(raw: bytes) -> PendingRecord | None:
     except FormatError:
         return None
     values: dict[str, Any] = {name: doc.get(name) for name in _FIELDS}
-    kind = doc.get("kind")
-    if kind != DROP_IN_SAVE or any(type(values[k]) not in t for k, t in _FIELDS.items()):
+    if doc.get("kind") != DROP_IN_SAVE or any(type(values[k]) not in t for k, t in _FIELDS.items()):
         return None
     return PendingRecord(**values)
