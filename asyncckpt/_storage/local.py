@@ -170,6 +170,8 @@ class LocalStorage(Storage):
     def write_marker(self, path: str, data: bytes, replacing: str | None = None) -> str:
         if replacing is not None:
             self._check_marker_tag(path, replacing)
+        elif _create_whole(path, data):
+            return content_tag(data)
         # Written over the old bytes, then cut to length: never truncated to zero first,
         # which ext4 (auto_da_alloc) answers with a flush on close (~1 ms, not 10 us). A
         # reader in between sees new bytes followed by old ones: not JSON, so "rewriting".
@@ -390,6 +392,31 @@ def _warn_no_dir_lock(directory: str, exc: OSError) -> None:
             directory,
             exc.strerror or exc,
         )
+
+
+def _create_whole(path: str, data: bytes) -> bool:
+    """Create file ``path`` holding ``data`` in one step, where Linux can: an unnamed file
+    (``O_TMPFILE``), written, then linked in. A writer killed before the link leaves
+    nothing; one that created the name first and was killed before writing left an empty
+    marker, which names no writer for a load to judge. False (nothing done) where ``path``
+    exists (a link, too: never followed) or the filesystem cannot do this."""
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if not tmpfile:
+        return False
+    try:
+        fd = os.open(os.path.dirname(path) or ".", tmpfile | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return False  # no such directory yet, or no O_TMPFILE here
+    try:
+        view, at = memoryview(data), 0
+        while at < len(view):
+            at += os.write(fd, view[at:])
+        os.link(f"/proc/self/fd/{fd}", path)  # EEXIST if anything is there, a link included
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 class _LocalWriter(AtomicWriter):

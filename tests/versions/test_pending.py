@@ -7,6 +7,7 @@ drive the pieces in one process, writing "other writers'" markers by hand.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -296,6 +297,44 @@ def test_a_marker_planted_as_a_link_or_special_file_is_never_written_through(
         assert not victim.exists()
     marker.unlink()
     assert asyncckpt.load(path)["v"].sum() == 0  # the file was left alone
+
+
+_KILLED_WRITING_MARKER = """
+import os, signal, sys, torch, asyncckpt
+
+def killing(write):
+    def wrapped(fd, data, *rest):
+        if b"drop-in-save" in bytes(data):  # the marker's record: die before writing it
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(fd, data, *rest)
+    return wrapped
+
+os.write, os.pwrite = killing(os.write), killing(os.pwrite)
+asyncckpt.save({"v": torch.ones(4)}, sys.argv[1]).result()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_save_killed_as_it_writes_its_marker_leaves_no_unreadable_marker(
+    tmp_path: Path,
+) -> None:
+    """A marker is created with its record in it, never empty first: a writer killed in
+    between left an empty marker that no load could judge (no pid to check), so loads
+    waited ``lease_expiry_ms`` and then blamed "an unknown process"."""
+    path = tmp_path / "model.ackpt"
+    asyncckpt.save({"v": torch.zeros(4)}, path).result()
+    child = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITING_MARKER, str(path)], timeout=100, check=False
+    )
+    assert child.returncode == -9
+    marker = Path(f"{path}{MARKER}")
+    assert not marker.exists() or decode_pending(marker.read_bytes()) is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) in (
+        ["model.ackpt"],
+        ["model.ackpt", marker.name],
+    )
+    with contextlib.suppress(CheckpointTimeoutError):  # a readable marker: the dead pid, at once
+        assert asyncckpt.load(path)["v"].sum() == 0
 
 
 @pytest.mark.timeout(60)
