@@ -71,13 +71,12 @@ from asyncckpt._format.container import (
     encode_header,
 )
 from asyncckpt._format.index import ItemLocation, tied_names
-from asyncckpt._format.names import rank_of_data_file
 from asyncckpt._format.tree import Path, dtype_name, empty_of, flatten, torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
 from asyncckpt._versions.dcp_reader import Reader, open_data_file, size_error
 from asyncckpt._versions.protocol import SHARDED, CommitRecord
-from asyncckpt._versions.sharded_reading import substituted
+from asyncckpt._versions.sharded_reading import rank_file_name, substituted
 from asyncckpt.errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
 
 __all__ = [
@@ -184,16 +183,10 @@ class ShardedSource:
 
     def _with_plain(self, commit: CommitRecord, placeholders: dict[Path, torch.Tensor]) -> Any:
         """Rank 0's plain state with the placeholders where its DTensors were."""
-        ranks = sorted(
-            (rank, name) for name in commit.files if (rank := rank_of_data_file(name)) is not None
-        )
-        if not ranks:
-            raise FormatError(f"{self.name}: the COMMIT names no rank file")
-        name = ranks[0][1]
-        opened = self._opened(name, None)
+        name, size = rank_file_name(commit, 0, self.name)
+        opened = self._opened(name, size)
         check_devices(opened)
-        locations: dict[MetadataIndex, ItemLocation] = self.metadata.storage_data
-        skip = {loc.entry for loc in locations.values() if loc.file == name}
+        skip = {loc.entry for loc in self.metadata.storage_data.values() if loc.file == name}
         plain = materialize(opened, Placement("cpu"), self.settings, skip=skip)
         return substituted(plain, dict(placeholders), opened.name)
 

@@ -208,19 +208,30 @@ def key_path(path: Path) -> str:
 def rank_file(
     reader: RootReader, rank: int, commit: CommitRecord, directory: str, metadata: Metadata
 ) -> tuple[OpenedFile, set[int]]:
-    """This rank's file of the version, or rank 0's if the version has no file of this rank
-    (it was saved by fewer ranks); opened (the caller closes it) and checked against its
-    committed size; with the entries of its tensor table that are shards of DTensors."""
+    """This rank's file of the version (:func:`rank_file_name`), opened (the caller closes
+    it) and checked against its committed size; with the entries of its tensor table that
+    are shards of DTensors."""
+    name, size = rank_file_name(commit, rank, f"{reader.where} step {commit.step}")
+    opened = open_data_file(reader.storage, directory, name, size)
+    return opened, {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
+
+
+def rank_file_name(commit: CommitRecord, rank: int, where: str) -> tuple[str, int | None]:
+    """The name and committed size of rank ``rank``'s file of the version ``commit``
+    describes, or of the lowest rank's if it has no file of ``rank`` (it was saved by fewer
+    ranks).
+
+    Raises:
+        FormatError: the ``COMMIT`` names no rank file (``where`` names the version).
+    """
     by_rank = {}
     for name, size in zip(commit.files, commit.sizes or [None] * len(commit.files)):
         saved_by = rank_of_data_file(name)
         if saved_by is not None:
             by_rank[saved_by] = (name, size)
     if not by_rank:
-        raise FormatError(f"{reader.where}: step {commit.step} names no rank file")
-    name, size = by_rank[rank if rank in by_rank else min(by_rank)]
-    opened = open_data_file(reader.storage, directory, name, size)
-    return opened, {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
+        raise FormatError(f"{where}: the COMMIT names no rank file")
+    return by_rank[rank if rank in by_rank else min(by_rank)]
 
 
 def substituted(tree: Any, values: dict[Path, Any], name: str) -> Any:
