@@ -70,7 +70,7 @@ from asyncckpt._format.container import (
     TensorEntry,
     encode_header,
 )
-from asyncckpt._format.index import ItemLocation, tied_names
+from asyncckpt._format.index import ItemLocation, saved_path, tied_names
 from asyncckpt._format.tree import Path, dtype_name, empty_of, flatten, torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
@@ -140,7 +140,6 @@ class ShardedSource:
             raise IncompleteCheckpointError(str(exc)) from exc
         src = cls(storage, directory, metadata, None, storage.describe(directory), settings)
         placeholders: dict[Path, torch.Tensor] = {}
-        paths = metadata.planner_data or {}
         for names in tied_names(metadata):
             md = metadata.state_dict_metadata[names[0]]
             if isinstance(md, TensorStorageMetadata):
@@ -151,7 +150,7 @@ class ShardedSource:
                 placeholder = empty_of(md.properties.dtype)
                 src._fqn_of[id(placeholder)] = names[0]
                 for fqn in names:
-                    placeholders[tuple(paths.get(fqn, (fqn,)))] = placeholder
+                    placeholders[saved_path(metadata, fqn)] = placeholder
         try:
             src.skeleton = src._skeleton(commit, placeholders)
         except BaseException:
@@ -162,11 +161,10 @@ class ShardedSource:
     def _skeleton(self, commit: CommitRecord | None, placeholders: dict[Path, torch.Tensor]) -> Any:
         if commit is not None and commit.kind == SHARDED:
             return self._with_plain(commit, placeholders)
-        paths = self.metadata.planner_data or {}
         values: dict[Path, Any] = dict(placeholders)
         for fqn, md in self.metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):
-                values[tuple(paths.get(fqn, (fqn,)))] = self._bytes_item(fqn)
+                values[saved_path(self.metadata, fqn)] = self._bytes_item(fqn)
         return substituted({}, values, self.name)  # nested dicts holding each value
 
     def close(self) -> None:

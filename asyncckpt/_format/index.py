@@ -46,7 +46,7 @@ from asyncckpt._format.container import (
 from asyncckpt._format.names import METADATA_NAME as METADATA_NAME
 from asyncckpt._format.names import data_file_name as data_file_name
 from asyncckpt._format.names import is_data_file_name as is_data_file_name
-from asyncckpt._format.tree import dtype_name, torch_dtype
+from asyncckpt._format.tree import Path, dtype_name, torch_dtype
 from asyncckpt._version import __version__
 from asyncckpt.errors import FormatError, UnsupportedObjectError
 
@@ -285,6 +285,12 @@ def _identity(metadata: Metadata, fqn: str) -> tuple[Any, ...]:
         where = locations[MetadataIndex(fqn, chunk.offsets)]
         pieces.append((tuple(chunk.offsets), tuple(chunk.sizes), where.file, where.entry))
     return ("tensor", md.properties.dtype, tuple(md.size), tuple(pieces))
+
+
+def saved_path(metadata: Metadata, fqn: str) -> Path:
+    """Where DCP name ``fqn`` sits in the saved state: its key path in ``planner_data``
+    (a one-key path, the name itself, where the metadata has none)."""
+    return tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
 
 
 def tied_names(metadata: Metadata) -> list[list[str]]:

@@ -34,7 +34,7 @@ from asyncckpt._engine.decode import Budget, OpenedFile, materialize
 from asyncckpt._engine.decode_lazy import LazyEntries
 from asyncckpt._engine.decode_select import top_level
 from asyncckpt._format.container import MAX_DEPTH
-from asyncckpt._format.index import tied_names, value_bytes
+from asyncckpt._format.index import saved_path, tied_names, value_bytes
 from asyncckpt._format.names import rank_of_data_file
 from asyncckpt._format.tree import (
     ROOT_NAME,
@@ -159,7 +159,7 @@ def _consolidated(
             continue
         shared: torch.Tensor | None = None
         for fqn in names:
-            path = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
+            path = saved_path(metadata, fqn)
             if not _kept(path, request.keys):
                 continue  # not asked for: its chunks are never read
             target = targets.get(key_path(path))
@@ -296,7 +296,7 @@ class LazyShardedVersion(LazyEntries):
         self._nbytes = sum(storages[i].nbytes for i in {e.storage for e in plain})
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
-                path = tuple((metadata.planner_data or {}).get(fqn, (fqn,)))
+                path = saved_path(metadata, fqn)
                 self._tensors[key_path(path)] = (md.size, md.properties.dtype)
                 self._nbytes += value_bytes(metadata, fqn)
 
