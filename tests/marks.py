@@ -62,6 +62,10 @@ _PROCESS_MODULES = frozenset(
     {"subprocess", "multiprocessing", "torch.multiprocessing", "tests.ranks"}
 )
 _S3_FIXTURES = frozenset({"s3_server", "s3_store", "moto", "seaweed"})
+#: Test kits read as libraries, not followed: ``tests.crashpoints`` kills its own process
+#: only in its ``"kill"`` mode, which a test uses by running the scenario in a child it
+#: starts itself (and is marked for); its other modes run in the test's process.
+_NOT_FOLLOWED = frozenset({"tests.crashpoints"})
 
 
 def apply(items: list[pytest.Item]) -> None:
@@ -135,6 +139,8 @@ def _is_test_helper(value: Any) -> bool:
     if not (inspect.isfunction(value) or inspect.isclass(value)):
         return False
     module = getattr(value, "__module__", "") or ""
+    if module in _NOT_FOLLOWED:
+        return False
     return module in ("tests", "conftest") or module.startswith("tests.")
 
 
