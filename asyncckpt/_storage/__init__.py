@@ -1,17 +1,10 @@
 """Storage: a small interface over a filesystem, with atomic writes and conditional ones.
 
 One module per strategy, importing downward only (``base`` ← ``local``, ``fsspec_storage``,
-``s3`` ← ``resolve``):
-
-* :class:`LocalStorage` (:mod:`.local`) — local disk through the OS: write to a temp file
-  beside the target, fsync it, rename it over the target, fsync the directory.
-* :class:`FsspecStorage` (:mod:`.fsspec_storage`) — any other fsspec filesystem (``memory://`` and
-  friends): the same temp-then-move sequence through fsspec calls.
-* :class:`S3Storage` (:mod:`.s3`) — object stores (``s3://``): no renames;
-  data at its final key through one PUT or a multipart upload, conditional writes.
-
-:func:`resolve` turns a user's path or URL into ``(storage, path)``. Every backend error
-surfaces as :class:`~asyncckpt.errors.StorageError` (or
+``s3`` ← ``resolve``): :class:`LocalStorage` (local disk through the OS, temp file and
+rename), :class:`FsspecStorage` (any other fsspec filesystem), :class:`S3Storage` (object
+stores: no renames). :func:`resolve` turns a user's path or URL into ``(storage, path)``.
+Every backend error surfaces as :class:`~asyncckpt.errors.StorageError` (or
 :class:`~asyncckpt.errors.CheckpointNotFoundError`) chained with ``from``.
 """
 

@@ -1,9 +1,4 @@
-"""The storage interface: what every backend provides, and the helpers they share.
-
-A :class:`Storage` is a small interface over one filesystem, with paths in the backend's own
-form (no scheme). Backends live beside this module (``local``, ``fsspec_storage``,
-``s3``); :func:`asyncckpt._storage.resolve` picks one for a URL.
-"""
+"""The storage interface: what every backend provides, and the helpers they share."""
 
 from __future__ import annotations
 
@@ -56,9 +51,7 @@ class AtomicWriter(ABC):
 
     def publishing(self) -> AbstractContextManager[None]:
         """The context :meth:`commit` makes the file visible in: the guard's, if one is set."""
-        if self.publish_guard is None:
-            return contextlib.nullcontext()
-        return self.publish_guard()
+        return contextlib.nullcontext() if self.publish_guard is None else self.publish_guard()
 
     @abstractmethod
     def write(self, data: bytes | memoryview) -> None:
@@ -149,10 +142,8 @@ class Storage(ABC):
     #: Paths are this machine's file names: ``os`` calls (and libraries that open files by
     #: name, such as safetensors) work on them directly.
     local_paths: bool = False
-    #: A path that holds bytes is a file, never a folder (an object store: a key with bytes
-    #: is an object, a folder only a prefix of other keys, which some stores show as an
-    #: empty object). ``asyncckpt.load`` then names a file by its size, one request, before
-    #: listing anything; a local directory has a size, so the default is False.
+    #: A path that holds bytes is a file, never a folder (an object store's key): then
+    #: ``asyncckpt.load`` names a file by its size, one request, before listing anything.
     sized_paths_are_files: bool = False
 
     def describe(self, path: str) -> str:
@@ -225,8 +216,6 @@ class Storage(ABC):
     def open_read(self, path: str) -> ReadHandle:
         """Open ``path`` for reading, pinned to its current version (see :class:`ReadHandle`).
 
-        A file is read through one handle when its parts must agree (a load: manifest and
-        chunks); small records read whole (``COMMIT``, ``VERSION``) use :meth:`read_range`.
         This default reads by path every time, pinning nothing: backends override it.
 
         Raises:
@@ -243,11 +232,8 @@ class Storage(ABC):
 
     def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
         """Abort unfinished writes below directory ``path`` (with ``exact``, of the file
-        ``path`` itself) that a listing does not show: multipart uploads on an object
-        store, which a killed writer can leave behind.
-
-        Local and generic filesystems show such writes as temp files, so this does nothing.
-        """
+        ``path`` itself) that a killed writer left and a listing does not show (multipart
+        uploads); elsewhere they show as temp files, so this does nothing."""
         del path, exact
 
     @abstractmethod
@@ -270,10 +256,8 @@ class Storage(ABC):
         """
 
     def is_link(self, path: str) -> bool:
-        """Whether ``path`` is a symbolic link (only local disk has them).
-
-        Whoever deletes inside a directory asks first: deleting through a link would
-        delete what it points to, another run's files (see ``delete_tree``).
+        """Whether ``path`` is a symbolic link (only local disk has them): whoever deletes
+        inside a directory asks first, as deleting through one would delete another run's files.
         """
         del path
         return False
@@ -291,7 +275,6 @@ class Storage(ABC):
         return self.read_range(path, 0, size)
 
     def join(self, *parts: str) -> str:
-        """Join path parts with ``/``."""
         return "/".join(p.rstrip("/") for p in parts if p)
 
     # -- save markers (asyncckpt._versions.pending): small files rewritten in place -------
@@ -312,9 +295,7 @@ class Storage(ABC):
         return its new tag.
 
         Cheap enough for the caller's stall, and not atomic: a reader may see the file
-        empty or cut short meanwhile (markers are read as "being rewritten" then). Local
-        disk opens and writes the file; other filesystems write it in one request (on an
-        object store one PUT, which is whole).
+        empty or cut short meanwhile (markers are read as "being rewritten" then).
 
         Args:
             replacing: the tag this call returned when it last wrote ``path``: write only if
@@ -324,7 +305,6 @@ class Storage(ABC):
 
         Raises:
             ConflictError: ``replacing`` was given and the file no longer has it.
-            StorageError: the backend failed.
         """
         if replacing is not None:
             self._check_marker_tag(path, replacing)
@@ -373,9 +353,9 @@ class Storage(ABC):
         return content_tag(data)
 
     def _write_under_lock(self, path: str, data: bytes) -> None:
-        """``write_bytes`` for a compare-and-swap, whose temp file another writer's clean-up
-        of leftover temp files may delete mid-write: then write it again.
-        The caller holds the lock, so no other compare-and-swap runs meanwhile."""
+        """``write_bytes``, again if another writer's clean-up of leftover temp files
+        deleted its temp file mid-write (no other compare-and-swap runs: the caller holds
+        the lock)."""
         for attempt in range(_WRITE_ATTEMPTS):
             try:
                 self.write_bytes(path, data)
@@ -403,9 +383,8 @@ _marker_locks: dict[tuple[str, str], threading.Lock] = {}
 @contextlib.contextmanager
 def process_lock(storage: Storage, path: str) -> Iterator[None]:
     """A lock of this process for one file (its entry stays: markers are few)."""
-    key = (type(storage).__name__, storage.describe(path))
     with _marker_locks_lock:
-        lock = _marker_locks.setdefault(key, threading.Lock())
+        lock = _marker_locks.setdefault(storage.file_key(path), threading.Lock())
     with lock:
         yield
 

@@ -48,8 +48,6 @@ class LocalStorage(Storage):
     local_paths = True
 
     def __init__(self, settings: Settings | None = None) -> None:
-        # A constructor a user calls (a tool, a conformance test): the one place a storage's
-        # tunables fall back to the environment; every entry point passes its own.
         self.settings = Settings.resolve() if settings is None else settings
 
     def target(self, path: str) -> tuple[str, ...]:
@@ -148,10 +146,9 @@ class LocalStorage(Storage):
 
     def read_marker(self, path: str, limit: int) -> bytes | None:
         # O_NONBLOCK: a FIFO planted where a marker goes must not hang a load in open().
-        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
         with errors_as(self, path, "read"):
             try:
-                fd = os.open(path, flags)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
                 return None
             try:
@@ -205,12 +202,10 @@ class LocalStorage(Storage):
     def abort_unfinished(self, path: str, *, exact: bool = False) -> None:
         """With ``exact``: remove the temp files of writes of ``path`` whose writer is dead.
 
-        A writer holds an ``flock`` on its temp file from its creation to its rename
-        (:class:`_LocalWriter`), and the kernel drops it when the writer dies, SIGKILL
-        included; a temp file this process can lock is therefore provably abandoned. One
-        still locked (a live writer in any process of this machine, or a forked child
-        still holding the descriptor) or on a filesystem without flock is left alone.
-        Directory sweeps (without ``exact``) are the writer lease's recovery's.
+        A writer holds an ``flock`` on its temp file until its rename (:class:`_LocalWriter`)
+        and the kernel drops it when the writer dies, SIGKILL included: a temp file this
+        process can lock is provably abandoned. Directory sweeps (without ``exact``) are the
+        writer lease's recovery's.
         """
         import fcntl
 
@@ -221,9 +216,8 @@ class LocalStorage(Storage):
             names = [n for n in os.listdir(directory) if n.startswith(prefix)]
         for name in names:
             temp = os.path.join(directory, name)
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
             try:
-                fd = os.open(temp, flags)
+                fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
             except OSError:
                 continue  # gone (renamed by its writer, or removed), or not ours to open
             try:
@@ -376,22 +370,18 @@ def _directory_locked(storage: LocalStorage, path: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in _FLOCK_UNSUPPORTED:
-                _warn_no_dir_lock(directory, exc)
+                if first_time(_warned_no_dir_lock, directory):
+                    log.warning(
+                        "%s: cannot flock the directory (%s); save markers there are "
+                        "exclusive only within this process (docs/PROTOCOL.md)",
+                        directory,
+                        exc.strerror or exc,
+                    )
                 with process_lock(storage, path):
                     yield
                 return
             _flock(fd, directory, storage.settings.lock_timeout_ms)
         yield
-
-
-def _warn_no_dir_lock(directory: str, exc: OSError) -> None:
-    if first_time(_warned_no_dir_lock, directory):
-        log.warning(
-            "%s: cannot flock the directory (%s); save markers there are exclusive only "
-            "within this process (docs/PROTOCOL.md)",
-            directory,
-            exc.strerror or exc,
-        )
 
 
 def _create_whole(path: str, data: bytes) -> bool:
@@ -444,12 +434,12 @@ class _LocalWriter(AtomicWriter):
             except OSError as exc:
                 if exc.errno in _FLOCK_UNSUPPORTED:
                     return file  # no flock here: sweeps cannot lock it either, and leave it
-                file.close()  # a sweep locked it in the instant between: it removes it
-                self.temp = temp_name(self.target)
-                continue
-            if os.fstat(file.fileno()).st_nlink > 0:
-                return file
-            file.close()  # a sweep locked and removed it before this lock: start again
+            else:
+                if os.fstat(file.fileno()).st_nlink > 0:
+                    return file
+            # A sweep locked it in the instant between (it removes it), or locked and
+            # removed it before this lock: start again.
+            file.close()
             self.temp = temp_name(self.target)
 
     def write(self, data: bytes | memoryview) -> None:

@@ -1,8 +1,4 @@
-"""A caller's file object (``io.BytesIO``, a file opened ``"wb"``/``"rb"``) as a storage.
-
-``asyncckpt.save`` into a file object and ``asyncckpt.load`` from one go through
-:class:`StreamStorage`: the object is one file, at path ``""``.
-"""
+"""A caller's file object (``io.BytesIO``, a file opened ``"wb"``/``"rb"``) as a storage."""
 
 from __future__ import annotations
 
