@@ -1,30 +1,23 @@
 """Any other fsspec filesystem (``memory://``, ``gs://``, ``az://``, ...): two write strategies.
 
-Every write is atomic; how depends on what the filesystem's files can do:
+Every write is atomic; how depends on what the filesystem's files can do (docs/s3.md,
+"Other fsspec backends"):
 
-* ``"deferred"`` — the file is opened at its final path with ``autocommit=False``, written,
-  closed, and published by ``file.commit()``; :meth:`AtomicWriter.abort` calls
-  ``file.discard()`` instead. Nothing is renamed, so on GCS (gcsfs: a resumable upload that
-  ``commit`` finalizes and ``discard`` cancels) a save costs one upload, not an upload and a
-  server-side copy. Used where the filesystem is known to honour ``autocommit=False``
-  (:data:`DEFERRED_COMMIT_PROTOCOLS`), or declares it (``asyncckpt_write_strategy``).
-* ``"move"`` — write a temp file beside the target, then ``fs.mv`` it over the target.
-  The fallback for every other filesystem: in-process ones (``memory://``, where the move
-  is a dict update) and those whose ``open(..., "wb")`` replaces or deletes the target
-  before the write completes (adlfs deletes the old blob when an upload starts, so Azure
-  stays here).
+* ``"deferred"`` — opened at the final path with ``autocommit=False``, published by
+  ``file.commit()``, dropped by ``file.discard()``: on GCS one resumable upload, not an
+  upload and a server-side copy. Only where the filesystem is known to honour it
+  (:data:`DEFERRED_COMMIT_PROTOCOLS`) or declares it (``asyncckpt_write_strategy``).
+* ``"move"`` — a temp file beside the target, then ``fs.mv`` over it: every other
+  filesystem, including those whose ``open(..., "wb")`` deletes the target before the write
+  completes (adlfs, so Azure stays here).
 
 Per-file ``autocommit=False`` is used rather than ``fs.transaction``: a transaction is a
 flag on the filesystem *instance*, which fsspec caches and shares between threads, so it
 would also defer the writes (and hide the files) of every other thread using it.
 
-:meth:`FsspecStorage.create_exclusive` (the commit record) is a conditional write,
-``fs.pipe_file(path, data, mode="create")``, where the filesystem implements that mode
-(gcsfs sends ``ifGenerationMatch=0``: exactly one of two racing writers succeeds, the other
-gets ``FileExistsError`` from the 412). Where it does not (fsspec's generic implementation
-is a non-atomic ``exists`` then ``open``; some implementations drop ``mode``), it falls
-back, with one warning per filesystem class, to check-then-write: exact between threads of
-one process (a process-wide lock), best effort between processes; see docs/PROTOCOL.md.
+:meth:`FsspecStorage.create_exclusive` is ``fs.pipe_file(path, data, mode="create")`` where
+the filesystem has that mode (gcsfs: ``ifGenerationMatch=0``), else check-then-write, exact
+only between threads of one process (one warning per filesystem class).
 """
 
 from __future__ import annotations
@@ -93,9 +86,7 @@ def choose_write_strategy(fs: fsspec.AbstractFileSystem) -> WriteStrategy:
                 f"expected one of {', '.join(WRITE_STRATEGIES)}"
             )
         return declared  # type: ignore[no-any-return]
-    if set(_protocols(fs)) & DEFERRED_COMMIT_PROTOCOLS:
-        return "deferred"
-    return "move"
+    return "deferred" if set(_protocols(fs)) & DEFERRED_COMMIT_PROTOCOLS else "move"
 
 
 def has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:
@@ -112,32 +103,17 @@ def has_conditional_create(fs: fsspec.AbstractFileSystem) -> bool:
         >>> has_conditional_create(fsspec.filesystem("memory"))
         True
     """
-    cls = type(fs)
-    if cls.__name__ in _IGNORES_CREATE_MODE:
+    if type(fs).__name__ in _IGNORES_CREATE_MODE:
         return False
-    if isinstance(fs, AsyncFileSystem) and cls._pipe_file is not AsyncFileSystem._pipe_file:
-        method: Any = cls._pipe_file
-    elif cls.pipe_file is not fsspec.AbstractFileSystem.pipe_file and not isinstance(
-        fs, AsyncFileSystem
-    ):
-        method = cls.pipe_file
-    else:
+    base = AsyncFileSystem if isinstance(fs, AsyncFileSystem) else fsspec.AbstractFileSystem
+    name = "_pipe_file" if base is AsyncFileSystem else "pipe_file"
+    method = getattr(type(fs), name)
+    if method is getattr(base, name):
         return False
     try:
         return "mode" in inspect.signature(method).parameters
     except (TypeError, ValueError):  # a builtin or C method: cannot tell, so do not trust it
         return False
-
-
-def _warn_once(fs: fsspec.AbstractFileSystem, why: str) -> None:
-    if first_time(_warned, type(fs)):
-        log.warning(
-            "%s has no conditional create (%s): exclusive creates there are exact only "
-            "between threads of one process; two processes committing one step at once "
-            "could both succeed (see docs/PROTOCOL.md)",
-            type(fs).__name__,
-            why,
-        )
 
 
 _LIST_ATTEMPTS = 5
@@ -176,11 +152,7 @@ class FsspecStorage(Storage):
         return (type(self).__name__, self.describe(path.lstrip("/").split("/", 1)[0]))
 
     def describe(self, path: str) -> str:
-        return (
-            f"{self.label}{path.removeprefix('/')}"
-            if self.label == "memory://"
-            else f"{self.label}{path}"
-        )
+        return super().describe(path.removeprefix("/") if self.label == "memory://" else path)
 
     def open_atomic(self, path: str) -> AtomicWriter:
         if self.write_strategy == "deferred":
@@ -251,12 +223,21 @@ class FsspecStorage(Storage):
                     raise ConflictError(f"{self.describe(path)} already exists") from None
         except _UNSUPPORTED as exc:
             self.conditional_create = False
-            _warn_once(self.fs, f"pipe_file(mode='create') raised {type(exc).__name__}: {exc}")
+            if first_time(_warned, type(self.fs)):
+                log.warning(
+                    "%s has no conditional create (pipe_file(mode='create') raised %s: %s): "
+                    "exclusive creates there are exact only between threads of one process; "
+                    "two processes committing one step at once could both succeed (see "
+                    "docs/PROTOCOL.md)",
+                    type(self.fs).__name__,
+                    type(exc).__name__,
+                    exc,
+                )
             return False
         return True
 
     def _makedirs_for(self, path: str) -> None:
-        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        parent = path.rpartition("/")[0]
         if parent:
             with errors_as(self, path, "create"):
                 self.fs.makedirs(parent, exist_ok=True)
@@ -361,13 +342,9 @@ _seek_lock = threading.Lock()
 
 
 class _FsspecHandle(ReadHandle):
-    """One fsspec file object for the handle's life.
-
-    Reads take the cheapest way the object offers: slices of a snapshot (an in-memory
-    file, ``memory://``), the object's own ranged fetch (fsspec's buffered files: gcsfs,
-    adlfs, HTTP; no shared position, so reads run in parallel), else seek and read under
-    a lock.
-    """
+    """One fsspec file object for the handle's life, read the cheapest way it offers: a
+    snapshot (``memory://``), its own ranged fetch (fsspec's buffered files: no shared
+    position, so reads run in parallel), else seek and read under a lock."""
 
     def __init__(self, storage: FsspecStorage, path: str) -> None:
         self.storage, self.path = storage, path
