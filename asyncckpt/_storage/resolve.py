@@ -1,10 +1,7 @@
 """URLs are turned into a storage backend here and nowhere else.
 
-A URL whose path has an empty segment (``s3://bucket/runs//exp1``), or a ``.`` or ``..``
-segment, is refused here: object stores disagree on what it names (AWS S3 keeps ``runs//``
-as part of the key; SeaweedFS stores ``runs/exp1/...`` but lists the prefix as given, so
-every version would be invisible). See docs/s3.md. An ``http(s)://`` URL is taken as it is:
-a read-only store (:class:`HttpStorage`) that loads what the server serves.
+A URL whose path has an empty, ``.`` or ``..`` segment is refused (see
+:func:`_refuse_ambiguous` and docs/s3.md); an ``http(s)://`` URL is a read-only store.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ from asyncckpt._settings import Settings
 from asyncckpt._storage.base import UNSAFE_UNCONDITIONAL_WRITES, Storage, is_transport_error
 from asyncckpt._storage.fsspec_storage import FsspecStorage, HttpStorage, is_http
 from asyncckpt._storage.local import LocalStorage
-from asyncckpt._storage.s3 import S3Storage, is_object_store, prepare_options
-from asyncckpt._storage.s3client import OBJECT_STORE_PROTOCOLS
+from asyncckpt._storage.s3 import S3Storage
+from asyncckpt._storage.s3client import OBJECT_STORE_PROTOCOLS, is_object_store, prepare_options
 from asyncckpt.errors import StorageError
 
 
@@ -102,9 +99,10 @@ def _refuse_ambiguous(url: str, path: str) -> None:
     """Raise if a URL's path has a segment that stores resolve differently.
 
     A trailing ``/`` is not ambiguous (fsspec drops it); an empty segment inside the path,
-    ``.`` or ``..`` is: keys are opaque strings on S3, while SeaweedFS (and other stores with
-    a file-system view) collapse them, so the same root would name different keys on
-    different stores, or be written under one prefix and listed under another.
+    ``.`` or ``..`` is: keys are opaque strings on S3 (``runs//`` stays in the key), while
+    SeaweedFS (and other stores with a file-system view) collapse them, so the same root
+    would name different keys on different stores, or be written under one prefix and
+    listed under another (every version invisible).
 
     Example:
         >>> try:
@@ -113,11 +111,8 @@ def _refuse_ambiguous(url: str, path: str) -> None:
         ...     print(str(exc).split(";")[0], "->", str(exc).rsplit(" ", 1)[-1])
         s3://b/runs//x: the path has an empty segment ('//') -> s3://b/runs/x
     """
-    segments = path.strip("/").split("/")
-    if not path.strip("/"):
-        return
-    bad = [s for s in segments if s in ("", ".", "..")]
-    if not bad:
+    bad = [s for s in path.strip("/").split("/") if s in ("", ".", "..")]
+    if not bad or not path.strip("/"):
         return
     what = "an empty segment ('//')" if "" in bad else f"a {bad[0]!r} segment"
     scheme, _, rest = url.partition("://")

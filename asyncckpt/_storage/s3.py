@@ -1,29 +1,19 @@
 """Object storage (S3 and S3-compatible stores, through s3fs): atomic writes without renames.
 
 A "rename" on an object store is a copy and a delete, neither atomic nor cheap, so
-:class:`S3Storage` never renames. Every file is written at its final key:
-
-* up to one part (``part_bytes``) of data: one ``PutObject``, which S3 applies whole or not
-  at all;
-* larger: a multipart upload (:mod:`.s3multipart`), which appears only when
-  :meth:`AtomicWriter.commit` completes it; an abort, or any failure, aborts the upload so
-  that no parts are left behind.
+:class:`S3Storage` writes every file at its final key: one ``PutObject`` (whole or nothing)
+up to one part, else a multipart upload (:mod:`.s3multipart`) that appears only when
+completed and is aborted on any failure, so that no parts are left behind.
 
 :meth:`S3Storage.create_exclusive` is a conditional ``PutObject`` (``If-None-Match: *``):
-of two writers creating one key, exactly one succeeds and the other gets
-:class:`~asyncckpt.errors.ConflictError`. Whether the store honours the condition is probed
-once per instance; a store that ignores it is used with a check-then-put that keeps the
-guarantee only for writers that do not race (a warning says so; see ``docs/s3.md``).
+of two writers creating one key, exactly one succeeds. Whether the store honours the
+condition is probed once per instance; a store that ignores it is refused unless the user
+opts in to a check-then-put, safe only for writers that do not race (``docs/s3.md``).
 
-Every request is retried on throttling (503 SlowDown), 5xx, 429, connection resets and
-timeouts, with exponential backoff and jitter, bounded by ``retry_attempts`` and
-``retry_deadline_s``; anything else (access denied, a missing bucket, a bad request) fails
-at once with :class:`~asyncckpt.errors.StorageError` naming the bucket and key. Messages
-and log lines never contain credentials: known secrets and credential-shaped strings are
-redacted, and a backend exception that carried one is not chained.
-
-The parts live beside this module: :mod:`.s3multipart` (the writer), :mod:`.s3read` (the
-read handle), :mod:`.s3retry` (what a failure means, the backoff, redaction).
+Every request is retried on transient failures (:mod:`.s3retry`) within ``retry_attempts``
+and ``retry_deadline_s``; anything else fails at once with
+:class:`~asyncckpt.errors.StorageError` naming the bucket and key. Messages and log lines
+never contain credentials, and a backend exception that carried one is not chained.
 """
 
 from __future__ import annotations
@@ -45,10 +35,10 @@ from asyncckpt._storage.base import (
     first_time,
     temp_name,
 )
-from asyncckpt._storage.s3client import is_object_store, prepare_options, single_retry_layer
+from asyncckpt._storage.s3client import single_retry_layer
 from asyncckpt._storage.s3listing import directory_markers, list_keys, list_uploads
 from asyncckpt._storage.s3multipart import ObjectWriter
-from asyncckpt._storage.s3read import ObjectHandle, ranged_get
+from asyncckpt._storage.s3read import ObjectHandle
 from asyncckpt._storage.s3retry import (
     Attempts,
     RetryPolicy,
@@ -66,9 +56,6 @@ from asyncckpt.errors import (
     RangeNotSatisfiable,
     StorageError,
 )
-
-#: Re-exported for resolve.py and the fault wrapper (asyncckpt.testing.faults).
-__all__ = ["S3Storage", "is_object_store", "prepare_options", "ranged_get"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -154,7 +141,6 @@ class S3Storage(Storage):
         self.label = label
         # An in-memory store (the test suite's s3mem://) cannot be written by another process.
         self.process_local = bool(getattr(fs, "process_local", False))
-        # A constructor a user calls: the one place its tunables fall back to the environment.
         self.settings = (Settings.resolve() if settings is None else settings).replace(
             part_bytes=part_bytes,
             part_concurrency=part_concurrency,
@@ -195,7 +181,6 @@ class S3Storage(Storage):
     # -- settings and plumbing --------------------------------------------------------------
 
     def policy(self) -> RetryPolicy:
-        """The retry policy for the next request."""
         return RetryPolicy(
             attempts=self.settings.retry_attempts,
             deadline_s=float(self.settings.retry_deadline_s),
@@ -204,7 +189,6 @@ class S3Storage(Storage):
 
     @staticmethod
     def split(path: str) -> tuple[str, str]:
-        """``(bucket, key)`` of a ``bucket/key`` path."""
         bucket, _, key = path.lstrip("/").partition("/")
         return bucket, key
 
@@ -288,8 +272,14 @@ class S3Storage(Storage):
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         self._require_conditional_writes(path)
-        if not self.conditional_writes:
-            self._create_best_effort(path, data)
+        if not self.conditional_writes:  # refuse if it exists, write, then check what won
+            if self._object_exists(path):
+                raise ConflictError(f"{self.describe(path)} already exists")
+            self.put(path, data)
+            if not self._holds(path, data):
+                raise ConflictError(
+                    f"{self.describe(path)} was created concurrently by another writer"
+                )
             return
         try:
             self.put(path, data, IfNoneMatch="*")
@@ -302,7 +292,6 @@ class S3Storage(Storage):
             raise ConflictError(f"{self.describe(path)} already exists") from None
 
     def read_marker(self, path: str, limit: int) -> bytes | None:
-        bucket, _ = self.split(path)
         try:
             data = self._get(path, 0, limit + 1)
         except CheckpointNotFoundError:  # the common case: one GET, no HEAD of the bucket
@@ -312,7 +301,7 @@ class S3Storage(Storage):
             # a reader allowed to read the data must not fail on a marker it cannot see.
             if not is_denied(exc):
                 raise
-            _warn_markers_unreadable(self.label, bucket, exc)
+            _warn_markers_unreadable(self.label, self.split(path)[0], exc)
             return None
         if len(data) > limit:
             raise FormatError(f"{self.describe(path)}: larger than {limit} bytes")
@@ -342,7 +331,10 @@ class S3Storage(Storage):
     def replace_if(self, path: str, data: bytes, tag: str | None) -> str:
         self._require_conditional_writes(path)
         if not self.conditional_writes:
-            return self._replace_best_effort(path, data, tag)
+            head = self.head(path)
+            if (None if head is None else str(head["ETag"])) != tag:
+                raise ConflictError(f"{self.describe(path)} was replaced by another writer")
+            return str(self.put(path, data)["ETag"])
         condition = {"IfNoneMatch": "*"} if tag is None else {"IfMatch": tag}
         return self._put_if(
             path, data, condition, "replaced by another writer since this one read it"
@@ -359,26 +351,11 @@ class S3Storage(Storage):
                 return found[1]
             raise ConflictError(f"{self.describe(path)} was {what}") from None
 
-    def _replace_best_effort(self, path: str, data: bytes, tag: str | None) -> str:
-        head = self.head(path)
-        current = None if head is None else str(head["ETag"])
-        if current != tag:
-            raise ConflictError(f"{self.describe(path)} was replaced by another writer")
-        return str(self.put(path, data)["ETag"])
-
     def _holds(self, path: str, data: bytes) -> bool:
         try:
             return self.read_range(path, 0, len(data) + 1) == data
         except CheckpointNotFoundError:
             return False
-
-    def _create_best_effort(self, path: str, data: bytes) -> None:
-        # Without conditional writes: refuse if it exists, write, then check what won.
-        if self._object_exists(path):
-            raise ConflictError(f"{self.describe(path)} already exists")
-        self.put(path, data)
-        if not self._holds(path, data):
-            raise ConflictError(f"{self.describe(path)} was created concurrently by another writer")
 
     def _require_conditional_writes(self, path: str) -> None:
         """Probe (once) whether the store honours ``If-None-Match``/``If-Match``.
@@ -402,14 +379,11 @@ class S3Storage(Storage):
     def _probe_conditional_writes(self, path: str) -> bool:
         """Whether the store refuses a ``PutObject`` whose condition does not hold.
 
-        Puts a probe object, then puts it again with ``If-None-Match: *`` and with
-        ``If-Match`` on an ETag it cannot have: a store that honours both refuses both. An
-        answer that is neither a refusal nor an acceptance (a timeout, a 5xx) proves
-        nothing, so the probe is repeated, never taken as "unsupported". Neither does one
-        acceptance: the answer stands for the life of the storage, and one probe of six
-        writers racing on SeaweedFS, on two busy cores, once found a condition ignored. So
-        only :data:`PROBE_ROUNDS` probes that all fail say "unsupported"; a store without
-        the conditions fails every one.
+        An answer that is neither a refusal nor an acceptance (a timeout, a 5xx) proves
+        nothing, so the probe is repeated. Neither does one acceptance: the answer stands
+        for the life of the storage, and one probe of six writers racing on SeaweedFS, on
+        two busy cores, once found a condition ignored. So only :data:`PROBE_ROUNDS` probes
+        that all fail say "unsupported"; a store without the conditions fails every one.
         """
         seen: dict[str, str] = {}
         for _ in range(PROBE_ROUNDS):
@@ -428,7 +402,8 @@ class S3Storage(Storage):
         return False
 
     def _probe_once(self, path: str) -> dict[str, str]:
-        """One probe: what the store did with each condition that cannot hold."""
+        """What the store did with ``If-None-Match: *`` and ``If-Match`` on an ETag the
+        probe object cannot have."""
         probe = temp_name(path)
         bucket, key = self.split(probe)
         wrong_etag = '"' + "0" * 32 + '"'
@@ -519,13 +494,8 @@ class S3Storage(Storage):
         return data
 
     def open_read(self, path: str) -> ReadHandle:
-        """The object as it is now: its size and ETag from one ``HeadObject``, and every
-        ranged read sent with ``If-Match`` on that ETag (and the ETag of each response
-        compared with it, for stores that ignore the header). A read of an object replaced
-        since raises :class:`~asyncckpt.errors.FileReplacedError`; the load starts over.
-        The HEAD of a :meth:`size` of ``path`` just before (a load names its file by its
-        size) is reused (:data:`REUSED_HEAD_S`).
-        """
+        """Pinned to the ETag of one ``HeadObject`` (see :mod:`.s3read`): that of a
+        :meth:`size` of ``path`` just before, if any (:data:`REUSED_HEAD_S`)."""
         return ObjectHandle(self, path, self._reused_head(path))
 
     def read_bytes(self, path: str, limit: int) -> bytes:
@@ -540,8 +510,7 @@ class S3Storage(Storage):
         return self._object_exists(path) or bool(list_keys(self, path, delimiter=True, max_keys=1))
 
     def _object_exists(self, path: str) -> bool:
-        _, key = self.split(path)
-        return bool(key) and self.head(path) is not None
+        return bool(self.split(path)[1]) and self.head(path) is not None
 
     # -- listing and deleting ---------------------------------------------------------------
 

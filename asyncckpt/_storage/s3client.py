@@ -1,9 +1,4 @@
-"""Object stores: the s3fs filesystem as :class:`~asyncckpt._storage.S3Storage` uses it.
-
-Which filesystems are object stores, the storage options asyncckpt fills in for them
-(botocore's retries off, a connection pool sized for parallel parts and reads), and s3fs's
-own retry loop switched off, so that one retry layer sees every try.
-"""
+"""Object stores: the s3fs filesystem as :class:`~asyncckpt._storage.S3Storage` uses it."""
 
 from __future__ import annotations
 
@@ -22,10 +17,8 @@ OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a"})
 
 
 class ObjectClient(Protocol):
-    """What the store's helpers (listing, multipart upload, ranged reads) call back into.
-
-    :class:`~asyncckpt._storage.s3.S3Storage` is the one implementation; the
-    helpers see only this, so they sit below the store instead of in a circle with it.
+    """What the store's helpers (listing, multipart upload, ranged reads) call back into:
+    :class:`~asyncckpt._storage.s3.S3Storage`, which they would otherwise import in a circle.
     """
 
     fs: Any
@@ -79,12 +72,9 @@ def single_retry_layer(fs: Any) -> None:
 
 
 def prepare_options(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """Storage options for ``url`` with asyncckpt's defaults for S3 filled in.
-
-    botocore's own retries are switched off (unless the caller configured them) so that
-    :class:`S3Storage`'s policy alone decides how often and how long a request is
-    retried, and the connection pool is sized for parallel parts and reads.
-    """
+    """Storage options for ``url`` with asyncckpt's defaults for S3 filled in: botocore's
+    retries off unless the caller configured them (:class:`S3Storage`'s policy alone
+    decides), a connection pool sized for parallel parts and reads."""
     chain = [p.split("://", 1)[0] for p in url.split("::")]
     protocol = chain[-1] if len(chain) > 1 else chain[0]
     if protocol not in OBJECT_STORE_PROTOCOLS:

@@ -1,11 +1,8 @@
 """Object stores: one file written as a single ``PutObject`` or a multipart upload.
 
-Up to one part (``part_bytes``) of data is one ``PutObject``, which S3 applies whole or not at
-all. Larger files are a multipart upload whose parts a pool of threads sends while the caller
-keeps writing (at most ``part_concurrency`` parts in flight, so a writer holds at most
-``(part_concurrency + 1) x part_bytes``). The object appears only when
-:meth:`ObjectWriter.commit` completes the upload; :meth:`ObjectWriter.abort`, or any failure,
-aborts it so that no parts are left behind.
+A multipart upload's parts are sent by a pool of threads while the caller keeps writing, at
+most ``part_concurrency`` in flight: a writer holds at most ``(part_concurrency + 1) x
+part_bytes``.
 """
 
 from __future__ import annotations
@@ -56,9 +53,6 @@ class ObjectWriter(AtomicWriter):
         self.error: BaseException | None = None
         self.finished = False
 
-    def _part_limit(self) -> int:
-        return self.part_bytes << ((self.next_part - 1) // PARTS_PER_SIZE_STEP)
-
     def _raise_part_error(self) -> None:
         with self.lock:
             error = self.error
@@ -93,7 +87,7 @@ class ObjectWriter(AtomicWriter):
         self._raise_part_error()
         view = memoryview(data).cast("B")
         while len(view):
-            limit = self._part_limit()
+            limit = self.part_bytes << ((self.next_part - 1) // PARTS_PER_SIZE_STEP)
             if len(self.buffer) >= limit:  # a full part is sent only once more data comes,
                 self._send_part()  # so a file of exactly one part stays a single PUT
                 continue
@@ -218,7 +212,7 @@ class ObjectWriter(AtomicWriter):
         if int(head.get("ContentLength", -1)) != self.size:
             return False
         etag = str(head.get("ETag", "")).strip('"')
-        expected = multipart_etag(list(self.etags[n] for n in sorted(self.etags)))
+        expected = multipart_etag([self.etags[n] for n in sorted(self.etags)])
         return expected is None or etag == expected
 
     def abort(self) -> None:

@@ -1,9 +1,8 @@
 """Object stores: a file opened for reading, pinned to the ETag it had when it was opened.
 
-:class:`ObjectHandle` reads ranges of one object with ``GetObject`` requests carrying
-``If-Match`` on the ETag of its ``HeadObject``; a store that answers 412 (or a response with
-another ETag, from a store that ignores the header) means the object was replaced, and the
-load starts over (:class:`~asyncckpt.errors.FileReplacedError`).
+A 412 to ``If-Match`` (or a response with another ETag, from a store that ignores the
+header) means the object was replaced: the load starts over
+(:class:`~asyncckpt.errors.FileReplacedError`).
 """
 
 from __future__ import annotations
@@ -11,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from fsspec.asyn import sync
 
 from asyncckpt._storage.base import ReadHandle
 from asyncckpt._storage.s3client import ObjectClient
@@ -69,20 +70,15 @@ class ObjectHandle(ReadHandle):
             gets = (_s3fs_ranged_get(fs, bucket, key, s, e, self.etag) for s, e in todo)
             return list(await asyncio.gather(*gets))
 
-        from fsspec.asyn import sync
-
         got = iter(self._request(lambda: sync(fs.loop, gather)))
         out = [next(got) if e > s else (b"", None) for s, e in wanted]
         self._check_etags([etag for _, etag in out])
         return [data for data, _ in out]
 
     def read_into(self, start: int, out: memoryview) -> int:
-        """Fill ``out`` from ``start``: on s3fs, ranged GETs of at most
-        :data:`READ_PIECE_BYTES` sent at once on its event loop, each streamed straight into
-        its slice of ``out`` (no intermediate ``bytes``); elsewhere one :meth:`read_range`.
-        A transient failure of any GET repeats them all (they are one request to the retry
-        policy); every response is pinned to the ETag as :meth:`read_range` is.
-        """
+        """Fill ``out`` from ``start``: on s3fs with :func:`ranged_get_into`, elsewhere one
+        :meth:`read_range`. A transient failure of any GET repeats them all (they are one
+        request to the retry policy)."""
         fs = self.storage.fs
         if len(out) == 0 or start >= self.size or not streams_into(fs):
             return super().read_into(start, out)
@@ -122,19 +118,15 @@ def ranged_get(
     """Bytes ``[start, end)`` of object ``bucket/key``, only while its ETag is ``if_match``,
     and the response's ETag (None where the filesystem does not say).
 
-    One ``GetObject`` with ``Range`` and ``If-Match`` (when ``if_match`` is given): a store
-    that honours it answers 412 for an object replaced since. A filesystem that defines
-    ``asyncckpt_ranged_get(bucket, key, start, end, if_match)`` (the fault wrapper, the
-    in-memory S3) serves it; s3fs is called directly (its ``cat_file`` takes no request
-    headers); anything else gets a plain ranged ``cat_file``, unpinned.
+    A filesystem that defines ``asyncckpt_ranged_get(bucket, key, start, end, if_match)``
+    (the fault wrapper, the in-memory S3) serves it; s3fs is called directly (its
+    ``cat_file`` takes no request headers); anything else gets a ranged ``cat_file``, unpinned.
     """
     own = getattr(fs, "asyncckpt_ranged_get", None)
     if own is not None:
         result: tuple[bytes, str | None] = own(bucket, key, start, end, if_match)
         return result
     if streams_into(fs):
-        from fsspec.asyn import sync
-
         result = sync(fs.loop, _s3fs_ranged_get, fs, bucket, key, start, end, if_match)
         return result
     data: bytes = fs.cat_file(f"{bucket}/{key}", start=start, end=end)
@@ -173,17 +165,14 @@ def ranged_get_into(
     """Fill ``out`` with bytes ``[start, start + len(out))`` of ``bucket/key`` (s3fs only);
     return the ETag of each response (None where it gave none).
 
-    The span is cut into GETs of at most :data:`READ_PIECE_BYTES`, all sent as one
-    ``gather`` on s3fs's event loop (one hop from this thread to the loop, not one per GET),
-    each with ``Range`` and ``If-Match`` like :func:`ranged_get`, each streamed into its
-    slice of ``out``. Every GET has finished (or failed) when this returns or raises, so none can
-    still be writing into ``out`` afterwards.
+    GETs of at most :data:`READ_PIECE_BYTES`, pinned like :func:`ranged_get`, sent as one
+    ``gather`` on s3fs's event loop (one hop to the loop, not one per GET), each streamed
+    into its slice of ``out`` (no intermediate ``bytes``).
 
     Raises:
         ConnectionError: a response held fewer or more bytes than its range (transient).
         Exception: the first GET's failure, as s3fs raised it.
     """
-    from fsspec.asyn import sync
 
     async def gather() -> list[str | None]:
         step = READ_PIECE_BYTES

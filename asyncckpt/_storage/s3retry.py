@@ -1,11 +1,4 @@
-"""Object stores: what a failed request means, how it is retried, and what a message may say.
-
-:func:`classify` turns a backend exception (botocore's ``ClientError``, an ``OSError`` from
-s3fs, a connection reset) into a :class:`Failure` kind: ``retry`` (throttling, 5xx, 429,
-resets, timeouts), ``conflict`` (412), ``missing`` (404), ``no-bucket``, ``range`` (416) or
-``fatal``. :class:`RetryPolicy` is the backoff, :class:`Attempts` counts one logical
-request's tries. :func:`redact` and :func:`secrets_of` keep credentials out of messages.
-"""
+"""Object stores: what a failed request means, how it is retried, and what a message may say."""
 
 from __future__ import annotations
 
@@ -144,9 +137,9 @@ def classify(exc: BaseException) -> Failure:
 def is_denied(exc: BaseException) -> bool:
     """Whether a request failed with 403 Access Denied (as its chained cause says)."""
     cause = exc.__cause__
-    if cause is None:
-        return False
-    return isinstance(cause, PermissionError) or classify(cause).status == 403
+    return cause is not None and (
+        isinstance(cause, PermissionError) or classify(cause).status == 403
+    )
 
 
 _CREDENTIAL_PATTERNS = (

@@ -35,7 +35,8 @@ from typing import Any
 import fsspec
 from fsspec.implementations.chained import ChainedFileSystem
 
-from asyncckpt._storage.s3 import is_object_store, ranged_get
+from asyncckpt._storage.s3client import is_object_store
+from asyncckpt._storage.s3read import ranged_get
 
 __all__ = [
     "FAULT_KINDS",
