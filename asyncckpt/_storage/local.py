@@ -204,7 +204,8 @@ class LocalStorage(Storage):
 
         A writer holds an ``flock`` on its temp file until its rename (:class:`_LocalWriter`)
         and the kernel drops it when the writer dies, SIGKILL included: a temp file this
-        process can lock is provably abandoned. Directory sweeps (without ``exact``) are the
+        process can lock is provably abandoned; one still locked (a live writer, or a forked
+        child holding the descriptor) is left. Directory sweeps (without ``exact``) are the
         writer lease's recovery's.
         """
         import fcntl
