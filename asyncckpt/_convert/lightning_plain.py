@@ -135,8 +135,10 @@ class _Projector:
         self.records: list[dict[str, Any]] = []
         self.open: set[int] = set()
 
-    def record(self, keys: tuple[_Key, ...], kind: str, cls: type) -> None:
+    def record(self, plain: Any, keys: tuple[_Key, ...], kind: str, cls: type) -> Any:
+        """Record that ``plain`` (returned) stands for a ``cls`` converted as ``kind``."""
         self.records.append({"path": list(keys), "kind": kind, "class": _name(cls)})
+        return plain
 
     def value(self, obj: Any, path: str, keys: tuple[_Key, ...], depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -150,30 +152,22 @@ class _Projector:
         # Before the int/str checks: IntEnum and StrEnum members are ints and strs too.
         if isinstance(obj, enum.Enum):
             plain = self.value(obj.value, f"{path}.value", keys, depth + 1)
-            self.record(keys, "enum", kind)
-            return plain
+            return self.record(plain, keys, "enum", kind)
         # Before the dataclass check: a dataclass *class* is a dataclass too.
         if isinstance(obj, type):
-            self.record(keys, "class", obj)
-            return _name(obj)
+            return self.record(_name(obj), keys, "class", obj)
         if isinstance(obj, pathlib.PurePath):
-            self.record(keys, "path", kind)
-            return str(obj)
+            return self.record(str(obj), keys, "path", kind)
         if isinstance(obj, (dict, list, tuple, set, frozenset)):
             return self.container(obj, path, keys, depth)
         if isinstance(obj, argparse.Namespace):
-            plain = self.items(vars(obj), path, keys, depth)
-            self.record(keys, "namespace", kind)
-            return plain
+            return self.record(self.items(vars(obj), path, keys, depth), keys, "namespace", kind)
         if dataclasses.is_dataclass(obj):
             fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-            plain = self.items(fields, path, keys, depth)
-            self.record(keys, "dataclass", kind)
-            return plain
+            return self.record(self.items(fields, path, keys, depth), keys, "dataclass", kind)
         base = next((b for b in _SCALARS if isinstance(obj, b)), None)
         if base is not None:  # e.g. a str subclass: stored as the str it is
-            self.record(keys, "scalar", kind)
-            return base(obj)
+            return self.record(base(obj), keys, "scalar", kind)
         raise UnsupportedObjectError(path, _unsupported_reason(obj))
 
     def container(self, obj: Any, path: str, keys: tuple[_Key, ...], depth: int) -> Any:
@@ -189,24 +183,20 @@ class _Projector:
                     if hasattr(obj, "_metadata"):  # what load_state_dict uses for versions
                         out._metadata = obj._metadata  # type: ignore[attr-defined]
                     return out
-                if kind is not dict:
-                    self.record(keys, "mapping", kind)
-                return plain
+                return plain if kind is dict else self.record(plain, keys, "mapping", kind)
             items = [
                 self.value(v, f"{path}[{i}]", (*keys, i), depth + 1) for i, v in enumerate(obj)
             ]
             if isinstance(obj, (set, frozenset)):
-                self.record(keys, "set", kind)
-                return items
+                return self.record(items, keys, "set", kind)
             if kind is list:
                 return items
             if kind is tuple:
                 return tuple(items)
             if isinstance(obj, tuple):
-                self.record(keys, "namedtuple" if hasattr(obj, "_fields") else "sequence", kind)
-                return tuple(items)
-            self.record(keys, "sequence", kind)
-            return items
+                named = "namedtuple" if hasattr(obj, "_fields") else "sequence"
+                return self.record(tuple(items), keys, named, kind)
+            return self.record(items, keys, "sequence", kind)
         finally:
             self.open.discard(id(obj))
 

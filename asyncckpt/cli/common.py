@@ -137,8 +137,7 @@ def lazy_command(name: str) -> Callable[[argparse.Namespace], int]:
     """
 
     def run(args: argparse.Namespace) -> int:
-        code: int = getattr(importlib.import_module(f"asyncckpt.cli.{name}"), f"cmd_{name}")(args)
-        return code
+        return int(getattr(importlib.import_module(f"asyncckpt.cli.{name}"), f"cmd_{name}")(args))
 
     return run
 

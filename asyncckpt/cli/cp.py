@@ -122,8 +122,7 @@ def _copy_version(
 ) -> Copied:
     """Data, each verified at DST, then ``COMMIT``; or nothing, if DST has the version."""
     step = commit.step
-    there = _committed_at(dst, dst_root, commit)
-    if there:
+    if _committed_at(dst, dst_root, commit):
         return Copied(step, "present")
     nbytes = 0
     for name in commit.files:

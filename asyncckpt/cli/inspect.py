@@ -54,14 +54,9 @@ def _leaf_row(
     kind: str, dtype: str, shape: Sequence[int], nbytes: int, device: str, codecs: list[str]
 ) -> dict[str, Any]:
     """A tensor's or array's row, the same fields for every format (more may follow)."""
-    return {
-        "kind": kind,
-        "dtype": dtype,
-        "shape": list(shape),
-        "nbytes": nbytes,
-        "device": device,
-        "codecs": codecs,
-    }
+    return dict(
+        kind=kind, dtype=dtype, shape=list(shape), nbytes=nbytes, device=device, codecs=codecs
+    )
 
 
 def _tensor_row(manifest: Manifest, index: int, seen: dict[int, str]) -> dict[str, Any]:
@@ -389,10 +384,8 @@ def _show_other(
         "metadata": metadata,
         "entries": rows,
     }
-    what = (
-        "torch.save file (read with weights_only=True)"
-        if fmt == "torch"
-        else ("safetensors file (header only)")
+    what = {"torch": "torch.save file (read with weights_only=True)"}.get(
+        fmt, "safetensors file (header only)"
     )
     lines = [
         ref.name,

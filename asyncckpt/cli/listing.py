@@ -73,15 +73,8 @@ def _file_facts(storage: Storage, path: str) -> tuple[int | None, str | None]:
 def describe(storage: Storage, path: str, layout: str, settings: Settings) -> dict[str, Any]:
     """One checkpoint's row: layout, newest step, committed versions, bytes, time, age
     (``settings``: the command's, to read a DCP directory's metadata)."""
-    row: dict[str, Any] = {
-        "path": display(storage, path),
-        "layout": layout,
-        "latest": None,
-        "versions": None,
-        "stored_bytes": None,
-        "time": None,
-        "problem": None,
-    }
+    row: dict[str, Any] = {"path": display(storage, path), "layout": layout}
+    row.update(dict.fromkeys(("latest", "versions", "stored_bytes", "time", "problem")))
     try:
         if layout == "root":
             latest = latest_step(storage, path)

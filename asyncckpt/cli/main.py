@@ -127,8 +127,7 @@ def _run(args_list: list[str]) -> int:
         log.setLevel(logging.INFO)
     args.options = parse_storage_options(args.storage_option, args.endpoint_url)
     args.settings = Settings.resolve()  # once per command: ASYNCCKPT_* > defaults
-    code: int = args.run(args)
-    return code
+    return int(args.run(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

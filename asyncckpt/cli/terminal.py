@@ -10,6 +10,8 @@ import shutil
 import sys
 from typing import TextIO
 
+from asyncckpt.cli.progress import is_terminal
+
 #: ANSI colours ``paint`` knows.
 _COLOURS = {"green": "32", "red": "31", "yellow": "33"}
 
@@ -17,8 +19,7 @@ _COLOURS = {"green": "32", "red": "31", "yellow": "33"}
 def colour_on(stream: TextIO) -> bool:
     """Whether to colour what goes to ``stream``: a terminal, and ``NO_COLOR`` not set
     (https://no-color.org: any non-empty value turns colour off)."""
-    isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty()) and not os.environ.get("NO_COLOR")
+    return is_terminal(stream) and not os.environ.get("NO_COLOR")
 
 
 def paint(text: str, colour: str, stream: TextIO | None = None) -> str:
@@ -35,10 +36,7 @@ def paint(text: str, colour: str, stream: TextIO | None = None) -> str:
 
 def terminal_width() -> int | None:
     """The width of the terminal stdout is, None when stdout is piped (nothing is cut)."""
-    isatty = getattr(sys.stdout, "isatty", None)
-    if not (isatty and isatty()):
-        return None
-    return shutil.get_terminal_size().columns
+    return shutil.get_terminal_size().columns if is_terminal(sys.stdout) else None
 
 
 def cut(text: str, width: int) -> str:
