@@ -220,14 +220,12 @@ def _view_id(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def untie(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Tensors safetensors accepts (each memory written once), and the aliases removed.
+    """``(unique, aliases)``: tensors safetensors accepts, and ``{dropped key: key kept}``.
 
-    A key whose tensor is the same view as an earlier key's (tied weights) is dropped and
-    recorded as an alias of that key. Of other views that share one storage (slices,
-    transposes of one another), the first is kept as it is and the rest are copied, as are
-    non-contiguous tensors: safetensors writes dense, unshared memory only. Nothing else is
-    copied, so a conversion holds the state once. Returns ``(unique, aliases)``, where
-    ``aliases`` maps each dropped key to the key kept.
+    A key whose tensor is the same view as an earlier key's (tied weights) becomes an alias.
+    safetensors writes dense, unshared memory only: other views of a storage already kept,
+    and non-contiguous tensors, are copied; nothing else is, so a conversion holds the state
+    once.
 
     Example:
         >>> w = torch.ones(2)
@@ -358,11 +356,8 @@ def safetensors_dtype(dtype: torch.dtype, key: str) -> str:
 
 
 def safetensors_header(specs: list[_Spec], metadata: dict[str, str]) -> bytes:
-    """The 8-byte length and JSON header of a safetensors file holding ``specs`` in order.
-
-    The data section holds the tensors back to back in the order given; the header is
-    padded with spaces to a multiple of 8 bytes (as the safetensors library writes it), so
-    the data is aligned.
+    """The 8-byte length and JSON header of a safetensors file holding ``specs`` back to
+    back, padded to 8 bytes as the safetensors library pads it, so the data is aligned.
 
     Example:
         >>> head = safetensors_header([("w", torch.float32, (2,))], {"format": "pt"})
@@ -392,12 +387,8 @@ def stream_safetensors(
     metadata: dict[str, str],
     progress: Callable[[int], None] | None = None,
 ) -> int:
-    """Write a safetensors file, atomically, one tensor at a time: the one writer of the
-    format (conversion of a state, consolidation of a sharded checkpoint).
-
-    The header comes from ``specs`` (key, dtype, shape, in data order); then each tensor is
-    asked of ``build``, its bytes written, and dropped, so that only one is held at a time.
-    Returns the file's size.
+    """Write a safetensors file, atomically, one tensor at a time (each asked of ``build``,
+    written and dropped): the one writer of the format. Returns the file's size.
 
     Raises:
         SafetensorsError: a dtype safetensors cannot hold, or a big-endian host.
@@ -472,12 +463,11 @@ def write_hub_shards(
 ) -> tuple[list[str], int]:
     """Write ``tensors`` as sharded safetensors and ``model.safetensors.index.json``.
 
-    Each shard (at most ``shard_size`` data bytes) is written by :func:`stream_safetensors`
-    (one tensor in memory at a time: ``full`` builds each whole tensor of ``tensors``, which
-    may be placeholders; ``spec`` tells its dtype and shape before), then the index, last,
-    so a folder with an index is complete. Tied weights are written once; the index's
-    ``weight_map`` names the stored keys and its ``metadata`` records the aliases
-    (:data:`ALIASES_KEY`), as ``transformers`` ties them again itself.
+    Shards of at most ``shard_size`` data bytes hold one tensor in memory at a time
+    (``full`` builds a whole tensor of ``tensors``, maybe placeholders; ``spec`` tells its
+    dtype and shape); the index comes last, so a folder with one is complete. Tied weights
+    are written once, their aliases in the index's ``metadata`` (:data:`ALIASES_KEY`):
+    ``transformers`` ties them again itself.
 
     Returns:
         ``(file names, bytes written)``, the index last.

@@ -1,11 +1,4 @@
-"""Where a DCP checkpoint lives: the part ``Writer`` and ``Reader`` share.
-
-Both name a checkpoint directory by URL, open its storage backend lazily again after being
-pickled (DCP's process-based ``async_save`` sends its storage writer to another process, and
-an s3fs client with live sessions cannot travel), and accept any path or URL as a
-``checkpoint_id``. A reader also finds the commit object of a sharded ``Checkpointer``
-version, which its ``COMMIT`` names (:meth:`CheckpointLocation.committed_metadata_path`).
-"""
+"""Where a DCP checkpoint lives: the part ``Writer`` and ``Reader`` share."""
 
 from __future__ import annotations
 
@@ -47,7 +40,9 @@ class CheckpointLocation:
         self._metadata_name: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # The storage backend is opened again on the other side instead of pickled.
+        # The storage backend is opened again on the other side instead of pickled: DCP's
+        # process-based async_save sends its storage writer to another process, and an s3fs
+        # client with live sessions cannot travel.
         state = dict(self.__dict__)
         del state["_storage"], state["_path"]
         return state

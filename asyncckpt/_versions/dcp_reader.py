@@ -1,10 +1,7 @@
 """``Reader``: a DCP ``StorageReader`` for checkpoints written by :class:`asyncckpt.dcp.Writer`.
 
-``read_metadata`` reads the JSON commit object (never a pickle) and rebuilds DCP's
-``Metadata``; ``read_data`` reads, per data file, its footer and manifest, then only the
-chunks under the parts the plan asks for, each verified against its CRC-32 before it is
-decoded (any device, any sharding: DCP computes the parts, so a checkpoint saved on N ranks
-loads on M; :meth:`Reader.read_data` says which parts are decoded in place).
+The commit object is JSON, never a pickle; DCP computes the parts each rank reads, so a
+checkpoint saved on N ranks loads on M.
 """
 
 from __future__ import annotations
@@ -339,10 +336,8 @@ class _Item(NamedTuple):
 
 
 def _direct_destinations(opened: OpenedFile, items: list[_Item]) -> dict[int, torch.Tensor]:
-    """``{storage index: the bytes to decode it into}`` for the items read in place.
-
-    A storage that more than one item reads is decoded into a buffer of its own.
-    """
+    """``{storage index: the bytes to decode it into}`` for the items read in place (a
+    storage that several items read gets a buffer of its own)."""
     readers = collections.Counter(item.entry.storage for item in items)
     alone = [item for item in items if readers[item.entry.storage] == 1]
     dests = {item.entry.storage: _direct_destination(opened, item) for item in alone}
@@ -350,12 +345,9 @@ def _direct_destinations(opened: OpenedFile, items: list[_Item]) -> dict[int, to
 
 
 def _direct_destination(opened: OpenedFile, item: _Item) -> torch.Tensor | None:
-    """The bytes of ``item``'s target, if its storage can be decoded straight into them.
-
-    That needs the item to be a whole stored tensor that fills its storage, in row-major
-    order, and the target a plain contiguous CPU tensor of the same dtype: then the
-    storage's bytes and the target's bytes are the same sequence.
-    """
+    """The bytes of ``item``'s target, if its storage can be decoded straight into them:
+    a whole row-major tensor filling its storage, into a plain contiguous CPU tensor of its
+    dtype, so that both are the same byte sequence."""
     target, entry = item.target, item.entry
     dtype = torch_dtype(entry.dtype)
     if (
@@ -390,11 +382,8 @@ def _row_major(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def _spans(opened: OpenedFile, items: list[_Item]) -> dict[int, Run]:
-    """Per storage, the chunks that hold the bytes ``items`` ask for.
-
-    A slice of a stored tensor (a load on another number of ranks) needs only the chunks
-    under its bytes; every chunk read is still verified whole.
-    """
+    """Per storage, the chunks under the bytes ``items`` ask for (a slice, when loading on
+    another number of ranks, reads only those; each is still verified whole)."""
     wanted: dict[int, tuple[int, int]] = {}
     for item in items:
         lo, hi = _byte_range(item)

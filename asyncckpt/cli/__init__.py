@@ -19,14 +19,9 @@ Exit status: 0 when the command did what was asked (and, for ``verify``, everyth
 sound); 1 when it failed or found damage; 2 for a usage error. Errors are one line on
 stderr.
 
-Modules, each importing only those listed after it: :mod:`~asyncckpt.cli.main` (parser and
-entry point); :mod:`~asyncckpt.cli.parsers` (the parsers of the commands that need torch,
-which import it only when they run); one per command group (:mod:`~asyncckpt.cli.ls`,
-:mod:`~asyncckpt.cli.inspect`,
-:mod:`~asyncckpt.cli.verify`, :mod:`~asyncckpt.cli.gc`, :mod:`~asyncckpt.cli.convert`,
-:mod:`~asyncckpt.cli.bench`); the file formats (:mod:`~asyncckpt._convert.safetensors`,
-:mod:`~asyncckpt.cli.formats`); and :mod:`~asyncckpt.cli.common` (errors, options, output,
-locating checkpoints).
+Modules: :mod:`~asyncckpt.cli.main` (parser and entry point), :mod:`~asyncckpt.cli.parsers`
+(the parsers of the commands that import torch when they run), one per command, and
+:mod:`~asyncckpt.cli.common` (errors, options, output, locating checkpoints).
 """
 
 import importlib

@@ -216,7 +216,6 @@ def _convert_sharded(
                         specs, lambda key: src.full(flat[key]), storage, path, meta, bar.update
                     )
         elif dst_format == "torch":
-            # torch.save pickles one object: the whole state is built in memory first.
             written = save_torch(materialize_all(src, tree), storage, path, bar.update)
         else:
             options = write_options(args.compression, args.settings)

@@ -1,10 +1,6 @@
 """Checkpoint file formats the command line reads and writes: which format a file is,
 ``torch.save`` and asyncckpt files in and out (safetensors is in
-:mod:`asyncckpt._convert.safetensors`), and sharded checkpoints as the commands see them: a
-sharded ``Checkpointer`` version (``ROOT@STEP``, or the latest of ``ROOT``, whose COMMIT's
-kind is ``sharded``) or an ``asyncckpt.dcp`` directory, opened as a
-:class:`~asyncckpt._convert.consolidate.ShardedSource` (its key tree without the data; each
-tensor built on demand).
+:mod:`asyncckpt._convert.safetensors`), and sharded checkpoints opened for the commands.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """``asyncckpt gc ROOT --keep-last N ...``: retention, as the Checkpointer applies it.
 
-The flags are the Checkpointer's retention arguments, one per rule of
-:data:`asyncckpt._versions.retention.RULES` (``--keep-last``, ``--keep-best K
---best-metric NAME --best-mode min|max``, ``--keep-every M``, ``--keep-for DURATION``,
-``--keep-total N``), built by :func:`~asyncckpt._versions.retention.policy_from` as the
-Checkpointer's keywords are, and combined as there: a version stays if any rule keeps it.
+One flag per rule of :data:`asyncckpt._versions.retention.RULES`, built by
+:func:`~asyncckpt._versions.retention.policy_from` as the Checkpointer's keywords are, and
+combined as there: a version stays if any rule keeps it.
 
 What goes is decided by :func:`asyncckpt._versions.retention.deletion_plan`, the rule the writer's
 retention and recovery use, from the same listing (:func:`asyncckpt._versions.protocol.list_steps`).
@@ -48,11 +46,6 @@ from asyncckpt.errors import UnknownMetricError
 
 
 def add_parser(sub: Subparsers) -> None:
-    """Add the ``gc`` subcommand to ``sub``.
-
-    ``--keep-last`` is the Checkpointer's ``keep_last``; ``--keep`` is its old spelling,
-    still accepted and left out of ``--help``.
-    """
     p = new_command(
         sub,
         "gc",
@@ -69,7 +62,7 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("root", metavar="ROOT")
     for rule in RULES:  # one flag per rule, as the Checkpointer's keyword is named
         p.add_argument(flag(rule.keyword), dest=rule.keyword, metavar=rule.metavar, help=rule.help)
-    p.add_argument("--keep", dest="keep_last", help=argparse.SUPPRESS)
+    p.add_argument("--keep", dest="keep_last", help=argparse.SUPPRESS)  # the old spelling
     p.add_argument("--best-metric", metavar="NAME", help="the metric --keep-best ranks by")
     p.add_argument(
         "--best-mode",

@@ -30,7 +30,6 @@ from asyncckpt.cli.terminal import table
 
 
 def add_parser(sub: Subparsers) -> None:
-    """Add the ``ls`` subcommand to ``sub``."""
     p = new_command(
         sub,
         "ls",

@@ -16,7 +16,6 @@ from asyncckpt.cli.common import (
 
 
 def add_inspect(sub: Subparsers) -> None:
-    """Add the ``inspect`` subcommand to ``sub``."""
     p = new_command(
         sub,
         "inspect",
@@ -40,7 +39,6 @@ def add_inspect(sub: Subparsers) -> None:
 
 
 def add_verify(sub: Subparsers) -> None:
-    """Add the ``verify`` subcommand to ``sub``."""
     p = new_command(
         sub,
         "verify",
@@ -56,7 +54,6 @@ def add_verify(sub: Subparsers) -> None:
 
 
 def add_convert(sub: Subparsers) -> None:
-    """Add the ``convert`` subcommand to ``sub``."""
     p = new_command(
         sub,
         "convert",
@@ -99,7 +96,6 @@ def add_convert(sub: Subparsers) -> None:
 
 
 def add_cp(sub: Subparsers) -> None:
-    """Add the ``cp`` subcommand to ``sub``."""
     p = new_command(
         sub,
         "cp",
@@ -117,7 +113,6 @@ def add_cp(sub: Subparsers) -> None:
 
 
 def add_bench(sub: Subparsers) -> None:
-    """Add the ``bench`` subcommand to ``sub``."""
     p = new_command(
         sub,
         "bench",

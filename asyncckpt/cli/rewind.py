@@ -28,7 +28,6 @@ from asyncckpt.cli.listing import need_versions
 
 
 def add_parser(sub: Subparsers) -> None:
-    """Add the ``rewind`` subcommand to ``sub``."""
     p = new_command(
         sub,
         "rewind",
