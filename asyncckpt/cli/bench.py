@@ -191,11 +191,7 @@ def _lines(bench: _Bench, results: dict[str, dict[str, Any]], plot: str | None) 
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    """``asyncckpt bench URL`` (exit status 0).
-
-    Raises:
-        UsageError: a size or repeat count out of range.
-    """
+    """``asyncckpt bench URL``."""
     if args.size_mib <= 0 or args.repeat < 1:
         raise UsageError("asyncckpt bench: --size-mib must be positive and --repeat at least 1")
     state = _bench_state(int(args.size_mib * (1 << 20)), getattr(torch, args.dtype))

@@ -361,12 +361,8 @@ def pending_note(storage: Storage, path: str) -> str | None:
 
 
 def files_of(root: RootRef, step: int) -> list[FileRef]:
-    """The data files of committed version ``step``.
-
-    Raises:
-        IncompleteCheckpointError, CheckpointNotFoundError: ``step`` is not committed
-            under the root (:func:`asyncckpt._versions.paths.version_of`).
-    """
+    """The data files of committed version ``step`` (raises as
+    :func:`~asyncckpt._versions.paths.version_of` when it is not committed)."""
     storage = root.storage
     _, commit = paths.version_of(paths.Target(storage, root.path, paths.ROOT, step))
     directory = step_dir(storage, root.path, step)
@@ -376,20 +372,12 @@ def files_of(root: RootRef, step: int) -> list[FileRef]:
 
 
 def chosen_step(root: RootRef) -> int:
-    """``ROOT@STEP``'s step, else the latest committed one.
-
-    Raises:
-        CheckpointNotFoundError: no step was given and none is committed.
-    """
+    """``ROOT@STEP``'s step, else the latest committed one (CheckpointNotFoundError: none)."""
     return paths.version_of(paths.Target(root.storage, root.path, paths.ROOT, root.step))[0]
 
 
 def single_file(ref: FileRef | RootRef) -> FileRef:
-    """The one data file a PATH or ROOT[@STEP] stands for.
-
-    Raises:
-        FormatError: the version has several data files (multi-writer).
-    """
+    """The one data file a PATH or ROOT[@STEP] stands for."""
     if isinstance(ref, FileRef):
         return ref
     files = files_of(ref, chosen_step(ref))
@@ -516,11 +504,8 @@ class DataRef:
 
 
 def manifest_tree(opened: OpenedFile) -> Any:
-    """The saved object with :class:`DataRef` placeholders in place of tensors and arrays.
-
-    Raises:
-        FormatError: the tree in the manifest is not valid.
-    """
+    """The saved object with :class:`DataRef` placeholders in place of tensors and arrays
+    (FormatError: the manifest's tree is not valid)."""
     from asyncckpt._format.tree import unflatten  # imports torch: only when run
 
     manifest = opened.manifest
@@ -534,12 +519,7 @@ def manifest_tree(opened: OpenedFile) -> Any:
 
 def dcp_files(ref: RootRef, settings: Settings) -> list[FileRef]:
     """The data files an ``asyncckpt.dcp`` directory's metadata names, in name order
-    (``settings``: the command's).
-
-    Raises:
-        IncompleteCheckpointError: data files but no metadata (a save still writing).
-        FormatError: the metadata is malformed.
-    """
+    (raises as :meth:`Reader.read_metadata`: no metadata yet, or a malformed one)."""
     from asyncckpt._versions.dcp_reader import Reader  # imports torch: only when run
 
     if ref.step is not None:

@@ -97,11 +97,7 @@ def _read(args: argparse.Namespace, src: FileRef, fmt: str) -> tuple[Any, dict[s
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """``asyncckpt convert SRC DST`` (exit status 0).
-
-    Raises:
-        UsageError: DST exists (without ``--force``), or a format cannot be told.
-    """
+    """``asyncckpt convert SRC DST``."""
     if args.shard_size is not None and args.dst_format not in (None, "safetensors"):
         raise UsageError("asyncckpt convert: --shard-size writes safetensors shards only")
     dst_format = "safetensors" if args.shard_size else format_of(args.dst, args.dst_format, "DST")
@@ -176,11 +172,7 @@ def _charge_dense_copies(
 ) -> None:
     """Refuse, within ``--max-bytes``, the copies safetensors' dense layout needs on top of
     the state as loaded: a broadcast (zero-stride) tensor stored in a few bytes is written
-    at its whole size. One file holds every copy at once; ``--shard-size`` one at a time.
-
-    Raises:
-        MemoryBudgetError: the state and those copies need more than ``--max-bytes``.
-    """
+    at its whole size. One file holds every copy at once; ``--shard-size`` one at a time."""
     copies = dense_copy_bytes(flat)
     if not copies:
         return

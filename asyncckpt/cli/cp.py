@@ -1,15 +1,12 @@
 """``asyncckpt cp SRC[@STEP] DST``: copy committed versions between stores in commit order.
 
-Each version is copied as the protocol writes one (docs/PROTOCOL.md §1): its data files
-first (each an atomic write at DST, then read back and verified there: every chunk's
-checksum and the whole structure, or, for a sharded version's metadata, its bytes), then
-its ``COMMIT`` (the source's record, through :func:`~asyncckpt._versions.protocol.create_commit`:
-an exclusive create), then the version file, moved forward only (compare-and-swap). So a
-reader of DST never sees a committed version whose data is missing or unverified, whenever
-the copy stops, where a file-by-file sync (``aws s3 sync``) may publish a ``COMMIT`` before
-the data it names. Versions are copied oldest first; one already committed at DST with the
-same files and sizes is skipped, so a rerun completes an interrupted copy. DST must not be
-written by a job meanwhile (``cp`` takes no writer lease).
+Each version is copied as the protocol writes one (docs/PROTOCOL.md §1): its data files,
+each an atomic write verified at DST, then its ``COMMIT`` (an exclusive create), then the
+version file, moved forward only (compare-and-swap). So a reader of DST never sees a
+committed version whose data is missing or unverified, whenever the copy stops, where a
+file-by-file sync (``aws s3 sync``) may publish a ``COMMIT`` before the data it names. A
+version already committed at DST with the same files is skipped, so a rerun completes an
+interrupted copy. DST must not be written by a job meanwhile (``cp`` takes no writer lease).
 """
 
 from __future__ import annotations
@@ -73,11 +70,7 @@ def copy_versions(
     meter: Callable[[int], None] | None = None,
 ) -> list[Copied]:
     """Copy committed versions ``steps`` (default: every committed one) of ``src`` to root
-    ``dst_root`` of ``dst``, oldest first, in commit order (see the module), verifying each
-    copy with the command's ``settings``.
-
-    Returns:
-        One :class:`Copied` per version, in step order.
+    ``dst_root`` of ``dst``, oldest first (see the module); one :class:`Copied` each.
 
     Raises:
         CheckpointNotFoundError: nothing is committed under SRC.
@@ -139,13 +132,8 @@ def _copy_version(
 
 
 def _committed_at(dst: Storage, root: str, commit: CommitRecord) -> bool:
-    """Whether ``commit``'s version is committed at DST, whole, with the same files.
-
-    Raises:
-        ConflictError: DST committed the step with other files (another run's version).
-        FormatError: DST's ``COMMIT`` of the step cannot be understood, or its files are
-            not what it records.
-    """
+    """Whether ``commit``'s version is committed at DST, whole, with the same files; a
+    ConflictError if with other files (another run's version), a FormatError if damaged."""
     there = read_commit_strict(dst, root, commit.step)
     if there is None:
         return False
@@ -184,11 +172,8 @@ def _check_copy(
     settings: Settings,
 ) -> None:
     """Read the copy back at DST: a data file must verify whole, anything else (a sharded
-    version's metadata) must be the source's bytes; each must have the recorded size.
-
-    Raises:
-        FormatError: it does not (the message names the file and what is wrong).
-    """
+    version's metadata) must be the source's bytes; each must have the recorded size
+    (else FormatError)."""
     where = display(dst, target)
     size = dst.size(target)
     recorded = commit.sizes[commit.files.index(name)] if commit.sizes else size
@@ -219,11 +204,8 @@ def _publish(dst: Storage, root: str, commit: CommitRecord) -> None:
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    """``asyncckpt cp SRC[@STEP] DST`` (exit status 0: every version is at DST).
-
-    Raises:
-        CommandFailed: a version could not be copied (those before it are at DST).
-    """
+    """``asyncckpt cp SRC[@STEP] DST``; CommandFailed when a version could not be copied
+    (those before it are at DST)."""
     ref = locate(args.src, args.options, settings=args.settings)
     if isinstance(ref, FileRef):
         raise UsageError(

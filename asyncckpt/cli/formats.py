@@ -71,11 +71,7 @@ def format_of(spec: str, explicit: str | None, role: str) -> str | None:
 
 
 def sniff(ref: FileRef) -> str:
-    """The format of a file, from its first bytes.
-
-    Raises:
-        UsageError: the bytes match no known format.
-    """
+    """The format of a file, from its first bytes."""
     head = ref.storage.read_range(ref.path, 0, 16)
     if head.startswith(MAGIC):
         return "ackpt"
@@ -122,11 +118,8 @@ _ARTICLE = {"ackpt": "an asyncckpt", "torch": "a torch.save", "safetensors": "a 
 
 
 def reject_other_format(ref: FileRef) -> None:
-    """Raise a clear error if ``ref`` is a torch.save or safetensors file.
-
-    Raises:
-        FormatError: it is; the message says how to convert it.
-    """
+    """Raise a FormatError saying how to convert it if ``ref`` is a torch.save or
+    safetensors file."""
     other = None
     with contextlib.suppress(UsageError, AsyncCkptError):
         other = sniff(ref)
@@ -139,11 +132,7 @@ def reject_other_format(ref: FileRef) -> None:
 
 def read_ackpt(ref: FileRef, work: Callable[[OpenedFile], T]) -> T:
     """``read_file`` of an asyncckpt file, saying so when it is a torch.save or safetensors
-    file instead.
-
-    Raises:
-        FormatError: the file is not a valid asyncckpt file.
-    """
+    file instead."""
     try:
         return read_file(ref.storage, ref.path, work)
     except FormatError:
@@ -153,12 +142,7 @@ def read_ackpt(ref: FileRef, work: Callable[[OpenedFile], T]) -> T:
 
 def open_sharded(ref: RootRef, settings: Settings) -> ShardedSource | None:
     """The sharded checkpoint ``ref`` names, opened; None for a plain version (or when
-    nothing is committed: the caller's single-file path says so).
-
-    Raises:
-        IncompleteCheckpointError: an ``asyncckpt.dcp`` directory without its metadata.
-        FormatError: the metadata or rank 0's file is malformed.
-    """
+    nothing is committed: the caller's single-file path says so)."""
     storage = ref.storage
     if is_dcp_directory(storage, ref.path):
         dcp_files(ref, settings)  # refuses ROOT@STEP of a dcp directory

@@ -170,12 +170,7 @@ def _plan(
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    """``asyncckpt gc ROOT [--keep-last N] [--keep-best K --best-metric NAME] [--keep-every M]
-    [--keep-for DURATION] [--dry-run] [--remove-temp]`` (exit status 0).
-
-    Raises:
-        UsageError: no rule, a bad rule, or ROOT is not a root.
-    """
+    """``asyncckpt gc ROOT --keep-last N ... [--dry-run] [--remove-temp]``."""
     policy = policy_of(args)
     ref = need_root(locate(args.root, args.options, settings=args.settings), args.root)
     need_versions(ref, "gc")

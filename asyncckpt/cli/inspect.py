@@ -194,11 +194,7 @@ def _file_format(ref: FileRef) -> str:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """``asyncckpt inspect PATH | ROOT[@STEP]`` (exit status 0).
-
-    Raises:
-        MemoryBudgetError: loading the file would need more than ``--max-bytes``.
-    """
+    """``asyncckpt inspect PATH | ROOT[@STEP]``."""
     located = locate(args.target, args.options, one=True, settings=args.settings)
     if isinstance(located, RootRef):
         src = open_sharded(located, args.settings)

@@ -37,13 +37,8 @@ NOTHING_HERE = (
 
 
 def need_versions(ref: RootRef, command: str) -> None:
-    """Refuse a command that changes versions (``gc``, ``rewind``) on a folder that is not a
-    ``Checkpointer`` root (an empty one is): a DCP directory, a folder of roots, or anything
-    else.
-
-    Raises:
-        UsageError: naming what ``ref`` is instead, and what to run.
-    """
+    """Refuse (UsageError) a command that changes versions (``gc``, ``rewind``) on a folder
+    that is not a ``Checkpointer`` root (an empty one is), naming what it is instead."""
     storage, path = ref.storage, ref.path
     names = storage.list_dir(path)
     if not names or is_root(storage, path, names):  # empty: a root nothing was saved to yet

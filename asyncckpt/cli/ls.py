@@ -90,11 +90,7 @@ def _metrics_text(metrics: dict[str, Any], width: int = 40) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     """``asyncckpt ls ROOT[@STEP]``; of a file, its row; of a folder or bucket above
-    roots, the checkpoints below (exit status 0).
-
-    Raises:
-        CommandFailed: the folder holds nothing asyncckpt wrote.
-    """
+    roots, the checkpoints below."""
     ref = locate(args.root, args.options, settings=args.settings)
     if isinstance(ref, FileRef):
         if ref.storage.read_range(ref.path, 0, len(MAGIC)) != MAGIC:

@@ -44,15 +44,8 @@ def add_parser(sub: Subparsers) -> None:
 
 
 def cmd_rewind(args: argparse.Namespace) -> int:
-    """``asyncckpt rewind ROOT STEP [--yes]``.
-
-    Returns:
-        The exit status: 0 once rewound, 1 without ``--yes`` (nothing deleted).
-
-    Raises:
-        UsageError: STEP is negative, or ROOT is not a root.
-        CommandFailed: STEP is not committed (nothing deleted).
-    """
+    """``asyncckpt rewind ROOT STEP [--yes]``: exit status 0 once rewound, 1 without
+    ``--yes`` (nothing deleted)."""
     if args.step < 0:
         raise UsageError(f"asyncckpt rewind: STEP must be a non-negative int, got {args.step}")
     ref = need_root(locate(args.root, args.options, settings=args.settings), args.root)

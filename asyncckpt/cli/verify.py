@@ -278,11 +278,7 @@ def _files_below(
     ref: RootRef, every: bool, warnings: list[str], settings: Settings
 ) -> list[FileRef]:
     """A folder that is no checkpoint: the files of every checkpoint below it, as ``ls``
-    lists them (asyncckpt files under Lightning's ``.ckpt`` names included).
-
-    Raises:
-        CommandFailed: there is none.
-    """
+    lists them (asyncckpt files under Lightning's ``.ckpt`` names included)."""
     found = checkpoints_below(ref.storage, ref.path)
     if not found:
         raise CommandFailed(f"verify: {ref.name}: {NOTHING_HERE}")
@@ -326,14 +322,8 @@ def _report_lines(
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """``asyncckpt verify PATH | ROOT[@STEP|--all]``.
-
-    Returns:
-        The exit status (0: everything is sound).
-
-    Raises:
-        CommandFailed: some file is damaged (after the report is printed).
-    """
+    """``asyncckpt verify PATH | ROOT[@STEP|--all]``: exit status 0 when everything is
+    sound, else CommandFailed after the report is printed."""
     ref = locate(args.target, args.options, settings=args.settings)
     warnings: list[str] = []
     if isinstance(ref, FileRef):
