@@ -229,11 +229,10 @@ class Reader(CheckpointLocation, StorageReader):
             if where is None:
                 raise FormatError(f"{self._url}: the metadata has no data for {req.storage_index}")
             per_file[where.file].append(req)
-        threads = self._settings.threads
         for name, reqs in per_file.items():
             size = self._locations[reqs[0].storage_index].file_size
             with open_data_file(self._storage, self._path, name, size) as opened:
-                self._load_file(opened, reqs, planner, threads)
+                self._load_file(opened, reqs, planner, self._settings.threads)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -265,8 +264,7 @@ class Reader(CheckpointLocation, StorageReader):
                 f"{len(tensors)}"
             )
         entry = tensors[where.entry]
-        itemsize = torch_dtype(entry.dtype).itemsize
-        stored = math.prod(entry.shape) * itemsize
+        stored = math.prod(entry.shape) * torch_dtype(entry.dtype).itemsize
         if stored != where.nbytes:
             raise FormatError(
                 f"{opened.name}: {item_key(req.storage_index)} holds {stored} bytes, the "
@@ -366,8 +364,7 @@ def _direct_destination(opened: OpenedFile, item: _Item) -> torch.Tensor | None:
         return None
     if not _row_major(entry.shape, entry.stride):
         return None
-    out = torch.empty(0, dtype=torch.uint8)
-    return out.set_(
+    return torch.empty(0, dtype=torch.uint8).set_(
         target.untyped_storage(), target.storage_offset() * dtype.itemsize, (nbytes,), (1,)
     )
 

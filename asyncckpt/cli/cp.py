@@ -99,8 +99,7 @@ def copy_versions(
         if commit is None:
             chosen_step(RootRef(storage, src.path, step))  # raises, naming the committed
             continue
-        copied = _copy_version(src, commit, dst, dst_root, settings, meter or (lambda n: None))
-        done.append(copied)
+        done.append(_copy_version(src, commit, dst, dst_root, settings, meter or (lambda n: None)))
         _publish(dst, dst_root, commit)
     return done
 

@@ -57,8 +57,7 @@ def cmd_rewind(args: argparse.Namespace) -> int:
     doc = {"root": ref.name, "step": args.step, "delete": newer, "done": False}
     if not args.yes:
         would = ", ".join(map(str, newer)) or "none"
-        lines = [f"would delete step(s) {would}; nothing deleted: pass --yes to rewind"]
-        emit(args, doc, lines)
+        emit(args, doc, [f"would delete step(s) {would}; nothing deleted: pass --yes to rewind"])
         return EXIT_FAILURE
     writer = RootWriter(storage, root, uuid.uuid4().hex[:12], args.settings)
     try:
