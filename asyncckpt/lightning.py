@@ -6,23 +6,18 @@ background once the state is snapshotted, compressed, checksummed and replaced a
 and loaded (``trainer.fit(ckpt_path=...)``) without unpickling anything.
 
 A Lightning checkpoint holds more than tensors: hyperparameters (``AttributeDict``, enums,
-paths, dataclasses ...), callback and loop state. asyncckpt stores plain data only and never
-pickles, so the plugin *projects* the checkpoint onto plain data before saving and records,
-under one reserved top-level key, which value had which class. On load it rebuilds the
-values whose class it trusts (Lightning's ``AttributeDict``, ``pathlib`` paths,
-``argparse.Namespace``, sets, ``collections.Counter``, and the classes passed as
-``classes=``); the others come back as the plain values they were stored as. No class is
-ever imported by a name read from a file. ``docs/lightning.md`` lists what round-trips.
+paths, dataclasses ...), callback and loop state. asyncckpt never pickles, so the plugin
+*projects* the checkpoint onto plain data (:func:`to_plain`), recording which value had which
+class, and on load rebuilds the values whose class it trusts (:func:`from_plain`); no class
+is ever imported by a name read from a file. ``docs/lightning.md`` lists what round-trips.
 
 :func:`load_from_checkpoint` is ``LightningModule.load_from_checkpoint`` for these files
 (which Lightning's own method cannot read: it calls ``torch.load``), reading only the
 weights and hyperparameters, not the optimizer states.
 
-Names: Lightning's ``ModelCheckpoint`` names files ``.ckpt``, which every tool takes for a
-``torch.save`` file (``torch.load`` then fails with advice that cannot work).
-:class:`ModelCheckpoint` here is Lightning's with the extension ``.ackpt``
-(``ckpt_path="last"`` finds ``last.ackpt``); :class:`AsyncCkptIO` warns once when it writes
-asyncckpt bytes under a ``.ckpt`` name, saying how to read them.
+Names: tools take Lightning's ``.ckpt`` files for ``torch.save`` ones, so
+:class:`ModelCheckpoint` here names them ``.ackpt``, and :class:`AsyncCkptIO` warns once
+when it writes asyncckpt bytes under a ``.ckpt`` name, saying how to read them.
 
 This module imports Lightning (the ``lightning`` package, ``pip install
 'asyncckpt[lightning]'``); ``import asyncckpt`` does not import this module.
@@ -267,10 +262,7 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
             Exception: a background save of this plugin failed.
         """
         del weights_only
-        self._wait_for(path)
-        self._raise_failure()
-        if map_location is None:
-            map_location = self.map_location
+        map_location = self._settled(path, map_location)
         # A save of this file left unfinished by a dead process (the crash this load is
         # resuming from, typically) leaves its marker: resume from the file as it is.
         options = self._options(None)
@@ -291,8 +283,7 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
             StorageError: the delete failed.
             Exception: a background save of this plugin failed.
         """
-        self._wait_for(path)
-        self._raise_failure()
+        self._settled(path)
         storage, target = resolve(path, self._options(None), self.settings)
         storage.delete(target)
 
@@ -314,6 +305,13 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
             )
         options = {**self.storage_options, **(extra or {})}
         return options or None
+
+    def _settled(self, path: str | os.PathLike[str], where: MapLocation = None) -> MapLocation:
+        """Before reading ``path``: wait for this plugin's saves to it, raise any failure.
+        Returns the map_location to use (``where``, else the plugin's)."""
+        self._wait_for(path)
+        self._raise_failure()
+        return self.map_location if where is None else where
 
     def _wait_for(self, path: str | os.PathLike[str]) -> None:
         for handle in self._pending.pop(_target_key(path), []):
@@ -411,10 +409,7 @@ def load_from_checkpoint(
     """
     del weights_only
     plugin = plugin if plugin is not None else AsyncCkptIO()
-    plugin._wait_for(checkpoint_path)
-    plugin._raise_failure()
-    if map_location is None:
-        map_location = plugin.map_location
+    map_location = plugin._settled(checkpoint_path, map_location)
     skip = TRAINING_STATE_KEYS
     if issubclass(cls, pl.LightningDataModule):
         skip = skip | {"state_dict"}
