@@ -7,54 +7,31 @@ a folder whose save is still running. :class:`AsyncCkptTrainerMixin` keeps every
 ``load_best_model_at_end``, ``metric_for_best_model`` ...) and instead saves each checkpoint
 as one :class:`~asyncckpt.Checkpointer` version, snapshotted and written in the background.
 
-Layout under ``output_dir``:
+Under ``output_dir``: ``asyncckpt/`` (:data:`ROOT_NAME`), one version per saved
+``global_step`` (model, optimizer, scheduler, scaler, every process's RNG states, the
+``TrainerState`` JSON); and ``checkpoint-N/``, written once version N is committed and
+removed with it (so ``get_last_checkpoint`` sees committed checkpoints only), holding the
+stock Trainer's small files and :data:`MARKER_FILE`, not the weights: ``asyncckpt convert
+output_dir/asyncckpt@N output_dir/checkpoint-N/model.safetensors --key model`` adds them.
+Callbacks defining ``on_checkpoint_committed`` are told; ``push_to_hub`` pushes nothing
+during training (warned once at ``train``).
 
-- ``asyncckpt/``: the Checkpointer root (:data:`ROOT_NAME`), one version per saved
-  ``global_step``: model, optimizer, scheduler, scaler, every process's RNG states and the
-  ``TrainerState`` JSON;
-- ``checkpoint-N/``: written once version N is *committed* (at the next save or when
-  ``train`` returns), removed when rotation deletes the version. So
-  ``transformers.trainer_utils.get_last_checkpoint`` and scripts that read
-  ``trainer_state.json`` see committed checkpoints only. It holds the stock Trainer's small
-  files, rendered at the save (``config.json``, ``generation_config.json``, the processing
-  class's files, ``training_args.bin``, ``trainer_state.json`` last) and our marker
-  :data:`MARKER_FILE`; not the weights: ``asyncckpt convert output_dir/asyncckpt@N
-  output_dir/checkpoint-N/model.safetensors --key model`` makes it a folder
-  ``from_pretrained`` reads. Callbacks defining ``on_checkpoint_committed`` are told.
-  ``push_to_hub`` pushes nothing during training (warned once at ``train``).
-
-``train(resume_from_checkpoint=True)`` resumes from the newest committed version (falling
-back to the stock Trainer's folders when the root has none); a path ``.../checkpoint-N``
-resumes from version N of the run that folder belongs to (this run's root, or
-``<that run>/asyncckpt`` for another run's folder) if it is committed there, else from the
-stock files in that folder. Resuming from one of this run's versions while newer ones exist
-(going back after a loss spike) rewinds them at the start of ``train``
+``train(resume_from_checkpoint=True)`` resumes from the newest committed version; a
+``.../checkpoint-N`` path from version N of the run that folder belongs to, else from the
+stock files in it. Resuming from an older version of this run rewinds the newer ones
 (:meth:`~asyncckpt.Checkpointer.rewind`, fenced, logged as a warning), where the stock
-Trainer overwrites their folders as it reaches them; training from a step with newer
-versions it cannot rewind (from scratch, or from another run's folder) is refused before
-the first step, naming the ways on.
-Rotation is the Checkpointer's retention (run by the writer after each commit, fenced by its
-lease, with the root's storage options): ``save_total_limit`` is ``keep_total``, counted as
-the stock Trainer counts it (``transformers.trainer_utils.rotate_checkpoints``: at most that
-many versions, the newest and the best among them, so a limit of 1 keeps two when the best is
-not the newest), ranked by ``metric_for_best_model`` (``eval_<name>``, as the Trainer logs
-it) and ``greater_is_better``; each version is saved with the numbers of its step's
-evaluation as ``metrics``. So rotation never deletes the best version, the newest committed
-one, nor one being written; without ``save_total_limit`` it deletes nothing, as the stock
-Trainer. Unlike it, the newest version stays at the end of training too (the stock Trainer
-then deletes it when ``save_total_limit=1`` and it is not the best). A ``checkpoint-N``
-folder of ours (it holds :data:`MARKER_FILE`) is removed once version N is gone;
-stock Trainer folders are never touched. A ``checkpointer=`` passed in is used as it is,
-with its own retention.
+Trainer overwrites their folders; any other start over newer versions is refused before
+the first step. ``save_total_limit`` is the Checkpointer's ``keep_total``, counted and
+ranked (``metric_for_best_model``, ``greater_is_better``) as
+``transformers.trainer_utils.rotate_checkpoints`` counts; stock Trainer folders are never
+removed, and a ``checkpointer=`` passed in keeps its own retention. docs/guide.md ("Hugging
+Face: Trainer and accelerate") says the rest.
 
-Overridden ``Trainer`` methods (:data:`OVERRIDDEN`;
-``tests/integrations/test_transformers.py`` fails if a ``transformers`` release renames one
-or changes its parameters): ``train`` (translates ``resume_from_checkpoint=True``, waits
-for the last save), ``_save_checkpoint``, ``_load_from_checkpoint``,
-``_load_optimizer_and_scheduler``, ``_load_scaler``, ``_load_rng_state``,
-``_load_best_model``. Were one renamed, the stock method would run
-instead: saves would be synchronous ``torch.save`` files again, or a resume would look for
-files that are not there. DeepSpeed, FSDP, SageMaker MP and XLA are refused.
+Were one of the overridden ``Trainer`` methods (:data:`OVERRIDDEN`) renamed by a
+``transformers`` release, the stock one would run instead (synchronous ``torch.save``
+files, or a resume looking for files that are not there);
+``tests/integrations/test_transformers.py`` fails then. DeepSpeed and FSDP (also on XLA)
+are refused.
 
 This module imports ``transformers`` (``pip install 'asyncckpt[transformers]'``);
 ``import asyncckpt`` does not import it.
@@ -67,6 +44,7 @@ import json
 import logging
 import math
 import os
+import pathlib
 import re
 import shutil
 import tempfile
@@ -232,12 +210,7 @@ class AsyncCkptTrainerMixin:
 
     def _clear_newer_versions(self, resume: str | bool | None, trial: Any) -> None:
         """Make room for the steps training will save: steps only increase, so versions
-        newer than the step it resumes from would fail its first save after them.
-
-        Resuming from one of this run's versions rewinds the newer ones (fenced, by
-        :meth:`~asyncckpt.Checkpointer.rewind`), as the stock Trainer overwrites their
-        folders; any other start over newer versions is refused before the first step.
-        """
+        newer than the step it resumes from would fail its first save after them."""
         ckpt = self.checkpointer
         newest = ckpt.latest()
         folder = resume if isinstance(resume, str) else None
@@ -284,10 +257,8 @@ class AsyncCkptTrainerMixin:
 
     def _folder_files(self, step: int) -> dict[str, bytes]:
         """What ``checkpoint-N`` gets once version N is committed, rendered now (as the
-        stock Trainer writes them at the save): the model's ``config.json`` and
-        ``generation_config.json``, the processing class's files, ``training_args.bin``,
-        our marker naming the version, and ``trainer_state.json`` (last: its presence
-        means the folder is complete). Everything but the weights and optimizer states."""
+        stock Trainer writes them at the save); ``trainer_state.json`` last: its presence
+        means the folder is complete."""
         with tempfile.TemporaryDirectory(prefix="asyncckpt-hf-") as tmp:
             self._save_small_files(tmp)
             files = _read_tree(tmp)
@@ -310,9 +281,7 @@ class AsyncCkptTrainerMixin:
         torch.save(self.args, os.path.join(directory, TRAINING_ARGS_NAME))
 
     def _warn_hub_strategy(self) -> None:
-        """``push_to_hub`` with a ``hub_strategy`` that pushes at each save: the stock
-        Trainer uploads the model from each ``checkpoint-N``; ours hold no weights, so
-        nothing is pushed during training. Said once, at the start of ``train``."""
+        """Said once, at ``train``: our ``checkpoint-N`` folders hold no weights to push."""
         args = self.args
         if not args.push_to_hub or str(args.hub_strategy.value) == "end":
             return
@@ -415,10 +384,8 @@ class AsyncCkptTrainerMixin:
     def _version(self, checkpoint: str | None) -> dict[str, Any] | None:
         """The committed version a ``checkpoint-N`` folder stands for, loaded once; or None.
 
-        The folder names its run: one of this trainer's run folders means this trainer's
-        Checkpointer; another run's folder means the version N of *that* run's root
-        (``<its run folder>/asyncckpt``, read only), never this run's version N; a folder
-        of neither (a stock Trainer's) means None: its own files are loaded.
+        Another run's folder means version N of *that* run's root (read only), never this
+        run's; a stock Trainer's folder means None: its own files are loaded.
         """
         if checkpoint is None:
             return None
@@ -446,11 +413,9 @@ class AsyncCkptTrainerMixin:
     def _is_run_dir(self, directory: str) -> bool:
         """Whether ``directory`` is where this trainer writes its ``checkpoint-N`` folders:
         ``output_dir``, or a hyperparameter search trial's ``run-*`` folder in it."""
-        output = os.path.realpath(self.args.output_dir)
-        found = os.path.realpath(directory)
-        if found == output:
-            return True
-        return os.path.dirname(found) == output and os.path.basename(found).startswith("run-")
+        output, found = os.path.realpath(self.args.output_dir), os.path.realpath(directory)
+        parent, name = os.path.split(found)
+        return found == output or (parent == output and name.startswith("run-"))
 
     def _load_version(
         self, ckpt: Checkpointer, step: int, collective: bool | None
@@ -571,13 +536,8 @@ def _write_file(folder: str, name: str, data: bytes) -> None:
 
 def _read_tree(directory: str) -> dict[str, bytes]:
     """Every file under ``directory``, by its path relative to it."""
-    files = {}
-    for base, _, names in os.walk(directory):
-        for name in names:
-            path = os.path.join(base, name)
-            with open(path, "rb") as f:
-                files[os.path.relpath(path, directory)] = f.read()
-    return files
+    root = pathlib.Path(directory)
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 
 
 def _marker(step: int) -> bytes:
