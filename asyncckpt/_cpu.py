@@ -3,18 +3,9 @@
 On a machine whose cores training keeps busy, every CPU-second a background write spends
 (compression, checksums, copies into the page cache) is a second taken from training;
 on one with idle cores it costs nothing. ``compression="auto"`` weighs its choices with
-what is measured here (:mod:`asyncckpt._engine.autocompress`):
-
-* :func:`spare_cores`: how many of this process's CPUs the rest of the machine (training,
-  its data loaders, other processes) left idle since the previous call, not counting the
-  background writer's own CPU time; measured from ``/proc/stat`` over the CPUs this process
-  may run on (``os.sched_getaffinity``), or, elsewhere, from this process's own CPU time;
-* :class:`ThreadClock`: the calling thread's CPU time and the time it spent waiting for a
-  core (``/proc/thread-self/schedstat``), so that a write that took long because the CPU
-  was busy is not mistaken for slow storage (nor a slow store's write, whose every wake-up
-  queues for a core on a busy machine, for a fast one: see ``busy``). The kernel books a
-  running thread's CPU time at scheduler ticks, so over a short interval ``cpu`` may exceed
-  ``wall``.
+what is measured here (:mod:`asyncckpt._engine.autocompress`): :func:`spare_cores`, the
+cores the rest of the machine left idle (the writer's own CPU time not counted), and
+:class:`ThreadClock`, which tells a write slowed by a busy CPU from slow storage.
 
 Example:
     >>> clock = ThreadClock.now()
@@ -44,7 +35,8 @@ class ThreadClock:
 
     Attributes:
         wall: ``time.perf_counter()``.
-        cpu: CPU time of the thread.
+        cpu: CPU time of the thread (booked at scheduler ticks: over a short interval it
+            may exceed ``wall``).
         waited: time the thread was runnable but waiting for a core (0.0 where the kernel
             does not say: then waiting for a core counts as wall time).
     """

@@ -6,20 +6,14 @@ The threads are daemons on purpose: pending saves are awaited by an ``atexit`` h
 shutdown begins, which would break a save that is still compressing when the main thread
 ends.
 
-The threads of a background write (the save thread and the encoders) lower their own
-scheduling priority by the save's ``writer_nice`` tunable (passed by the caller) when they
-start: on a CPU shared with training, the caller's threads then win the cores and the write
-fills the gaps.
+The threads of a background write run ``writer_nice`` below the caller's
+(:func:`lower_priority`): on a CPU shared with training, training wins the cores.
 
 A forked child (a DataLoader worker, a ``multiprocessing`` fork) inherits none of these
 threads, but it does inherit the pools, the pending saves and every lock, possibly held by
-a thread that does not exist there: its first ``load`` or ``save`` would wait for ever. The
-one place that knows what a child must drop is :func:`after_fork_in_child`: this module's
-pools are forgotten first, then every hook that a module registered there runs, in
-registration order (the pending saves of ``jobs``, the arena pool of ``staging``, the
-shared arenas of the snapshot, the writer process, the ``"auto"`` compression lock...).
-What the parent owned is kept, untouched, rather than freed in the child
-(:func:`keep_from_parent`).
+a thread that does not exist there: its first ``load`` or ``save`` would wait for ever.
+:func:`after_fork_in_child` is the one place that knows what a child must drop; what the
+parent owned is kept, untouched, rather than freed in the child (:func:`keep_from_parent`).
 """
 
 from __future__ import annotations
@@ -47,15 +41,11 @@ WRITER_POOLS: frozenset[str] = frozenset({"save", "encode"})
 def lower_priority(nice: int) -> bool:
     """Run the calling thread ``nice`` steps below the main thread (Linux only; one thread).
 
-    Linux schedules threads apart, and ``setpriority(PRIO_PROCESS, tid)`` sets one thread's
-    niceness; elsewhere the same call would renice the whole process, so it is not made.
-    The level is relative to the main thread (whose id is the process id), not to the
-    calling thread: a thread inherits its creator's niceness, and the encoders are created
-    by the already lowered save thread. For the same reason, threads that a writer thread
-    starts (a storage backend's I/O loop opened by the first save, say) run lowered too;
-    this module's other pools raise theirs back where the OS allows (see
-    ``_restore_priority``). ``nice`` is 0-19 (0: leave the thread as it is); returns True
-    if the thread now runs at that level.
+    Elsewhere ``setpriority(PRIO_PROCESS, tid)`` would renice the whole process. The level
+    is relative to the main thread (whose id is the process id), not the calling thread: a
+    thread inherits its creator's niceness, and the encoders are created by the already
+    lowered save thread (so are a storage's I/O threads: see ``_restore_priority``).
+    Returns True if the thread now runs at that level.
 
     Example:
         >>> threading.Thread(target=lower_priority, args=(5,)).start()
@@ -73,11 +63,10 @@ def lower_priority(nice: int) -> bool:
 
 
 def _restore_priority() -> None:
-    """Undo the niceness a thread inherited from a lowered writer thread, where allowed.
+    """Undo the niceness a pool thread inherited from the writer thread that started it.
 
-    A pool first asked for by a writer thread (a heartbeat, a reader) is started by it and
-    inherits its niceness. Raising a thread's priority needs privileges (``CAP_SYS_NICE`` or
-    ``RLIMIT_NICE``); without them the thread stays lowered.
+    Raising a thread's priority needs ``CAP_SYS_NICE`` or ``RLIMIT_NICE``; without them the
+    thread stays lowered.
     """
     if not sys.platform.startswith("linux"):
         return
@@ -157,12 +146,9 @@ _pools: dict[tuple[str, int], DaemonPool] = {}
 
 
 def pool(name: str, threads: int, nice: int = 0) -> DaemonPool:
-    """The process-wide pool called ``name`` with ``threads`` threads (created on first use),
-    shared by every caller that asks for the same name and size.
+    """The process-wide pool called ``name`` with ``threads`` threads (created on first use).
 
-    Its threads are named ``asyncckpt-<name>-<i>`` and run ``nice`` below the main thread (a
-    write's ``writer_nice``, from the caller's settings; 0 for readers and heartbeats): the
-    pool keeps the niceness of the call that created it (a process's first save).
+    It keeps the ``nice`` of the call that created it (a process's first save).
 
     Example:
         >>> pool("demo", 1).submit(len, "abc").result()
@@ -191,14 +177,10 @@ cpu.add_writer_source(writer_cpu_seconds)
 
 
 def wait_idle(timeout: float) -> bool:
-    """Wait until every pool of the process is idle (for the exit hook).
+    """Wait until every pool of the process is idle (for the exit hook); True if it is.
 
-    A pool thread drops its task's references (tensors, arena views) only after publishing
-    the result. If the interpreter began shutting down in between, the thread would free a
-    tensor during finalization, and a thread that takes the GIL then is unwound through
-    torch's C++ destructors: the process aborts (``terminate called without an active
-    exception``). The exit hook waits here first, ``timeout`` seconds at most for all
-    pools together; True if every pool is idle.
+    A pool thread drops its task's references only after publishing the result; freeing a
+    tensor once the interpreter finalizes aborts the process (see ``DaemonPool._run``).
 
     Example:
         >>> wait_idle(1.0)
@@ -220,21 +202,14 @@ _QUIET_POLL_S = 0.002
 def wait_torch_threads_quiet(timeout: float) -> bool:
     """Wait until no native torch.distributed worker thread is running (for the exit hook).
 
-    Such a thread (a gloo process group's work loop, say) outlives
-    ``destroy_process_group()`` whenever something still holds the group: a module that was
-    sharded with ``fully_shard`` keeps its DeviceMesh in DTensor's caches, and the mesh
-    holds the group. When it finishes a collective it drops the collective's tensors, which
-    takes the GIL to release their Python objects. If the interpreter has begun finalizing
-    by then, CPython ends the thread with ``pthread_exit``, whose unwinding through torch's
-    C++ destructors calls ``std::terminate``: the process aborts (SIGABRT, "terminate
-    called without an active exception") after the script's last line ran. The window is
-    between a collective's completion and its destruction, so it opens when the thread is
-    preempted right after the last collective of the job, on a loaded machine. Called from
-    the exit hook, before finalization: each poll sleeps (so a thread waiting for the GIL
-    gets it) and then checks that no such thread is runnable; three quiet polls in a row
-    end the wait. A process without such threads returns at once (Linux only: elsewhere
-    the threads cannot be seen). True once they are quiet (or there are none), False if
-    ``timeout`` seconds passed first.
+    Such a thread outlives ``destroy_process_group()`` while something holds the group (a
+    ``fully_shard`` module's DeviceMesh in DTensor's caches). Dropping a finished
+    collective's tensors takes the GIL; once the interpreter finalizes, CPython ends the
+    thread with ``pthread_exit``, whose unwinding through torch's C++ destructors calls
+    ``std::terminate`` (SIGABRT after the script's last line, when the thread was preempted
+    right after the job's last collective). Each poll sleeps (so a thread waiting for the
+    GIL gets it), then checks that none is runnable; three quiet polls end the wait. Linux
+    only (elsewhere the threads cannot be seen). False if ``timeout`` passed first.
 
     Example:
         >>> wait_torch_threads_quiet(1.0)
@@ -296,7 +271,6 @@ def after_fork_in_child(reset: Callable[[], None]) -> Callable[[], None]:
 
     ``reset`` drops what belongs to the parent (threads that the child does not have, and
     locks they may have held at the fork): a new lock for each module lock, empty caches.
-    Returns ``reset`` itself.
 
     Example:
         >>> @after_fork_in_child
@@ -386,13 +360,9 @@ def _forget_parent() -> None:
         reset()
 
 
-def _gate_release() -> None:
-    _fd_gate.release()
-
-
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(
         before=lambda: _fd_gate.acquire(),
-        after_in_parent=_gate_release,
+        after_in_parent=lambda: _fd_gate.release(),
         after_in_child=_forget_parent,
     )
