@@ -9,11 +9,9 @@ observable without a GPU.
 
 The default placement differs from ``torch.load`` on purpose. ``torch.load`` puts a tensor
 saved from ``cuda:3`` back on ``cuda:3``; in data-parallel training every rank saved from its
-own GPU, so all ranks loading rank 0's file pile onto rank 0's GPU. asyncckpt's default
-places CPU tensors on the CPU and CUDA tensors on the loading process's *own* device
-(:meth:`Cuda.own_device`: a device the process chose, else ``LOCAL_RANK``, else its
-process-group rank modulo the device count, else the current device). Without CUDA, CUDA
-tensors load on the CPU with one warning.
+own GPU, so all ranks loading rank 0's file pile onto rank 0's GPU. asyncckpt's default puts
+CUDA tensors on the loading process's *own* device (:meth:`Cuda.own_device`), CPU tensors on
+the CPU, and CUDA tensors on the CPU (warned once) where there is no CUDA.
 """
 
 from __future__ import annotations
@@ -204,11 +202,9 @@ class Cuda:
     def own_device(self) -> int:
         """This process's own CUDA device: the rule of every default placement.
 
-        In order: the device the default process group is bound to; a device the process
-        chose (``torch.cuda.set_device`` to anything but 0); ``LOCAL_RANK`` (torchrun); the
-        process-group rank modulo the device count (``mp.spawn`` on one node, as the DDP
-        tutorial does; warned, since it assumes one node); else the current device (warned
-        when there are several devices). With one visible device it is that one.
+        In order: the process group's bound device; one set with ``torch.cuda.set_device``
+        (not 0); ``LOCAL_RANK``; the group rank modulo the device count (``mp.spawn`` on one
+        node, as the DDP tutorial does: warned, as it assumes one node); the current device.
         """
         bound = self.bound_device()
         if bound is not None:

@@ -1,12 +1,10 @@
 """Tunables, resolved once into a frozen :class:`Settings` at each entry point.
 
-Each value is resolved as: explicit argument (an entry point's ``settings=``: a
-:class:`Settings`, or a dict of tunables) > ``ASYNCCKPT_<NAME>`` environment variable > the
-default below. The entry points (``asyncckpt.save``/``load``/``reserve``,
-``Checkpointer``, ``asyncckpt.dcp``'s writer and reader, the Lightning plugin, the command
-line) resolve a :class:`Settings` when they start and hand it down; nothing below them reads
-the environment, and a writer process receives the object, not the caller's environment.
-An ``ASYNCCKPT_*`` variable that names no tunable is reported once, with the closest name.
+Each value is resolved as: explicit argument (an entry point's ``settings=``) >
+``ASYNCCKPT_<NAME>`` environment variable > the default below. The entry points (the
+drop-in API, ``Checkpointer``, ``asyncckpt.dcp``, the Lightning plugin, the command line)
+resolve one when they start and hand it down; nothing below them reads the environment, and
+a writer process receives the object, not the caller's environment.
 
 Example:
     >>> from asyncckpt._settings import Settings
@@ -208,13 +206,10 @@ class Settings:
         _check_names(explicit)
         values: dict[str, int] = {}
         for f in _fields():
-            value = explicit.get(f.name)
-            if value is not None:
-                values[f.name] = _check(f, value, "argument")
-                continue
             var = ENV_PREFIX + f.name.upper()
-            raw = env.get(var)
-            if raw is not None:
+            if (value := explicit.get(f.name)) is not None:
+                values[f.name] = _check(f, value, "argument")
+            elif (raw := env.get(var)) is not None:
                 values[f.name] = _check(f, _parse(var, raw), f"environment variable {var}")
         return cls(**values, given=frozenset(values))
 
@@ -239,8 +234,7 @@ class Settings:
         if settings is None:
             return cls.resolve()
         if isinstance(settings, Mapping):
-            explicit: dict[str, Any] = dict(settings)  # checked by name and range there
-            return cls.resolve(None, **explicit)
+            return cls.resolve(None, **dict(settings))  # checked by name and range there
         raise TypeError(
             "settings must be an asyncckpt.Settings, a dict of tunables (e.g. "
             f'{{"threads": 4}}) or None, not {type(settings).__name__}'

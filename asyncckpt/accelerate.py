@@ -59,15 +59,8 @@ _FORMAT_KEY = "asyncckpt_accelerate"
 
 # Where the state is sharded or owned by an engine, get_state_dict/state_dict() is not the
 # whole state; saving it would produce a version that cannot resume.
-_SUPPORTED = {
-    DistributedType.NO,
-    DistributedType.MULTI_CPU,
-    DistributedType.MULTI_GPU,
-    DistributedType.MULTI_NPU,
-    DistributedType.MULTI_MLU,
-    DistributedType.MULTI_MUSA,
-    DistributedType.MULTI_XPU,
-    DistributedType.MULTI_HPU,
+_SUPPORTED = {DistributedType.NO} | {
+    DistributedType[f"MULTI_{kind}"] for kind in ("CPU", "GPU", "NPU", "MLU", "MUSA", "XPU", "HPU")
 }
 # torch.<name> modules with get_rng_state_all/set_rng_state_all (what accelerate saves).
 _DEVICE_RNGS = ("cuda", "xpu", "mlu", "musa", "npu", "hpu")
