@@ -155,10 +155,9 @@ def pool(name: str, threads: int, nice: int = 0) -> DaemonPool:
         3
     """
     with _lock:
-        key = (name, threads)
-        if key not in _pools:
-            _pools[key] = DaemonPool(threads, name, nice)
-        return _pools[key]
+        if (name, threads) not in _pools:
+            _pools[name, threads] = DaemonPool(threads, name, nice)
+        return _pools[name, threads]
 
 
 def writer_cpu_seconds() -> float:
@@ -234,24 +233,21 @@ def _torch_worker_threads() -> list[str]:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return []
-    found = []
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:  # the thread has just exited
-            continue
-        if name.startswith(TORCH_WORKER_THREADS):
-            found.append(tid)
-    return found
+    return [t for t in tids if _task_file(t, "comm").strip().startswith(TORCH_WORKER_THREADS)]
 
 
 def _runnable(tid: str) -> bool:
+    _, paren, fields = _task_file(tid, "stat").rpartition(")")  # comm may hold ")"
+    return bool(paren) and fields.split()[:1] == ["R"]
+
+
+def _task_file(tid: str, name: str) -> str:
+    """``/proc/self/task/<tid>/<name>``; empty if the thread has just exited."""
     try:
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "R"
-    except (OSError, IndexError):
-        return False
+        with open(f"/proc/self/task/{tid}/{name}") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def save_queue(nice: int) -> DaemonPool:
