@@ -303,8 +303,7 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
             raise TypeError(
                 f"storage_options must be a dict of fsspec options, not {type(extra).__name__}"
             )
-        options = {**self.storage_options, **(extra or {})}
-        return options or None
+        return {**self.storage_options, **(extra or {})} or None
 
     def _settled(self, path: str | os.PathLike[str], where: MapLocation = None) -> MapLocation:
         """Before reading ``path``: wait for this plugin's saves to it, raise any failure.
@@ -327,11 +326,8 @@ class AsyncCkptIO(CheckpointIO):  # type: ignore[misc]
             self.on_durable(handle.path)
 
     def _collect(self) -> None:
-        """Take the outcome of every finished save; forget the successes.
-
-        Finished saves are observed here, so asyncckpt's own next ``save`` does not raise
-        the same failure a second time: this plugin reports it, once.
-        """
+        """Take the outcome of every finished save, forget the successes. Observing them
+        here keeps asyncckpt's next ``save`` from raising a failure this plugin reports."""
         for key, handles in list(self._pending.items()):
             running = []
             for handle in handles:
@@ -440,8 +436,7 @@ def _build(
     hparams_key = cls.CHECKPOINT_HYPER_PARAMS_KEY
     if hparams_file is not None:
         checkpoint[hparams_key] = _read_hparams_file(hparams_file)
-    checkpoint.setdefault(hparams_key, {})
-    checkpoint[hparams_key].update(kwargs)
+    checkpoint.setdefault(hparams_key, {}).update(kwargs)
     if issubclass(cls, pl.LightningDataModule):
         return cast(_Loadable, pl_saving._load_state(cls, checkpoint, **kwargs))
     model = cast(
