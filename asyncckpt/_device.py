@@ -53,8 +53,7 @@ def device_types() -> frozenset[str]:
         >>> "cuda" in device_types() and "_dynamo" not in device_types()
         True
     """
-    renamed = torch._C._get_privateuse1_backend_name()
-    return DEVICE_TYPES | {renamed}
+    return DEVICE_TYPES | {torch._C._get_privateuse1_backend_name()}
 
 
 def known_device(saved: str) -> bool:
@@ -138,10 +137,9 @@ def _parse_device(where: str | torch.device) -> torch.device:
 class Cuda:
     """Every ``torch.cuda`` call asyncckpt makes, and the own-device rule built on them.
 
-    The methods are the primitives (one CUDA runtime call each, no policy), so that a fake
-    (``tests/fake_cuda.py``) can record them in order and fail any of them; the policy
-    (:meth:`own_device`, the order of a save's copies in ``_engine/snapshot.py``, arena
-    registration in ``_engine/arena.py``) runs unchanged over the fake.
+    The methods are primitives (one CUDA runtime call each, no policy), so that a fake
+    (``tests/fake_cuda.py``) can record them in order and fail any of them, while the policy
+    (:meth:`own_device`, ``_engine/snapshot.py``, ``_engine/arena.py``) runs unchanged.
 
     Example:
         >>> cuda().device_of(torch.zeros(1))
@@ -178,8 +176,7 @@ class Cuda:
         return int(torch.cuda.current_device())
 
     def bound_device(self) -> int | None:
-        """The device the default process group is bound to
-        (``init_process_group(device_id=...)``), if any."""
+        """The device ``init_process_group(device_id=...)`` bound the default group to, if any."""
         if not (dist.is_available() and dist.is_initialized()):
             return None
         bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None)
@@ -502,8 +499,7 @@ class Placement:
         target.copy_(source)
 
     def synchronize(self) -> None:
-        """Wait for the asynchronous host-to-device copies started by :meth:`place` and
-        :meth:`copy_into`."""
+        """Wait for the host-to-device copies that :meth:`place` and :meth:`copy_into` started."""
         for device in self._cuda_devices:
             cuda().synchronize(device.index if device.index is not None else 0)
         self._cuda_devices.clear()

@@ -17,8 +17,8 @@ What a version holds (the top-level keys; ``FORMAT`` below is bumped on a change
 - ``custom``: each object given to ``accelerator.register_for_checkpointing``;
 - ``rng``: **every** process's RNG states (python, numpy, torch CPU and each accelerator),
   indexed by process; each process restores its own;
-- ``step``: the version's step;
-- ``accelerator``: ``accelerator.step`` and the project configuration's save iteration;
+- ``step``: the version's step; ``accelerator``: ``accelerator.step`` and the project
+  configuration's save iteration.
 
 Unlike ``Accelerator.load_state``, the dataloaders' epoch counters come back too, so a
 resumed ``for batch in dataloader`` shuffles as the uninterrupted run would have.

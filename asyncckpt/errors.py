@@ -96,11 +96,10 @@ class MemoryBudgetError(FormatError):
 class FileReplacedError(AsyncCkptError):
     """The file was replaced by another one while it was being loaded.
 
-    A load reads one file through one handle: on local disk and ``memory://`` a file
-    replaced meanwhile does not change what it reads, while on an object store every
-    ranged read is pinned to the ETag of the load's first response, and the store refuses
-    one on a newer object (``412 Precondition Failed``). The load then starts over on the
-    new object; this error is raised when it was replaced at every attempt.
+    On local disk and ``memory://`` a file replaced meanwhile does not change what a load
+    reads. On an object store every ranged read is pinned to the ETag of the load's first
+    response (``412 Precondition Failed`` on a newer object), and the load starts over on
+    the new object; this error is raised when it was replaced at every attempt.
 
     Attributes:
         path: the file.

@@ -490,8 +490,7 @@ class AsyncCkptTrainer(AsyncCkptTrainerMixin, transformers.Trainer):
 
 def _start_step(folder: str | None) -> int:
     """The step training resumes from with ``folder``: its ``trainer_state.json``'s
-    ``global_step`` (as ``Trainer.train`` reads it), else the ``checkpoint-N`` name's N,
-    else 0 (training starts from scratch)."""
+    ``global_step`` (as ``Trainer.train`` reads it), else its name's N; 0 without one."""
     if folder is None:
         return 0
     try:
