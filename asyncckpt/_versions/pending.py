@@ -1,14 +1,9 @@
 """Drop-in save markers: a load in any process waits for a save of the same file.
 
-``asyncckpt.save(obj, path)`` returns before ``path`` is written. So that a ``load(path)``
-that begins after that ``save`` returned, in *any* process, gets that save's state or a later
-one, a small marker ``<path>.ackpending`` (a
-:class:`~asyncckpt._versions.pending_record.PendingRecord`) sits beside the file exactly
-while a drop-in save of it is in flight: :func:`begin` writes it (kept alive by the
-process's heartbeat, :mod:`asyncckpt._liveness`), :class:`MarkerCheck` refuses to publish
-once a later save replaced it, :func:`finish` deletes it, :func:`wait_for_saves` waits
-while it exists and its writer is alive. docs/PROTOCOL.md §8 says how, and what each
-store's locking leaves open.
+The marker ``<path>.ackpending`` sits beside the file while a drop-in save of it is in
+flight: :func:`begin` writes it (a beat of the liveness kernel), :class:`MarkerCheck`
+refuses to publish once a later save replaced it, :func:`finish` deletes it,
+:func:`wait_for_saves` waits while it exists and its writer is alive (docs/PROTOCOL.md §8).
 """
 
 from __future__ import annotations
@@ -115,8 +110,7 @@ _own_start = functools.cache(process_start)
 
 
 def _new_record(token: str) -> PendingRecord:
-    machine = this_machine()
-    pid = os.getpid()
+    machine, pid = this_machine(), os.getpid()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return PendingRecord(
         token, machine.host, pid, machine.pid_ns, machine.boot, _own_start(pid), 0, started
@@ -126,10 +120,8 @@ def _new_record(token: str) -> PendingRecord:
 def writer_gone(record: PendingRecord) -> str | None:
     """Why the process that wrote ``record`` is certainly not writing any more, or None.
 
-    Only a writer on this machine (same host name, pid namespace and boot id) can be
-    judged: it is gone if its pid no longer exists or now belongs to a process that
-    started at another time, or if it is this very process and this process has no save
-    of that marker in flight (a marker left by a failed clean-up).
+    Only a writer on this machine can be judged (docs/PROTOCOL.md §8, step 5); this very
+    process is one with no save of that marker in flight (a failed clean-up left it).
 
     Example:
         >>> record = _new_record("not-in-flight")
@@ -187,10 +179,9 @@ def _held_slot(storage: Storage, path: str) -> Iterator[_Slot]:
             try:
                 yield slot
             finally:
-                if slot.token is None:
-                    with _lock:
-                        if _slots.get(key) is slot:
-                            del _slots[key]
+                with _lock:
+                    if slot.token is None and _slots.get(key) is slot:
+                        del _slots[key]
             return
 
 
@@ -211,8 +202,7 @@ class MarkerCheck:
     def __call__(self) -> Iterator[None]:
         marker = marker_of(self.path)
         with self.storage.marker_lock(marker):
-            raw = self.storage.read_marker(marker, MAX_PENDING_BYTES)
-            record = None if raw is None else decode_pending(raw)
+            raw, record = _read(self.storage, marker)
             if record is None or record.token != self.token:
                 raise ConflictError(_superseded(self.storage, self.path, raw, record))
             yield
@@ -240,10 +230,8 @@ def _superseded(
 def begin(storage: Storage, path: str, *, settings: Settings) -> MarkerCheck | None:
     """Write the marker of a save of ``path`` that is starting (before ``save`` returns).
 
-    If this process already has a save of ``path`` in flight whose marker is still its
-    own, the new save shares that marker (saves of one process run in order: the marker
-    stays until the last of them ends). The marker beats every ``lease_renew_ms`` of
-    ``settings``.
+    A save of ``path`` this process has in flight, its marker still its own, shares it
+    with the new one (docs/PROTOCOL.md §8, step 1). It beats every ``lease_renew_ms``.
 
     Returns:
         The save's publish guard (pass it to the write, then to :func:`finish`); None
@@ -283,9 +271,13 @@ def begin(storage: Storage, path: str, *, settings: Settings) -> MarkerCheck | N
     return MarkerCheck(storage, path, token)
 
 
-def _carries(storage: Storage, marker: str, token: str) -> bool:
+def _read(storage: Storage, marker: str) -> tuple[bytes | None, PendingRecord | None]:
     raw = storage.read_marker(marker, MAX_PENDING_BYTES)
-    record = None if raw is None else decode_pending(raw)
+    return raw, None if raw is None else decode_pending(raw)
+
+
+def _carries(storage: Storage, marker: str, token: str) -> bool:
+    record = _read(storage, marker)[1]
     return record is not None and record.token == token
 
 
@@ -384,39 +376,32 @@ DEAD_WRITER_CHOICES = ("raise", "load")
 def wait_for_saves(
     storage: Storage, path: str, dead_writer: str = "raise", *, settings: Settings
 ) -> None:
-    """Return once no drop-in save of ``path`` is in flight in any process.
+    """Return once no drop-in save of ``path`` is in flight in any process: one read when
+    there is no marker, else polled (docs/PROTOCOL.md §8, step 5).
 
-    One read of the marker when there is none (the common case). While there is one, it
-    is read again with the liveness kernel's backoff (20 ms doubling to 1 s, jittered).
-
-    ``dead_writer``: ``"raise"``: a save whose writer is dead raises; ``"load"``: it is
-    logged (a warning) and this returns, so that the file is loaded as it is (the previous
-    save's state): for a job resuming after that very writer crashed. A marker unchanged
-    for the ``lease_expiry_ms`` of ``settings`` is a dead writer's.
+    ``dead_writer`` (one of :data:`DEAD_WRITER_CHOICES`, which ``load`` checks): a save
+    whose writer is dead (gone from this machine, or its marker stale for the
+    ``lease_expiry_ms`` of ``settings``) raises, or (``"load"``) is logged and this
+    returns, so that the file is loaded as it is.
 
     Raises:
-        CheckpointTimeoutError: the saving process is dead: it ran on this machine and is
-            gone, or its marker has not changed for ``lease_expiry_ms``. The message names
-            the file, the writer and how long this waited, and how to clear it.
+        CheckpointTimeoutError: the saving process is dead (the message names the file,
+            the writer, how long this waited and how to clear it).
         StorageError: the marker could not be read.
-        ValueError: ``dead_writer`` is not one of :data:`DEAD_WRITER_CHOICES`.
     """
-    if dead_writer not in DEAD_WRITER_CHOICES:
-        raise ValueError(f"dead_writer must be one of {DEAD_WRITER_CHOICES}, got {dead_writer!r}")
     if storage.process_local:
         return
     marker = marker_of(path)
-    first = [storage.read_marker(marker, MAX_PENDING_BYTES)]
-    if first[0] is None:
+    first = [_read(storage, marker)]
+    if first[0][0] is None:
         return
     watch = liveness.Staleness(settings.lease_expiry_ms / 1000)
     started = liveness.clock().now()
 
     def ended() -> bool | None:
-        raw = first.pop() if first else storage.read_marker(marker, MAX_PENDING_BYTES)
+        raw, record = first.pop() if first else _read(storage, marker)
         if raw is None:
             return True
-        record = decode_pending(raw)
         stale = watch.stale_for(marker, raw)  # a beat, or another save: alive
         gone = None if record is None else writer_gone(record)
         if gone is None and stale is not None:
@@ -463,10 +448,9 @@ def describe_pending(storage: Storage, path: str) -> str | None:
     """
     if storage.process_local:
         return None
-    raw = storage.read_marker(marker_of(path), MAX_PENDING_BYTES)
+    raw, record = _read(storage, marker_of(path))
     if raw is None:
         return None
-    record = decode_pending(raw)
     marker = storage.describe(marker_of(path))
     if record is None:
         return f"a save of this file is in flight ({marker} is being rewritten)"
