@@ -1,13 +1,10 @@
 """A sharded version's ranks: each writes its file and records; the writer waits for all.
 
-Every rank writes one file in the background (:class:`RankJob`, the sharded
-:class:`~asyncckpt._versions.publish.RankPart`), its progress record (``.beat``) while it
-writes, then its completion record (``.done``) or its failure record (``.failed``); the
-writer rank commits once every rank's file is durable, with no collective during the
-write. ``<attempt>``, in every name, is the same on every rank (``sharded_save.Attempts``)
-and never reused: everything a save puts under a step is named by it, and a writer that
-lost the lease removes nothing else. ``docs/sharded.md`` ("Layout of a sharded version")
-describes the step directory and the whole protocol.
+Each rank's :class:`RankJob` writes its file, a progress record (``.beat``) meanwhile, then
+``.done`` or ``.failed``; the writer rank commits once every file is durable, with no
+collective during the write. Every name carries the save's ``<attempt>`` (the same on
+every rank, never reused), so a writer that lost the lease removes only its own
+(docs/sharded.md, "Layout of a sharded version"; docs/PROTOCOL.md §6b).
 """
 
 from __future__ import annotations
@@ -77,17 +74,15 @@ class RankJob:
     options: WriteOptions
     #: The tunables of the save (its ``Checkpointer``'s): the record's renewal and expiry.
     settings: Settings
-    #: The rank's progress record, renewed by ``save`` from before the copy (or by
-    #: :meth:`write`) until its file is written, so the writer rank can tell a slow rank
-    #: from a dead one.
+    #: The rank's progress record (:meth:`start_beat`), until its file is written.
     beat: liveness.Beat | None = None
     #: Seconds the writer rank waits for every completion record (the group's timeout).
     timeout: float = 1800.0
 
     def start_beat(self) -> None:
-        """Start this rank's progress record: from here it is alive to the writer rank,
-        whatever delays its write (a long copy, an arena held by its previous save). The
-        process's heartbeat writes it at once, then every ``lease_renew_ms``."""
+        """Start this rank's progress record (at once, then every ``lease_renew_ms``): from
+        here it is alive to the writer rank, whatever delays its write (docs/PROTOCOL.md
+        §6b, "When a rank counts as dead")."""
         storage, path, rank, count = self.storage, self.path(BEAT), self.rank, itertools.count()
 
         def renew() -> None:
@@ -142,11 +137,8 @@ class RankJob:
         return self.storage.join(self.directory, name)
 
     def write(self, snap: Snapshot | None = None) -> int:
-        """Write this rank's file, then its completion record; return the file's size.
-
-        A failure leaves a ``.failed`` record (best effort), so the writer rank stops
-        waiting for this rank at once.
-        """
+        """Write this rank's file, then its completion record; return the file's size. A
+        failure leaves a ``.failed`` record (best effort): the writer rank stops waiting."""
         if self.beat is None:
             self.start_beat()
         assert self.beat is not None
@@ -186,20 +178,16 @@ class RankJob:
 
 
 def await_ranks(job: RankJob, timeout: float, started: float | None = None) -> dict[int, RankDone]:
-    """Poll the step directory until every rank's completion record is there; return
-    ``{rank: record}`` for every rank of the group.
+    """Poll the step directory (of the writer rank's ``job``) until every rank's completion
+    record is there, for at most ``timeout`` seconds; return ``{rank: record}``.
 
-    ``job`` is the writer rank's job of the save; ``timeout`` the seconds to wait at most
-    for every completion record (the group's timeout); ``started`` the time
-    (``liveness.clock().now()``) when the writer started this save's job (default: now): a
-    rank without any record ``lease_expiry_ms`` after it is given up.
+    ``started``: when the writer started this save's job, on the liveness clock (default:
+    now); a rank with no record ``lease_expiry_ms`` after it is dead (docs/PROTOCOL.md §6b).
 
     Raises:
         IncompleteCheckpointError: a rank recorded that its write failed.
-        CheckpointTimeoutError: a rank wrote no record at all within ``lease_expiry_ms``
-            of ``started`` (it died before its save, or never called it), a rank's
-            progress record stopped changing for ``lease_expiry_ms`` (it died or froze),
-            or some rank wrote no completion record within ``timeout`` seconds.
+        CheckpointTimeoutError: a rank is dead (no record, or a stale one), or some rank
+            wrote no completion record within ``timeout`` seconds.
         FormatError: a record cannot be understood.
     """
     watch = _ProgressWatch(job, liveness.clock().now() if started is None else started)
@@ -212,8 +200,8 @@ def await_ranks(job: RankJob, timeout: float, started: float | None = None) -> d
     def expired(waited: float) -> CheckpointTimeoutError:
         shown = ", ".join(str(r) for r in missing[:10])
         return CheckpointTimeoutError(
-            f"step {job.step} under {job.storage.describe(job.root)}: rank(s) {shown} "
-            f"wrote no completion record within {timeout:.0f} s; not committing it"
+            f"{watch.what}: rank(s) {shown} wrote no completion record within {timeout:.0f} s; "
+            "not committing it"
         )
 
     return liveness.poll(
@@ -225,8 +213,8 @@ class _ProgressWatch:
     """Every rank's records of one attempt, as seen by the writer's polls."""
 
     def __init__(self, job: RankJob, started: float) -> None:
-        self.job = job
-        self.started = started
+        self.job, self.started = job, started
+        self.what = f"step {job.step} under {job.storage.describe(job.root)}"
         self.found: dict[int, RankDone] = {}
         self.beats = liveness.Staleness(job.settings.lease_expiry_ms / 1000)
         # Progress files change every lease_renew_ms; reading all of them on every poll
@@ -235,12 +223,9 @@ class _ProgressWatch:
         self.beats_read_at = -float("inf")
 
     def check(self, names: set[str]) -> list[int]:
-        """Take in what a listing shows; return the ranks still missing.
-
-        The records a listing reveals are read in parallel: with many ranks finishing at
-        once, reading them one request at a time would put world x latency between the
-        last rank's write and the commit.
-        """
+        """Take in what a listing shows; return the ranks still missing. The records it
+        reveals are read in parallel: one request at a time would put world x latency
+        between the last rank's write and the commit."""
         job = self.job
         done, writing, silent = [], [], []
         for rank in range(job.world):
@@ -248,8 +233,7 @@ class _ProgressWatch:
                 continue
             if record_name(rank, job.attempt, FAILED) in names:
                 raise IncompleteCheckpointError(
-                    f"step {job.step} under {job.storage.describe(job.root)}: rank {rank} "
-                    f"failed to write its part: {self._error(rank)}"
+                    f"{self.what}: rank {rank} failed to write its part: {self._error(rank)}"
                 )
             if record_name(rank, job.attempt, DONE) in names:
                 done.append(rank)
@@ -272,9 +256,8 @@ class _ProgressWatch:
             stale = None if beat is None else self.beats.stale_for(rank, beat)
             if stale is not None:  # None: removed since the listing (the rank finished)
                 raise CheckpointTimeoutError(
-                    f"step {job.step} under {job.storage.describe(job.root)}: rank {rank} has "
-                    f"not recorded progress for {stale:.1f} s, so it died or froze while "
-                    "writing its part; not committing the step"
+                    f"{self.what}: rank {rank} has not recorded progress for {stale:.1f} s, so "
+                    "it died or froze while writing its part; not committing the step"
                 )
         return [r for r in range(job.world) if r not in self.found]
 
@@ -285,11 +268,10 @@ class _ProgressWatch:
         dead = [r for r in silent if self.beats.stale_for(r, _SILENT, self.started) is not None]
         if not dead:
             return
-        job, waited = self.job, liveness.clock().now() - self.started
+        waited = liveness.clock().now() - self.started
         shown = ", ".join(str(r) for r in dead[:10]) + (", ..." if len(dead) > 10 else "")
         raise CheckpointTimeoutError(
-            f"step {job.step} under {job.storage.describe(job.root)}: "
-            f"{'rank' if len(dead) == 1 else 'ranks'} {shown} recorded no progress "
+            f"{self.what}: {'rank' if len(dead) == 1 else 'ranks'} {shown} recorded no progress "
             f"{waited:.1f} s after the writer rank started the save (lease_expiry_ms is "
             f"{self.beats.expiry_s * 1000:.0f}): dead before saving, or never called save(); "
             "not committing the step"
