@@ -1,7 +1,5 @@
-"""The writer lease on storage: its records under ``_lease/`` (created, renewed, read), and
-the wait for a step that they serve: the writer's failure and a lease that stopped changing
-end it (docs/PROTOCOL.md, "Roles and the writer lease"; the liveness kernel's poll and
-stale rule).
+"""The writer lease on storage: its records under ``_lease/``, and the wait for a step that
+the writer's failure or a stale lease ends (docs/PROTOCOL.md §0 and §0b).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ def lease_path(storage: Storage, root: str, epoch: int) -> str:
 def lease_epochs(storage: Storage, root: str) -> list[int]:
     """Every epoch that has a lease record, ascending."""
     names = storage.list_dir(storage.join(root, LEASE_DIR))
-    return sorted(int(n) for n in names if len(n) == 12 and n.isascii() and n.isdigit())
+    return sorted(e for n in names if TEMP_MARK not in n and (e := lease_epoch_of(n)) is not None)
 
 
 def lease_epoch_of(name: str) -> int | None:
@@ -51,10 +49,7 @@ def write_lease(storage: Storage, root: str, lease: LeaseRecord, create: bool = 
     """Write ``lease``'s record: claim its epoch with an exclusive create (``create``;
     ConflictError: another writer claimed it first), or rewrite it with its next beat."""
     path, record = lease_path(storage, root, lease.epoch), encode_record(asdict(lease))
-    if create:
-        storage.create_exclusive(path, record)
-    else:
-        storage.write_bytes(path, record)
+    (storage.create_exclusive if create else storage.write_bytes)(path, record)
 
 
 def current_lease(storage: Storage, root: str) -> LeaseRecord | None:
@@ -80,14 +75,11 @@ def wait_for_step(
     *,
     expiry_s: float,
 ) -> None:
-    """Poll (:func:`~asyncckpt._liveness.poll`) until ``step`` is committed, for at most
-    ``timeout`` seconds (None: for ever, or until the lease goes stale).
+    """Poll until ``step`` is committed, for at most ``timeout`` seconds (None: for ever, or
+    until the lease, unchanged for ``expiry_s`` seconds, is stale).
 
-    ``writer`` is the token of the writer whose save of ``step`` is awaited (a collective
-    load knows it): only that writer's ``FAILED`` marker ends the wait. None: only a
-    marker of the current lease's epoch does, so a marker an earlier job left never stops
-    a wait for the current writer's save of the same step. A lease record unchanged for
-    ``expiry_s`` seconds is stale (the ``lease_expiry_ms`` of the caller's settings).
+    Only the ``FAILED`` marker of the awaited attempt ends the wait (:func:`_awaited`;
+    ``writer``: that writer's token, where known), so one an earlier job left never does.
 
     Raises:
         IncompleteCheckpointError: the awaited attempt recorded that the save of ``step``
@@ -137,10 +129,8 @@ def wait_for_step(
 
 
 def _awaited(failure: FailureRecord, writer: str | None, lease: LeaseRecord | None) -> bool:
-    """Whether ``failure`` is that of the save attempt a waiter waits for.
-
-    The attempt of ``writer`` when the waiter knows it; else the current lease holder's
-    (the epoch of the newest lease record; 0 on a root no writer ever took a lease on).
+    """Whether ``failure`` is that of the awaited attempt: ``writer``'s when the waiter knows
+    it; else the current lease holder's (its epoch; 0 on a root never leased).
 
     Example:
         >>> old = FailureRecord(3, "disk full", "a1", epoch=1)
