@@ -1,18 +1,9 @@
 """The writing side of a checkpoint root: the lease, recovery, commit and retention.
 
 Only a process that saves builds a :class:`RootWriter`, and it touches the root only from
-its first save on. That save takes the writer lease: a new epoch, claimed with an exclusive
-create, installed in the version file with a compare-and-swap. From then on every commit is
-conditional on the version file still carrying this writer's epoch, so a writer that
-another job has taken the root from (a frozen or restarted predecessor) fails with
-:class:`~asyncckpt.errors.ConflictError` and changes nothing readers see.
-
-What a writer deletes follows two rules (``docs/PROTOCOL.md`` §5): anything another writer
-may own (old versions, leftovers, temp files, lease records, rank and ``FAILED`` records)
-only while it holds the lease, checked right before (:meth:`RootWriter.holds_lease`), and
-only what :func:`~asyncckpt._versions.retention.deletion_plan` allows; and, at any time,
-the files of its own save attempt, which are named by that attempt so no other writer can
-have written them.
+its first save on, which takes the writer lease. Every commit, and every deletion of what
+another writer may own, is fenced by that lease (docs/PROTOCOL.md §0, "The writer lease"
+and "Fencing of every write and deletion"; §5 for what may be deleted).
 """
 
 from __future__ import annotations
@@ -92,10 +83,7 @@ class RootWriter:
     """
 
     def __init__(self, storage: Storage, root: str, token: str, settings: Settings) -> None:
-        self.storage = storage
-        self.root = root
-        self.token = token
-        self.settings = settings
+        self.storage, self.root, self.token, self.settings = storage, root, token, settings
         self.epoch: int | None = None
         self.published: int | None = None
         self._lock = threading.Lock()
@@ -201,11 +189,8 @@ class RootWriter:
             )
 
     def _start_heartbeat(self) -> None:
-        """Rewrite this writer's lease record every ``lease_renew_ms`` (a beat of the
-        process's heartbeat) until :meth:`release`, until the writer is fenced (another took
-        the root: its recovery pruned the record, which a beat must not bring back), or
-        until the writer is garbage (a Checkpointer never closed): the beat holds the
-        writer only weakly."""
+        """Renew this writer's lease record (docs/PROTOCOL.md §0, step 5): until
+        :meth:`release`, the writer is fenced, or it is garbage (held weakly)."""
         assert self.epoch is not None
         epoch, token, storage, root = self.epoch, self.token, self.storage, self.root
         record = lease_path(storage, root, epoch)
@@ -239,10 +224,8 @@ class RootWriter:
     # -- the lease, before every deletion ---------------------------------------------
 
     def _lease_held(self) -> bool | None:
-        """Whether the version file still names this writer (token and epoch): one read.
-
-        None when it cannot be told (the read failed).
-        """
+        """Whether the version file still names this writer (token and epoch): one read;
+        None when it cannot be told (the read failed)."""
         if self.epoch is None:
             return False
         try:
@@ -252,12 +235,9 @@ class RootWriter:
         return record is not None and record.epoch == self.epoch and record.writer == self.token
 
     def holds_lease(self) -> bool:
-        """Whether this writer still holds the root's lease, as the version file says now.
-
-        Checked right before every deletion of something another writer may own, and
-        before every record written under a step: a writer another job took the root from
-        deletes nothing of it. A read that fails counts as no.
-        """
+        """Whether this writer still holds the root's lease, as the version file says now
+        (a read that fails counts as no): checked right before every deletion of what
+        another writer may own, and before every record written under a step."""
         return self._lease_held() is True
 
     def _may_delete(self, what: str) -> bool:
@@ -275,22 +255,13 @@ class RootWriter:
     # -- recovery and retention -----------------------------------------------------------
 
     def _recover(self) -> None:
-        """Drop what earlier writers left: temp files, uncommitted steps, old lease records,
-        ``FAILED`` markers of earlier epochs.
-
-        Only uncommitted steps older than the published one (:func:`deletion_plan` with
-        every committed version kept): steps only increase, so those can never be
-        committed. A newer one may be the save in flight of the writer this one just
-        fenced, or of a writer racing it for the same step; removing its data could leave
-        that writer's commit record naming nothing. Retention removes such steps once a
-        newer version is committed, and a commit sweeps foreign files out of its own step
-        directory. Their ``FAILED`` markers go now: they tell of an earlier job's attempt,
-        and this writer may save the same step again.
-        """
+        """Drop what earlier writers left: temp files, uncommitted steps older than the
+        published one (a newer one may be the fenced writer's save in flight), old lease
+        records, ``FAILED`` markers of earlier epochs (docs/PROTOCOL.md §0, step 4)."""
         storage, root = self.storage, self.root
         try:
             entries = list_steps(storage, root)
-            self._remove_temps(root, "temp files")
+            self._remove_leftovers(root, "temp files")
             good = newest_good(storage, root, entries)
             plan = deletion_plan(entries, RetentionPolicy(), self.published, good=good)
             for entry in plan:
@@ -314,7 +285,7 @@ class RootWriter:
         storage, directory = self.storage, step_dir(self.storage, self.root, entry.step)
         floor = -1 if self.published is None else self.published
         if entry.state == COMMITTED and entry.step <= floor:
-            self._remove_temps(directory, f"temp files in step {entry.step}")
+            self._remove_leftovers(directory, f"temp files in step {entry.step}")
         elif entry.state == UNCOMMITTED:
             failure = read_failure(storage, self.root, entry.step)
             assert self.epoch is not None
@@ -323,10 +294,10 @@ class RootWriter:
                 log.info("removing step %d's FAILED record of an earlier epoch", entry.step)
                 storage.delete(storage.join(directory, FAILED_FILE))
 
-    def _remove_temps(self, directory: str, what: str) -> None:
-        """Delete the temp files directly under ``directory``, if there are any and this
-        writer holds the lease (checked only then: most calls find none)."""
-        names = temp_files(self.storage, directory)
+    def _remove_leftovers(self, directory: str, what: str, names: list[str] | None = None) -> None:
+        """Delete ``names`` (default: the temp files) directly under ``directory``, if there
+        are any and this writer holds the lease (checked only then: most calls find none)."""
+        names = temp_files(self.storage, directory) if names is None else names
         if names and self._may_delete(what):
             for name in names:
                 self.storage.delete(self.storage.join(directory, name))
@@ -340,20 +311,13 @@ class RootWriter:
             return  # never delete through a link
         epochs = {n: lease_epoch_of(n) for n in self.storage.list_dir(directory)}
         older = [n for n, e in epochs.items() if e is not None and e < self.epoch]
-        if older and self._may_delete("lease records of earlier epochs"):
-            for name in older:
-                self.storage.delete(self.storage.join(directory, name))
+        self._remove_leftovers(directory, "lease records of earlier epochs", older)
 
     def apply_retention(self, policy: RetentionPolicy, pinned: int, spare: int | None) -> None:
-        """Delete the versions ``policy`` does not keep and leftovers older than ``pinned``.
-
-        Exactly what :func:`~asyncckpt._versions.retention.deletion_plan` allows: never
-        ``pinned`` (just published), ``spare`` (a step other ranks may be reading), anything
-        newer, or a step whose marker cannot be understood. Each deletion first checks that
-        this writer still holds the lease; a writer another job took the root from deletes
-        nothing. Failures only warn: the new version is committed, and the next save
-        retries.
-        """
+        """Delete the versions ``policy`` does not keep and leftovers older than ``pinned``:
+        what :func:`~asyncckpt._versions.retention.deletion_plan` allows (never ``pinned``,
+        ``spare``: a step other ranks may be reading, or anything newer), each only while
+        this writer holds the lease. Failures only warn: the next save retries."""
         storage, root = self.storage, self.root
         try:
             entries = list_steps(storage, root)
@@ -366,7 +330,7 @@ class RootWriter:
                 if not self._may_delete(f"step {entry.step} (retention)"):
                     return
                 delete_version(storage, root, entry.step)
-            self._remove_temps(root, "temp files")
+            self._remove_leftovers(root, "temp files")
         except AsyncCkptError as exc:
             log.warning(
                 "retention under %s failed (will retry after the next save): %s", self.where, exc
@@ -441,13 +405,11 @@ class RootWriter:
     def fence(self, step: int, own: tuple[str, ...]) -> tuple[VersionRecord, str | None]:
         """Check, right before writing what makes ``step`` a version (its metadata, its
         ``COMMIT``), that this writer still holds the lease; return the version file's
-        record and tag, as read. ``own`` are the files of this save attempt in its
-        directory, named by the attempt (no other writer can have written them): removed
-        if the lease is lost.
+        record and tag, as read. ``own``: this attempt's files in its directory (named by
+        it, so ours), removed if the lease is lost.
 
         Raises:
-            FencedError: another writer took the root over. Nothing but ``own`` was
-                deleted, and the message says which of those could not be.
+            FencedError: another writer took the root over (nothing but ``own`` deleted).
         """
         record, tag = read_version_tagged(self.storage, self.root)
         if record is not None and record.epoch == self.epoch and record.writer == self.token:
@@ -511,15 +473,10 @@ class RootWriter:
         self.published = step
 
     def _still_newest(self, step: int) -> bool:
-        """Whether our committed step is still the root's newest after another writer took
-        the root over between our marker and the version file.
-
-        Then the version is whole, no newer one exists, and readers load it (the version
-        file names it, or ``latest()`` falls back to it); the new writer's own save of the
-        same step is the one that fails, so exactly one of two racers wins. If the new
-        writer already published something newer, our step stays an old version and this
-        writer is fenced.
-        """
+        """Whether our committed step is still the root's newest (whole, nothing newer
+        published) after another writer took the root over between our marker and the
+        version file: then it stands and the racer fails (docs/PROTOCOL.md §0, "Residual
+        windows")."""
         try:
             record, _ = read_version_tagged(self.storage, self.root)
             commit = read_commit_strict(self.storage, self.root, step)
@@ -534,13 +491,9 @@ class RootWriter:
         )
 
     def _withdraw(self, step: int) -> bool:
-        """Remove our own marker of ``step`` if it names data that is gone (only ours:
-        another writer may be committing the same step in the same directory); return
-        whether it was removed.
-
-        Allowed without the lease: the marker is provably this writer's (its token), and a
-        marker naming missing data is no version, so no other writer keeps it.
-        """
+        """Remove our own marker of ``step`` (only ours: another writer may be committing the
+        same step; its token makes it ours, so no lease is needed) if it names data that is
+        gone, so is no version; return whether it was removed."""
         with contextlib.suppress(AsyncCkptError):
             commit = read_commit_strict(self.storage, self.root, step)
             if commit is None or commit.writer != self.token:
@@ -554,12 +507,8 @@ class RootWriter:
         return False
 
     def _sweep(self, step: int, files: tuple[str, ...]) -> None:
-        """After our commit of ``step``, remove what else is in its directory (an earlier
-        attempt's partial data, a racer's data): nothing can commit it any more.
-
-        Only while this writer holds the lease (another writer's files are not ours to
-        remove otherwise), and never through a symbolic link.
-        """
+        """After our commit of ``step``, remove what else is in its directory (nothing can
+        commit it any more): only while this writer holds the lease, never through a link."""
         directory = step_dir(self.storage, self.root, step)
         with contextlib.suppress(AsyncCkptError):
             if self.storage.is_link(directory):
