@@ -1,10 +1,7 @@
 """The liveness kernel: small records rewritten as proof of life, judged stale on the
-reader's clock, waited on with backoff (docs/PROTOCOL.md, "The liveness kernel").
-
-The writer lease, the ranks' progress records and the drop-in save markers say what their
-records hold; this module does the rest, once: one :class:`Clock` (injectable:
-:func:`use_clock`), one :class:`Heartbeat` thread per process renewing every :class:`Beat`
-when due, one stale rule (:class:`Staleness`) and one wait (:func:`poll`).
+reader's clock, waited on with backoff (docs/PROTOCOL.md §0b): one :class:`Clock`
+(injectable: :func:`use_clock`), one :class:`Heartbeat` thread per process renewing every
+:class:`Beat`, one stale rule (:class:`Staleness`) and one wait (:func:`poll`).
 """
 
 from __future__ import annotations
@@ -47,10 +44,9 @@ class RealClock:
 
 
 class Beat:
-    """One record this process keeps alive (made by :meth:`Heartbeat.add`): ``renew`` is
-    called every ``period`` seconds until :meth:`stop`, or until it returns False (the
-    record is lost to another process, or its owner is gone). A renew that raises is
-    logged and retried a period later: a missed beat only lets readers give up sooner."""
+    """One record this process keeps alive (:meth:`Heartbeat.add`): ``renew`` runs every
+    ``period`` s until :meth:`stop`, or until it returns False (the record is lost); one
+    that raises is logged and retried a period later (docs/PROTOCOL.md §0b)."""
 
     def __init__(self, owner: Heartbeat, name: str, period: float, renew: Callable[[], object]):
         self.name, self.period, self.renewals, self.due, self.busy = name, period, 0, 0.0, False
@@ -136,9 +132,8 @@ class Heartbeat:
 
     def drop(self, beat: Beat) -> None:
         """Forget ``beat`` (:meth:`Beat.stop` does)."""
-        with self._lock:
-            if beat in self._beats:
-                self._beats.remove(beat)
+        with self._lock, contextlib.suppress(ValueError):
+            self._beats.remove(beat)
         self._wake.set()
 
     def beats(self) -> list[Beat]:
@@ -275,10 +270,9 @@ def poll(
     """Call ``attempt`` until it returns something other than None, and return that;
     ``attempt`` raises to end the wait with an error.
 
-    Between calls, a delay of ``first`` seconds doubling up to ``cap``, each drawn from 50
-    to 150 % of itself (so that waiters do not poll in step), never past the deadline
-    ``timeout`` seconds from now, nor past the moment a record ``watch`` follows would turn
-    stale. ``what`` is logged every minute the wait lasts ("still waiting for ...").
+    The backoff (``first`` seconds doubling up to ``cap``, jittered) never sleeps past
+    ``timeout`` nor past the moment a record ``watch`` follows turns stale (docs/PROTOCOL.md
+    §0b, "One wait"). ``what`` is logged every minute the wait lasts.
 
     Raises:
         BaseException: ``expired(seconds waited)``, once ``timeout`` seconds passed with no
