@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 from asyncckpt._versions.protocol import decode_record, encode_record
 from asyncckpt.errors import FormatError
@@ -19,21 +19,11 @@ MAX_PENDING_BYTES = 64 << 10
 
 @dataclass(frozen=True)
 class PendingRecord:
-    """The content of a drop-in save marker (``<file>.ackpending``): who is writing the file.
-
-    Attributes:
-        token: unique to one writer process's run of saves of the file; the save publishes
-            only if the marker still carries it.
-        host: the writer's host name.
-        pid: the writer's process id (the process that called ``save``).
-        pid_ns: the writer's pid namespace (``/proc/self/ns/pid``), None where unknown.
-        boot: the writer's boot id (``/proc/sys/kernel/random/boot_id``), None where unknown.
-        pid_start: the writer's start time in clock ticks after boot (``/proc/<pid>/stat``
-            field 22), None where unknown: with the three above, a reader on the same
-            machine tells a dead writer (or a reused pid) from a live one.
-        beat: how often the writer has rewritten the marker since it created it.
-        started: when the marker was created (ISO 8601, UTC).
-    """
+    """The content of a drop-in save marker (``<file>.ackpending``): who is writing the file
+    (docs/PROTOCOL.md §8 says what each field holds). ``token`` is unique to one writer
+    process's run of saves of the file: the save publishes only if the marker still
+    carries it; the pid with ``pid_ns``, ``boot`` and ``pid_start`` (None where unknown)
+    tell a reader on the same machine a dead writer, or a reused pid, from a live one."""
 
     token: str
     host: str
@@ -45,17 +35,8 @@ class PendingRecord:
     started: str
 
 
-#: Each field of a marker's record and the JSON types it may have.
-_FIELDS = {
-    "token": (str,),
-    "host": (str,),
-    "pid": (int,),
-    "pid_ns": (str, type(None)),
-    "boot": (str, type(None)),
-    "pid_start": (int, type(None)),
-    "beat": (int,),
-    "started": (str,),
-}
+#: Each field of a marker's record and the JSON types it may have (its annotation's).
+_FIELDS = {k: get_args(t) or (t,) for k, t in get_type_hints(PendingRecord).items()}
 
 
 def encode_pending(record: PendingRecord) -> bytes:
@@ -70,11 +51,8 @@ def encode_pending(record: PendingRecord) -> bytes:
 
 
 def decode_pending(raw: bytes) -> PendingRecord | None:
-    """The record in a marker's bytes, or None if they are not a whole record.
-
-    A marker is rewritten in place (no temp file), so a reader may see it empty or cut
-    short; None then means "a save is pending, and its marker is being rewritten". So does
-    a record of a kind or protocol this code does not know.
+    """The record in a marker's bytes, or None if they are not a whole record (one being
+    rewritten in place, so empty or cut short; or of a kind or protocol unknown here).
 
     Example:
         >>> decode_pending(b'{"protocol": 1, "kind": "drop-in-sa') is None
