@@ -143,8 +143,7 @@ def save(
         >>> asyncckpt.load(io.BytesIO(buffer.getvalue()))["w"].tolist()
         [1.0, 1.0]
     """
-    del pickle_module, pickle_protocol, _use_new_zipfile_serialization
-    del _disable_byteorder_record
+    del pickle_module, pickle_protocol, _use_new_zipfile_serialization, _disable_byteorder_record
     started = time.perf_counter()
     resolved = Settings.of(settings)
     jobs.raise_unobserved_failure()
@@ -167,13 +166,8 @@ def save(
 
 
 class _MarkerStart:
-    """A drop-in save's marker (``asyncckpt._versions.pending``): written once the state is
-    validated and its arena leased, before ``save`` returns and before the background
-    write can publish; checked right before the write publishes; deleted when it ends.
-
-    A marker that cannot be written fails the save's handle (as a failed write would),
-    and the file is left alone.
-    """
+    """A drop-in save's marker (:mod:`asyncckpt._versions.pending`, docs/PROTOCOL.md §8):
+    one that cannot be written fails the save's handle, as a failed write would."""
 
     def __init__(self, storage: Storage, path: str, settings: Settings) -> None:
         self.storage, self.path, self.settings = storage, path, settings
@@ -471,15 +465,8 @@ def _load_source(
     settings: Settings,
 ) -> tuple[Storage, str] | paths.Target:
     """The storage and path a load reads, once this and other processes' saves to it are
-    done (a file object: from its position to its end, as ``torch.load`` reads); or the
-    checkpoint root (``ROOT``, ``ROOT@STEP``, a Hugging Face run) the path names, as
-    :func:`asyncckpt._versions.paths.find` reads it.
-
-    Raises:
-        PathKindError: a folder of several checkpoints, an ``asyncckpt.dcp`` directory, or
-            ``NAME@STEP`` naming both a path and a version.
-        CheckpointNotFoundError: a folder with no checkpoint in it.
-    """
+    done (a file object: from its position); or the checkpoint root the path names
+    (:func:`asyncckpt._versions.paths.find`). Raises as :func:`load` says."""
     if dead_writer not in pending.DEAD_WRITER_CHOICES:
         raise ValueError(
             f"dead_writer must be one of {pending.DEAD_WRITER_CHOICES}, got {dead_writer!r}"
