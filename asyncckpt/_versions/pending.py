@@ -163,10 +163,9 @@ _live_tokens: set[str] = set()
 
 @contextlib.contextmanager
 def _held_slot(storage: Storage, path: str) -> Iterator[_Slot]:
-    """The file's slot, its ``io`` lock held: the one in :data:`_slots` (a slot dropped
-    while this thread waited for its lock is taken anew). On the way out, a slot with no
-    save in flight is dropped: a file's bookkeeping lives as long as its saves (a failed
-    ``begin`` included), not as long as the process."""
+    """The file's slot, its ``io`` lock held (one dropped while this thread waited for it
+    is taken anew). On the way out, a slot with no save in flight is dropped: a file's
+    bookkeeping lives as long as its saves (a failed ``begin``'s too), not the process."""
     key = storage.file_key(path)
     while True:
         with _lock:
@@ -187,12 +186,9 @@ def _held_slot(storage: Storage, path: str) -> Iterator[_Slot]:
 
 @dataclass(frozen=True)
 class MarkerCheck:
-    """The publish guard of one save (see :data:`asyncckpt._storage.base.PublishGuard`).
-
-    Entered around the step that publishes the data file: holds the marker lock and
-    refuses, with ConflictError, unless the marker still carries ``token``. Picklable, so
-    that the writer process runs it right before its own rename.
-    """
+    """The publish guard of one save (:data:`asyncckpt._storage.base.PublishGuard`), around
+    the step that publishes the data file: under the marker lock, a ConflictError unless
+    the marker still carries ``token``. Picklable: the writer process runs it too."""
 
     storage: Storage
     path: str
@@ -277,16 +273,13 @@ def _read(storage: Storage, marker: str) -> tuple[bytes | None, PendingRecord | 
 
 
 def _carries(storage: Storage, marker: str, token: str) -> bool:
-    record = _read(storage, marker)[1]
-    return record is not None and record.token == token
+    return getattr(_read(storage, marker)[1], "token", None) == token
 
 
 def finish(check: MarkerCheck, failure: BaseException | None = None) -> None:
     """End one save that :func:`begin` started; delete the marker if it was the last one
-    of this process in flight and the marker is still its own.
-
-    ``failure`` is the save's error, if it failed: then a marker that cannot be deleted is
-    only logged (and noted on ``failure``), since the save's own error is what matters.
+    of this process in flight and the marker is still its own. After a failed save (its
+    error: ``failure``), a marker that cannot be deleted is only logged and noted on it.
 
     Raises:
         StorageError: the save succeeded but its marker could not be deleted (loads of the

@@ -33,18 +33,9 @@ Path = tuple[str | int, ...]
 
 @dataclass(frozen=True)
 class Piece:
-    """One chunk of a DTensor stored in one rank's file.
-
-    Attributes:
-        fqn: the DTensor's flat name (:func:`fqn_of` of ``path``).
-        path: its keys from the root of the state.
-        shape: the global tensor's shape.
-        dtype: its dtype name (``"float32"``).
-        offsets: where the chunk starts in the global tensor.
-        sizes: the chunk's shape.
-        entry: the chunk's index in the file's tensor table.
-        nbytes: the chunk's raw length in bytes.
-    """
+    """One chunk of a DTensor stored in one rank's file: the DTensor's flat name (DCP's)
+    and key path, its global shape and dtype name, where the chunk starts in it and its
+    shape, its index in the file's tensor table and its raw length (docs/sharded.md)."""
 
     fqn: str
     path: Path

@@ -278,8 +278,7 @@ class _ProgressWatch:
         )
 
     def _read_done(self, rank: int) -> RankDone:
-        job = self.job
-        path = job.path(DONE, rank)
+        job, path = self.job, self.job.path(DONE, rank)
         raw = job.storage.read_bytes(path, MAX_METADATA_BYTES)
         return RankDone.decode(raw, job.storage.describe(path), job.step, job.attempt, rank)
 

@@ -215,9 +215,8 @@ class RootWriter:
         self._heartbeat = liveness.heartbeat().add(name, self.settings.lease_renew_ms / 1000, renew)
 
     def release(self) -> None:
-        """Stop renewing the lease (the lease record stays: readers see the writer stop);
-        a renewal in progress finishes first (one small write): none outlives its writer's
-        close."""
+        """Stop renewing the lease (its record stays: readers see the writer stop), once a
+        renewal in progress finished: none outlives its writer's close."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
 
