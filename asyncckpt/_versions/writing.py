@@ -260,7 +260,7 @@ class RootWriter:
         storage, root = self.storage, self.root
         try:
             entries = list_steps(storage, root)
-            self._remove_leftovers(root, "temp files")
+            self._remove_temps(root, "temp files")
             good = newest_good(storage, root, entries)
             plan = deletion_plan(entries, RetentionPolicy(), self.published, good=good)
             for entry in plan:
@@ -284,7 +284,7 @@ class RootWriter:
         storage, directory = self.storage, step_dir(self.storage, self.root, entry.step)
         floor = -1 if self.published is None else self.published
         if entry.state == COMMITTED and entry.step <= floor:
-            self._remove_leftovers(directory, f"temp files in step {entry.step}")
+            self._remove_temps(directory, f"temp files in step {entry.step}")
         elif entry.state == UNCOMMITTED:
             failure = read_failure(storage, self.root, entry.step)
             assert self.epoch is not None
@@ -293,10 +293,10 @@ class RootWriter:
                 log.info("removing step %d's FAILED record of an earlier epoch", entry.step)
                 storage.delete(storage.join(directory, FAILED_FILE))
 
-    def _remove_leftovers(self, directory: str, what: str, names: list[str] | None = None) -> None:
-        """Delete ``names`` (default: the temp files) directly under ``directory``, if there
-        are any and this writer holds the lease (checked only then: most calls find none)."""
-        names = temp_files(self.storage, directory) if names is None else names
+    def _remove_temps(self, directory: str, what: str) -> None:
+        """Delete the temp files directly under ``directory``, if there are any and this
+        writer holds the lease (checked only then: most calls find none)."""
+        names = temp_files(self.storage, directory)
         if names and self._may_delete(what):
             for name in names:
                 self.storage.delete(self.storage.join(directory, name))
@@ -310,7 +310,9 @@ class RootWriter:
             return  # never delete through a link
         epochs = {n: lease_epoch_of(n) for n in self.storage.list_dir(directory)}
         older = [n for n, e in epochs.items() if e is not None and e < self.epoch]
-        self._remove_leftovers(directory, "lease records of earlier epochs", older)
+        if older and self._may_delete("lease records of earlier epochs"):
+            for name in older:
+                self.storage.delete(self.storage.join(directory, name))
 
     def apply_retention(self, policy: RetentionPolicy, pinned: int, spare: int | None) -> None:
         """Delete the versions ``policy`` does not keep and leftovers older than ``pinned``:
@@ -329,7 +331,7 @@ class RootWriter:
                 if not self._may_delete(f"step {entry.step} (retention)"):
                     return
                 delete_version(storage, root, entry.step)
-            self._remove_leftovers(root, "temp files")
+            self._remove_temps(root, "temp files")
         except AsyncCkptError as exc:
             log.warning(
                 "retention under %s failed (will retry after the next save): %s", self.where, exc
