@@ -215,9 +215,16 @@ def materialize(
     replaced = set(replaced)  # not rebuilt per key below
     targets = tensor_paths(into) if into is not None else {}
     targets = {k: t for k, t in targets.items() if k not in replaced}
-    if into is not None and not skip and not replaced:
+    whole_into = into is not None and not skip and not replaced
+    if whole_into:
         check_overlap(opened, into, targets)
-    chosen = _selection(opened, keys, into, skip, replaced)
+    # What the load returns: the keys asked for, the subtrees into has, or all.
+    chosen = select(manifest, keys, opened.name) if keys is not None else None
+    if chosen is None and whole_into:
+        chosen = for_into(manifest, into, opened.name)
+    if chosen is None:
+        everything = frozenset(range(len(manifest.tensors)))
+        chosen = Selection(manifest.root, everything, frozenset(range(len(manifest.arrays))))
     wanted = sorted(i for i in chosen.tensors if i not in skip)
     sids = None
     if len(wanted) < len(manifest.tensors) or len(chosen.arrays) < len(manifest.arrays):
@@ -296,26 +303,6 @@ def key_paths(root: Any, tensors: int, arrays: int, name: str) -> dict[int, list
     for path, t in sorted(tensor_paths_all(rebuilt)):
         found.setdefault(index[id(t)], []).append(path)
     return found
-
-
-def _selection(
-    opened: OpenedFile,
-    keys: Collection[Any] | None,
-    into: Any,
-    skip: Collection[int],
-    replaced: Collection[str],
-) -> Selection:
-    """What the load returns: the ``keys`` asked for, the subtrees ``into`` has, or all."""
-    manifest = opened.manifest
-    chosen: Selection | None = None
-    if keys is not None:
-        chosen = select(manifest, keys, opened.name)
-    elif into is not None and not skip and not replaced:
-        chosen = for_into(manifest, into, opened.name)
-    if chosen is None:
-        everything = frozenset(range(len(manifest.tensors)))
-        chosen = Selection(manifest.root, everything, frozenset(range(len(manifest.arrays))))
-    return chosen
 
 
 def check_overlap(opened: OpenedFile, into: Any, targets: dict[str, torch.Tensor]) -> None:

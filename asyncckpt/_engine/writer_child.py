@@ -54,8 +54,8 @@ class Channel:
         self.sock.sendall(header[sent:])
         self.sock.sendall(payload)
 
-    def send_message(self, message: Any) -> None:
-        self.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    def send_message(self, message: Any, fds: tuple[int, ...] = ()) -> None:
+        self.send(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), fds)
 
     def receive(self) -> tuple[Any, list[int]]:
         """The next message and the descriptors sent with it.
@@ -221,12 +221,8 @@ def _mapped(fd: int, size: int) -> memoryview:
 
 
 def _staged(ref: StagedRef, arenas: dict[int, memoryview]) -> _ChildStaged:
-    data = (
-        memoryview(b"")
-        if ref.arena == 0
-        else arenas[ref.arena][ref.offset : ref.offset + ref.nbytes]
-    )
-    return _ChildStaged(data, ref.itemsize, ref.is_float, ref.device)
+    data = arenas[ref.arena][ref.offset : ref.offset + ref.nbytes] if ref.arena else b""
+    return _ChildStaged(memoryview(data), ref.itemsize, ref.is_float, ref.device)
 
 
 def _die_with(parent: int) -> None:

@@ -1,48 +1,37 @@
 """Background writes in a child process, so that they never take the caller's GIL.
 
-With the ``writer_processes`` tunable at 1 (the default), a save stages its state into an
-arena in shared memory (a memfd; see ``staging.shared_region``) and its background job
-hands the write to one long-lived child process. The job sends the snapshot's layout, the
-storage and the options over a Unix socket, with each arena's memfd the first time it is
-used; the child maps the arena and runs :func:`asyncckpt._engine.encode.write_snapshot` on it
-(encode, compress, checksum, write, fsync, rename) and answers with the file's size, or
-with the error. The save thread of the caller's process only waits on the socket, which
-releases the GIL, so the training thread keeps the interpreter to itself (with threads, the
-writer's Python parts take it at every switch interval: GIL time is stall where kernel
-launches are Python).
+With ``writer_processes=1`` (the default), a save stages its state into a shared-memory
+arena (a memfd) and its background job sends the layout, storage and options over a Unix
+socket (with each arena's memfd the first time); the child maps the arena, runs
+:func:`asyncckpt._engine.encode.write_snapshot` and answers with the file's size or the
+error. The caller's save thread only waits on the socket, which releases the GIL: with
+threads, the writer's Python parts take it at every switch interval, and GIL time is stall
+where kernel launches are Python.
 
-What stays in the caller's process: the copy into the arena (what ``save`` blocks for), and
-for a versioned root the commit, the lease and its heartbeat, and retention: small files,
-and a lease must belong to the process that holds the training state.
+The copy into the arena stays in the caller's process, and for a versioned root the commit,
+the lease and its heartbeat, and retention: a lease must belong to the process that holds
+the training state.
 
 The child
-  * is started by a dedicated thread the first time a save or ``reserve`` asks for it, off
-    the caller's path; it imports only what a write needs, not torch (about 0.2 CPU-seconds
-    and 50 MB resident, against 2-3 s and 300 MB with torch), and runs ``writer_nice``
-    below the caller's main thread, as the writer threads would;
-  * dies with the caller's process (``PR_SET_PDEATHSIG`` on Linux): a write must not
-    outlive the process whose lease and snapshot it carries; it runs in a session of its
-    own and ignores ``SIGINT``, so a signal to the caller's process group (torchrun's
-    ``killpg``, SLURM, a Ctrl-C) is the caller's to handle, as it would be for a writer
-    thread: with ``on_preemption()`` the write in flight finishes and commits;
-  * runs one write at a time; if it dies, the write it was running fails with
-    :class:`~asyncckpt.errors.WriterProcessError` (the target is untouched, the temp file
-    beside it removed; an object store's unfinished upload is left to the root's next
-    recovery), and the next save starts a new child.
+  * is started by a dedicated thread on first need, off the caller's path; it imports no
+    torch (about 0.2 CPU-seconds and 50 MB resident, against 2-3 s and 300 MB), and runs
+    ``writer_nice`` below the caller's main thread, as the writer threads would;
+  * dies with the caller's process (``PR_SET_PDEATHSIG``): a write must not outlive the
+    process whose lease and snapshot it carries; it runs in a session of its own and
+    ignores ``SIGINT``, so a signal to the caller's process group (torchrun's ``killpg``,
+    SLURM, a Ctrl-C) is the caller's to handle: with ``on_preemption()`` the write in
+    flight finishes and commits;
+  * runs one write at a time; if it dies, that write fails with
+    :class:`~asyncckpt.errors.WriterProcessError` (the target untouched, the temp file
+    removed) and the next save starts a new child;
+  * takes its tunables from each job, never from its environment (started without the
+    caller's ``ASYNCCKPT_*``).
 
-The child takes its tunables from the job: the :class:`~asyncckpt._settings.Settings` in
-its :class:`~asyncckpt._engine.encode.WriteOptions`, and the storage's own (resolved when
-the caller built it). It is started without the caller's ``ASYNCCKPT_*`` variables, so
-nothing there can depend on the environment of the moment it started.
-
-A write stays on this process's threads when the child could not do it: a storage whose
-files live in this process's memory (``memory://``, a caller's file object), one that cannot
-be pickled, one whose classes the child cannot import (a filesystem defined in the caller's
-script, its ``__main__``: the child tries to load the job, answers so, and lives on), an
-arena not in shared memory (pinned memory that could not be shared), or a platform without
-memfd. That is said once per reason: as a warning if the caller set
-``writer_processes`` (an argument or ``ASYNCCKPT_WRITER_PROCESSES``), as a debug message if
-it is the default.
+A write stays on this process's threads when the child could not do it: a storage living in
+this process's memory (``memory://``, a file object), one that cannot be pickled or whose
+classes the child cannot import (defined in the caller's ``__main__``: the child answers so,
+and lives on), an arena not in shared memory, or no memfd. That is said once per reason: a
+warning if the caller set ``writer_processes``, a debug message if it is the default.
 """
 
 from __future__ import annotations
@@ -113,10 +102,7 @@ class WriterProcess:
         try:
             argv = [sys.executable, "-c", _CHILD_MAIN, str(theirs.fileno())]
             argv += [str(_niceness_below_main(nice)), str(os.getpid())]
-            # Its own session: a signal to the caller's process group (torchrun's killpg,
-            # SLURM, a terminal's Ctrl-C) does not reach it, so the write in flight can
-            # finish if the caller survives the signal (on_preemption); if the caller dies
-            # of it, PR_SET_PDEATHSIG kills the child. A session, not just a group: no
+            # Its own session (see the module docstring), not just a group: no
             # controlling terminal to stop it (SIGTTOU) or hang it up.
             self.process = subprocess.Popen(
                 argv,
@@ -181,10 +167,7 @@ class WriterProcess:
         self._mapped &= set(regions)
         for ident in {ref.arena for ref in job.storages} - self._mapped - {0}:
             region = regions[ident]
-            self._channel.send(
-                pickle.dumps(("map", ident, region.size), protocol=pickle.HIGHEST_PROTOCOL),
-                (region.fd,),
-            )
+            self._channel.send_message(("map", ident, region.size), (region.fd,))
             self._mapped.add(ident)
         self._channel.send(payload)
         while True:
