@@ -39,6 +39,11 @@ ALIGN = 64
 _PAGE = 4096
 
 
+def aligned(nbytes: int, to: int = ALIGN) -> int:
+    """``nbytes`` rounded up to a multiple of ``to``."""
+    return -(-nbytes // to) * to
+
+
 class ArenaPool:
     """At most ``max_inflight`` reusable host buffers, handed out one per save.
 
@@ -209,7 +214,7 @@ def _allocate(
     ``lock_later``: with ``pin``, the buffer is left as without it, and not faulted in: its
     user page-locks it with :func:`page_lock` (which faults every page in itself).
     """
-    size = max(ALIGN, -(-nbytes // _PAGE) * _PAGE)
+    size = max(ALIGN, aligned(nbytes, _PAGE))
     if lock_later and pin is not None:
         return _shared_arena(size, None) if shared else _host_arena(size, fault=False)
     if shared:
@@ -285,7 +290,7 @@ def pinned_host(nbytes: int, device: int) -> torch.Tensor:
     if nbytes < EXACT_PIN_MIN:
         with cuda().on_device(device):
             return cuda().pinned_empty(nbytes)
-    size = -(-nbytes // _PAGE) * _PAGE
+    size = aligned(nbytes, _PAGE)
     buffer = _host_arena(size)
     _register(buffer, size, device)  # False: stays pageable (the copy is then synchronous)
     return buffer[:nbytes]
@@ -401,7 +406,7 @@ def _fault_in(region: mmap.mmap) -> None:
     size = len(region)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = max(1, min(cpus or 1, 8, size // _FAULT_SLICE))
-    step = -(-size // workers // _PAGE) * _PAGE
+    step = aligned(-(-size // workers), _PAGE)
     ranges = [(start, min(step, size - start)) for start in range(0, size, step)]
     if workers == 1:
         _fault_range(region, *ranges[0])

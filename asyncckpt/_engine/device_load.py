@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from asyncckpt._device import Placement, cuda
-from asyncckpt._engine.arena import ALIGN, pinned_host
+from asyncckpt._engine.arena import ALIGN, aligned, pinned_host
 from asyncckpt._engine.chunks import read_runs, run_bytes, whole_run
 from asyncckpt._engine.opened import OpenedFile
 
@@ -55,14 +55,15 @@ def stream_to_device(
     """
     storages = opened.manifest.storages
     sizes = {sid: run_bytes(opened, whole_run(opened, sid)) for sid in sids}
+    rooms = {sid: aligned(n) for sid, n in sizes.items()}
     half = max(ALIGN, window // 2)
-    fits = [-(-n // ALIGN) * ALIGN for n in sizes.values() if -(-n // ALIGN) * ALIGN <= half]
-    half = min(half, max(ALIGN, sum(fits)))  # a small load pins what it needs, no more
+    # A small load pins what it needs, no more.
+    half = min(half, max(ALIGN, sum(room for room in rooms.values() if room <= half)))
     index = placement.device_for(storages[sids[0]].device).index or 0 if sids else 0
     halves: list[torch.Tensor | None] = [None, None]
     events: list[Any] = [None, None]
     placed: dict[int, torch.Tensor] = {}
-    batch: list[tuple[int, int]] = []  # (storage, its bytes)
+    batch: list[int] = []  # storages
     state = {"turn": 0, "used": 0}
 
     def flush() -> None:
@@ -75,11 +76,11 @@ def stream_to_device(
         if buffer is None:
             buffer = halves[turn] = pinned_host(half, index)
         views, at = {}, 0
-        for sid, nbytes in batch:
-            views[sid] = buffer[at : at + nbytes]
-            at += -(-nbytes // ALIGN) * ALIGN
-        read_runs(opened, {sid: whole_run(opened, sid) for sid, _ in batch}, threads, into=views)
-        for sid, _ in batch:
+        for sid in batch:
+            views[sid] = buffer[at : at + sizes[sid]]
+            at += rooms[sid]
+        read_runs(opened, {sid: whole_run(opened, sid) for sid in batch}, threads, into=views)
+        for sid in batch:
             placed[sid] = placement.place(views[sid], storages[sid].device)
         events[turn] = cuda().record_event(cuda().current_stream(index))
         state["turn"], state["used"] = 1 - turn, 0
@@ -87,14 +88,12 @@ def stream_to_device(
 
     try:
         for sid in sids:
-            nbytes = sizes[sid]
-            room = -(-nbytes // ALIGN) * ALIGN
-            if room > half:
+            if rooms[sid] > half:
                 continue
-            if state["used"] + room > half:
+            if state["used"] + rooms[sid] > half:
                 flush()
-            batch.append((sid, nbytes))
-            state["used"] += room
+            batch.append(sid)
+            state["used"] += rooms[sid]
         flush()
     except BaseException:
         with contextlib.suppress(Exception):  # the first error is the one to raise

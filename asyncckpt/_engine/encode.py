@@ -4,7 +4,7 @@ Runs on the background save thread. Chunks are compressed and checksummed by a p
 threads while the save thread writes finished chunks to storage, so compression overlaps
 I/O; at most ``inflight_chunks`` encoded chunks wait in memory at once.
 
-The writer may start before the snapshot is complete (see ``staging.snapshot``'s
+The writer may start before the snapshot is complete (see ``snapshot.snapshot``'s
 ``on_layout``): each chunk is handed to the encoders only once its bytes have landed in the
 arena, and if the copy fails the file is aborted (the target is left untouched).
 
@@ -63,54 +63,43 @@ _BATCH_BYTES = 4 << 20
 
 
 class StagedBytes(Protocol):
-    """One staged storage as the writer reads it (``staging.StagedStorage``, or the writer
-    process's view of a shared arena)."""
+    """One staged storage as the writer reads it: :class:`.snapshot.StagedStorage` (its
+    fields are documented there), or the writer process's view of a shared arena."""
 
     @property
-    def itemsize(self) -> int:
-        """Byte-group width for the codec."""
+    def itemsize(self) -> int: ...
 
     @property
-    def is_float(self) -> bool:
-        """Whether the bytes are floating-point elements."""
+    def is_float(self) -> bool: ...
 
     @property
-    def device(self) -> str:
-        """Where the bytes came from."""
+    def device(self) -> str: ...
 
     @property
-    def nbytes(self) -> int:
-        """The storage's length in bytes."""
+    def nbytes(self) -> int: ...
 
-    def view(self) -> memoryview:
-        """The staged bytes."""
+    def view(self) -> memoryview: ...
 
 
 class StagedState(Protocol):
-    """A staged state as the writer reads it (``staging.Snapshot``, or the writer
-    process's)."""
+    """A staged state as the writer reads it: :class:`.snapshot.Snapshot` (documented
+    there), or the writer process's."""
 
     @property
-    def root(self) -> Any:
-        """The object tree (JSON nodes)."""
+    def root(self) -> Any: ...
 
     @property
-    def tensors(self) -> Sequence[TensorEntry]:
-        """The tensor table."""
+    def tensors(self) -> Sequence[TensorEntry]: ...
 
     @property
-    def arrays(self) -> Sequence[ArrayEntry]:
-        """The array table."""
+    def arrays(self) -> Sequence[ArrayEntry]: ...
 
     @property
-    def storages(self) -> Sequence[StagedBytes]:
-        """The staged storages, in file order."""
+    def storages(self) -> Sequence[StagedBytes]: ...
 
-    def wait_staged(self, index: int, end: int) -> None:
-        """Block until bytes ``[0, end)`` of ``storages[index]`` are in host memory."""
+    def wait_staged(self, index: int, end: int) -> None: ...
 
-    def copied(self) -> bool:
-        """Whether every byte of the state is in host memory."""
+    def copied(self) -> bool: ...
 
 
 def _torch_version() -> str:
@@ -389,28 +378,19 @@ def _batches(
 def _encode_batch(
     batch: list[_Slice], options: WriteOptions, auto: AutoRun | None = None
 ) -> list[_Encoded]:
-    return [
-        _encode_one(raw, itemsize, is_float, options, auto) for raw, itemsize, is_float in batch
-    ]
-
-
-def _encode_one(
-    raw: memoryview,
-    itemsize: int,
-    is_float: bool,
-    options: WriteOptions,
-    auto: AutoRun | None = None,
-) -> _Encoded:
-    report = EncodeReport()
-    codec, payload = encode_chunk(
-        raw,
-        itemsize=itemsize,
-        is_float=is_float,
-        compression=options.compression,
-        level=options.settings.zstd_level,
-        choose=None if auto is None else functools.partial(auto.choose, nbytes=len(raw)),
-        report=report,
-    )
-    if auto is not None:
-        auto.encoded(report)
-    return _Encoded(codec, payload, checksum(payload), len(raw))
+    encoded = []
+    for raw, itemsize, is_float in batch:
+        report = EncodeReport()
+        codec, payload = encode_chunk(
+            raw,
+            itemsize=itemsize,
+            is_float=is_float,
+            compression=options.compression,
+            level=options.settings.zstd_level,
+            choose=None if auto is None else functools.partial(auto.choose, nbytes=len(raw)),
+            report=report,
+        )
+        if auto is not None:
+            auto.encoded(report)
+        encoded.append(_Encoded(codec, payload, checksum(payload), len(raw)))
+    return encoded

@@ -32,9 +32,9 @@ import torch
 
 from asyncckpt._device import cuda
 from asyncckpt._engine.arena import (
-    ALIGN,
     ArenaLease,
     ArenaPool,
+    aligned,
     fill,
     page_lock,
     pinned_for,
@@ -420,7 +420,7 @@ def arena_bytes(flat: Flattened) -> int:
     """Bytes of arena a snapshot of ``flat`` takes (for :meth:`ArenaPool.reserve`)."""
     sources, _ = _regions([_resolved(t) for t, _ in flat.tensors])
     sizes = [src.nbytes for src in sources] + [a.nbytes for a, _, _ in flat.arrays]
-    return sum(-(-n // ALIGN) * ALIGN for n in sizes)
+    return sum(aligned(n) for n in sizes)
 
 
 def _regions(tensors: list[torch.Tensor]) -> tuple[list[_Source], list[tuple[int, int]]]:
@@ -515,7 +515,7 @@ def _stage(
     offsets, end = [], 0
     for src in sources:
         offsets.append(end)
-        end += -(-src.nbytes // ALIGN) * ALIGN
+        end += aligned(src.nbytes)
     devices = [int(src.device[5:] or 0) for src in sources if src.device.startswith("cuda:")]
     # Page-locked for the device copied from (the first: a rank saves from its own); a new
     # arena after the save returns, where the device has room for a copy of the state.

@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncckpt import _cpu as cpu
 from asyncckpt import _threads as workers
+from asyncckpt._engine import arena
 from asyncckpt._engine.encode import WriteOptions, write_snapshot
 from asyncckpt._engine.snapshot import SnapshotFailedError
 from asyncckpt._engine.writer_child import Channel, StagedRef, UnreadableMessage, WriteJob
@@ -161,9 +162,7 @@ class WriterProcess:
     def _exchange(
         self, payload: bytes, job: WriteJob, progress: Callable[[int], None] | None
     ) -> tuple[Any, ...]:
-        from asyncckpt._engine.arena import shared_regions
-
-        regions = {r.ident: r for r in shared_regions()}
+        regions = {r.ident: r for r in arena.shared_regions()}
         self._mapped &= set(regions)
         for ident in {ref.arena for ref in job.storages} - self._mapped - {0}:
             region = regions[ident]
@@ -286,11 +285,9 @@ def wanted(options: WriteOptions) -> bool:
         >>> wanted(WriteOptions("zstd", Settings(writer_processes=0)))
         False
     """
-    from asyncckpt._engine.arena import shared_memory_supported
-
     if not options.settings.writer_processes:
         return False
-    if not shared_memory_supported():
+    if not arena.shared_memory_supported():
         _warn_once("writer_processes=1 needs memfd (Linux); writing on threads instead", options)
         return False
     return True
@@ -304,9 +301,7 @@ def shares_arenas(settings: Settings) -> bool:
         >>> isinstance(shares_arenas(Settings()), bool)
         True
     """
-    from asyncckpt._engine.arena import shared_memory_supported
-
-    return settings.writer_processes == 1 and shared_memory_supported()
+    return settings.writer_processes == 1 and arena.shared_memory_supported()
 
 
 def start(settings: Settings) -> Future[WriterProcess]:
@@ -420,8 +415,6 @@ def write(
         True
         >>> snap.release()
     """
-    from asyncckpt._engine.arena import shared_regions
-
     if not options.settings.writer_processes:
         return write_snapshot(snap, storage, path, options, progress, guard)
     refs = _layout(snap) if wanted(options) else None
@@ -442,7 +435,7 @@ def write(
         snap.tensors,
         snap.arrays,
         refs,
-        frozenset(r.ident for r in shared_regions()),
+        frozenset(r.ident for r in arena.shared_regions()),
         progress is not None,
         guard,
     )
@@ -475,16 +468,14 @@ def _remove_temp_files(storage: Storage, path: str) -> None:
 
 def _layout(snap: Snapshot) -> list[StagedRef] | None:
     """Where each staged storage lies in shared memory; None if one lies elsewhere."""
-    from asyncckpt._engine.arena import shared_region
-
     refs = []
     for staged in snap.storages:
         n = staged.data.numel()
-        found = shared_region(staged.data) if n else None
+        found = arena.shared_region(staged.data) if n else None
         if n and found is None:
             return None
-        arena, offset = (found[0].ident, found[1]) if found else (0, 0)
-        refs.append(StagedRef(arena, offset, n, staged.itemsize, staged.is_float, staged.device))
+        ident, offset = (found[0].ident, found[1]) if found else (0, 0)
+        refs.append(StagedRef(ident, offset, n, staged.itemsize, staged.is_float, staged.device))
     return refs
 
 
