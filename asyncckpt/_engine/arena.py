@@ -103,10 +103,9 @@ class ArenaPool:
     def reserve(
         self, nbytes: int, shared: bool = False, pin: int | None = None
     ) -> threading.Thread | None:
-        """Allocate and pre-fault an arena of ``nbytes`` (in shared memory if ``shared``,
-        page-locked for CUDA device ``pin``, as ``acquire`` asks for) in a background
-        thread; return it, to join, or None if there was nothing to do (a free arena is
-        already large enough, a reservation is running, or every arena is leased).
+        """Allocate and pre-fault an arena of ``nbytes`` (``shared``, ``pin``: as for
+        ``acquire``) in a background thread; return it, to join, or None if there was
+        nothing to do (a free arena fits, a reservation is running, all are leased).
 
         Takes the page faults of a first save off its critical path: call it as soon as the
         state's size is known (e.g. once the model is built). A save that starts meanwhile
@@ -201,10 +200,9 @@ def _allocate(
     under that device (a helper thread's current device is 0: registering there would
     create a context on GPU 0 in every rank). Not ``pin_memory=True``: torch's caching
     host allocator rounds every request up to a power of two and keeps it pinned for the
-    life of the process; a registered arena is unregistered when dropped. Touching
-    costs what the copy would have paid in page faults anyway, but huge pages make it about
-    6x cheaper (0.07 s instead of 0.41 s for 1 GiB on the 2-core benchmark machine) and halve
-    the TLB misses of every later copy into the arena.
+    life of the process. Huge pages make touching about 6x cheaper (0.07 s instead of
+    0.41 s for 1 GiB on the 2-core benchmark machine) and halve the TLB misses of every
+    later copy into the arena.
 
     ``shared``: a memfd mapping another process can map too (:func:`shared_region`), pinned
     by registration on CUDA. Raises OSError where memfd does not exist (not Linux). Without
@@ -297,13 +295,11 @@ def pinned_host(nbytes: int, device: int) -> torch.Tensor:
 
 
 def _register(buffer: torch.Tensor, size: int, pin: int) -> bool:
-    """Page-lock ``buffer`` for device ``pin``; unregister it when the buffer is freed.
-
-    The mapping is also kept out of forked children (``MADV_DONTFORK``): the kernel copies
-    a DMA-pinned private page into the child at the fork itself, so every DataLoader worker
-    started after a save would copy the whole arena. The child gets an inaccessible
-    placeholder at the same addresses instead (:func:`_placeholders_in_child`).
-    """
+    """Page-lock ``buffer`` for device ``pin`` until it is freed; keep its mapping out of
+    forked children (``MADV_DONTFORK``): the kernel copies a DMA-pinned private page into
+    the child at the fork itself, so every DataLoader worker started after a save would
+    copy the whole arena. The child gets an inaccessible placeholder at the same addresses
+    instead (:func:`_placeholders_in_child`)."""
     address = buffer.data_ptr()
     with cuda().on_device(pin):
         if not cuda().register(address, size):
@@ -395,14 +391,11 @@ _FAULT_SLICE = 64 << 20
 
 
 def _fault_in(region: mmap.mmap) -> None:
-    """Fault every page of ``region`` in, on as many threads as there are usable CPUs.
-
-    Faulting zeroes each page, about half the work of the copy that follows, so a first
-    save without ``reserve`` pays it; split across the cores it costs less of the stall.
-    ``MADV_POPULATE_WRITE`` faults a whole slice in one system call instead of one trap
-    per page (a memfd arena has no huge pages: 262,144 traps per GiB); where it does not
-    exist, each page is written once.
-    """
+    """Fault every page of ``region`` in, on up to 8 usable CPUs: faulting zeroes each
+    page, about half the work of the copy that follows, which a first save without
+    ``reserve`` pays. ``MADV_POPULATE_WRITE`` faults a whole slice in one system call
+    instead of one trap per page (a memfd arena has no huge pages: 262,144 traps per GiB);
+    where it does not exist, each page is written once."""
     size = len(region)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     workers = max(1, min(cpus or 1, 8, size // _FAULT_SLICE))
@@ -462,8 +455,8 @@ def _forget_parent_regions() -> None:
 
 
 def shared_memory_supported() -> bool:
-    """Whether arenas can live in shared memory here (``os.memfd_create``: Linux), and, with
-    CUDA, be pinned there (once that has failed, arenas stay pinned and unshared)."""
+    """Whether arenas can live in shared memory here (memfd: Linux), and, with CUDA, be
+    pinned there (once that has failed, arenas stay pinned and unshared)."""
     return hasattr(os, "memfd_create") and hasattr(mmap, "MAP_SHARED") and not _unpinnable
 
 
@@ -564,13 +557,11 @@ def fill(
     into the unfilled shared arena ``buffer`` by writing its memfd (``pwrite``).
 
     A first save into fresh memory otherwise pays twice: the kernel zeroes each page as it
-    is faulted in, then the copy writes it again. Written through the file, each page is
-    allocated and filled in one pass (about 1.5x faster here, and none of the mapping's
-    page-table work). Pieces are written ``FILL_STEP`` bytes at a time on every usable CPU
-    (``pwrite`` releases the GIL), then ``progress(end)`` is called once with the end of
-    the last byte, when given (a writer following the copy: the first save is not worth
-    serializing for it). Afterwards the arena is an ordinary one: this process's mapping is
-    faulted in on a background thread, for the next save.
+    is faulted in, then the copy writes it again; through the file, each page is allocated
+    and filled in one pass (about 1.5x faster here). ``progress(end)`` is called once, at
+    the end (a first save is not worth serializing for a writer following the copy).
+    Afterwards this process's mapping is faulted in on a background thread, for the next
+    save.
 
     Example:
         >>> if shared_memory_supported():

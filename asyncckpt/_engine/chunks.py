@@ -1,14 +1,11 @@
 """The one chunk-read engine: every load reads its chunks here, verified, into place.
 
-``asyncckpt.load``, ``Checkpointer.load`` (single-file and sharded versions), the DCP
-``Reader``, ``convert`` and ``verify`` all read through :func:`read_runs`: one bounded
-queue of chunk reads, each fetched and then decoded on shared pools (:class:`_Stages`).
-What to read is a parameter: per storage, a :class:`Run` of its chunks (all of them, or
-only those under the bytes a caller asked for), so a load of a subset of the entries reads
-only their chunks.
-
-Every chunk's checksum is verified before it is decoded; a mismatch raises
-:class:`~asyncckpt.errors.ChecksumError` naming the file, the chunk and the keys it holds.
+Every reader (``load``, ``Checkpointer.load``, the DCP ``Reader``, ``convert``, ``verify``)
+goes through :func:`read_runs`: one bounded queue of chunk reads, each fetched and then
+decoded on shared pools (:class:`_Stages`), per storage a :class:`Run` of its chunks (a
+partial load reads only the chunks of its entries). Every chunk's checksum is verified
+before it is decoded; a mismatch raises :class:`~asyncckpt.errors.ChecksumError` naming the
+file, the chunk and the keys it holds.
 """
 
 from __future__ import annotations
@@ -76,11 +73,9 @@ def read_runs(
 ) -> dict[int, torch.Tensor]:
     """Read, verify and decode the chunks of ``runs`` (``{storage index: the run of its
     chunks}``) on ``threads`` threads, in file order: ``{storage index: 1-D uint8 CPU tensor
-    of its run's bytes}``, ``into``'s included.
-
-    Buffers are allocated as reading reaches them, after the declared sizes were checked
-    against the file's size, so a crafted file cannot make the reader allocate more than
-    its bytes can decode to.
+    of its run's bytes}``, ``into``'s included. Buffers are allocated as reading reaches
+    them, after :func:`.opened.check_sizes`, so a crafted file cannot make the reader
+    allocate more than its bytes can decode to.
 
     Args:
         into: per storage, a 1-D uint8 CPU tensor of exactly its run's size to decode into
@@ -169,10 +164,9 @@ class _ChunkRead:
 
 class _Stages:
     """Chunk reads in two stages on two pools, chained by callbacks (no pool thread waits
-    for another): the fetch of a chunk's stored bytes (I/O, then its checksum) on
-    ``fetchers``, its decode on ``decoders``. While one chunk is decoded the next ones are
-    fetched, so the network (or disk) and the CPUs work at once; a reader that fetched and
-    decoded each chunk in turn left the network idle during every decode.
+    for another): the fetch (I/O, then checksum) on ``fetchers``, the decode on
+    ``decoders``, so the network (or disk) and the CPUs work at once; a reader that fetched
+    and decoded each chunk in turn left the network idle during every decode.
 
     Compressed chunks are fetched into scratch buffers reused across chunks (a fresh one per
     chunk would be zero-filled and page-faulted in every time), at most ``scratches`` held
@@ -284,8 +278,7 @@ def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
 
 
 def _fetch_chunk(opened: OpenedFile, index: int, sid: int, stored: memoryview) -> None:
-    """Read chunk ``index``'s stored bytes into ``stored`` and check them (a raw chunk is
-    read straight into its place, and checked there before use)."""
+    """Read chunk ``index``'s stored bytes into ``stored`` and check them."""
     chunk = opened.manifest.chunks[index]
     got = opened.read_into(chunk.offset, stored)
     keys = opened.manifest.keys_of_storage
@@ -299,7 +292,6 @@ def _fetch_chunk(opened: OpenedFile, index: int, sid: int, stored: memoryview) -
 def _decode_chunk(
     opened: OpenedFile, index: int, sid: int, stored: memoryview, out: memoryview
 ) -> None:
-    """Decode chunk ``index``'s checked ``stored`` bytes into ``out``."""
     chunk = opened.manifest.chunks[index]
     try:
         decode_chunk(stored, chunk.codec, opened.manifest.storages[sid].itemsize, out)

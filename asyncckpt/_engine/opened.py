@@ -66,9 +66,7 @@ TAIL_BYTES = 256 << 10
 
 def open_file(storage: Storage, path: str) -> OpenedFile:
     """Open ``path`` (one handle, see :meth:`Storage.open_read`) and read and validate its
-    header, footer and manifest (two small reads through the handle, sent at once where the
-    backend can: the header, and the last ``TAIL_BYTES``; a third for a longer manifest).
-    The caller closes the opened file (``with open_file(...) as opened:``).
+    header, footer and manifest; the caller closes it (``with open_file(...) as opened:``).
 
     Raises:
         CheckpointNotFoundError: no file at ``path``.
@@ -105,12 +103,9 @@ def open_file(storage: Storage, path: str) -> OpenedFile:
 
 
 def check_sizes(opened: OpenedFile) -> None:
-    """Refuse a file whose chunks claim to decode to more than its size can justify.
-
-    The manifest's validation already holds every chunk to :data:`MAX_EXPANSION` times its
-    stored bytes, chunks to disjoint bytes of the file and storages to disjoint runs of
-    chunks; this states the consequence against the file's actual size, so that nothing is
-    allocated from a manifest that contradicts it.
+    """Refuse a file whose chunks claim to decode to more than its size can justify: the
+    consequence of the manifest's validation (docs/FORMAT.md §12), stated against the
+    file's actual size, so that nothing is allocated from a manifest that contradicts it.
 
     Raises:
         FormatError: the storages' total exceeds ``MAX_EXPANSION`` times the file's size.

@@ -53,8 +53,8 @@ _COPY_STEP = 8 << 20
 
 
 class SnapshotFailedError(Exception):
-    """Raised in the writer when the copy it was waiting for failed (the caller sees why:
-    the save raises the copy's own error, so this never reaches a user)."""
+    """Raised in the writer when the copy it was waiting for failed (the save raises the
+    copy's own error: this never reaches a user)."""
 
 
 class CopyProgress:
@@ -352,23 +352,20 @@ def snapshot(
     start at the same address or overlap; overlapping ranges are stored once as their
     union when every tensor's offset in it is a whole number of elements, else apart.
 
-    By default returns once every byte is copied, so the caller may modify or free its
-    tensors: into host memory, or on a first save with a new arena for CUDA data, into
-    device memory first (see :class:`DeviceCopies`; a writer reads the arena only after
-    ``Snapshot.wait_copied``). With ``overlap=True``, CUDA copies may still be in flight
-    when this returns: the caller must not modify CUDA tensors before they were made
-    (``Checkpointer.wait_for_snapshot``, ``Checkpointer.protect``); CPU data is always
-    copied before returning.
+    By default returns once every byte is copied (into host memory, or, on a first save
+    with a new arena for CUDA data, into device memory first: see :class:`DeviceCopies`),
+    so the caller may modify or free its tensors. With ``overlap=True``, CUDA copies may
+    still be in flight: the caller must not modify CUDA tensors before they were made
+    (``Checkpointer.wait_for_snapshot``, ``Checkpointer.protect``).
 
-    ``on_layout``, if given, is called with the snapshot once its arena is leased and before
-    any byte is copied, so that a writer can start on the first storages while the rest are
-    copied (it must read through ``Snapshot.wait_staged``). If the copy then fails, the
-    writer's waits raise :class:`SnapshotFailedError`, and this function raises the copy's
-    error; the arena is released by whoever releases it on success (the writer's job).
+    ``on_layout``, if given, gets the snapshot once its arena is leased, before any byte is
+    copied, so that a writer can start while the rest is copied (reading through
+    ``Snapshot.wait_staged``). If the copy then fails, the writer's waits raise
+    :class:`SnapshotFailedError` and this raises the copy's error; the writer's job
+    releases the arena.
 
-    ``shared=True`` stages into shared memory, for a writer process (``writer_process``).
-    ``settings``: the save's; its ``pipeline_min_cpus`` decides whether a writer may follow
-    the copy piece by piece.
+    ``shared=True`` stages into shared memory, for a writer process. ``settings``: the
+    save's (``pipeline_min_cpus``: whether a writer may follow the copy piece by piece).
 
     Example:
         >>> from asyncckpt._format.tree import flatten

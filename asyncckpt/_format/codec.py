@@ -1,14 +1,9 @@
-"""Chunk codecs: raw, zstd, and byte-grouped zstd for floating-point data.
+"""Chunk codecs: raw, zstd, and byte-grouped zstd for floating-point data (docs/FORMAT.md
+§8, which says why byte grouping pays and which codec the writer picks).
 
-Floats compress poorly with a general-purpose compressor because sign/exponent bytes (which
-repeat a lot) are interleaved with mantissa bytes (which look random). Grouping byte ``j`` of
-every element together first lets zstd find the repetition. A chunk that does not shrink is
-stored raw, so compression never costs space and incompressible data costs one attempt.
-
-Before a plane is compressed whole, a probe compresses three small samples of it; the
-ratio it finds decides which planes are worth compressing: with ``"zstd"``, every plane that
-shrinks by 2 % or more; with ``"auto"``, the planes the caller chose (the cost model that
-weighs write time saved against encode time spent lives with the measurements it needs, in
+Before a plane is compressed whole, a probe compresses three small samples of it; with
+``"zstd"`` every plane that shrinks by 2 % or more is compressed, with ``"auto"`` the planes
+the caller chose (the cost model lives with its measurements, in
 :mod:`asyncckpt._engine.autocompress`).
 
 Functions here are pure (bytes in, bytes out) and safe to call from many threads: zstandard

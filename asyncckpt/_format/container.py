@@ -1,16 +1,8 @@
 """The asyncckpt container: pure functions over bytes (no I/O, no torch, no devices).
 
-Layout (all integers little-endian; the full specification is ``docs/FORMAT.md``)::
-
-    header    16 bytes   magic "\\x89ACKPT\\r\\n", u32 format_version, u32 flags (0)
-    chunks    ...        each storage's bytes in chunks, each encoded on its own
-    manifest  N bytes    UTF-8 JSON: chunk table, storages, tensors, arrays, object tree
-    footer    32 bytes   u64 manifest offset, u64 manifest length, u32 crc32(manifest),
-                         u32 format_version, magic
-
-A reader fetches the footer, then the manifest, then exactly the chunks it needs. Every
-length read from a file is checked against the file size and the limits below before it is
-used, and every structure is validated before anything is allocated from it.
+Header, chunks, manifest, footer: specified in docs/FORMAT.md §2-5. Every length read from
+a file is checked against the file size and the limits below before it is used, and every
+structure is validated before anything is allocated from it.
 """
 
 from __future__ import annotations
@@ -48,9 +40,7 @@ MAX_NDIM: Final = 64
 MAX_EXPANSION: Final = 32_768
 
 CHECKSUM: Final = "crc32"
-#: Chunk codecs. ``zstd-bytegroup`` stores the bytes of each element grouped by position
-#: (all first bytes, then all second bytes, ...) before zstd; the group width is the
-#: storage's ``itemsize``.
+#: Chunk codecs (docs/FORMAT.md §8).
 CODECS: Final = frozenset({"raw", "zstd", "zstd-bytegroup"})
 
 #: torch dtype name -> bytes per element. Names are the attribute names in ``torch``.

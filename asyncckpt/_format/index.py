@@ -112,17 +112,14 @@ def encode_metadata(metadata: Metadata, attempt: str) -> bytes:
             key paths); nothing is written in that case.
     """
     locations: Mapping[MetadataIndex, ItemLocation] = metadata.storage_data
-    files: dict[str, int] = {}
-    sizes: list[int] = []
+    files: dict[str, tuple[int, int]] = {}  # name -> (its number, its size)
     items = []
     for index, loc in locations.items():
         if not isinstance(loc, ItemLocation):
             raise UnsupportedObjectError(index.fqn, f"storage data {type(loc).__name__}")
-        if loc.file not in files:
-            files[loc.file] = len(sizes)
-            sizes.append(loc.file_size)
+        number, _ = files.setdefault(loc.file, (len(files), loc.file_size))
         offset = None if index.offset is None else list(index.offset)
-        items.append([index.fqn, offset, index.index, files[loc.file], loc.entry, loc.nbytes])
+        items.append([index.fqn, offset, index.index, number, loc.entry, loc.nbytes])
     doc = {
         "format": SCHEMA,
         "version": SCHEMA_VERSION,
@@ -130,7 +127,7 @@ def encode_metadata(metadata: Metadata, attempt: str) -> bytes:
         "attempt": attempt,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "library": f"asyncckpt {__version__}",
-        "files": [[name, size] for name, size in zip(files, sizes)],
+        "files": [[name, size] for name, (_, size) in files.items()],
         "state_dict_metadata": [
             [fqn, _encode_storage(fqn, md)] for fqn, md in metadata.state_dict_metadata.items()
         ],

@@ -4,12 +4,7 @@
 (naming its key path) and replaces every tensor and numpy array by a reference into a table.
 ``unflatten`` is its inverse over already-materialized tensors and arrays; it validates every
 node, so a manifest that passed its checksum but is malformed still fails with FormatError.
-
-Node encoding (also in docs/FORMAT.md): JSON ``null``/``true``/``false``/string/integer stand
-for themselves; every other value is a one-key object: ``{"float": hex}``, ``{"bytes": b64}``,
-``{"list": [...]}``, ``{"tuple": [...]}``, ``{"dict": [[k, v], ...]}``,
-``{"odict": [[k, v], ...], "metadata": node}``, ``{"size": [...]}``, ``{"dtype": name}``,
-``{"device": str}``, ``{"tensor": index}``, ``{"ndarray": index}``.
+Node encoding: docs/FORMAT.md §6.
 """
 
 from __future__ import annotations
