@@ -1,17 +1,14 @@
 """``compression="auto"``: what a process learns about its storage and its encoders.
 
-The save thread measures the seconds it spends in ``out.write`` and in the commit per stored
-byte (on the CPU or blocked in I/O; not its waits for a busy core, which are the CPU's
-doing, not the storage's), per storage target (a local device, a bucket, a URL's top
-directory), remembered for the process's later saves; encoder threads measure the CPU
-seconds they spend regrouping and compressing per raw byte; and each save measures how many
-cores the rest of the machine left idle (:func:`asyncckpt._cpu.spare_cores`).
-:func:`choose_planes` turns those into a choice per byte plane: compress
-where the store is the bottleneck and the CPU has room, write raw where training needs the
-cores. Until a target has been measured its bandwidth is assumed: ``auto_prior_local_mb_s``
-(fast) for a local disk, so a training job's first saves do not compress for nothing;
-``auto_prior_write_mb_s`` (low) for object stores, network filesystems and the rest, where
-bytes cost more than CPU: a process starts by compressing there, and learns.
+Measured, and remembered for the process's later saves: per storage target (a local device,
+a bucket, a URL's top directory), the save thread's seconds in ``out.write`` and the commit
+per stored byte (not its waits for a busy core: those are the CPU's doing); the encoders'
+CPU seconds per raw byte regrouped and compressed; and each save's idle cores
+(:func:`asyncckpt._cpu.spare_cores`). :func:`choose_planes` turns those into a choice per
+byte plane: compress where the store is the bottleneck and the CPU has room. An unmeasured
+target is assumed fast if a local disk (``auto_prior_local_mb_s``: a job's first saves do
+not compress for nothing), else slow (``auto_prior_write_mb_s``: bytes cost more than CPU
+there; a process starts by compressing, and learns).
 
 Example:
     >>> from asyncckpt._settings import Settings
@@ -42,8 +39,7 @@ class Rates:
     """The speeds that :func:`choose_planes` weighs, in seconds per byte.
 
     Attributes:
-        write_s: storage: seconds to write and commit one stored byte (as measured: see the
-            module docstring).
+        write_s: storage: seconds to write and commit one stored byte.
         compress_s: one encoder thread: CPU seconds to compress one byte of a plane.
         group_s: one encoder thread: CPU seconds to regroup one byte of a chunk into planes.
         threads: encoder threads working in parallel.

@@ -64,11 +64,10 @@ def read_file(
 ) -> T:
     """Open ``path``, run ``work`` on it, close it; start over if it is replaced meanwhile.
 
-    On local disk and ``memory://`` the opened version stays readable however often the
-    file is replaced, so ``work`` runs once. On an object store a read of a replaced object
-    fails (``If-Match``), and the whole of ``work`` runs again on the new object, at most
-    :data:`REPLACED_ATTEMPTS` times in all; ``budget`` (the one ``work`` charges, if any) is
-    given back what an abandoned attempt charged. Returns what ``work`` returns.
+    On an object store a read of a replaced object fails (``If-Match``) and ``work`` runs
+    again on the new object, at most :data:`REPLACED_ATTEMPTS` times in all (a local file
+    stays readable once opened); ``budget`` (the one ``work`` charges, if any) is given
+    back what an abandoned attempt charged.
 
     Raises:
         FileReplacedError: the file was replaced during every attempt.
@@ -164,14 +163,10 @@ def materialize(
     keys: Collection[Any] | None = None,
 ) -> Any:
     """Read what was saved (all of it, the top-level ``keys``, or all but the entries
-    ``skip``) and rebuild it, tensors placed per ``placement``, read with the load's
-    ``settings`` (its ``threads``, and ``pin_budget_bytes``: the pinned-memory budget).
-    Returns the saved object (with ``keys``, the dict of those keys).
-
-    A whole load reads (and verifies) every storage of the file; a partial one (``skip``,
-    ``keys``, or an ``into`` dict that lacks some top-level subtree of a saved dict) only
-    the storages of the entries it returns: the others' chunks are never fetched, unless
-    an entry read shares their storage.
+    ``skip``) and rebuild it, tensors placed per ``placement``, with the load's
+    ``settings``. Returns the saved object (with ``keys``, the dict of those keys). A
+    partial load (``skip``, ``keys``, or an ``into`` dict that lacks some top-level subtree
+    of a saved dict) fetches only the storages of the entries it returns.
 
     Args:
         into: optional existing state (e.g. ``model.state_dict()``); each saved tensor whose
@@ -181,8 +176,7 @@ def materialize(
             as it was. If both ``into`` and the saved object are dicts (and no
             ``keys``), only the top-level subtrees ``into`` has are read, and the top-level
             values holding no tensor or array: the others are left out of the result.
-        budget: charged with every storage read (all are read into fresh buffers) before
-            any is allocated.
+        budget: charged with every storage read, before any is allocated.
         skip: indices into the file's tensor table not to read; they come back as None
             (a sharded version's DTensor pieces, loaded by the caller).
         replaced: key paths whose values the caller puts in place itself: never loaded

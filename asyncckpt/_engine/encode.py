@@ -1,15 +1,13 @@
 """Encode a snapshot into one file: chunks compressed in parallel, written in order.
 
-Runs on the background save thread. Chunks are compressed and checksummed by a pool of
-threads while the save thread writes finished chunks to storage, so compression overlaps
-I/O; at most ``inflight_chunks`` encoded chunks wait in memory at once.
+Runs on the background save thread, which writes finished chunks while a pool of threads
+compresses and checksums the next ones (at most ``inflight_chunks`` wait in memory).
 
 The writer may start before the snapshot is complete (see ``snapshot.snapshot``'s
 ``on_layout``): each chunk is handed to the encoders only once its bytes have landed in the
-arena, and if the copy fails the file is aborted (the target is left untouched).
-
-With ``compression="auto"`` the writer also times its writes and its encoders, and
-:mod:`asyncckpt._engine.autocompress` chooses per byte plane from what was measured.
+arena, and if the copy fails the file is aborted (the target is left untouched). With
+``compression="auto"`` it also times its writes and encoders, for
+:mod:`asyncckpt._engine.autocompress`.
 
 Nothing here imports torch: the writer process runs this module without it (see
 :mod:`asyncckpt._engine.writer_process`), reading staged bytes through :class:`StagedBytes`.

@@ -1,10 +1,7 @@
 """The writer process's side of a background write, and what the two sides exchange.
 
-:mod:`asyncckpt._engine.writer_process` starts the child and sends it jobs; the child runs
-:func:`serve` (started by that module's ``_CHILD_MAIN``): it maps the arenas it is sent and
-runs :func:`asyncckpt._engine.encode.write_snapshot` for each :class:`WriteJob`, with the
-job's settings (never its own environment's ``ASYNCCKPT_*``), and answers with the file's
-size or the error. Nothing here imports torch.
+The child runs :func:`serve` (see :mod:`asyncckpt._engine.writer_process`), each
+:class:`WriteJob` with the job's settings. Nothing here imports torch.
 """
 
 from __future__ import annotations

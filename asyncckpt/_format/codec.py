@@ -93,10 +93,8 @@ def check_compression(compression: str) -> str:
 class EncodeReport:
     """What encoding one chunk cost and found; :func:`encode_chunk` fills it in.
 
-    Times are CPU seconds of the encoding thread: what the encoding costs the machine,
-    whatever else runs beside it. Whether that CPU is idle or taken from training is
-    measured apart (:func:`asyncckpt._cpu.spare_cores`; ``spare_cores`` of the cost model's
-    rates, :mod:`asyncckpt._engine.autocompress`).
+    Times are CPU seconds of the encoding thread, whatever else runs beside it (whether
+    that CPU was idle is measured apart: :func:`asyncckpt._cpu.spare_cores`).
 
     Attributes:
         group_s: CPU seconds spent regrouping the chunk's bytes into planes.
