@@ -1,11 +1,10 @@
 """A CUDA load streamed through a bounded, reused pinned window.
 
 Reading a whole file into host memory before the first host-to-device copy holds the state
-twice (host and device) and serializes reading and copying. Here the storages bound for
-one CUDA device are read, in file order, into one half of a pinned window (each chunk
-checked as it is read), copied to the device asynchronously, and the other half is read
-meanwhile; a half is reused only once the event after its copies has happened. Host memory
-stays at the window (``pin_budget_bytes``); reads overlap copies.
+twice (host and device) and serializes reading and copying. Here storages bound for one
+CUDA device are read into one half of a pinned window (``pin_budget_bytes``) and copied to
+the device asynchronously while the other half is read; a half is reused only once the
+event after its copies has happened.
 
 Only fresh device tensors are filled this way: ``load(into=...)`` keeps reading every
 storage before touching the caller's tensors (a damaged chunk found late must not leave

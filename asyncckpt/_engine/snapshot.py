@@ -2,18 +2,13 @@
 
 The copy is the only part of a save the caller waits for, so it goes into an *arena*, a
 host buffer reused across saves (:mod:`asyncckpt._engine.arena`), not into fresh memory
-(the leak users report with other async checkpointers).
+(the leak users report with other async checkpointers). Storages shared by several tensors
+are copied once; device copies go through :class:`DeviceCopies` only.
 
-Storages shared by several tensors (tied weights, views) are copied once. Device copies go
-through the CUDA seam (:func:`asyncckpt._device.cuda`) in :class:`DeviceCopies` only.
-
-The copy and the write can run as a pipeline: :func:`snapshot` may hand the snapshot to a
-writer (``on_layout``) before copying, and the writer waits on :class:`CopyProgress` for each
-byte range it reads, so the first chunks go to storage while later tensors are still being
-copied. ``snapshot`` itself still returns only once every byte is in the arena. Chunks are
-announced one by one only for host copies on machines with ``pipeline_min_cpus`` CPUs; on
-fewer, the writer waits for the whole copy (encoders running beside it slow the copy down,
-which is what the caller waits for).
+A writer may follow the copy (``on_layout``), waiting on :class:`CopyProgress` for each byte
+range it reads. Pieces are announced one by one only for host copies on machines with
+``pipeline_min_cpus`` CPUs; on fewer, the writer waits for the whole copy (encoders running
+beside it slow the copy down, which is what the caller waits for).
 """
 
 from __future__ import annotations
@@ -207,11 +202,9 @@ class DeviceCopies:
     ``save`` call; then copies with ``non_blocking=True`` into pinned memory.
     ``record_stream`` keeps the caching allocator from reusing a source's memory before its
     copy ran, even if the caller frees it. :meth:`record` puts one event per device after
-    the copies: the caller's tensors are free once they happened (:meth:`wait_released`),
-    an in-place update waits on them on the device (:meth:`order_after`), and the host
-    waits for the bytes in the arena (:meth:`wait`) before it is read, released or handed
-    to a writer process. Host sources are a plain synchronous ``copy_``. A CUDA error in
-    any of these is raised as :class:`~asyncckpt.errors.DeviceCopyError` naming the device.
+    the copies, which the caller's tensors (:meth:`wait_released`, :meth:`order_after`)
+    and the arena's readers (:meth:`wait`) wait for. A CUDA error in any of these is raised
+    as :class:`~asyncckpt.errors.DeviceCopyError` naming the device.
 
     ``unlocked``: a new arena that is not page-locked yet (a process's first save). Each
     copy is then made in device memory first (at device speed), and :meth:`land` moves the

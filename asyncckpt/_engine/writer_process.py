@@ -89,10 +89,7 @@ class JobUnreadable(Exception):
 
 class WriterProcess:
     """A child process running background writes, one at a time, ``nice`` steps below the
-    calling process's main thread.
-
-    Use :func:`write` rather than this class: it starts the process and falls back to
-    threads where the child cannot write.
+    calling process's main thread; :func:`write` starts it and falls back to threads.
 
     Raises:
         WriterProcessError: the child could not be started.

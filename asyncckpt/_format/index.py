@@ -5,12 +5,8 @@ their chunks, where each chunk is stored) in a pickled ``.metadata`` file; loadi
 unpickles whatever is in it. Here the same information is a JSON document, written last
 as the commit point, and every field is type- and range-checked before anything is built
 from it. Functions here are pure (bytes in, objects out); the storage I/O lives in
-:mod:`asyncckpt.dcp.writer` and :mod:`asyncckpt._versions.dcp_reader`.
-
-The document (every key required unless marked optional) is specified in
-``docs/sharded.md`` ("Layout on storage"): the format and version, the attempt, the data
-files with their sizes, ``state_dict_metadata``, the items, ``planner_data`` and
-``storage_meta``; each item says where one stored piece lives (:class:`ItemLocation`).
+:mod:`asyncckpt.dcp.writer` and :mod:`asyncckpt._versions.dcp_reader`. The document is
+specified in ``docs/sharded.md`` ("Layout on storage").
 """
 
 from __future__ import annotations

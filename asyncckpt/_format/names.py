@@ -1,11 +1,4 @@
-"""The names of the files in a version's directory: one definition each.
-
-Plain versions, sharded versions and ``asyncckpt.dcp`` checkpoints name their data files
-``r<rank>-<token>.ackpt`` (:func:`data_file_name`); a sharded version's index is
-``r<writer rank>-<attempt>.metadata`` (:func:`metadata_file_name`) or, in an
-``asyncckpt.dcp`` directory (and sharded versions of older asyncckpt versions), the fixed
-:data:`METADATA_NAME`. Pure: no I/O.
-"""
+"""The names of the files in a version's directory: one definition each. Pure: no I/O."""
 
 from __future__ import annotations
 
@@ -31,8 +24,7 @@ _METADATA_FILE: Final = re.compile(r"r[0-9]{5,9}-[0-9a-f]{32}\.metadata")
 
 def data_file_name(rank: int, token: str) -> str:
     """The name of ``rank``'s data file, unique to one writer (``token``: 12 hex digits) or
-    one save attempt (32 hex digits). The one definition: plain and sharded versions and
-    ``asyncckpt.dcp`` name their data files with it.
+    one save attempt (32 hex digits), in plain and sharded versions and ``asyncckpt.dcp``.
 
     Raises:
         ValueError: ``rank`` or ``token`` would give a name :func:`is_data_file_name` refuses.
