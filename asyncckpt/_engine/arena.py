@@ -69,10 +69,10 @@ class ArenaPool:
 
         ``shared``: the buffer must be in shared memory (see :func:`shared_region`), for a
         writer process to read; a free buffer of the other kind is replaced. ``pin``: the
-        CUDA device the buffer must be page-locked for (the copies come from there); None
-        for host-only snapshots. A buffer that is too small is replaced by one at least
-        :data:`GROWTH` times its size, so that a state growing a little at each save does
-        not reallocate (and re-register) on every one. ``lock_later``: a buffer allocated
+        CUDA device the buffer must be page-locked for; None for host-only snapshots. A
+        buffer that is too small is replaced by one at least :data:`GROWTH` times its size,
+        so that a state growing a little at each save does not reallocate (and re-register)
+        on every one. ``lock_later``: a buffer allocated
         for ``pin`` is neither faulted in nor page-locked yet (the caller does it with
         :func:`page_lock`, off the save's path); ignored once a late page-lock has failed.
 
@@ -424,19 +424,12 @@ def _fault_range(region: mmap.mmap, start: int, length: int) -> None:
 
 @dataclass(frozen=True)
 class SharedRegion:
-    """An arena in shared memory: another process maps ``fd`` to read what was staged.
+    """An arena in shared memory: another process maps ``fd`` to read what was staged."""
 
-    Attributes:
-        ident: unique in this process, for as long as the arena lives.
-        fd: the memfd holding the arena's pages (closed when the arena is freed).
-        size: the mapping's length in bytes.
-        address: the arena's first byte in this process.
-    """
-
-    ident: int
-    fd: int
-    size: int
-    address: int
+    ident: int  # unique in this process, for as long as the arena lives
+    fd: int  # the memfd holding the arena's pages (closed when the arena is freed)
+    size: int  # bytes
+    address: int  # the arena's first byte in this process
 
 
 _shared_lock = threading.Lock()

@@ -249,10 +249,9 @@ def for_write(
     threads: int,
     spare_cores: float | None = None,
 ) -> AutoRun:
-    """The chooser and meter for one write with ``compression="auto"`` to ``path`` of
-    ``storage`` (together they name the storage target): an :class:`AutoRun` sharing what
-    the process learned about the target so far. ``spare_cores``: the cores the rest of the machine
-    left idle when the save started (:func:`asyncckpt._cpu.spare_cores`; None: unknown).
+    """The chooser and meter for one ``compression="auto"`` write to ``path`` of
+    ``storage``, sharing what the process learned about that storage target so far.
+    ``spare_cores``: :func:`asyncckpt._cpu.spare_cores` when the save started (None: unknown).
     """
     global _encoders
     key = storage.target(path)

@@ -234,8 +234,7 @@ def materialize(
             budget.charge(opened.name, nbytes, "its storages")
         window = settings.pin_budget_bytes
         streamed = stream_to_device(opened, placement, to_stream, settings.threads, window)
-    # Read into fresh buffers, never into `into` itself: a chunk found damaged late must
-    # not leave the caller's tensors half overwritten.
+    # Into fresh buffers, never into `into` itself (see the module docstring).
     raw = read_storages(
         opened,
         settings.threads,

@@ -21,13 +21,8 @@ __all__ = ["Selection", "for_into", "referenced", "select", "top_level"]
 
 @dataclass(frozen=True)
 class Selection:
-    """A pruned root node and the table entries it refers to.
-
-    Attributes:
-        root: the manifest's root with only the selected top-level pairs.
-        tensors: indices into the file's tensor table that the pruned root refers to.
-        arrays: indices into the file's array table that it refers to.
-    """
+    """The manifest's root with only the selected top-level pairs, and the indices into
+    the file's tensor and array tables that it refers to."""
 
     root: Any
     tensors: frozenset[int]

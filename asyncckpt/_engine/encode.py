@@ -334,8 +334,7 @@ def _encode_all(
     while the training thread runs Python; a model's hundreds of biases and norms paid that
     per tensor.
 
-    ``ready`` and ``copied`` follow a copy still going on (see :func:`_slices` and
-    :func:`_batches`); ``auto`` chooses planes for ``compression="auto"``.
+    ``ready``, ``copied``: see :func:`_slices` and :func:`_batches`.
     """
     workers = pool("encode", options.threads, options.settings.writer_nice)
     window: collections.deque[Future[list[_Encoded]]] = collections.deque()

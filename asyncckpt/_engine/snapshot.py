@@ -599,12 +599,9 @@ def _copy_piece(
 
 
 def _resolved(t: torch.Tensor) -> torch.Tensor:
-    # Lazy conjugate/negative bits are not part of the storage bytes; materialize them.
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    return t
+    # Lazy conjugate/negative bits are not part of the storage bytes; materialize them
+    # (each resolve returns ``t`` itself where its bit is not set).
+    return t.resolve_conj().resolve_neg()
 
 
 def codec_hint(dtype: torch.dtype) -> tuple[int, bool]:

@@ -389,11 +389,9 @@ def write(
 ) -> int:
     """``write_snapshot``, in the writer process when ``writer_processes`` asks for it.
 
-    Falls back to this process's threads (with a warning once per reason) where the child
-    cannot write: see the module docstring. The arguments and the result are
-    ``write_snapshot``'s; the copy into ``snap`` must be complete before the child reads
-    it, so this waits for it (a pipelined copy is not followed chunk by chunk), and
-    ``guard`` is pickled for the writer process (a drop-in save's marker check).
+    Arguments and result are ``write_snapshot``'s; falls back to threads where the child
+    cannot write (see the module docstring). Waits for the copy into ``snap`` to end: the
+    child does not follow a pipelined copy.
 
     Raises:
         WriterProcessError: the writer process died during the write, or could not start.

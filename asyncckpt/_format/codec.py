@@ -167,10 +167,7 @@ def _encode_planes(
     raw: memoryview, itemsize: int, level: int, choose: PlaneChooser, report: EncodeReport
 ) -> memoryview | None:
     """Group bytes by position, then compress the chosen planes, each alone: the payload, or
-    None when no plane was chosen (then nothing was regrouped).
-
-    Separate frames let each plane (sign/exponent bytes, noisy mantissa bytes) get its own
-    entropy tables; a plane that is not chosen, or does not shrink, is stored raw.
+    None when no plane was chosen (then nothing was regrouped). See docs/FORMAT.md §8.3.
 
     The planes are grouped into the payload's own buffer, behind room for the plane table,
     and the payload is compacted in place: only frames, and raw planes behind a frame, are

@@ -33,10 +33,8 @@ MAX_CHUNK_BYTES: Final = 1 << 30
 MAX_DEPTH: Final = 128
 #: Most dimensions a tensor or array may have.
 MAX_NDIM: Final = 64
-#: Most raw bytes a chunk may claim per stored byte. zstd's best case is a 128 KiB block
-#: stored as a 3-byte header and one repeated byte; a chunk claiming more cannot be
-#: genuine. With every chunk in exactly one storage, it bounds the whole decoded size:
-#: Σ nbytes ≤ MAX_EXPANSION × (bytes of the file's chunks).
+#: Most raw bytes a chunk may claim per stored byte (zstd's best case: a 128 KiB block
+#: stored as a 3-byte header and one repeated byte); see docs/FORMAT.md §12.
 MAX_EXPANSION: Final = 32_768
 
 CHECKSUM: Final = "crc32"

@@ -439,8 +439,7 @@ class _Unflattener:
     def size(self, value: Any, path: str) -> torch.Size:
         if type(value) is not list or not all(type(v) is int for v in value):
             raise self.fail(path, "expected a list of integers")
-        # torch.Size holds Python ints of any size, but one past int64 breaks its repr and
-        # every use of it: refuse it here, naming the entry.
+        # One past int64 breaks torch.Size's repr and every use of it: refuse it, named.
         for n in value:
             if not _INT64_MIN <= n <= _INT64_MAX:
                 raise self.fail(path, f"torch.Size entry {n} is outside int64")
