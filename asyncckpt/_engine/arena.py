@@ -4,10 +4,9 @@ writer process.
 Fresh memory would cost page faults on every save and grow the process, so a save copies
 into an *arena* leased from an :class:`ArenaPool` and given back once its write is done. At
 most ``max_inflight`` arenas exist; a save that finds none free waits for the oldest pending
-write to finish, which bounds host memory to ``max_inflight`` x the state size. New arenas
-are faulted in before use, on every usable CPU, except a new shared arena for host data:
-the first copy into it fills it (:func:`fill`). With ``writer_processes=1`` an arena is a
-memfd mapping (:class:`SharedRegion`) that the writer process maps too.
+write to finish, which bounds host memory to ``max_inflight`` x the state size. With
+``writer_processes=1`` an arena is a memfd mapping (:class:`SharedRegion`) that the writer
+process maps too.
 """
 
 from __future__ import annotations

@@ -98,11 +98,9 @@ def choose_planes(
     """Which planes of one chunk ``compression="auto"`` compresses (a pure function).
 
     ``ratios`` are each plane's estimated stored/raw fraction, ``previous`` whether it was
-    compressed last time. A plane is compressed when the write time of the bytes it saves
-    exceeds the encode time it costs on the cores the encoders may use
-    (:attr:`Rates.parallel`), i.e. when it saves more than
-    ``rates.break_even(len(ratios))`` of its bytes. To stay put on noisy rates, a plane's
-    choice flips only when the other side wins by ``margin`` (a fraction: 0.25 is 25 %). A
+    compressed last time. A plane is compressed when it saves more than
+    :meth:`Rates.break_even` of its bytes. To stay put on noisy rates, a plane's choice
+    flips only when the other side wins by ``margin`` (a fraction: 0.25 is 25 %). A
     plane kept whole by the probe (over :data:`INCOMPRESSIBLE`) is never compressed; one
     that shrinks to ``always`` or less always is, whatever the rates (its bytes saved
     dominate). An unknown ratio (None) keeps the previous choice.

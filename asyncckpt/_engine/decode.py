@@ -142,7 +142,6 @@ def read_storages(
 def _within_budget(
     storages: Sequence[StorageEntry], wanted: Sequence[bool], budget: int
 ) -> list[bool]:
-    """Pin the storages that want it, in order, while the budget lasts."""
     pins = []
     for entry, want in zip(storages, wanted):
         pin = want and entry.nbytes <= budget
@@ -305,8 +304,7 @@ def check_overlap(opened: OpenedFile, into: Any, targets: dict[str, torch.Tensor
     matches no key path and would otherwise load nothing into the model, silently.
 
     Raises:
-        ValueError: no tensor of the file has a key path that holds a tensor in ``into``;
-            names the file and both sides' top-level keys.
+        ValueError: naming the file and both sides' top-level keys.
     """
     saved = [entry.key for entry in opened.manifest.tensors]
     if not saved or any(key in targets for key in saved):

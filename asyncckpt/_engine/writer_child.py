@@ -7,7 +7,9 @@ The child runs :func:`serve` (see :mod:`asyncckpt._engine.writer_process`), each
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import mmap
 import os
 import pickle
 import signal
@@ -208,8 +210,6 @@ def _portable(exc: BaseException) -> tuple[list[bytes | None], str, str]:
 
 
 def _mapped(fd: int, size: int) -> memoryview:
-    import mmap
-
     try:
         region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     finally:
@@ -225,8 +225,6 @@ def _staged(ref: StagedRef, arenas: dict[int, memoryview]) -> _ChildStaged:
 def _die_with(parent: int) -> None:
     """Ask Linux to kill this process when the caller's process ends; exit if it has."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

@@ -68,8 +68,7 @@ log = logging.getLogger(__name__)
 #: The child's entry point: lower its priority before anything starts a thread (threads,
 #: such as a BLAS pool started at import, inherit it), then import the writer as a module
 #: of this very package (``PYTHONPATH`` leads with its directory, see
-#: :func:`_child_environ`). ``import asyncckpt`` does not import torch, so the child pays
-#: only for what a write needs.
+#: :func:`_child_environ`).
 _CHILD_MAIN = """
 import os, sys
 try:
@@ -303,9 +302,9 @@ def shares_arenas(settings: Settings) -> bool:
 
 def start(settings: Settings) -> Future[WriterProcess]:
     """Start the writer process if none is running; return it (as a future: it may still
-    be starting). A dedicated thread starts it: on Linux the child's death signal follows
-    the thread that started it, which must live as long as the process. The child runs the
-    ``writer_nice`` of ``settings`` (the save's that needs it) below the caller's main thread.
+    be starting), with the ``writer_nice`` of ``settings``. A dedicated thread starts it: on
+    Linux the child's death signal follows the thread that started it, which must live as
+    long as the process.
 
     Example:
         >>> process = start(Settings()).result()

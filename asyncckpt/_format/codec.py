@@ -12,6 +12,7 @@ releases the GIL while it works.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 from collections.abc import Callable, Sequence
@@ -242,13 +243,11 @@ def compress_frames(
         [True, True]
     """
     batch = getattr(cctx, "multi_compress_to_buffer", None)
-    if batch is None or len(parts) < 2 or not all(len(p) for p in parts):  # it refuses empties
-        return [cctx.compress(p) for p in parts]
-    try:
-        frames = batch(list(parts), threads=1)
-    except NotImplementedError:  # the cffi backend declares the method but lacks it
-        return [cctx.compress(p) for p in parts]
-    return [memoryview(frames[i]) for i in range(len(frames))]  # each keeps the batch alive
+    if batch is not None and len(parts) > 1 and all(len(p) for p in parts):  # it refuses empties
+        with contextlib.suppress(NotImplementedError):  # cffi declares the method, lacks it
+            frames = batch(list(parts), threads=1)
+            return [memoryview(frames[i]) for i in range(len(frames))]  # views keep it alive
+    return [cctx.compress(p) for p in parts]
 
 
 #: Planes longer than this are probed on a sample before being compressed whole.
