@@ -74,10 +74,10 @@ from asyncckpt._format.index import ItemLocation, saved_path, tied_names
 from asyncckpt._format.tree import Path, dtype_name, empty_of, flatten, torch_dtype
 from asyncckpt._settings import Settings
 from asyncckpt._storage import Storage
-from asyncckpt._versions.dcp_reader import Reader, open_data_file, size_error
+from asyncckpt._versions.dcp_reader import open_data_file, size_error
 from asyncckpt._versions.protocol import SHARDED, CommitRecord
-from asyncckpt._versions.sharded_reading import rank_file_name, substituted
-from asyncckpt.errors import CheckpointNotFoundError, FormatError, IncompleteCheckpointError
+from asyncckpt._versions.sharded_reading import rank_file_name, substituted, version_metadata
+from asyncckpt.errors import FormatError
 
 __all__ = [
     "ShardedSource",
@@ -118,26 +118,16 @@ class ShardedSource:
         commit: CommitRecord | None,
         settings: Settings,
     ) -> ShardedSource:
-        """Open the checkpoint in ``directory`` (a sharded version's step directory, or an
-        ``asyncckpt.dcp`` one), reading with ``settings`` (the entry point's).
-
-        With ``commit`` (a sharded ``Checkpointer`` version's) rank 0's plain values (step,
-        RNG, ...) are read from its file into the skeleton. Without it (a ``dcp.Writer``
-        directory) the skeleton is built from the metadata's key paths, and DCP's bytes
-        items (non-tensor values, ``torch.save`` bytes) are unpickled with
-        ``weights_only=True``. The source keeps the rank files it reads open, pinned, until
-        :meth:`close` (it is a context manager).
+        """Open the checkpoint in ``directory`` (a sharded version's, ``commit``'s, or an
+        ``asyncckpt.dcp`` one). Rank 0's plain values come from its file; without ``commit``
+        the skeleton is built from the metadata's key paths. Rank files stay open, pinned,
+        until :meth:`close`.
 
         Raises:
             IncompleteCheckpointError: no metadata (not committed).
             FormatError: the metadata or a rank file is malformed.
         """
-        metadata_file = None if commit is None else commit.metadata_file
-        reader = Reader.at(storage, directory, settings, metadata_file)
-        try:
-            metadata = reader.read_metadata()
-        except CheckpointNotFoundError as exc:
-            raise IncompleteCheckpointError(str(exc)) from exc
+        _, metadata = version_metadata(storage, directory, commit, settings)
         src = cls(storage, directory, metadata, None, storage.describe(directory), settings)
         placeholders: dict[Path, torch.Tensor] = {}
         for names in tied_names(metadata):

@@ -46,6 +46,7 @@ from asyncckpt._format.tree import (
     torch_dtype,
 )
 from asyncckpt._settings import Settings
+from asyncckpt._storage import Storage
 from asyncckpt._versions.dcp_reader import Reader, open_data_file
 from asyncckpt._versions.protocol import CommitRecord, step_dir
 from asyncckpt._versions.reading import LoadRequest, RootReader
@@ -80,7 +81,8 @@ def read_sharded(
         MemoryBudgetError: the version needs more than the budget (nothing allocated).
     """
     keys, settings, into = request.keys, request.settings, request.into
-    directory, dcp_reader, metadata = _version(reader, commit, budget, settings)
+    directory = step_dir(reader.storage, reader.root, commit.step)
+    dcp_reader, metadata = version_metadata(reader.storage, directory, commit, settings, budget)
     dtensors = {path: dt for path, _key, dt in dtensor_leaves(into) if _kept(path, keys)}
     if dtensors and not request.collective:
         raise ValueError(
@@ -113,17 +115,27 @@ def read_sharded(
     return substituted(plain, loaded, opened.name)
 
 
-def _version(
-    reader: RootReader, commit: CommitRecord, budget: Budget | None, settings: Settings
-) -> tuple[str, Reader, Metadata]:
-    """The step directory of ``commit``, a reader of it, and the metadata it names."""
-    storage = reader.storage
-    directory = step_dir(storage, reader.root, commit.step)
-    dcp_reader = Reader.at(storage, directory, settings, commit.metadata_file, budget)
+def version_metadata(
+    storage: Storage,
+    directory: str,
+    commit: CommitRecord | None,
+    settings: Settings,
+    budget: Budget | None = None,
+) -> tuple[Reader, Metadata]:
+    """A reader of the sharded checkpoint in ``directory`` (the version ``commit`` describes,
+    or, without it, an ``asyncckpt.dcp`` directory) and its metadata.
+
+    Raises:
+        IncompleteCheckpointError: no metadata: not committed, or (a version) deleted since
+            its ``COMMIT`` was read (``load()`` tells how).
+    """
+    metadata_file = None if commit is None else commit.metadata_file
+    reader = Reader.at(storage, directory, settings, metadata_file, budget)
     try:
-        return directory, dcp_reader, dcp_reader.read_metadata()
-    except CheckpointNotFoundError as exc:  # deleted meanwhile (load() tells how)
-        raise IncompleteCheckpointError(f"{exc}; the version was deleted") from exc
+        return reader, reader.read_metadata()
+    except CheckpointNotFoundError as exc:
+        deleted = "" if commit is None else "; the version was deleted"
+        raise IncompleteCheckpointError(f"{exc}{deleted}") from exc
 
 
 def _dcp_load(state: dict[str, Any], reader: Reader, group: Any, no_dist: bool) -> None:
@@ -209,26 +221,22 @@ def rank_file(
     reader: RootReader, rank: int, commit: CommitRecord, directory: str, metadata: Metadata
 ) -> tuple[OpenedFile, set[int]]:
     """This rank's file of the version (:func:`rank_file_name`), opened (the caller closes
-    it) and checked against its committed size; with the entries of its tensor table that
-    are shards of DTensors."""
+    it), with the entries of its tensor table that are shards of DTensors."""
     name, size = rank_file_name(commit, rank, f"{reader.where} step {commit.step}")
     opened = open_data_file(reader.storage, directory, name, size)
     return opened, {loc.entry for loc in metadata.storage_data.values() if loc.file == name}
 
 
 def rank_file_name(commit: CommitRecord, rank: int, where: str) -> tuple[str, int | None]:
-    """The name and committed size of rank ``rank``'s file of the version ``commit``
-    describes, or of the lowest rank's if it has no file of ``rank`` (it was saved by fewer
-    ranks).
+    """The name and committed size of rank ``rank``'s file of ``commit``'s version, or of
+    the lowest rank's if it was saved by fewer ranks.
 
     Raises:
         FormatError: the ``COMMIT`` names no rank file (``where`` names the version).
     """
-    by_rank = {}
-    for name, size in zip(commit.files, commit.sizes or [None] * len(commit.files)):
-        saved_by = rank_of_data_file(name)
-        if saved_by is not None:
-            by_rank[saved_by] = (name, size)
+    sizes = commit.sizes or [None] * len(commit.files)
+    files = [(rank_of_data_file(name), name, size) for name, size in zip(commit.files, sizes)]
+    by_rank = {saved_by: (name, size) for saved_by, name, size in files if saved_by is not None}
     if not by_rank:
         raise FormatError(f"{where}: the COMMIT names no rank file")
     return by_rank[rank if rank in by_rank else min(by_rank)]
@@ -282,7 +290,8 @@ class LazyShardedVersion(LazyEntries):
 
     def __init__(self, reader: RootReader, commit: CommitRecord, request: LoadRequest) -> None:
         self._reader, self._commit, self._request = reader, commit, request
-        directory, _dcp_reader, metadata = _version(reader, commit, None, request.settings)
+        directory = step_dir(reader.storage, reader.root, commit.step)
+        _, metadata = version_metadata(reader.storage, directory, commit, request.settings)
         opened, shards = rank_file(reader, request.rank, commit, directory, metadata)
         with opened:
             pairs = top_level(opened.manifest.root, opened.name)
