@@ -1,12 +1,8 @@
 """``Checkpointer``: versioned, multi-rank checkpoints under one root.
 
-Replaces "save on rank 0, ``dist.barrier()``, load with ``map_location``": the writer rank
-saves in the background; ``load`` on any rank returns only committed versions, placed on the
-loading rank's own device, and no rank sits in a collective while a write is in progress
-(the one collective, a broadcast of a step number, happens before any waiting). One class:
-where it stands (root, rank, open or closed), its versions as a whole (which are committed,
-their metadata, the best by a metric, rewinding), saving, loading and its lifetime; the
-retention rules are :mod:`asyncckpt._versions.retention`.
+Replaces "save on rank 0, ``dist.barrier()``, load with ``map_location``": no rank sits in a
+collective while a write is in progress (the one collective, a broadcast of a step number,
+happens before any waiting).
 """
 
 from __future__ import annotations
@@ -278,12 +274,10 @@ class Checkpointer:
 
     def _newest_expected(self) -> int | None:
         pending = [h.target for h in jobs.tracked(self) if not h.failed() and not h.cancelled()]
-        committed = self.latest()
-        candidates = [s for s in [*pending, committed] if s is not None]
-        return max(candidates) if candidates else None
+        return max((s for s in [*pending, self.latest()] if s is not None), default=None)
 
     def _chosen(self, step: int | None) -> int | None:
-        """``step``, or the newest one (on the writer, its own pending saves included)."""
+        """``step``, or the newest (on the writer, its own pending saves included)."""
         if step is None and self.is_writer:
             return self._newest_expected()
         return step if step is not None else self.latest()
@@ -293,10 +287,7 @@ class Checkpointer:
     ) -> None:
         """Wait for this process's own save of ``step``, then (if ``poll``) for storage.
 
-        Without ``poll`` the step is known to be committed already (or to be this
-        process's own save); if retention removes it meanwhile, the read moves on.
-        ``writer``: the token of the writer whose save is awaited (a collective load's
-        writer rank), else the current lease holder's.
+        ``writer``: the token of the writer whose save is awaited (None: the lease holder's).
         """
         if self.is_writer:
             mine = [h for h in jobs.tracked(self) if h.target == step and not h.cancelled()]
@@ -336,7 +327,6 @@ class Checkpointer:
         return LazyCheckpoint(self._reader.open(target), placement, self._settings)
 
     def _load_request(self, placement: Placement, **how: Any) -> LoadRequest:
-        """A load of this root by this process (its rank, its group, its settings)."""
         return LoadRequest(placement, self._settings, group=self._group, rank=self.rank, **how)
 
     def info(self, step: int | None = None) -> VersionInfo:
@@ -366,18 +356,10 @@ class Checkpointer:
             what = "nothing is" if target is None else f"step {target} is not"
             raise CheckpointNotFoundError(f"{what} committed under {self.root}")
         size = sum(commit.sizes) if commit.sizes else None
-        return VersionInfo(
-            target,
-            commit.time,
-            size,
-            dict(commit.metrics),
-            commit.kind,
-            commit.files,
-            commit.writer,
-        )
+        fields = (commit.time, size, dict(commit.metrics), commit.kind, commit.files, commit.writer)
+        return VersionInfo(target, *fields)
 
     def _committed(self) -> list[StepEntry]:
-        """The committed versions with their commit records, ascending."""
         reader = self._reader
         return [StepEntry(s, COMMITTED, commit=reader.commit_of(s)) for s in reader.versions()]
 
@@ -487,19 +469,15 @@ class Checkpointer:
         """Snapshot ``state`` and write it as version ``step`` in the background.
 
         On ranks other than ``writer_rank`` this copies nothing and returns a completed
-        handle, so every rank can run the same code. On the writer rank, the background job
-        starts as soon as the host arena is leased, while the copy goes on: the first save of
-        a Checkpointer takes the root's writer lease, then each chunk of the data file is
-        written once its bytes have landed (on machines with ``pipeline_min_cpus`` CPUs; on
-        fewer, once the whole copy has). ``save`` itself returns once the copy is complete.
-        A copy that fails midway is raised here and leaves nothing under the root for
-        ``step``.
+        handle, so every rank can run the same code. On the writer rank, the write follows
+        the copy chunk by chunk (with ``pipeline_min_cpus`` CPUs; on fewer, it starts once
+        the whole copy has landed); ``save`` returns once the copy is complete. A copy that
+        fails midway is raised here and leaves nothing under the root for ``step``.
 
-        A state holding ``DTensor``s (FSDP2, TP) is saved *sharded* instead, and ``save``
-        must then be called on every rank: each rank snapshots and writes its own shards and
-        plain values, and the writer rank commits once every rank's file is durable
-        (see :mod:`asyncckpt._api.sharded_save`). Its first sharded save broadcasts a token from
-        the writer rank (once per Checkpointer); nothing else is collective.
+        A state holding ``DTensor``s (FSDP2, TP) is saved *sharded*: call ``save`` on every
+        rank; each writes its own shards and plain values, and the writer rank commits once
+        every rank's file is durable (see :mod:`asyncckpt._api.sharded_save`). The first
+        sharded save broadcasts a token from the writer rank; nothing else is collective.
 
         Args:
             step: a non-negative int, greater than every step saved before under this root.
@@ -559,16 +537,9 @@ class Checkpointer:
         return handle
 
     def _check_ranked_metrics(self, step: int, metrics: Metrics) -> None:
-        """Refuse ``metrics`` that lack a metric retention ranks by when no committed version
-        has it either (a typo in ``best_metric`` would rank nothing, and retention would
-        delete the real best version). On every rank, before any collective.
-
-        Reads the committed versions' records only when ``metrics`` lack the metric and no
-        earlier save of this Checkpointer had it.
-
-        Raises:
-            UnknownMetricError: names the metric and the metrics there are.
-        """
+        """Refuse ``metrics`` that lack a ranked metric no committed version has either (a
+        typo in ``best_metric`` would rank nothing, and retention would delete the real best
+        version). On every rank, before any collective; reads the records only once."""
         for metric in self.retention.ranked_metrics():
             if not metrics or metric in metrics or metric in self._metrics_seen:
                 continue
@@ -579,40 +550,23 @@ class Checkpointer:
 
     def _part(self, step: int, attempt: str, plan: sharded.RankState | None) -> RankPart:
         """This rank's part of version ``step``: the one file, or its shards' file."""
-        options = write_options(self.compression, self._settings)
-        directory = step_dir(self._storage, self._root, step)
+        storage, options = self._storage, write_options(self.compression, self._settings)
         if plan is None:
-            path = self._storage.join(directory, data_file_name(self.rank, attempt))
-            return PlainPart(self._storage, path, step, options)
-        group = self._group
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        timeout = group_timeout(group) if rank == self.writer_rank else 0.0
-        pieces = sharded.pieces_of(plan)
-        job = RankJob(
-            self._storage,
-            self._root,
-            step,
-            attempt,
-            rank,
-            world,
-            None,
-            pieces,
-            options,
-            self._settings,
-            timeout=timeout,
-        )
+            directory = step_dir(storage, self._root, step)
+            path = storage.join(directory, data_file_name(self.rank, attempt))
+            return PlainPart(storage, path, step, options)
+        world = dist.get_world_size(self._group)
+        timeout = group_timeout(self._group) if self.is_writer else 0.0
+        args = (storage, self._root, step, attempt, self.rank, world, None, sharded.pieces_of(plan))
+        job = RankJob(*args, options, self._settings, timeout=timeout)
         job.start_beat()  # before the copy: see _versions.ranks._ProgressWatch
         return job
 
     def _stage_and_write(
         self, part: RankPart, staged: Any, started: float, metrics: Metrics
     ) -> tuple[Snapshot, SaveHandle]:
-        """Stage ``staged`` while this rank's job already writes (the pipelined save).
-
-        The job starts once the arena is leased: the first save's lease and recovery, then
-        the write, overlap the copy. With overlap=True too: the writer then waits until
-        every device copy is queued and, per chunk, for the copies' events.
-        """
+        """Stage ``staged`` while this rank's job already writes (the pipelined save): the
+        first save's lease and recovery, then the write, overlap the copy."""
         options = part.options
         rank_job = part if isinstance(part, RankJob) else None
 
@@ -653,13 +607,10 @@ class Checkpointer:
 
         The first save of a process otherwise allocates and faults in its host arena while
         the caller waits, several times as long as the copy itself. Call this once the state
-        exists in full (after the first optimizer step: Adam creates its moments then); saves
-        reuse the arena. A save that starts before the reservation is done waits for it
-        instead of allocating a second arena. Nothing under the root changes.
-
-        Where ``save`` copies nothing, neither does this: a plain state (or a size) is
-        reserved on the writer rank only; a state holding DTensors reserves this rank's own
-        shards, on every rank.
+        exists in full (after the first optimizer step: Adam creates its moments then); a
+        save that starts before the reservation is done waits for it. Where ``save`` copies
+        nothing, neither does this (a plain state is reserved on the writer rank only, a
+        state holding DTensors on every rank). Nothing under the root changes.
 
         Args:
             state_or_nbytes: the state to be saved (its exact arena size is computed;
@@ -754,8 +705,7 @@ class Checkpointer:
         if self._last_step is None:  # the first save: continue from what is committed
             self._last_step = self._reader.latest()
         # After reading the newest: a step committed meanwhile is a conflict, not a step
-        # that went backwards.
-        # Both name rewind: going back to an earlier step after a loss spike is routine.
+        # that went backwards. Both name rewind: after a loss spike, going back is routine.
         if read_commit(self._storage, self._root, step) is not None:
             raise ConflictError(
                 f"step {step} is already committed under {self.root}: steps only increase; "
@@ -785,21 +735,17 @@ class Checkpointer:
         """Load a committed version; with a process group, every rank gets the same one.
 
         With ``torch.distributed`` initialized (and ``collective`` not False) this is a
-        collective call: the ranks exchange the step each asked for and the writer rank's
-        choice (``step``, or the newest it has saved or committed) in one ``all_gather``,
-        then each rank waits until that step is committed (the writer on its own save,
-        others by polling storage) and reads it. If the writer fails to choose, or the ranks
-        asked for different steps, every rank raises. Without a group, ``load()`` on the
-        writer also waits for its own pending saves and returns the newest; elsewhere it
-        returns the newest committed version at once, and moves on to the newest one if
-        retention deletes it mid-read. Loading never changes anything under the root.
+        collective call: one ``all_gather`` agrees on the writer rank's choice (``step``, or
+        the newest it has saved or committed), then every rank waits until that step is
+        committed and reads it; if the writer fails to choose, or the ranks asked for
+        different steps, every rank raises. Without a group, ``load()`` on the writer also
+        waits for its own pending saves; elsewhere it returns the newest committed version
+        at once, moving on to the newest if retention deletes it mid-read. Loading never
+        changes anything under the root.
 
-        A sharded version (saved from DTensors) loads in two ways: with DTensors in
-        ``into`` (``get_state_dict`` of the current model, any sharding or world size),
-        collectively and in place, with this rank's own plain values (rank 0's if the
-        version was saved by fewer ranks); without, as the consolidated full state (every
-        tensor whole, rank 0's plain values, or this rank's own in a group). See
-        :mod:`asyncckpt._versions.sharded_reading`.
+        A sharded version (saved from DTensors) loads collectively in place into DTensors in
+        ``into`` (any sharding or world size), or without them as the consolidated full
+        state. See :mod:`asyncckpt._versions.sharded_reading`.
 
         Args:
             step: the step to load; None loads the newest.
@@ -882,9 +828,8 @@ class Checkpointer:
                 self._agreed = (target, announce_loaded(self._group))
 
     def _spared(self) -> int | None:
-        """The step a collective load may still be reading (retention spares it): the one
-        the ranks last agreed on, until every rank has announced it has finished reading it
-        (a resumed version is not kept for the rest of the job)."""
+        """The step a collective load may still be reading (retention spares it), until every
+        rank has announced it has finished (a resumed version is not kept for ever)."""
         step, done = self._agreed
         if step is None or (done is not None and done.is_completed()):
             return None
