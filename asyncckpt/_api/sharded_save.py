@@ -21,13 +21,7 @@ from typing import Any, Final
 import torch
 import torch.distributed as dist
 
-from asyncckpt._format.tree import (
-    Path,
-    dtensor_leaves,
-    dtype_name,
-    flatten,
-    fqn_of,
-)
+from asyncckpt._format.tree import Path, dtensor_leaves, dtype_name, flatten, fqn_of
 from asyncckpt._versions.rank_records import Piece
 from asyncckpt.errors import UnsupportedObjectError
 

@@ -55,21 +55,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from asyncckpt._convert.safetensors import flat_bytes, safetensors_dtype, safetensors_header
 from asyncckpt._device import Placement
-from asyncckpt._engine.decode import (
-    OpenedFile,
-    check_devices,
-    materialize,
-    read_storages,
-)
+from asyncckpt._engine.decode import OpenedFile, check_devices, materialize, read_storages
 from asyncckpt._engine.encode import WriteOptions, write_chunks, write_manifest
 from asyncckpt._engine.snapshot import StagedStorage, codec_hint
-from asyncckpt._format.container import (
-    ArrayEntry,
-    Chunk,
-    StorageEntry,
-    TensorEntry,
-    encode_header,
-)
+from asyncckpt._format.container import ArrayEntry, Chunk, StorageEntry, TensorEntry, encode_header
 from asyncckpt._format.index import ItemLocation, saved_path, tied_names
 from asyncckpt._format.tree import Path, dtype_name, empty_of, flatten, torch_dtype
 from asyncckpt._settings import Settings
@@ -112,11 +101,7 @@ class ShardedSource:
 
     @classmethod
     def open(
-        cls,
-        storage: Storage,
-        directory: str,
-        commit: CommitRecord | None,
-        settings: Settings,
+        cls, storage: Storage, directory: str, commit: CommitRecord | None, settings: Settings
     ) -> ShardedSource:
         """Open the checkpoint in ``directory`` (a sharded version's, ``commit``'s, or an
         ``asyncckpt.dcp`` one). Rank 0's plain values come from its file; without ``commit``

@@ -395,9 +395,7 @@ class RetentionPolicy:
 
 
 def policy_from(
-    keywords: Mapping[str, Any],
-    rules: Sequence[RetentionRule] = (),
-    spell: Spell = str,
+    keywords: Mapping[str, Any], rules: Sequence[RetentionRule] = (), spell: Spell = str
 ) -> RetentionPolicy:
     """The policy that keyword names describe: the one place they become rules.
 
