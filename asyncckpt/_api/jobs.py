@@ -137,13 +137,7 @@ class SaveHandle(Future[SaveInfo]):
         (True, False)
     """
 
-    def __init__(
-        self,
-        path: str,
-        stats: SaveStats,
-        owner: Any = None,
-        target: Any = None,
-    ) -> None:
+    def __init__(self, path: str, stats: SaveStats, owner: Any = None, target: Any = None) -> None:
         super().__init__()
         self.path = path
         self.owner = owner
@@ -235,8 +229,7 @@ class SaveHandle(Future[SaveInfo]):
         return exc
 
     def _failure(self, timeout: float | None = None) -> BaseException | None:
-        """Wait for the end and return the failure (None if written or cancelled), without
-        counting as observing it (the tracker, the exit hook and tests use it)."""
+        """Wait for the end; the failure (None if written or cancelled), not observed."""
         try:
             return super().exception(timeout)
         except CancelledError:
@@ -397,8 +390,7 @@ def in_flight(owner: Any = ANY) -> list[InFlight]:
 
 
 def running_job() -> SaveHandle | None:
-    """The handle of the save whose job runs on this thread; None elsewhere. The job
-    reports its progress on it (``_note_written``, ``_committing``)."""
+    """The handle of the save whose job runs on this thread (for its progress), else None."""
     handle: SaveHandle | None = getattr(_running, "handle", None)
     return handle
 
@@ -457,13 +449,10 @@ def submit(
 ) -> SaveHandle:
     """Run ``job`` (which returns the bytes written) on the save thread; return its handle.
 
-    ``job`` must release its snapshot's arena; ``target`` is what the save writes, so loads
-    of it wait for the save; ``nice`` is the save thread's niceness below the caller
-    (``writer_nice``), fixed when the process's first save creates it; ``owner`` whose save
-    it is (None: the module-level API); ``on_cancel`` undoes what the caller prepared for
-    ``job`` (frees its arena) if the handle is cancelled before ``job`` starts (None: it
-    cannot be cancelled); ``copying``: the caller is still copying the state (it clears
-    ``handle._copying`` once done).
+    ``job`` must release its snapshot's arena. ``nice`` (``writer_nice``) is fixed when the
+    process's first save creates the save thread. ``on_cancel`` frees what the caller
+    prepared for ``job`` if the handle is cancelled before ``job`` starts (None: it cannot
+    be cancelled); with ``copying``, the caller clears ``handle._copying`` once done.
     """
     stats = SaveStats(time.perf_counter() - started, raw_bytes)
     handle = SaveHandle(label, stats, owner, target)
@@ -517,25 +506,17 @@ def stage_and_submit(
 ) -> tuple[Snapshot, SaveHandle]:
     """Snapshot a state while its background job already runs: the pipelined save.
 
-    ``copy(on_layout)`` stages the state (``lambda on_layout: stage(obj, overlap,
-    on_layout)``); ``on_layout`` submits ``job`` as soon as the arena is leased, so the job
-    (a writer reading through ``Snapshot.wait_staged``, as ``write_snapshot`` does) follows
-    the copy chunk by chunk where there are cores for it (``pipeline_min_cpus``), and the
-    time until durable is the longer of copy and write, not their sum. This returns only
-    once the copy is complete, as ``stage`` does.
-
-    The arena is released after the job, and never before the copy has ended: a job that
-    fails early (a refused lease, a full disk) must not lend the arena to another save while
-    the copy still writes into it. The job may release it sooner once it has read every byte.
-    The handle settles only once the caller's blocking time is recorded. The other
-    arguments are :func:`submit`'s; ``on_cancel`` is what else to undo (the arena is freed
-    in any case). Returns the snapshot (complete) and the save's handle.
+    ``copy(on_layout)`` stages the state; ``on_layout`` submits ``job`` as soon as the arena
+    is leased, so the job follows the copy chunk by chunk (``Snapshot.wait_staged``) and the
+    time until durable is the longer of copy and write, not their sum. Returns once the copy
+    is complete. The arena is never released before the copy has ended: a job that fails
+    early (a refused lease, a full disk) must not lend it to another save while the copy
+    still writes into it. The other arguments are :func:`submit`'s.
 
     Raises:
-        Exception: whatever ``copy`` raised. If the copy failed after the job started, the
-            job's own failure (the aborted write) is swallowed: the copy's error is the one
-            the caller sees, here, once; a job that writes into a versioned root must leave
-            no trace of the step (see ``Snapshot.copy_error``).
+        Exception: whatever ``copy`` raised, here, once: the job's own failure (the aborted
+            write) is then swallowed, and a versioned job leaves no trace of the step (see
+            ``Snapshot.copy_error``).
 
     Example:
         >>> import torch, tempfile, os, time
@@ -619,15 +600,11 @@ _EXIT_TORCH_QUIET_S = 2.0
 def _finish_at_exit() -> None:
     """Wait for pending saves; report every failure nobody observed, and fail the exit.
 
-    Before the interpreter finalizes, the library's threads and torch.distributed's native
-    worker threads are let finish what they hold (``workers.wait_idle``,
-    ``workers.wait_torch_threads_quiet``): either, dropping a tensor during finalization,
-    aborts the process.
-
-    A failed checkpoint must not look like a successful run: the failures go to stderr
-    (the library's logger has no handler by default) and the process exits with status 1.
-    ``atexit`` cannot change the exit status, so after printing, the remaining exit hooks
-    run here and the process ends with ``os._exit(1)``.
+    The library's and torch.distributed's worker threads are let finish first: dropping a
+    tensor during finalization aborts the process. A failed checkpoint must not look like a
+    successful run, and ``atexit`` cannot change the exit status: after printing to stderr
+    (the logger has no handler by default), the remaining exit hooks run here, then
+    ``os._exit(1)``.
     """
     waiting = pending()
     if waiting:

@@ -1,11 +1,8 @@
 """A load of a committed version, executed down the layers: plain or sharded as its
 ``COMMIT`` says, following the newest version when retention deletes the one being read.
 
-The entry point (``Checkpointer.load``) chooses the step, waits for it and plans the load
-once (:class:`~asyncckpt._versions.reading.LoadRequest`); this module reads it through the
-root's reading side (:mod:`~asyncckpt._versions.reading` for a plain version,
-:mod:`~asyncckpt._versions.sharded_reading` for a sharded one), which read through the
-engine. Nothing calls back up.
+``Checkpointer.load`` chooses the step, waits for it and plans the load
+(:class:`~asyncckpt._versions.reading.LoadRequest`); nothing here calls back up.
 """
 
 from __future__ import annotations
@@ -37,18 +34,7 @@ def load(reader: RootReader, step: int, commit: CommitRecord | None, request: Lo
     newest one, at most :data:`FOLLOW_ATTEMPTS` times in all; a load of a given step raises.
 
     ``commit`` is ``step``'s marker, or None if it was retired since it was chosen. Each
-    attempt has the request's whole budget. Returns the saved state (after a move, the
-    newer version's).
-
-    Raises:
-        ValueError: DTensors in ``into`` and a version that is not sharded, or a load that
-            is not collective.
-        MissingKeyError: a key of ``request.keys`` is not in the version.
-        IncompleteCheckpointError: the version was deleted while it was read and the load
-            does not follow (or nothing newer is committed, or the newest was deleted too,
-            :data:`FOLLOW_ATTEMPTS` times); or a file its ``COMMIT`` names is missing.
-        ChecksumError, FormatError: a damaged or truncated file.
-        MemoryBudgetError: the version needs more than ``request.max_bytes``.
+    attempt has the request's whole budget. Raises what ``Checkpointer.load`` documents.
 
     Example:
         >>> import tempfile
@@ -93,8 +79,7 @@ def load(reader: RootReader, step: int, commit: CommitRecord | None, request: Lo
 def _is_dcp_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is torch DCP's ``CheckpointException`` (a sharded read's failure).
 
-    Asked of the module only once it is imported: before that no DCP load ran, so nothing
-    raised it, and importing it to ask would cost every plain load its import.
+    Asked only once the module is imported: importing it to ask would cost every plain load.
 
     Example:
         >>> _is_dcp_failure(ValueError("x"))

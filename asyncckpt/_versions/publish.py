@@ -1,14 +1,10 @@
 """The one commit path of a version, for a world of one rank or of many.
 
-Every version is written the same way: plan (which rank writes what) -> stage (the copy
-into host memory, pipelined with the write) -> each rank writes its file -> the writer rank
-commits once every rank's file is durable. A plain version is the case of one rank with
-nothing to wait for. What differs between the two is a :class:`RankPart`: how this rank's
-file is written, and what the writer gathers from the other ranks before the commit
-(nothing for a plain version; their completion records and the version's index for a
-sharded one, see :mod:`asyncckpt._api.sharded_save`). The rest exists once, here: the
-writer lease, racer detection, clean-up after a failed copy, the ``FAILED`` marker,
-fencing and retention.
+Plan -> stage (pipelined with the write) -> each rank writes its file -> the writer rank
+commits once every rank's file is durable; a plain version is one rank with nothing to
+wait for. What differs is a :class:`RankPart` (how this rank's file is written, what the
+writer gathers before the commit); the lease, racer detection, clean-up after a failed
+copy, the ``FAILED`` marker, fencing and retention exist once, here.
 """
 
 from __future__ import annotations
@@ -91,13 +87,8 @@ def write_and_commit(
     on_written: Callable[[], None] | None = None,
 ) -> int:
     """The writer rank's job of a save: lease (first save only), write, gather, commit,
-    retention.
-
-    Runs while ``snap`` is still being copied; the caller frees the arena if this fails.
-    ``policy`` None keeps every version; ``spare`` is asked, when retention runs, for the
-    step a collective load may still read (retention spares it); ``metrics`` (checked) are
-    recorded in the ``COMMIT``; ``on_written`` is called once every file is durable, as
-    the commit starts. Returns the size of this rank's file.
+    retention; runs while ``snap`` is still being copied. ``spare`` is asked, when retention
+    runs, for the step a collective load may still read. Returns this rank's file's size.
 
     Raises:
         FencedError: another writer took the root over (no marker is left in it).
