@@ -1,24 +1,13 @@
 """Consolidate a sharded checkpoint offline, one tensor at a time.
 
-A sharded checkpoint (a sharded ``Checkpointer`` version, ``ROOT/<step>/``, or a directory
-written by :class:`asyncckpt.dcp.Writer`) stores each tensor as chunks spread over the
-ranks' files, indexed by its JSON ``.metadata``. :class:`ShardedSource` turns it into one
-whole state without ever holding more than one whole tensor:
-
-* :attr:`ShardedSource.skeleton` is the saved state with every sharded tensor replaced by
-  a zero-element *placeholder* tensor (rank 0's plain values, such as the step and RNG
-  state, are real); selecting a part (``--key``) and laying out an output file happen on
-  the skeleton, so they cost nothing.
-* :meth:`ShardedSource.full` builds one placeholder's tensor: it allocates the whole
-  tensor, reads (verifying every CRC-32) only that tensor's chunks from the rank files, one
-  chunk storage at a time, copies each into place and drops it.
-
-Writers that stream (:func:`write_ackpt_stream`, and
-:func:`~asyncckpt._convert.safetensors.stream_safetensors` given :meth:`ShardedSource.full`)
-ask for the tensors in file order and drop each once its bytes are out, so peak memory is the
-largest tensor plus the chunk buffers of one read and the writer's in-flight chunks, not
-the checkpoint. ``torch.save`` pickles one object, so :func:`materialize_all` builds the
-whole state for it; that output is the exception, documented in ``docs/sharded.md``.
+A sharded checkpoint (a sharded ``Checkpointer`` version, or an :class:`asyncckpt.dcp.Writer`
+directory) spreads each tensor's chunks over the ranks' files. :attr:`ShardedSource.skeleton`
+is the saved state with each sharded tensor a zero-element *placeholder* (selecting a part
+and laying out an output cost nothing); :meth:`ShardedSource.full` builds one whole tensor
+from only its chunks. Writers that stream ask for the tensors in file order and drop each
+once written, so peak memory is the largest tensor plus in-flight chunks, not the
+checkpoint; ``torch.save`` output (:func:`materialize_all`) is the exception
+(``docs/sharded.md``).
 
 Example:
     >>> import os, tempfile, torch, warnings

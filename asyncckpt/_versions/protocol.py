@@ -1,26 +1,9 @@
 """The versioned-root protocol: records, the version file, the writer lease, retention.
 
-Layout of a checkpoint root (specified, with its guarantees, in ``docs/PROTOCOL.md``)::
-
-    ROOT/VERSION                       the version file: newest published step, writer epoch
-    ROOT/_lease/<epoch>                one per writer that ever took the root; the highest is
-                                       the current writer, which rewrites it as a heartbeat
-    ROOT/<step>/r00000-<token>.ackpt   data files, one per writing rank, unique per attempt
-    ROOT/<step>/r00000-<token>.metadata  sharded versions only: DCP-style JSON index of the
-                                       shards, named by the save's attempt (older roots:
-                                       ``.metadata``); ``COMMIT`` names it
-    ROOT/<step>/r00000-<token>.done    sharded versions only: rank 0's completion record
-    ROOT/<step>/COMMIT                 commit record: names the data files and their sizes
-    ROOT/<step>/FAILED                 written (best effort) when an uncommitted save failed;
-                                       it records the writer and epoch of that attempt
-
-A version exists for readers once its ``COMMIT`` marker does; the marker is created with an
-exclusive create after every data file is durable, and the version file is moved forward
-after that with a compare-and-swap (:meth:`Storage.replace_if`) on the value this writer
-last read, so a writer that lost the lease can never move it. What may be deleted is decided
-in one place, :func:`asyncckpt._versions.retention.deletion_plan`, from one listing,
-:func:`list_steps`. Everything here is a function of a :class:`Storage` and a root path;
-the roles that use it are :mod:`asyncckpt._versions.reading` and :mod:`asyncckpt._versions.writing`.
+The layout of a root and its guarantees: ``docs/PROTOCOL.md`` §1-§3. A version exists for
+readers once its ``COMMIT`` marker does (an exclusive create after every data file is
+durable); the version file then moves forward by a compare-and-swap
+(:meth:`Storage.replace_if`), so a writer that lost the lease can never move it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Retention: which versions of a root may be deleted, decided in one place.
 
-A *rule* (:class:`RetentionRule`; :data:`RULES`: :class:`KeepLast`, :class:`KeepBest`,
-:class:`KeepEvery`, :class:`KeepFor`, :class:`KeepTotal`) says which committed versions it
-keeps; a :class:`RetentionPolicy` keeps what any of its rules keeps. :func:`policy_from`
-builds one from keyword names: the one place behind the ``Checkpointer`` keywords,
-``asyncckpt gc``'s flags and the Hugging Face mapping.
-
-:func:`deletion_plan` is the one rule that applies a policy to a
-:func:`~asyncckpt._versions.protocol.list_steps` listing, with the protocol's own guarantees on
-top. The writer's retention and recovery (:mod:`asyncckpt._versions.writing`) and
-``asyncckpt gc`` delete exactly what it returns; see docs/PROTOCOL.md §5.
+A :class:`RetentionPolicy` keeps what any of its rules (:data:`RULES`) keeps;
+:func:`policy_from` builds one from keyword names, the one place behind the ``Checkpointer``
+keywords, ``asyncckpt gc``'s flags and the Hugging Face mapping. :func:`deletion_plan`
+applies it, with the protocol's own guarantees on top (docs/PROTOCOL.md §5).
 """
 
 from __future__ import annotations
@@ -462,28 +456,11 @@ def deletion_plan(
     *,
     good: int | None,
 ) -> list[StepEntry]:
-    """The one rule for which step directories may be deleted.
-
-    Pure function of a :func:`~asyncckpt._versions.protocol.list_steps` listing; the
-    writer's retention and recovery and ``asyncckpt gc`` all delete exactly what it returns
-    (see docs/PROTOCOL.md §5):
-
-    * nothing at all when ``pinned`` is None (no version file, or one that cannot be
-      understood: what is newest is unknown);
-    * never ``pinned`` (the version file's step), nor anything newer (a save in
-      progress), nor a step in ``spare`` (one a slower rank may still be reading);
-    * never ``good``, the newest committed step whose files verify
-      (:func:`~asyncckpt._versions.protocol.newest_good`), whatever ``pinned`` is: a
-      version file naming a step that is gone (a ``rewind`` killed after its first
-      deletion) or damaged must not make the version readers fall back to go;
-    * never an :data:`UNREADABLE` step: it may be a version this asyncckpt cannot read;
-    * a committed step older than ``pinned`` that ``policy`` does not keep;
-    * an uncommitted step older than ``pinned``: a failed or interrupted save, which can
-      never commit, since steps only increase.
-
-    ``entries`` are the root's step directories, ascending; ``now`` is the time
-    ``keep_for`` counts from (None: now); ``good`` is required so that no caller can forget
-    it (None: no committed step verifies). Returns the entries to delete, ascending.
+    """The one rule for which step directories may be deleted (docs/PROTOCOL.md §5, "One
+    rule"): a pure function of a :func:`~asyncckpt._versions.protocol.list_steps` listing;
+    the writer's retention and recovery and ``asyncckpt gc`` all delete exactly what it
+    returns, ascending. ``good`` (:func:`~asyncckpt._versions.protocol.newest_good`) is
+    required so that no caller can forget it (None: no committed step verifies).
 
     Raises:
         UnknownMetricError: a rule ranks by a metric no committed version has, while some
