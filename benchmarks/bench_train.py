@@ -697,7 +697,7 @@ def apply_writer_variant(args: argparse.Namespace) -> None:
         return
     from asyncckpt._engine import encode as writer
 
-    encode = writer._encode_one
+    encode = writer.encode_chunk
     pause = args.pace_ms / 1000
 
     def paced(*a: Any) -> Any:
@@ -706,7 +706,7 @@ def apply_writer_variant(args: argparse.Namespace) -> None:
         finally:
             time.sleep(pause)  # hands the core back to training between chunks
 
-    writer._encode_one = paced  # type: ignore[assignment]
+    writer.encode_chunk = paced  # type: ignore[assignment]
 
 
 def main(argv: list[str] | None = None) -> int:
