@@ -744,8 +744,10 @@ class Checkpointer:
         changes anything under the root.
 
         A sharded version (saved from DTensors) loads collectively in place into DTensors in
-        ``into`` (any sharding or world size), or without them as the consolidated full
-        state. See :mod:`asyncckpt._versions.sharded_reading`.
+        ``into`` (any sharding or world size), with this rank's own plain values (rank 0's
+        if the version was saved by fewer ranks); without them, as the consolidated full
+        state (rank 0's plain values, or this rank's own in a group). See
+        :mod:`asyncckpt._versions.sharded_reading`.
 
         Args:
             step: the step to load; None loads the newest.
